@@ -1,0 +1,161 @@
+"""The Python API, which the CLI itself uses.
+
+    from fafo_cli import load
+    engine = load()                       # the embedded SmolLM2-135M-Instruct, or load("Qwen/Qwen2.5-0.5B-Instruct")
+    for step in engine.stream("Why is the sky blue?"):
+        print(step.text, end="", flush=True)
+    result = engine.complete([{"role": "user", "content": "Hi"}], max_tokens=64)
+    result.text, result.token_ids, result.stats.tokens_per_s
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from . import config as config_mod
+from . import hub
+from .decoders import DECODERS
+from .engine.events import Result, Step
+from .engine.model import Model
+from .engine.sampling import Sampling
+from .engine.session import Emitter, Request, Session
+from .errors import FafoError
+
+Prompt = str | Sequence[dict]
+# Settings that shape the loaded model; the others may change per request.
+LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle"}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FafoError("--device cuda: CUDA is not available on this machine (this torch build or driver has none)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise FafoError("--device mps: Apple's MPS backend is not available on this machine")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    # On CPUs with native bf16 (AVX512-BF16/AMX) half the bytes per step is a clear win; elsewhere it is emulated.
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def load(model: str | None = None, **settings) -> "Engine":
+    """Load a model (hub id, folder, .gguf; None: the embedded default) with config settings as keywords."""
+    config = config_mod.build(model=model, **settings)
+    return Engine.from_config(config)
+
+
+class Engine:
+    def __init__(self, model: Model, tokenizer, folder: Path, config: config_mod.Config):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.folder = folder
+        self.config = config
+        self.session = Session(model)
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
+
+    @classmethod
+    def from_config(cls, config: config_mod.Config) -> "Engine":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = hub.resolve(config.model, allow_pickle=config.allow_pickle,
+                             trust_remote_code=config.trust_remote_code)
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        try:
+            with hub.quiet_transformers():
+                tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+                hf_model = AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                    use_safetensors=None if config.allow_pickle else True)
+        except (OSError, ValueError) as e:
+            raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
+        hf_model.to(device).eval()
+        return cls(Model(hf_model), tokenizer, folder, config)
+
+    @property
+    def name(self) -> str:
+        return self.config.model or hub.EMBEDDED_NAME
+
+    def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""
+        config = config or self.config
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if config.system and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": config.system})
+        if config.chat_template and self.has_chat_template:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)
+            ids = list(encoded["input_ids"])
+        else:  # plain continuation of the text (the caller says so to the user)
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+            ids = self.tokenizer(text)["input_ids"]
+        if not ids:
+            raise FafoError("the prompt is empty")
+        return ids
+
+    def request_config(self, **overrides) -> config_mod.Config:
+        fixed = LOAD_KEYS & {k for k, v in overrides.items() if v is not None}
+        if fixed:
+            raise FafoError(f"'{sorted(fixed)[0]}' is fixed when the model is loaded; call load() again to change it")
+        config = config_mod.build(self.config, **overrides)
+        if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
+            config = replace(config, seed=secrets.randbits(31))
+        return config
+
+    def settings(self, config: config_mod.Config) -> dict:
+        return {**config.to_dict(), "model": self.name, "model_path": str(self.folder),
+                "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
+
+    def stream(self, prompt: Prompt, **overrides) -> Iterator[Step]:
+        """Generate an answer, yielding one Step per forward pass (the last one has `finish_reason`)."""
+        config = self.request_config(**overrides)
+        ids = self.encode(prompt, config)
+        context = self.model.max_context
+        if len(ids) >= context:
+            raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
+        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed)
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids)
+        emitter = Emitter(self.session, request, self.tokenizer)
+        try:
+            yield from DECODERS[config.method](self.session, request, emitter)
+        finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
+            self.session.rollback(min(len(self.session.ids), self.session.cache.length))
+
+    def complete(self, prompt: Prompt, **overrides) -> Result:
+        config = self.request_config(**overrides)
+        steps = list(self.stream(prompt, **{**overrides, "seed": config.seed}))
+        last = steps[-1]
+        token_ids = [t for step in steps for t in step.token_ids]
+        return Result("".join(s.text for s in steps), token_ids, last.stats, last.finish_reason,
+                      self.settings(config))
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next request prefills from scratch)."""
+        self.session.reset()
+
+
+def _stop_ids(generation_config, tokenizer) -> frozenset[int]:
+    """The model's generation_config decides, as in transformers; the tokenizer's eos is the fallback."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return frozenset([ids] if isinstance(ids, int) else ids or [])

@@ -1,0 +1,141 @@
+"""`fafo chat`: a multi-turn REPL over Engine.stream.
+
+The conversation is a list of messages; each turn sends all of it, and the engine prefills only the tokens
+its KV cache does not already hold (so a turn costs its own new tokens, not the whole history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from .api import Engine
+from .errors import FafoError
+from .ui import StreamView
+
+HELP = """Commands:
+  /help    this help
+  /reset   forget the conversation (and the cached keys and values)
+  /stats   totals for this session
+  /exit    leave (Ctrl-D too)
+Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\".
+Ctrl-C stops the current answer; the conversation stays."""
+
+
+@dataclass
+class Totals:
+    turns: int = 0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    steps: int = 0
+
+    def line(self) -> str:
+        speed = self.generated_tokens / self.decode_s if self.decode_s else 0.0
+        tau = self.generated_tokens / self.steps if self.steps else 0.0
+        return (f"{self.turns} turns · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
+                f"prompt tokens {self.prompt_tokens} ({self.cached_prompt_tokens} reused from the cache)")
+
+
+class Repl:
+    def __init__(self, engine: Engine, out: Console, err: Console):
+        self.engine, self.out, self.err = engine, out, err
+        self.messages: list[dict] = []
+        self.totals = Totals()
+        self.interactive = out.is_terminal
+
+    def _read(self) -> str | None:
+        """One user message (possibly multi-line); None at end of input."""
+        try:
+            line = input(">>> " if self.interactive else "")
+        except EOFError:
+            return None
+        if line.strip() == '"""':
+            lines = []
+            while True:
+                try:
+                    more = input("... " if self.interactive else "")
+                except EOFError:
+                    break
+                if more.strip() == '"""':
+                    break
+                lines.append(more)
+            return "\n".join(lines)
+        lines = [line]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            try:
+                lines.append(input("... " if self.interactive else ""))
+            except EOFError:
+                break
+        return "\n".join(lines)
+
+    def run(self) -> None:
+        if self.interactive:
+            self.out.print(f"[bold]{self.engine.name}[/] · {self.engine.config.method} · /help for commands, "
+                           "Ctrl-D to leave")
+        while True:
+            try:
+                text = self._read()
+            except KeyboardInterrupt:
+                self.out.print("\n(use /exit or Ctrl-D to leave)")
+                continue
+            if text is None:
+                if self.interactive:
+                    self.out.print()
+                return
+            if not text.strip():
+                continue
+            if text.strip().startswith("/"):
+                if self._command(text.strip()):
+                    return
+                continue
+            self._answer(text)
+
+    def _command(self, line: str) -> bool:
+        """Handle a /command; True means leave."""
+        name = line.split()[0].lower()
+        if name in ("/exit", "/quit", "/bye"):
+            return True
+        if name == "/help":
+            self.out.print(HELP, markup=False)
+        elif name == "/reset":
+            self.messages.clear()
+            self.engine.reset()
+            self.out.print("conversation cleared")
+        elif name == "/stats":
+            self.out.print(self.totals.line())
+        else:
+            self.err.print(f"unknown command {name} (try /help)", markup=False)
+        return False
+
+    def _answer(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+        view = StreamView(self.out, method=self.engine.config.method, live=self.interactive,
+                          show_footer=self.interactive)
+        stream = self.engine.stream(self.messages)
+        answer = []
+        try:
+            with view:
+                for step in stream:
+                    view.show(step)
+                    answer.append(step.text)
+        except KeyboardInterrupt:
+            stream.close()
+            self.out.print("[dim](stopped)[/]")
+        except FafoError as e:
+            self.messages.pop()
+            self.err.print(f"error: {e}. /reset starts a new conversation.", markup=False)
+            return
+        self.messages.append({"role": "assistant", "content": "".join(answer)})
+        if view.last:
+            stats = view.last.stats
+            t = self.totals
+            t.turns += 1
+            t.generated_tokens += stats.generated_tokens
+            t.decode_s += stats.decode_s + stats.ttft_s
+            t.prompt_tokens += stats.prompt_tokens
+            t.cached_prompt_tokens += stats.cached_prompt_tokens
+            t.steps += stats.steps

@@ -1,0 +1,249 @@
+"""The `fafo` command: pull, list, run, chat, config. Thin: parse flags, call the API, render events."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from . import config as config_mod
+from . import hub
+from .errors import FafoError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Lossless fast decoding for local LLMs (FAFO).")
+config_app = typer.Typer(no_args_is_help=True, help="Show or create the YAML configuration file.")
+app.add_typer(config_app, name="config")
+
+# Options shared by `run` and `chat`. None means "not given": the config file's value stands.
+ModelArg = Annotated[Optional[str], typer.Argument(
+    help="Hub id (org/name), local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+    show_default=False)]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config file.", show_default=False)]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Most tokens to generate.",
+                                                  show_default=False)]
+Temperature = Annotated[Optional[float], typer.Option(help="0 = greedy; above 0 samples.", show_default=False)]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", show_default=False)]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="Sample among the k likeliest (0 = off).",
+                                             show_default=False)]
+Seed = Annotated[Optional[int], typer.Option(help="Random seed for sampling.", show_default=False)]
+Dtype = Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16 | float16", show_default=False)]
+Device = Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | mps", show_default=False)]
+Method = Annotated[Optional[str], typer.Option(help=f"Decoding method: {' | '.join(config_mod.METHODS)}",
+                                               show_default=False)]
+System = Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)]
+ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template",
+                                                      help="Wrap the prompt in the model's chat template.",
+                                                      show_default=False)]
+TrustRemoteCode = Annotated[Optional[bool], typer.Option("--trust-remote-code", help="Allow a model repo's own "
+                                                         "Python code to run.", show_default=False)]
+AllowPickle = Annotated[Optional[bool], typer.Option("--allow-pickle", help="Allow pickle (.bin) weights, "
+                                                     "which can run code when loaded.", show_default=False)]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"fafo-cli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Show the version and exit.")] = False) -> None:
+    """Lossless fast decoding for local LLMs (FAFO)."""
+
+
+def _read_prompt(source: str) -> str:
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            raise FafoError(f"--prompt {source} is a folder, not a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FafoError(f"prompt file not found: {source}") from None
+        except UnicodeDecodeError:
+            raise FafoError(f"prompt file {source} is not UTF-8 text") from None
+        except OSError as e:
+            raise FafoError(f"cannot read prompt file {source}: {e.strerror}") from None
+    if not text.strip():
+        raise FafoError("the prompt is empty")
+    return text
+
+
+def _load(config: config_mod.Config, err_console):
+    from .api import Engine
+
+    if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
+        err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
+    engine = Engine.from_config(config)
+    if config.chat_template and not engine.has_chat_template:
+        print(f"note: {engine.name} has no chat template; the prompt is continued as plain text", file=sys.stderr)
+    return engine
+
+
+@app.command()
+def run(
+    model: ModelArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt file, or - for standard input.",
+                                        show_default=False)] = ...,
+    config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
+    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
+                                          "settings.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr even when stdout is not "
+                                          "a terminal.")] = False,
+) -> None:
+    """Generate one answer, streamed, with live statistics."""
+    from .ui import StreamView, consoles
+
+    text = _read_prompt(prompt)
+    settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
+                                  device=device, system=system, chat_template=chat_template,
+                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    out, err = consoles()
+    engine = _load(settings, err)
+    if as_json:
+        print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
+        return
+    request = engine.request_config()
+    live = out.is_terminal and not quiet
+    view = StreamView(out, method=request.method, live=live, show_footer=not quiet and (live or verbose),
+                      stats_console=out if live else err)
+    with view:
+        view.consume(engine.stream(text, seed=request.seed))
+
+
+@app.command()
+def chat(
+    model: ModelArg = None, config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
+    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
+) -> None:
+    """Multi-turn chat with the same live panel. /help lists the commands."""
+    from .chat import Repl
+    from .ui import consoles
+
+    settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
+                                  device=device, system=system, chat_template=chat_template,
+                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    out, err = consoles()
+    Repl(_load(settings, err), out, err).run()
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct.", show_default=False)],
+    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.", show_default=False)] = None,
+    allow_pickle: AllowPickle = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the path.")] = False,
+) -> None:
+    """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
+    folder = hub.pull(model, revision=revision, allow_pickle=bool(allow_pickle), quiet=quiet)
+    hub.check_folder(folder, allow_pickle=bool(allow_pickle), trust_remote_code=True)
+    print(folder)
+
+
+@app.command("list")
+def list_models(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
+) -> None:
+    """Models available offline: the Hugging Face cache and converted .gguf models."""
+    models = hub.cached_models()
+    if as_json:
+        print(json.dumps([m.to_dict() for m in models], indent=2))
+        return
+    from rich.table import Table
+
+    from .ui import consoles
+
+    out, _ = consoles()
+    if not models:
+        out.print("No cached models. `fafo pull ORG/NAME` downloads one; `fafo run` prepares the embedded default.")
+        return
+    table = Table("name", "size", "modified", box=None, header_style="bold")
+    table.add_column("path", overflow="fold")
+    for m in models:
+        table.add_row(m.name, f"{m.size_bytes / 1e6:,.0f} MB", m.modified.strftime("%Y-%m-%d %H:%M"), str(m.path))
+    out.print(table)
+
+
+@config_app.command("show")
+def config_show() -> None:
+    """Print the documented default configuration (a valid YAML file)."""
+    print(config_mod.default_yaml(), end="")
+
+
+@config_app.command("path")
+def config_path() -> None:
+    """Print where the user configuration file is read from."""
+    print(config_mod.user_config_path())
+
+
+@config_app.command("init")
+def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False) -> None:
+    """Write the documented default configuration to the user config path."""
+    path = config_mod.user_config_path()
+    if path.exists() and not force:
+        raise FafoError(f"{path} already exists (use --force to overwrite)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".yaml.partial")
+    partial.write_text(config_mod.default_yaml(), encoding="utf-8")
+    partial.replace(path)
+    print(path)
+
+
+def _one_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "invalid usage"
+
+
+def entrypoint(argv: list[str] | None = None) -> int:
+    """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
+    import torch
+
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="fafo", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except FafoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except typer.TyperException as e:  # bad usage: unknown option, wrong type, missing argument
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:  # bare `fafo` or `fafo config`
+            print(ctx.get_help())
+            return 0
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {_one_line(e.format_message())}{hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (torch.OutOfMemoryError, MemoryError):
+        print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if "alloc" in str(e) and "memory" in str(e):  # CPU allocator failures are plain RuntimeErrors
+            print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model",
+                  file=sys.stderr)
+            return 1
+        raise
+    except BrokenPipeError:  # `fafo run ... | head`
+        return 0

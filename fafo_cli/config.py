@@ -1,0 +1,152 @@
+"""One typed configuration: defaults < user config file < `--config FILE` < command-line flags.
+
+Each field's metadata (help, allowed values, range) is the single source for validation messages and for
+the documented default file that `fafo config show` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import FafoError
+
+METHODS = ("vanilla",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False):
+    return field(default=default, metadata=dict(help=help, choices=choices, low=low, high=high,
+                                                low_open=low_open, nullable=nullable))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = _opt(None, "hub id, local folder or .gguf file; empty: the embedded SmolLM2-135M-Instruct",
+                             nullable=True)
+    method: str = _opt("vanilla", "decoding method", choices=METHODS)
+    dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
+                      choices=DTYPES)
+    device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
+    max_tokens: int = _opt(512, "most tokens generated per answer", low=1)
+    temperature: float = _opt(0.0, "0 = greedy; above 0 samples", low=0.0, high=100.0)
+    top_p: float = _opt(1.0, "nucleus sampling: keep the smallest set of tokens with this much mass",
+                        low=0.0, high=1.0, low_open=True)
+    top_k: int = _opt(0, "sample among the k most likely tokens (0 = off)", low=0)
+    seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one, reported in --json)",
+                            nullable=True, low=0)
+    system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
+    chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
+    trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run")
+    allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(name: str, value: Any, spec) -> Any:
+    meta = spec.metadata
+    if value is None:
+        if meta["nullable"]:
+            return None
+        raise FafoError(f"config key '{name}' must not be empty")
+    kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise FafoError(f"config key '{name}' must be true or false (got {value!r})")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise FafoError(f"config key '{name}' must be an integer (got {value!r})")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise FafoError(f"config key '{name}' must be a number (got {value!r})")
+        value = float(value)
+    elif not isinstance(value, str):
+        raise FafoError(f"config key '{name}' must be text (got {value!r})")
+    if meta["choices"] and value not in meta["choices"]:
+        raise FafoError(f"config key '{name}' must be one of {', '.join(meta['choices'])} (got {value!r})")
+    low, high = meta["low"], meta["high"]
+    if low is not None and (value < low or (meta["low_open"] and value == low)):
+        bound = f"> {low}" if meta["low_open"] else f">= {low}"
+        raise FafoError(f"config key '{name}' must be {bound}" + (f" and <= {high}" if high is not None else "")
+                        + f" (got {value})")
+    if high is not None and value > high:
+        raise FafoError(f"config key '{name}' must be <= {high} (got {value})")
+    return value
+
+
+def build(base: Config | None = None, **changes: Any) -> Config:
+    """A validated Config; keys with value None in `changes` are left as they are (flag not given)."""
+    known = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(known)})")
+    given = {k: _check(k, v, known[k]) for k, v in changes.items() if v is not None}
+    return replace(base or Config(), **given)
+
+
+def user_config_path() -> Path:
+    root = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(root) / "fafo" / "config.yaml"
+
+
+def load_file(path: Path, base: Config | None = None) -> Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FafoError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise FafoError(f"config file {path} is not valid YAML{where}") from None
+    if data is None:
+        return base or Config()
+    if not isinstance(data, dict):
+        raise FafoError(f"config file {path} must be a mapping of keys to values")
+    # In a file an explicit null is a value (e.g. `seed:` to clear it), not "not given".
+    explicit_nulls = {k for k, v in data.items() if v is None}
+    try:
+        config = build(base, **{str(k): v for k, v in data.items()})
+    except FafoError as e:
+        raise FafoError(f"{path}: {e}") from None
+    known = {f.name: f for f in fields(Config)}
+    for key in explicit_nulls:
+        if not known[key].metadata["nullable"]:
+            raise FafoError(f"{path}: config key '{key}' must not be empty")
+        config = replace(config, **{key: None})
+    return config
+
+
+def resolve(config_file: str | None, **flags: Any) -> Config:
+    """The effective config: defaults, then the user's file (or `config_file`), then the flags."""
+    config = Config()
+    if config_file is not None:
+        config = load_file(Path(config_file), config)
+    elif user_config_path().is_file():
+        config = load_file(user_config_path(), config)
+    return build(config, **flags)
+
+
+def default_yaml() -> str:
+    """The documented default config file."""
+    lines = ["# fafo-cli configuration. Command-line flags override these values.",
+             f"# Location read when --config is not given: {user_config_path()}", ""]
+    for spec in fields(Config):
+        meta = spec.metadata
+        help = meta["help"]
+        if meta["choices"]:
+            help += f" [{' | '.join(meta['choices'])}]"
+        lines.append(f"# {help}")
+        value = spec.default if spec.default is not MISSING else None
+        lines.append(yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip())
+    return "\n".join(lines) + "\n"

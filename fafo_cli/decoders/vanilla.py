@@ -1,0 +1,22 @@
+"""Plain decoding: one token per forward pass. The speed reference for every other method."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..engine.events import Step
+from ..engine.sampling import next_token
+from ..engine.session import Emitter, Request, Session
+
+
+def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    generator = request.sampling.generator(session.model.device)
+    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens)
+    emitter.prefilled(reused)
+    while True:
+        token = next_token(logits, request.sampling, generator)
+        step = emitter.emit([token])
+        yield step
+        if step.finish_reason:
+            return
+        logits = session.step(token)

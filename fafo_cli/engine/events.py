@@ -1,0 +1,74 @@
+"""What the engine yields: one `Step` per forward pass that emitted tokens, with running `Stats`.
+
+The CLI, the live panel, the benchmark and the Python API all read these; nothing in the engine prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV was reused from the previous request
+    generated_tokens: int = 0
+    steps: int = 0  # forward passes of the full model that emitted tokens (the prefill pass included)
+    drafted_tokens: int = 0  # guessed tokens sent for verification (0 for plain decoding)
+    accepted_tokens: int = 0  # of those, accepted
+    accepted_ngrams: int = 0  # steps that accepted at least one guessed token
+    pool_keys: int | None = None  # n-gram pool size (None: the method has no pool)
+    pool_ngrams: int | None = None
+    prefill_s: float = 0.0  # time to prefill the uncached prompt tokens
+    ttft_s: float = 0.0  # request start to the first emitted token
+    decode_s: float = 0.0  # first emitted token to the last one
+    peak_memory_mb: float = 0.0
+    memory_kind: str = "rss"  # "rss" (process resident memory) or "cuda" (allocated device memory)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """τ: mean tokens emitted per forward pass."""
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first, over the time after the first (as mlx-lm and llama.cpp)."""
+        return (self.generated_tokens - 1) / self.decode_s if self.generated_tokens > 1 and self.decode_s else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        prefilled = self.prompt_tokens - self.cached_prompt_tokens
+        return prefilled / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted guessed tokens / drafted guessed tokens (None when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
+                    prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate)
+        return data
+
+
+@dataclass(frozen=True)
+class Step:
+    token_ids: tuple[int, ...]  # emitted by this step
+    text: str  # the text these tokens add (may lag a token behind for incomplete UTF-8)
+    stats: Stats  # running totals, a snapshot
+    accepted: int = 0  # guessed tokens accepted in this step
+    finish_reason: str | None = None  # "stop", "length", "context" on the last step
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+    finish_reason: str
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict(), "settings": self.settings}

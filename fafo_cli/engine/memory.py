@@ -1,0 +1,35 @@
+"""Peak memory of one request: device memory on CUDA, resident memory of the process elsewhere."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:  # not Linux: the process-lifetime peak is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda" if self.cuda else "rss"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        self.device = device
+        self.peak = 0
+        self.sample()
+
+    def sample(self) -> float:
+        """Record the current usage; return the peak so far in MB."""
+        now = torch.cuda.max_memory_allocated(self.device) if self.cuda else _rss_bytes()
+        self.peak = max(self.peak, now)
+        return self.peak / 2**20

@@ -1,0 +1,140 @@
+"""A model with its KV cache, kept across requests, and the bookkeeping every decoder shares.
+
+`Session` remembers which token ids its cache holds. A new request prefills only what differs from that
+(the longest common prefix is kept), which is how a chat turn costs only its new tokens, whatever the
+decoder. `Emitter` turns a decoder's accepted tokens into `Step` events: stop tokens, the token limit and
+the context limit are checked token by token, so nothing is emitted past them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from .detok import Detokenizer
+from .events import Stats, Step
+from .memory import PeakMemory
+from .model import Model, causal_attention, prefix_causal_mask
+from .sampling import Sampling
+
+PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+
+
+class Session:
+    def __init__(self, model: Model):
+        self.model = model
+        self.cache = model.new_cache()
+        self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.ids = []
+
+    def rollback(self, length: int) -> None:
+        self.cache.truncate(length)
+        del self.ids[length:]
+
+    def prefill(self, prompt_ids: list[int], reserve: int) -> tuple[torch.Tensor, int]:
+        """Bring the cache to `prompt_ids[:-1]` plus the last prompt token's logits; reserve slots beyond.
+
+        Returns (logits of the last prompt token, number of prompt tokens reused from the cache).
+        """
+        reused = 0
+        for cached, new in zip(self.ids, prompt_ids[:-1]):
+            if cached != new:
+                break
+            reused += 1
+        self.rollback(reused)
+        self.cache.reserve(min(self.model.max_context, len(prompt_ids) + reserve))
+        logits = None
+        for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
+            chunk = prompt_ids[start:start + PREFILL_CHUNK]
+            logits = self.forward(chunk, causal_attention(
+                prefix_causal_mask(start, len(chunk), self.model.device), self.model.scaling), last_only=True)
+            self.commit(chunk)
+        return logits[-1], reused
+
+    def forward(self, ids: list[int], attend, *, last_only: bool = False) -> torch.Tensor:
+        """One forward pass of `ids` placed right after the committed tokens (written, not committed)."""
+        device = self.model.device
+        start = self.cache.length
+        positions = torch.arange(start, start + len(ids), device=device)
+        rows = slice(-1, None) if last_only else None
+        return self.model.forward(torch.tensor(ids, device=device), positions, self.cache, attend, rows)
+
+    def commit(self, ids: list[int]) -> None:
+        self.cache.commit(len(ids))
+        self.ids.extend(ids)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Plain decoding: process one token, commit it, return the next token's logits."""
+        logits = self.forward([token], causal_attention(None, self.model.scaling))
+        self.commit([token])
+        return logits[-1]
+
+
+class Emitter:
+    """Per-request output: stop/limit checks, incremental text, statistics, Step events."""
+
+    def __init__(self, session: Session, request: Request, tokenizer):
+        self.request = request
+        self.context_left = session.model.max_context - len(request.prompt_ids)
+        self.detok = Detokenizer(tokenizer)
+        self.memory = PeakMemory(session.model.device)
+        self.stats = Stats(prompt_tokens=len(request.prompt_ids), memory_kind=self.memory.kind)
+        self.token_ids: list[int] = []
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finish_reason: str | None = None
+
+    def prefilled(self, reused: int) -> None:
+        self.stats.cached_prompt_tokens = reused
+        self.stats.prefill_s = time.perf_counter() - self.started
+
+    def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0) -> Step:
+        """Record one forward pass's output; tokens past a stop token or a limit are dropped."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            produced = len(self.token_ids) + len(kept)
+            if token in self.request.stop_ids:
+                self.finish_reason = "stop"
+            elif produced >= self.request.max_tokens:
+                self.finish_reason = "length"
+            elif produced >= self.context_left:
+                self.finish_reason = "context"
+            if self.finish_reason:
+                break
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.stats.ttft_s = now - self.started
+        self.token_ids.extend(kept)
+        stats = self.stats
+        stats.generated_tokens = len(self.token_ids)
+        stats.steps += 1
+        stats.drafted_tokens += drafted
+        accepted = min(accepted, len(kept) - 1)  # guesses cut by a stop or limit were not emitted
+        stats.accepted_tokens += accepted
+        stats.accepted_ngrams += accepted > 0
+        stats.decode_s = now - self.first_token_at
+        stats.peak_memory_mb = self.memory.sample()
+        visible = [t for t in kept if t not in self.request.stop_ids]
+        text = self.detok.add(visible)
+        if self.finish_reason:
+            text += self.detok.flush()
+        return Step(tuple(kept), text, replace(stats), accepted, self.finish_reason)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None

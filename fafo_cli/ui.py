@@ -1,0 +1,132 @@
+"""Rendering Step events: streamed text with a live stats panel on a terminal, plain text otherwise.
+
+Completed lines are printed above the live area and scroll away normally; only the unfinished line and the
+panel are redrawn, at a bounded rate (never per token), so long answers stay cheap and tidy.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .engine.events import Stats, Step
+
+REFRESH_PER_SECOND = 8
+
+
+def _memory(stats: Stats) -> str:
+    label = "peak GPU" if stats.memory_kind == "cuda" else "peak RSS"
+    return f"{label} {stats.peak_memory_mb:,.0f} MB"
+
+
+def _acceptance(stats: Stats) -> str:
+    if stats.acceptance_rate is None:
+        return "—"
+    return f"{stats.accepted_tokens}/{stats.drafted_tokens} ({stats.acceptance_rate:.0%})"
+
+
+def _pool(stats: Stats) -> str:
+    return "—" if stats.pool_keys is None else f"{stats.pool_keys:,} keys / {stats.pool_ngrams:,} n-grams"
+
+
+def stats_panel(stats: Stats, title: str) -> Panel:
+    table = Table.grid(padding=(0, 3))
+    for _ in range(4):
+        table.add_column(justify="left")
+    table.add_row(f"[bold]{stats.tokens_per_s:6.1f}[/] tok/s", f"tokens [bold]{stats.generated_tokens}[/]",
+                  f"steps [bold]{stats.steps}[/]", f"tokens/step τ [bold]{stats.tokens_per_step:.2f}[/]")
+    table.add_row(f"accepted n-grams [bold]{stats.accepted_ngrams if stats.drafted_tokens else '—'}[/]",
+                  f"accepted/drafted [bold]{_acceptance(stats)}[/]", f"pool [bold]{_pool(stats)}[/]",
+                  _memory(stats))
+    return Panel(table, title=title, title_align="left", border_style="cyan", expand=False)
+
+
+def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
+    """One line per answer, the same vocabulary every time."""
+    parts = [method, f"{stats.generated_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s",
+             f"τ {stats.tokens_per_step:.2f}"]
+    if stats.drafted_tokens:
+        parts.append(f"accepted {_acceptance(stats)}")
+    prompt = f"prompt {stats.prompt_tokens} tok"
+    if stats.cached_prompt_tokens:
+        prompt += f" ({stats.cached_prompt_tokens} cached)"
+    parts += [f"{prompt} @ {stats.prompt_tokens_per_s:.0f} tok/s", f"TTFT {stats.ttft_s:.2f} s",
+              _memory(stats)]
+    if finish_reason and finish_reason != "stop":
+        parts.append(f"stopped: {finish_reason}")
+    return " · ".join(parts)
+
+
+class StreamView:
+    """Consumes Step events and shows them; `last` is the final Step seen."""
+
+    def __init__(self, console: Console, *, method: str, live: bool, show_footer: bool,
+                 stats_console: Console | None = None):
+        self.console = console
+        self.stats_console = stats_console or console
+        self.method = method
+        self.live_enabled = live
+        self.show_footer = show_footer
+        self.last: Step | None = None
+        self._pending = ""  # the unfinished line, shown inside the live area
+        self._live: Live | None = None
+        self._wrote_text = False
+
+    def _renderable(self):
+        stats = self.last.stats if self.last else Stats()
+        return Group(Text(self._pending), stats_panel(stats, self.method))
+
+    def __enter__(self) -> "StreamView":
+        if self.live_enabled:
+            self._live = Live(self._renderable(), console=self.console, refresh_per_second=REFRESH_PER_SECOND,
+                              transient=True, redirect_stdout=False, redirect_stderr=False)
+            self._live.__enter__()
+        return self
+
+    def show(self, step: Step) -> None:
+        self.last = step
+        if not step.text:
+            if self._live:
+                self._live.update(self._renderable(), refresh=False)
+            return
+        self._wrote_text = True
+        if not self._live:
+            self.console.file.write(step.text)
+            self.console.file.flush()
+            return
+        lines = (self._pending + step.text).split("\n")
+        for line in lines[:-1]:
+            self._live.console.print(Text(line), soft_wrap=False)
+        self._pending = lines[-1]
+        self._live.update(self._renderable(), refresh=False)
+
+    def consume(self, steps: Iterable[Step]) -> Step | None:
+        for step in steps:
+            self.show(step)
+        return self.last
+
+    def __exit__(self, *exc) -> None:
+        if self._live:
+            self._live.__exit__(*exc)
+            if self._pending:
+                self.console.print(Text(self._pending))
+        elif self._wrote_text:
+            self.console.file.write("\n")
+            self.console.file.flush()
+        if self.show_footer and self.last:
+            line = footer(self.last.stats, self.method, self.last.finish_reason)
+            if self.stats_console.is_terminal:
+                self.stats_console.print(Text(line, style="dim"))
+            else:
+                print(line, file=self.stats_console.file, flush=True)
+
+
+def consoles() -> tuple[Console, Console]:
+    """(stdout, stderr) consoles; colour and live display only where the stream is a terminal."""
+    return Console(file=sys.stdout, highlight=False), Console(file=sys.stderr, highlight=False)

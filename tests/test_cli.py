@@ -1,0 +1,222 @@
+"""The `fafo` command end to end: output modes, JSON, and one clear stderr line for every bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from fafo_cli.cli import entrypoint
+
+from .conftest import build_tiny_model
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("Say something.")
+    return path
+
+
+def run_cli(capsys, *argv):
+    code = entrypoint([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_json(capsys, tiny, prompt_file):
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "12", "--dtype", "float32")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["token_ids"]) == 12 and data["finish_reason"] == "length"
+    assert data["stats"]["generated_tokens"] == 12 and data["stats"]["steps"] == 12
+    assert data["stats"]["tokens_per_step"] == 1.0 and data["stats"]["tokens_per_s"] > 0
+    assert data["settings"]["method"] == "vanilla" and data["settings"]["dtype"] == "float32"
+    assert data["settings"]["max_tokens"] == 12
+
+
+def test_run_plain_output_when_not_a_terminal(capsys, tiny, prompt_file):
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32")
+    assert code == 0 and out.strip() and err == ""
+    code, out2, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32", "-v")
+    assert out2 == out
+    assert err.startswith("vanilla · 8 tokens") and "stopped: length" in err
+
+
+def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny}\nmax_tokens: 5\ndtype: float32\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello"))
+    code, out, err = run_cli(capsys, "run", "-p", "-", "-c", config, "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 5
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello"))
+    code, out, _ = run_cli(capsys, "run", "-p", "-", "-c", config, "--json", "-n", "3")
+    assert len(json.loads(out)["token_ids"]) == 3  # the flag overrides the file
+
+
+def test_seeded_sampling_is_reproducible_from_the_cli(capsys, tiny, prompt_file):
+    args = ("run", tiny, "-p", prompt_file, "--json", "-n", "20", "--temperature", "1", "--seed", "11")
+    first = json.loads(run_cli(capsys, *args)[1])
+    second = json.loads(run_cli(capsys, *args)[1])
+    assert first["token_ids"] == second["token_ids"] and first["settings"]["seed"] == 11
+
+
+@pytest.fixture
+def small_context(tmp_path):
+    return build_tiny_model(tmp_path / "small", "llama-gqa", max_positions=16)
+
+
+def bad_inputs(tiny, prompt_file, tmp_path, small_context):
+    (tmp_path / "bad.yaml").write_text("streams_typo: 3\n")
+    (tmp_path / "long.txt").write_text("x" * 40)
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "empty.txt").write_text("  \n")
+    return [
+        (["run", tiny, "-p", tmp_path / "missing.txt"], "prompt file not found"),
+        (["run", tiny, "-p", tmp_path], "is a folder, not a file"),
+        (["run", tiny, "-p", tmp_path / "binary.txt"], "is not UTF-8 text"),
+        (["run", tiny, "-p", tmp_path / "empty.txt"], "the prompt is empty"),
+        (["run", tiny, "-p", prompt_file, "-c", tmp_path / "bad.yaml"], "unknown config key 'streams_typo'"),
+        (["run", tiny, "-p", prompt_file, "-c", tmp_path / "nope.yaml"], "config file not found"),
+        (["run", tiny, "-p", prompt_file, "--top-p", "2"], "'top_p' must be <= 1.0"),
+        (["run", tiny, "-p", prompt_file, "-n", "0"], "'max_tokens' must be >= 1"),
+        (["run", tiny, "-p", prompt_file, "--temperature", "warm"], "Invalid value for '--temperature'"),
+        (["run", tiny, "-p", prompt_file, "--method", "magic"], "'method' must be one of vanilla"),
+        (["run", tiny, "-p", prompt_file, "--device", "cuda"] if not torch.cuda.is_available() else
+         ["run", tiny, "-p", prompt_file, "--device", "tpu"], "--device cuda: CUDA is not available"
+         if not torch.cuda.is_available() else "'device' must be one of"),
+        (["run", "nobody/nothing", "-p", prompt_file], "not in the local cache and HF_HUB_OFFLINE is set"),
+        (["run", tmp_path / "nothing-here", "-p", prompt_file], "no such model file or folder"),
+        (["run", small_context, "-p", tmp_path / "long.txt", "--no-chat-template"],
+         "the prompt is 40 tokens; the model's context is 16 tokens"),
+        (["run", tiny], "Missing option '--prompt'"),
+        (["run", tiny, "-p", prompt_file, "--frobnicate"], "No such option: --frobnicate"),
+        (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
+        (["pull", "not a repo id"], "is not a valid model id"),
+    ]
+
+
+def test_every_bad_input_is_one_line(capsys, tiny, prompt_file, tmp_path, small_context):
+    capsys.readouterr()
+    for argv, message in bad_inputs(tiny, prompt_file, tmp_path, small_context):
+        start = time.monotonic()
+        code, out, err = run_cli(capsys, *argv)
+        assert code != 0, argv
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert message in err, (argv, err)
+        assert out == ""
+        assert time.monotonic() - start < 20
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
+    from fafo_cli.api import Engine
+
+    def exhausted(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        yield
+
+    monkeypatch.setattr(Engine, "stream", exhausted)
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file)
+    assert code == 1 and err.startswith("error: out of memory") and err.count("\n") == 1
+
+
+def test_gated_model_is_one_line(capsys, monkeypatch, prompt_file):
+    import huggingface_hub
+
+    from .test_hub import _http_error
+
+    def refuse(*args, **kwargs):
+        from huggingface_hub import errors
+        raise _http_error(errors.GatedRepoError, 401)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    code, out, err = run_cli(capsys, "pull", "meta-llama/Llama-2-7b-chat-hf")
+    assert code == 1 and "is a gated model" in err and "hf auth login" in err and err.count("\n") == 1
+
+
+def test_config_commands(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    code, shown, _ = run_cli(capsys, "config", "show")
+    assert code == 0 and yaml.safe_load(shown)["method"] == "vanilla"
+    code, out, _ = run_cli(capsys, "config", "init")
+    assert code == 0 and (tmp_path / "fafo" / "config.yaml").read_text() == shown
+    code, _, err = run_cli(capsys, "config", "init")
+    assert code == 1 and "already exists" in err
+    code, out, _ = run_cli(capsys, "config", "path")
+    assert out.strip() == str(tmp_path / "fafo" / "config.yaml")
+
+
+def test_list_json(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "fafo"))
+    import huggingface_hub.constants as constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, _ = run_cli(capsys, "list", "--json")
+    assert code == 0 and json.loads(out) == []
+    code, out, _ = run_cli(capsys, "list")
+    assert "No cached models" in out
+
+
+def test_module_entry_point_and_version():
+    out = subprocess.run([sys.executable, "-m", "fafo_cli", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("fafo-cli ")
+
+
+def test_live_panel_renders_on_a_terminal(tiny):
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.ui import StreamView
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=100)
+    view = StreamView(console, method="vanilla", live=True, show_footer=True)
+    with view:
+        for step in engine.stream("Line one.\nLine two.", max_tokens=30):
+            view.show(step)
+    screen = buffer.getvalue()
+    assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
+    assert "vanilla · 30 tokens" in screen  # the footer
+
+
+def _chat(model, script: str, *extra):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "fafo_cli", "chat", str(model), "--dtype", "float32", "-n", "8",
+                           *extra], input=script, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_chat_repl_script(tiny):
+    script = '/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n/reset\n/stats\n'
+    result = _chat(tiny, script)
+    assert result.returncode == 0, result.stderr
+    assert "/reset" in result.stdout and "Ctrl-C stops the current answer" in result.stdout  # /help
+    assert "3 turns · 24 tokens generated" in result.stdout  # hello, the """ block, the \ continuation
+    assert "conversation cleared" in result.stdout
+    assert "unknown command /bogus (try /help)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_turns_reuse_the_cache(tiny):
+    from fafo_cli import load
+
+    engine = load(str(tiny), dtype="float32")
+    messages = [{"role": "user", "content": "hello"}]
+    answer = engine.complete(messages, max_tokens=8)
+    messages += [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "more"}]
+    second = engine.complete(messages, max_tokens=8)
+    assert second.stats.cached_prompt_tokens >= answer.stats.prompt_tokens
+
+
+def test_chat_exits_on_end_of_input(tiny):
+    result = _chat(tiny, "")
+    assert result.returncode == 0 and result.stderr == ""
+    result = _chat(tiny, "/exit\nthis is never answered\n")
+    assert result.returncode == 0 and "turns" not in result.stdout

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fafo_cli import config as config_mod
+from fafo_cli.config import Config
+from fafo_cli.errors import FafoError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_yaml_is_the_defaults():
+    data = yaml.safe_load(config_mod.default_yaml())
+    assert config_mod.build(**{k: v for k, v in data.items() if v is not None}) == Config()
+    assert set(data) == set(Config().to_dict())
+
+
+def test_file_then_flags(tmp_path):
+    path = write(tmp_path, "max_tokens: 99\ntemperature: 0.5\nseed: 3\n")
+    config = config_mod.resolve(str(path), temperature=0.9)
+    assert (config.max_tokens, config.temperature, config.seed) == (99, 0.9, 3)
+
+
+def test_user_config_file_is_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "fafo").mkdir()
+    (tmp_path / "fafo" / "config.yaml").write_text("top_k: 40\n")
+    assert config_mod.resolve(None).top_k == 40
+
+
+def test_explicit_null_clears_a_nullable_key(tmp_path):
+    base = Config(seed=5)
+    assert config_mod.load_file(write(tmp_path, "seed:\n"), base).seed is None
+    with pytest.raises(FafoError, match="'max_tokens' must not be empty"):
+        config_mod.load_file(write(tmp_path, "max_tokens:\n"))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("bogus: 1\n", "unknown config key 'bogus'"),
+    ("dtype: fp8\n", "'dtype' must be one of auto, float32, bfloat16, float16"),
+    ("max_tokens: 0\n", "'max_tokens' must be >= 1"),
+    ("max_tokens: 1.5\n", "'max_tokens' must be an integer"),
+    ("temperature: -0.1\n", "'temperature' must be >= 0.0"),
+    ("top_p: 0\n", "'top_p' must be > 0.0"),
+    ("top_p: 1.5\n", "'top_p' must be <= 1.0"),
+    ("chat_template: maybe\n", "'chat_template' must be true or false"),
+    ("temperature: .nan\n", "'temperature' must be a number"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("a: [\n", "is not valid YAML"),
+])
+def test_bad_files_name_the_key(tmp_path, text, message):
+    with pytest.raises(FafoError, match=message):
+        config_mod.load_file(write(tmp_path, text))
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(FafoError, match="config file not found"):
+        config_mod.load_file(tmp_path / "nope.yaml")
+    with pytest.raises(FafoError, match="cannot read config file"):
+        config_mod.load_file(tmp_path)  # a folder

@@ -1,0 +1,140 @@
+"""Plain decoding against transformers' own greedy generate (float32, token for token), and the engine's
+bookkeeping: prefix reuse across requests, chunked prefill, stop tokens, limits, interruption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.engine import session as session_mod
+from fafo_cli.errors import FafoError
+
+from .conftest import VARIANTS, build_tiny_model, hf_greedy
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Then what happened?"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_transformers(tiny_models, variant):
+    folder = tiny_models[variant]
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    prompt_ids = engine.encode(PROMPT)
+    result = engine.complete(PROMPT, max_tokens=160)
+    assert result.finish_reason == "length"
+    assert result.token_ids == hf_greedy(folder, prompt_ids, 160)
+    assert len(set(result.token_ids)) > 10  # the comparison covers a varied sequence, not one repeated token
+    assert result.stats.steps == result.stats.generated_tokens == 160
+
+
+def test_chat_template_and_system_prompt(tiny):
+    engine = load(str(tiny), dtype="float32", system="Be brief.")
+    ids = engine.encode("Hi")
+    text = engine.tokenizer.decode(ids)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    plain = load(str(tiny), dtype="float32", chat_template=False).encode("Hi")
+    assert engine.tokenizer.decode(plain) == "Hi"
+
+
+def test_long_prompt_chunked_prefill_matches(tiny, monkeypatch):
+    monkeypatch.setattr(session_mod, "PREFILL_CHUNK", 7)  # many chunks, uneven last one
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    prompt = PROMPT * 4
+    result = engine.complete(prompt, max_tokens=40)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(prompt), 40)
+
+
+def test_follow_up_request_reuses_cache_and_stays_exact(tiny):
+    engine = load(str(tiny), dtype="float32")
+    first = engine.complete([{"role": "user", "content": "Tell me a story."}], max_tokens=30)
+    history = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": first.text},
+               {"role": "user", "content": "And then?"}]
+    second = engine.complete(history, max_tokens=50)
+    assert second.stats.cached_prompt_tokens > 30  # only the new turn was prefilled
+    fresh = load(str(tiny), dtype="float32")
+    assert second.token_ids == fresh.complete(history, max_tokens=50).token_ids
+    assert second.token_ids == hf_greedy(tiny, engine.encode(history), 50)
+
+
+def test_interrupted_stream_leaves_engine_consistent(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    stream = engine.stream(PROMPT, max_tokens=100)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    assert engine.session.cache.length == len(engine.session.ids)
+    again = engine.complete(PROMPT + " Again.", max_tokens=40)
+    assert again.token_ids == hf_greedy(tiny, engine.encode(PROMPT + " Again."), 40)
+
+
+def test_stop_token_ends_answer_and_is_not_in_text(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    ids = engine.complete(PROMPT, max_tokens=40).token_ids
+    stop = ids[12]  # make a token the model emits a stop token
+    first = ids.index(stop)
+    engine.stop_ids = frozenset({stop})
+    result = engine.complete(PROMPT, max_tokens=40)
+    assert result.finish_reason == "stop"
+    assert result.token_ids == ids[:first + 1]
+    assert result.text == engine.tokenizer.decode(ids[:first], skip_special_tokens=True)
+
+
+def test_context_limit_stops_generation(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=40)
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    prompt_ids = engine.encode("abcdefghij")
+    result = engine.complete("abcdefghij", max_tokens=100)
+    assert result.finish_reason == "context"
+    assert len(prompt_ids) + len(result.token_ids) == 40
+    with pytest.raises(FafoError, match="the prompt is 45 tokens; the model's context is 40 tokens"):
+        engine.complete("x" * 45)
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    a = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=7)
+    b = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=7)
+    c = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    unseeded = engine.complete(PROMPT, max_tokens=40, temperature=1.0)
+    replay = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=unseeded.settings["seed"])
+    assert unseeded.token_ids == replay.token_ids  # the reported seed reproduces the run
+
+
+def test_top_k_one_is_greedy(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    greedy = engine.complete(PROMPT, max_tokens=30).token_ids
+    assert engine.complete(PROMPT, max_tokens=30, temperature=0.7, top_k=1, seed=1).token_ids == greedy
+
+
+def test_stats_are_consistent(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    steps = list(engine.stream(PROMPT, max_tokens=20))
+    assert [s.finish_reason for s in steps] == [None] * 19 + ["length"]
+    stats = steps[-1].stats
+    assert stats.generated_tokens == 20 and stats.steps == 20 and stats.tokens_per_step == 1.0
+    assert stats.prompt_tokens == len(engine.encode(PROMPT))
+    assert stats.tokens_per_s > 0 and stats.ttft_s > 0 and stats.peak_memory_mb > 0
+    assert stats.acceptance_rate is None and stats.pool_keys is None
+
+
+def test_request_cannot_change_load_settings(tiny):
+    engine = load(str(tiny), dtype="float32")
+    with pytest.raises(FafoError, match="fixed when the model is loaded"):
+        engine.complete("hi", dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2):
+    engine = load(str(smollm2), dtype="float32")
+    prompts = ["Write a short poem about the ocean.",
+               "Explain what a hash table is and give a Python example.",
+               "List five countries in Europe and their capitals."]
+    for prompt in prompts:
+        result = engine.complete(prompt, max_tokens=128)
+        expected = hf_greedy(smollm2, engine.encode(prompt), 128)
+        assert result.token_ids == expected[:len(result.token_ids)]
+        assert len(result.token_ids) == len(expected)  # stopped where generate stopped (eos or limit)

@@ -1,0 +1,74 @@
+"""Unit tests of engine pieces: target distribution, KV cache, detokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fafo_cli.engine.cache import KVCache
+from fafo_cli.engine.detok import Detokenizer
+from fafo_cli.engine.model import prefix_causal_mask
+from fafo_cli.engine.sampling import Sampling, next_token, target_probs
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9),
+                                                     (0.6, 20, 0.5), (1.0, 0, 0.05)])
+def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
+                                  + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    expected = warpers(None, logits.clone()).softmax(-1)
+    got = target_probs(logits, Sampling(temperature, top_p, top_k))
+    torch.testing.assert_close(got, expected)
+
+
+def test_sampling_follows_target_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    sampling = Sampling(temperature=0.8, seed=3)
+    gen = sampling.generator(torch.device("cpu"))
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[next_token(logits, sampling, gen)] += 1
+    expected = target_probs(logits, sampling) * 4000
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+
+
+def test_cache_grows_without_losing_committed_rows():
+    cache = KVCache(2, 1, 4, max_slots=100, dtype=torch.float32, device=torch.device("cpu"), initial_slots=4)
+    rows = torch.arange(3 * 4, dtype=torch.float32).view(3, 1, 4)
+    for layer in range(2):
+        cache.write(layer, rows + layer, -rows)
+    cache.commit(3)
+    cache.reserve(10)
+    assert cache.capacity >= 10
+    keys, values = cache.write(1, rows[:1] * 0, rows[:1] * 0)  # a step in flight after the prefix
+    assert keys.shape == (4, 1, 4)
+    torch.testing.assert_close(keys[:3], rows + 1)
+    torch.testing.assert_close(values[:3], -rows)
+    cache.truncate(1)
+    assert cache.length == 1
+    with pytest.raises(ValueError):
+        cache.reserve(101)
+
+
+def test_prefix_causal_mask():
+    mask = prefix_causal_mask(2, 3, torch.device("cpu"))
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_detokenizer_deltas_add_up_even_inside_multibyte_characters():
+    from .conftest import build_tokenizer
+
+    tokenizer = build_tokenizer()  # byte-level: "é" and "🦊" span several tokens
+    text = "Voilà, le renard 🦊 saute: naïve café — done."
+    ids = tokenizer(text)["input_ids"]
+    detok = Detokenizer(tokenizer)
+    deltas = [detok.add([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+    assert detok.text == text
