@@ -133,7 +133,7 @@ class Engine:
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed)
-        request = Request(ids, config.max_tokens, sampling, self.stop_ids)
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config)
         emitter = Emitter(self.session, request, self.tokenizer)
         try:
             yield from DECODERS[config.method](self.session, request, emitter)

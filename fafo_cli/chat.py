@@ -12,7 +12,7 @@ from rich.console import Console
 
 from .api import Engine
 from .errors import FafoError
-from .ui import StreamView
+from .ui import StreamView, method_label
 
 HELP = """Commands:
   /help    this help
@@ -74,7 +74,7 @@ class Repl:
 
     def run(self) -> None:
         if self.interactive:
-            self.out.print(f"[bold]{self.engine.name}[/] · {self.engine.config.method} · /help for commands, "
+            self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.config)} · /help for commands, "
                            "Ctrl-D to leave")
         while True:
             try:
@@ -113,7 +113,7 @@ class Repl:
 
     def _answer(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        view = StreamView(self.out, method=self.engine.config.method, live=self.interactive,
+        view = StreamView(self.out, method=method_label(self.engine.config), live=self.interactive,
                           show_footer=self.interactive)
         stream = self.engine.stream(self.messages)
         answer = []

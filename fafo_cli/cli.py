@@ -43,6 +43,22 @@ TrustRemoteCode = Annotated[Optional[bool], typer.Option("--trust-remote-code", 
                                                          "Python code to run.", show_default=False)]
 AllowPickle = Annotated[Optional[bool], typer.Option("--allow-pickle", help="Allow pickle (.bin) weights, "
                                                      "which can run code when loaded.", show_default=False)]
+Streams = Annotated[Optional[int], typer.Option("--streams", "-W", help="fafo: lookahead streams W.",
+                                                show_default=False, rich_help_panel="FAFO")]
+Ngram = Annotated[Optional[int], typer.Option("--ngram", "-k", help="fafo: guess length k.", show_default=False,
+                                              rich_help_panel="FAFO")]
+Guesses = Annotated[Optional[int], typer.Option("--guesses", "-G", help="fafo: candidates verified per step G.",
+                                                show_default=False, rich_help_panel="FAFO")]
+Prefix = Annotated[Optional[int], typer.Option("--prefix", "-P", help="fafo: longest pool key P.",
+                                               show_default=False, rich_help_panel="FAFO")]
+PoolPerKey = Annotated[Optional[int], typer.Option("--pool-per-key", help="fafo: n-grams kept per pool key.",
+                                                   show_default=False, rich_help_panel="FAFO")]
+Compressor = Annotated[Optional[str], typer.Option(help=f"fafo: {' | '.join(config_mod.COMPRESSORS)}",
+                                                   show_default=False, rich_help_panel="FAFO")]
+Budget = Annotated[Optional[int], typer.Option("--budget", "-B", help="fafo: compressed budget B (tokens).",
+                                               show_default=False, rich_help_panel="FAFO")]
+Sink = Annotated[Optional[int], typer.Option(help="fafo: sink tokens kept by the stream compressor.",
+                                             show_default=False, rich_help_panel="FAFO")]
 
 
 def _version(value: bool) -> None:
@@ -97,6 +113,8 @@ def run(
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
+    streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
+    pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
@@ -104,13 +122,15 @@ def run(
                                           "a terminal.")] = False,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
-    from .ui import StreamView, consoles
+    from .ui import StreamView, consoles, method_label
 
     text = _read_prompt(prompt)
     settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
                                   device=device, system=system, chat_template=chat_template,
-                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                                  streams=streams, ngram=ngram, guesses=guesses, prefix=prefix,
+                                  pool_per_key=pool_per_key, compressor=compressor, budget=budget, sink=sink)
     out, err = consoles()
     engine = _load(settings, err)
     if as_json:
@@ -118,7 +138,7 @@ def run(
         return
     request = engine.request_config()
     live = out.is_terminal and not quiet
-    view = StreamView(out, method=request.method, live=live, show_footer=not quiet and (live or verbose),
+    view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err)
     with view:
         view.consume(engine.stream(text, seed=request.seed))
@@ -130,6 +150,8 @@ def chat(
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
+    streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
+    pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
 ) -> None:
     """Multi-turn chat with the same live panel. /help lists the commands."""
     from .chat import Repl
@@ -138,7 +160,9 @@ def chat(
     settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
                                   device=device, system=system, chat_template=chat_template,
-                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                                  streams=streams, ngram=ngram, guesses=guesses, prefix=prefix,
+                                  pool_per_key=pool_per_key, compressor=compressor, budget=budget, sink=sink)
     out, err = consoles()
     Repl(_load(settings, err), out, err).run()
 

@@ -16,7 +16,8 @@ import yaml
 
 from .errors import FafoError
 
-METHODS = ("vanilla",)
+METHODS = ("vanilla", "fafo")
+COMPRESSORS = ("none", "stream")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -30,7 +31,7 @@ def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=Fals
 class Config:
     model: str | None = _opt(None, "hub id, local folder or .gguf file; empty: the embedded SmolLM2-135M-Instruct",
                              nullable=True)
-    method: str = _opt("vanilla", "decoding method", choices=METHODS)
+    method: str = _opt("fafo", "decoding method", choices=METHODS)
     dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
                       choices=DTYPES)
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
@@ -45,6 +46,17 @@ class Config:
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run")
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code")
+    # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see README, "Choosing defaults".
+    streams: int = _opt(2, "fafo: lookahead window streams W (fumble rows per level)", low=1, high=64)
+    ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16)
+    guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
+                        low=0, high=64)
+    prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8)
+    pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
+                             high=1024)
+    compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see", choices=COMPRESSORS)
+    budget: int = _opt(256, "fafo: compressed budget B, in tokens", low=1)
+    sink: int = _opt(4, "fafo: first positions always kept by the stream compressor (< budget)", low=0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,7 +100,11 @@ def build(base: Config | None = None, **changes: Any) -> Config:
     if unknown:
         raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(known)})")
     given = {k: _check(k, v, known[k]) for k, v in changes.items() if v is not None}
-    return replace(base or Config(), **given)
+    config = replace(base or Config(), **given)
+    if config.sink >= config.budget:
+        raise FafoError(f"config key 'sink' must be smaller than 'budget' (got sink {config.sink}, "
+                        f"budget {config.budget})")
+    return config
 
 
 def user_config_path() -> Path:

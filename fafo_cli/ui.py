@@ -35,15 +35,28 @@ def _pool(stats: Stats) -> str:
     return "—" if stats.pool_keys is None else f"{stats.pool_keys:,} keys / {stats.pool_ngrams:,} n-grams"
 
 
+def method_label(config) -> str:
+    """How the panel and footer name the method: fafo with its compressor and budget."""
+    if config.method != "fafo":
+        return config.method
+    budget = "" if config.compressor == "none" else f" B={config.budget}"
+    return f"fafo · {config.compressor}{budget}"
+
+
+def _fumble(stats: Stats) -> str:
+    return "—" if stats.fumble_positions is None else f"{stats.fumble_positions:,} positions"
+
+
 def stats_panel(stats: Stats, title: str) -> Panel:
     table = Table.grid(padding=(0, 3))
-    for _ in range(4):
+    for _ in range(5):
         table.add_column(justify="left")
     table.add_row(f"[bold]{stats.tokens_per_s:6.1f}[/] tok/s", f"tokens [bold]{stats.generated_tokens}[/]",
-                  f"steps [bold]{stats.steps}[/]", f"tokens/step τ [bold]{stats.tokens_per_step:.2f}[/]")
+                  f"steps [bold]{stats.steps}[/]", f"tokens/step τ [bold]{stats.tokens_per_step:.2f}[/]",
+                  _memory(stats))
     table.add_row(f"accepted n-grams [bold]{stats.accepted_ngrams if stats.drafted_tokens else '—'}[/]",
                   f"accepted/drafted [bold]{_acceptance(stats)}[/]", f"pool [bold]{_pool(stats)}[/]",
-                  _memory(stats))
+                  f"fumble rows see [bold]{_fumble(stats)}[/]", "")
     return Panel(table, title=title, title_align="left", border_style="cyan", expand=False)
 
 
@@ -52,7 +65,7 @@ def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
     parts = [method, f"{stats.generated_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s",
              f"τ {stats.tokens_per_step:.2f}"]
     if stats.drafted_tokens:
-        parts.append(f"accepted {_acceptance(stats)}")
+        parts.append(f"accepted/drafted {_acceptance(stats)} in {stats.accepted_ngrams} n-grams")
     prompt = f"prompt {stats.prompt_tokens} tok"
     if stats.cached_prompt_tokens:
         prompt += f" ({stats.cached_prompt_tokens} cached)"

@@ -32,7 +32,8 @@ def run_cli(capsys, *argv):
 
 
 def test_run_json(capsys, tiny, prompt_file):
-    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "12", "--dtype", "float32")
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "12", "--dtype", "float32",
+                             "--method", "vanilla")
     assert code == 0, err
     data = json.loads(out)
     assert len(data["token_ids"]) == 12 and data["finish_reason"] == "length"
@@ -42,12 +43,30 @@ def test_run_json(capsys, tiny, prompt_file):
     assert data["settings"]["max_tokens"] == 12
 
 
+def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("abc abc abc abc abc abc abc abc abc abc")
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt, "--json", "-n", "40", "--dtype", "float32",
+                             "-W", "3", "-k", "4", "-G", "2", "-P", "2", "--budget", "16", "--sink", "2")
+    assert code == 0, err
+    data = json.loads(out)
+    stats, settings = data["stats"], data["settings"]
+    assert settings["method"] == "fafo" and settings["compressor"] == "stream"
+    assert (settings["streams"], settings["ngram"], settings["guesses"], settings["prefix"]) == (3, 4, 2, 2)
+    assert (settings["budget"], settings["sink"]) == (16, 2)
+    assert stats["pool_keys"] > 0 and stats["pool_ngrams"] >= stats["pool_keys"] // 2
+    assert stats["drafted_tokens"] > 0 and stats["fumble_positions"] == 16
+    assert stats["generated_tokens"] == 40 and stats["steps"] < 40  # guesses were accepted
+    assert stats["tokens_per_step"] == 40 / stats["steps"]
+    assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["drafted_tokens"]
+
+
 def test_run_plain_output_when_not_a_terminal(capsys, tiny, prompt_file):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32")
     assert code == 0 and out.strip() and err == ""
     code, out2, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32", "-v")
     assert out2 == out
-    assert err.startswith("vanilla · 8 tokens") and "stopped: length" in err
+    assert err.startswith("fafo · stream B=256 · 8 tokens") and "stopped: length" in err
 
 
 def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
@@ -63,7 +82,8 @@ def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
 
 
 def test_seeded_sampling_is_reproducible_from_the_cli(capsys, tiny, prompt_file):
-    args = ("run", tiny, "-p", prompt_file, "--json", "-n", "20", "--temperature", "1", "--seed", "11")
+    args = ("run", tiny, "-p", prompt_file, "--json", "-n", "20", "--temperature", "1", "--seed", "11",
+            "--method", "vanilla")
     first = json.loads(run_cli(capsys, *args)[1])
     second = json.loads(run_cli(capsys, *args)[1])
     assert first["token_ids"] == second["token_ids"] and first["settings"]["seed"] == 11
@@ -89,7 +109,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", prompt_file, "--top-p", "2"], "'top_p' must be <= 1.0"),
         (["run", tiny, "-p", prompt_file, "-n", "0"], "'max_tokens' must be >= 1"),
         (["run", tiny, "-p", prompt_file, "--temperature", "warm"], "Invalid value for '--temperature'"),
-        (["run", tiny, "-p", prompt_file, "--method", "magic"], "'method' must be one of vanilla"),
+        (["run", tiny, "-p", prompt_file, "--method", "magic"], "'method' must be one of vanilla, fafo"),
         (["run", tiny, "-p", prompt_file, "--device", "cuda"] if not torch.cuda.is_available() else
          ["run", tiny, "-p", prompt_file, "--device", "tpu"], "--device cuda: CUDA is not available"
          if not torch.cuda.is_available() else "'device' must be one of"),
@@ -99,6 +119,10 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
          "the prompt is 40 tokens; the model's context is 16 tokens"),
         (["run", tiny], "Missing option '--prompt'"),
         (["run", tiny, "-p", prompt_file, "--frobnicate"], "No such option: --frobnicate"),
+        (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of none, stream"),
+        (["run", tiny, "-p", prompt_file, "--budget", "8", "--sink", "8"], "'sink' must be smaller than 'budget'"),
+        (["run", tiny, "-p", prompt_file, "-k", "1"], "'ngram' must be >= 2"),
+        (["run", tiny, "-p", prompt_file, "--temperature", "0.5"], "--method fafo decodes greedily for now"),
         (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
         (["pull", "not a repo id"], "is not a valid model id"),
     ]
@@ -145,7 +169,7 @@ def test_gated_model_is_one_line(capsys, monkeypatch, prompt_file):
 def test_config_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     code, shown, _ = run_cli(capsys, "config", "show")
-    assert code == 0 and yaml.safe_load(shown)["method"] == "vanilla"
+    assert code == 0 and yaml.safe_load(shown)["method"] == "fafo"
     code, out, _ = run_cli(capsys, "config", "init")
     assert code == 0 and (tmp_path / "fafo" / "config.yaml").read_text() == shown
     code, _, err = run_cli(capsys, "config", "init")
@@ -178,13 +202,14 @@ def test_live_panel_renders_on_a_terminal(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False)
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=100)
-    view = StreamView(console, method="vanilla", live=True, show_footer=True)
+    view = StreamView(console, method="fafo · stream B=256", live=True, show_footer=True)
     with view:
         for step in engine.stream("Line one.\nLine two.", max_tokens=30):
             view.show(step)
     screen = buffer.getvalue()
     assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
-    assert "vanilla · 30 tokens" in screen  # the footer
+    assert "fumble rows see" in screen and "keys /" in screen  # fafo's pool and compressor figures
+    assert "fafo · stream B=256 · 30 tokens" in screen  # the footer
 
 
 def _chat(model, script: str, *extra):

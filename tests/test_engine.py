@@ -13,12 +13,13 @@ from fafo_cli.errors import FafoError
 from .conftest import VARIANTS, build_tiny_model, hf_greedy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then what happened?"
+BOTH = pytest.mark.parametrize("method", ["vanilla", "fafo"])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(tiny_models, variant):
     folder = tiny_models[variant]
-    engine = load(str(folder), dtype="float32", chat_template=False)
+    engine = load(str(folder), dtype="float32", chat_template=False, method="vanilla")
     prompt_ids = engine.encode(PROMPT)
     result = engine.complete(PROMPT, max_tokens=160)
     assert result.finish_reason == "length"
@@ -36,28 +37,31 @@ def test_chat_template_and_system_prompt(tiny):
     assert engine.tokenizer.decode(plain) == "Hi"
 
 
-def test_long_prompt_chunked_prefill_matches(tiny, monkeypatch):
+@BOTH
+def test_long_prompt_chunked_prefill_matches(tiny, monkeypatch, method):
     monkeypatch.setattr(session_mod, "PREFILL_CHUNK", 7)  # many chunks, uneven last one
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine = load(str(tiny), dtype="float32", method=method, chat_template=False)
     prompt = PROMPT * 4
     result = engine.complete(prompt, max_tokens=40)
     assert result.token_ids == hf_greedy(tiny, engine.encode(prompt), 40)
 
 
-def test_follow_up_request_reuses_cache_and_stays_exact(tiny):
-    engine = load(str(tiny), dtype="float32")
+@BOTH
+def test_follow_up_request_reuses_cache_and_stays_exact(tiny, method):
+    engine = load(str(tiny), dtype="float32", method=method)
     first = engine.complete([{"role": "user", "content": "Tell me a story."}], max_tokens=30)
     history = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": first.text},
                {"role": "user", "content": "And then?"}]
     second = engine.complete(history, max_tokens=50)
     assert second.stats.cached_prompt_tokens > 30  # only the new turn was prefilled
-    fresh = load(str(tiny), dtype="float32")
+    fresh = load(str(tiny), dtype="float32", method=method)
     assert second.token_ids == fresh.complete(history, max_tokens=50).token_ids
     assert second.token_ids == hf_greedy(tiny, engine.encode(history), 50)
 
 
-def test_interrupted_stream_leaves_engine_consistent(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+@BOTH
+def test_interrupted_stream_leaves_engine_consistent(tiny, method):
+    engine = load(str(tiny), dtype="float32", method=method, chat_template=False)
     stream = engine.stream(PROMPT, max_tokens=100)
     for i, _ in enumerate(stream):
         if i == 5:
@@ -68,9 +72,10 @@ def test_interrupted_stream_leaves_engine_consistent(tiny):
     assert again.token_ids == hf_greedy(tiny, engine.encode(PROMPT + " Again."), 40)
 
 
-def test_stop_token_ends_answer_and_is_not_in_text(tmp_path):
+@BOTH
+def test_stop_token_ends_answer_and_is_not_in_text(tmp_path, method):
     folder = build_tiny_model(tmp_path / "m", "llama-gqa")
-    engine = load(str(folder), dtype="float32", chat_template=False)
+    engine = load(str(folder), dtype="float32", method=method, chat_template=False)
     ids = engine.complete(PROMPT, max_tokens=40).token_ids
     stop = ids[12]  # make a token the model emits a stop token
     first = ids.index(stop)
@@ -81,9 +86,10 @@ def test_stop_token_ends_answer_and_is_not_in_text(tmp_path):
     assert result.text == engine.tokenizer.decode(ids[:first], skip_special_tokens=True)
 
 
-def test_context_limit_stops_generation(tmp_path):
+@BOTH
+def test_context_limit_stops_generation(tmp_path, method):
     folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=40)
-    engine = load(str(folder), dtype="float32", chat_template=False)
+    engine = load(str(folder), dtype="float32", method=method, chat_template=False)
     prompt_ids = engine.encode("abcdefghij")
     result = engine.complete("abcdefghij", max_tokens=100)
     assert result.finish_reason == "context"
@@ -93,7 +99,7 @@ def test_context_limit_stops_generation(tmp_path):
 
 
 def test_seeded_sampling_is_reproducible(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     a = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=7)
     b = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=7)
     c = engine.complete(PROMPT, max_tokens=40, temperature=1.0, seed=8)
@@ -105,13 +111,13 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_top_k_one_is_greedy(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     greedy = engine.complete(PROMPT, max_tokens=30).token_ids
     assert engine.complete(PROMPT, max_tokens=30, temperature=0.7, top_k=1, seed=1).token_ids == greedy
 
 
 def test_stats_are_consistent(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     steps = list(engine.stream(PROMPT, max_tokens=20))
     assert [s.finish_reason for s in steps] == [None] * 19 + ["length"]
     stats = steps[-1].stats
@@ -129,7 +135,7 @@ def test_request_cannot_change_load_settings(tiny):
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smollm2):
-    engine = load(str(smollm2), dtype="float32")
+    engine = load(str(smollm2), dtype="float32", method="vanilla")
     prompts = ["Write a short poem about the ocean.",
                "Explain what a hash table is and give a Python example.",
                "List five countries in Europe and their capitals."]

@@ -50,6 +50,15 @@ class KVCache:
     def commit(self, rows: int) -> None:
         self.length += rows
 
+    def commit_rows(self, rows: list[int]) -> None:
+        """Commit some of this step's rows (indices after the prefix, increasing), in that order."""
+        if rows != list(range(len(rows))):
+            start = self.length
+            source = torch.tensor(rows, device=self.device) + start
+            self.keys[:, start:start + len(rows)] = self.keys[:, source]
+            self.values[:, start:start + len(rows)] = self.values[:, source]
+        self.length += len(rows)
+
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 

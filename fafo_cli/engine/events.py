@@ -19,6 +19,7 @@ class Stats:
     accepted_ngrams: int = 0  # steps that accepted at least one guessed token
     pool_keys: int | None = None  # n-gram pool size (None: the method has no pool)
     pool_ngrams: int | None = None
+    fumble_positions: int | None = None  # cache positions the fumble rows saw (the compressed budget in use)
     prefill_s: float = 0.0  # time to prefill the uncached prompt tokens
     ttft_s: float = 0.0  # request start to the first emitted token
     decode_s: float = 0.0  # first emitted token to the last one

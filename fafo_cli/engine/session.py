@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class Request:
     max_tokens: int
     sampling: Sampling
     stop_ids: frozenset[int]
+    config: Any = None  # the request's Config: method-specific settings for the decoder
 
 
 class Session:

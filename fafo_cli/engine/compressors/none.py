@@ -1,0 +1,21 @@
+"""`none`: the fumble rows see the whole cache (Lookahead-style fumbling; the ablation baseline)."""
+
+from __future__ import annotations
+
+from ..cache import KVCache
+
+
+class NoCompressor:
+    name = "none"
+
+    def rebuild(self, cache: KVCache) -> None:
+        pass
+
+    def committed(self, cache: KVCache, start: int, count: int) -> None:
+        pass
+
+    def view(self, layer: int) -> None:
+        return None
+
+    def visible(self, cache: KVCache) -> int:
+        return cache.length

@@ -1,0 +1,134 @@
+"""FAFO decoding: one forward pass per step that verifies guesses on the full cache ("Find Out") and makes
+new ones from a compressed view of it ("Fumble Around"). See ../shared/design/fafo.md.
+
+Step rows: [anchor x_t] + G candidates of k tokens from the pool + the lookahead window. Verify rows decide
+what is emitted (the longest candidate prefix that greedy decoding agrees with, plus one bonus token), so
+the output is exactly plain greedy decoding's; the window only feeds the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+
+from ..errors import FafoError
+from .attention import FafoAttention, PrefixMasks
+from .compressors import make_compressor
+from .events import Step
+from .model import causal_attention
+from .pool import NgramPool
+from .session import Emitter, Request, Session
+from .verify import accept_greedy
+from .window import LookaheadWindow, window_layout
+
+
+@dataclass(frozen=True)
+class FafoSettings:
+    streams: int  # W
+    ngram: int  # k
+    guesses: int  # G
+    prefix: int  # P
+    pool_per_key: int
+    compressor: str
+    budget: int  # B
+    sink: int
+
+    @property
+    def max_rows(self) -> int:
+        return 1 + self.guesses * self.ngram + self.streams * self.ngram
+
+    @classmethod
+    def from_config(cls, config) -> "FafoSettings":
+        return cls(config.streams, config.ngram, config.guesses, config.prefix, config.pool_per_key,
+                   config.compressor, config.budget, config.sink)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    verify_rows: int
+    offsets: torch.Tensor  # positions relative to the anchor, all rows
+    verify_local: torch.Tensor  # [verify, verify]
+    window_local: torch.Tensor  # [window, 1 + window]
+    combined_local: torch.Tensor  # [rows, rows]
+    logit_rows: torch.Tensor  # rows whose logits are read: all verify rows, then the window's predictors
+    predictors: tuple[int, ...]  # per stream, index into the logits read (0 = the anchor)
+
+
+@lru_cache(maxsize=256)
+def step_layout(candidates: int, ngram: int, streams: int, levels: int) -> StepLayout:
+    window = window_layout(streams, levels)
+    n_verify = 1 + candidates * ngram
+    n_window = len(window.offsets)
+    verify_local = torch.zeros(n_verify, n_verify, dtype=torch.bool)
+    verify_local[:, 0] = True
+    for c in range(candidates):
+        first = 1 + c * ngram
+        block = torch.tril(torch.ones(ngram, ngram, dtype=torch.bool))
+        verify_local[first:first + ngram, first:first + ngram] = block
+    combined = torch.zeros(n_verify + n_window, n_verify + n_window, dtype=torch.bool)
+    combined[:n_verify, :n_verify] = verify_local
+    combined[n_verify:, 0] = True
+    combined[n_verify:, n_verify:] = window.local_mask[:, 1:]
+    offsets = [0] + [1 + j for _ in range(candidates) for j in range(ngram)] + list(window.offsets)
+    window_rows = sorted({p for p in window.predictors if p >= 0})
+    logit_rows = list(range(n_verify)) + [n_verify + p for p in window_rows]
+    predictors = tuple(0 if p < 0 else n_verify + window_rows.index(p) for p in window.predictors)
+    return StepLayout(n_verify, torch.tensor(offsets), verify_local, window.local_mask, combined,
+                      torch.tensor(logit_rows), predictors)
+
+
+def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    if not request.sampling.greedy:
+        raise FafoError("--method fafo decodes greedily for now (temperature 0); use --method vanilla to sample")
+    settings = FafoSettings.from_config(request.config)
+    model, cache, k = session.model, session.cache, settings.ngram
+    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows)
+    emitter.prefilled(reused)
+
+    anchor = int(logits.argmax())
+    text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
+    pool = NgramPool(k, settings.prefix, settings.pool_per_key)
+    pool.add_text(text)
+    window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
+    compressor = make_compressor(settings.compressor, budget=settings.budget, sink=settings.sink,
+                                 tail_rows=settings.streams * k)
+    compressor.rebuild(cache)
+    masks = PrefixMasks(model.device)
+    step = emitter.emit([anchor])
+    yield step
+    while not step.finish_reason:
+        start = cache.length
+        emitter.stats.fumble_positions = compressor.visible(cache)
+        candidates = pool.lookup(text, settings.guesses)
+        layout = step_layout(len(candidates), k, settings.streams, len(window.levels))
+        rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
+        if start + len(rows) <= model.max_context:
+            cache.reserve(start + len(rows))
+            attend = FafoAttention(cache, compressor, model.scaling, masks, verify_rows=layout.verify_rows,
+                                   verify_local=layout.verify_local, window_local=layout.window_local,
+                                   combined_local=layout.combined_local)
+            device = model.device
+            logits = model.forward(torch.tensor(rows, device=device), start + layout.offsets.to(device), cache,
+                                   attend, layout.logit_rows.to(device))
+            argmax = logits.argmax(-1).tolist()
+            best, accepted = accept_greedy(argmax[0], candidates, argmax[1:layout.verify_rows], k)
+            guessed = list(candidates[best][:accepted]) if accepted else []
+            emitted = guessed + [argmax[best * k + accepted] if accepted else argmax[0]]
+            for before, ngram in window.advance(anchor, [argmax[p] for p in layout.predictors]):
+                pool.add(before, ngram)
+        else:  # the context's last few positions: no room for guesses, a plain step
+            candidates, guessed, best = [], [], 0
+            emitted = [int(session.forward([anchor], causal_attention(None, model.scaling))[-1].argmax())]
+        # Commit the anchor's and the accepted guesses' keys and values, computed in this very pass.
+        cache.commit_rows([0] + [1 + best * k + j for j in range(len(guessed))])
+        session.ids.extend([anchor] + guessed)
+        compressor.committed(cache, start, 1 + len(guessed))
+        text.extend(emitted)
+        pool.add_text(text, new=len(emitted))
+        emitter.stats.pool_keys, emitter.stats.pool_ngrams = pool.keys, pool.ngrams
+        step = emitter.emit(emitted, drafted=len(candidates) * k, accepted=len(guessed))
+        yield step
+        anchor = emitted[-1]

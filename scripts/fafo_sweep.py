@@ -1,0 +1,82 @@
+"""Sweep FAFO settings against vanilla on one model: tokens/s, τ and per-step cost, side by side.
+
+Every repetition runs vanilla and each setting in turn on each prompt (interleaved, so machine drift hits all
+equally); medians over repetitions. This is how the defaults in config.py were chosen; `fafo bench` will
+supersede it for reporting.
+
+    python scripts/fafo_sweep.py --tokens 256 --repeats 3 \
+        --settings "W=2,k=4,G=2,P=2" "W=1,k=6,G=2,P=3" --prompts examples/rewrite.txt examples/prompt.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from fafo_cli import load
+
+KEYS = {"W": "streams", "k": "ngram", "G": "guesses", "P": "prefix", "B": "budget", "C": "compressor",
+        "S": "sink", "N": "pool_per_key"}
+
+
+def parse(spec: str) -> dict:
+    out = {}
+    for part in spec.split(","):
+        key, value = part.split("=")
+        out[KEYS[key]] = value if key == "C" else int(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--settings", nargs="+", required=True)
+    parser.add_argument("--prompts", nargs="+", default=["examples/rewrite.txt", "examples/prompt.txt"])
+    args = parser.parse_args()
+
+    engine = load(args.model, dtype=args.dtype)
+    runs = [("vanilla", dict(method="vanilla"))] + [(s, dict(method="fafo", **parse(s))) for s in args.settings]
+    for path in args.prompts:
+        prompt = Path(path).read_text()
+        results: dict[str, list] = {name: [] for name, _ in runs}
+        reference = None
+        for _ in range(args.repeats):
+            for name, settings in runs:
+                engine.reset()
+                result = engine.complete(prompt, max_tokens=args.tokens, **settings)
+                if name == "vanilla":
+                    reference = result.token_ids
+                same = _common_prefix(result.token_ids, reference)
+                results[name].append((result.stats, same, len(result.token_ids)))
+        base = statistics.median(s.tokens_per_s for s, _, _ in results["vanilla"])
+        base_step = statistics.median(s.decode_s / max(1, s.steps - 1) for s, _, _ in results["vanilla"])
+        print(f"\n{path} ({len(engine.encode(prompt))} prompt tokens, {args.tokens} new, {args.dtype}, "
+              f"median of {args.repeats})")
+        print(f"{'setting':28s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'ms/step':>8s} {'step cost':>9s} "
+              f"{'accept':>7s} {'same as vanilla':>16s}")
+        for name, _ in runs:
+            stats = [s for s, _, _ in results[name]]
+            speed = statistics.median(s.tokens_per_s for s in stats)
+            tau = statistics.median(s.tokens_per_step for s in stats)
+            step = statistics.median(s.decode_s / max(1, s.steps - 1) for s in stats)
+            rate = statistics.median(s.acceptance_rate or 0 for s in stats)
+            same, total = results[name][-1][1], results[name][-1][2]
+            print(f"{name:28s} {speed:7.1f} {speed / base:7.2f}x {tau:5.2f} {step * 1e3:8.1f} "
+                  f"{step / base_step:8.2f}x {rate:7.0%} {same:>7d}/{total} tok")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""FAFO is lossless: float32 token ids identical to transformers' greedy generate, across architectures,
+settings (edge ones included) and prompts shorter and longer than the compressed budget."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+from fafo_cli import load
+
+from .conftest import VARIANTS, hf_greedy
+
+SHORT = "one two three four five six seven eight"  # ~40 byte tokens: within every budget below but 16
+# ~300 tokens of text with repeats, so pool guesses do get accepted (the commit path is exercised)
+LONG = ("The cat sat on the mat. The dog sat on the log. " * 3 + "Where did the cat sit? " +
+        "A bird sang on a branch while the wind moved the leaves. " * 2)
+
+SETTINGS = {
+    "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),
+    "none": dict(streams=3, ngram=3, guesses=3, prefix=2, compressor="none"),
+    "no-guesses": dict(streams=2, ngram=4, guesses=0, prefix=2, budget=64, sink=4),
+    "one-stream": dict(streams=1, ngram=5, guesses=2, prefix=1, budget=64, sink=0),
+    "budget-covers-all": dict(streams=2, ngram=3, guesses=2, prefix=3, budget=4096, sink=4),
+    "wide": dict(streams=5, ngram=6, guesses=5, prefix=3, pool_per_key=2, budget=16, sink=2),
+}
+TOKENS = 256
+
+
+@lru_cache(maxsize=None)
+def reference(folder, prompt_ids: tuple[int, ...]) -> list[int]:
+    return hf_greedy(folder, list(prompt_ids), TOKENS)
+
+
+@lru_cache(maxsize=None)
+def engine_for(folder):
+    return load(str(folder), dtype="float32", chat_template=False, method="fafo")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fafo_matches_transformers_greedy(tiny_models, variant, setting):
+    engine = engine_for(tiny_models[variant])
+    accepted = 0
+    for prompt in (SHORT, LONG):
+        ids = engine.encode(prompt)
+        result = engine.complete(prompt, max_tokens=TOKENS, **SETTINGS[setting])
+        assert result.token_ids == reference(tiny_models[variant], tuple(ids)), (variant, setting, len(ids))
+        stats = result.stats
+        assert stats.generated_tokens == TOKENS and stats.steps <= TOKENS
+        assert stats.accepted_tokens == TOKENS - stats.steps  # every token beyond one per step was a guess
+        accepted += stats.accepted_tokens
+        if SETTINGS[setting]["guesses"] == 0:
+            assert stats.drafted_tokens == 0  # G = 0: nothing is verified, the window only feeds the pool
+        # what the last step's fumble rows saw: the whole cache, or the budget once the context exceeds it
+        budget = SETTINGS[setting].get("budget", 10**9)
+        assert len(ids) + TOKENS // 2 < stats.fumble_positions < len(ids) + TOKENS or stats.fumble_positions == budget
+    assert accepted > 0 or SETTINGS[setting]["guesses"] == 0  # guesses were accepted and committed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["default", "none"])
+def test_fafo_matches_transformers_on_smollm2(smollm2, setting):
+    engine = load(str(smollm2), dtype="float32", method="fafo")
+    prompts = [
+        "Write a short poem about the ocean.",  # chat, shorter than the budget
+        "Rewrite the following text, fixing any typos, and keep everything else identical:\n\n"
+        + ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+           "How vexingly quick daft zebras jump! The five boxing wizards jump quickly. ") * 6,
+    ]
+    settings = dict(SETTINGS[setting], budget=128) if setting == "default" else SETTINGS[setting]
+    for prompt in prompts:
+        ids = engine.encode(prompt)
+        result = engine.complete(prompt, max_tokens=TOKENS, **settings)
+        assert result.token_ids == reference(smollm2, tuple(ids)), (setting, len(ids))
+    assert result.stats.tokens_per_step > 1.5  # the copy-heavy prompt is copied in large accepted runs
+
+
+def test_stop_token_inside_an_accepted_run(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    full = engine.complete(LONG, max_tokens=120)
+    steps = list(engine.stream(LONG, max_tokens=120))
+    # find a step that emitted several tokens and stop on its second one
+    step = next(s for s in steps if len(s.token_ids) >= 3)
+    stop = step.token_ids[1]
+    first = full.token_ids.index(stop)
+    engine.stop_ids = frozenset({stop})
+    result = engine.complete(LONG, max_tokens=120)
+    assert result.token_ids == full.token_ids[:first + 1] and result.finish_reason == "stop"
+    engine.stop_ids = frozenset()
+    for limit in (1, 2, 7, 50):  # the token limit cuts inside accepted runs too
+        limited = engine.complete(LONG, max_tokens=limit)
+        assert limited.token_ids == full.token_ids[:limit] and limited.finish_reason == "length"
+
+
+def test_context_end_falls_back_to_plain_steps(tmp_path):
+    from .conftest import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=96)
+    engine = load(str(folder), dtype="float32", chat_template=False, method="fafo", streams=3, ngram=5,
+                  guesses=3, budget=32)
+    ids = engine.encode("abc abc abc abc abc")
+    result = engine.complete("abc abc abc abc abc", max_tokens=500)
+    assert result.finish_reason == "context" and len(ids) + len(result.token_ids) == 96
+    assert result.token_ids == hf_greedy(folder, ids, 96 - len(ids))
+
+
+def test_fafo_chat_turns_reuse_the_cache(tiny):
+    engine = load(str(tiny), dtype="float32", method="fafo", budget=32)
+    messages = [{"role": "user", "content": "hello " * 20}]
+    first = engine.complete(messages, max_tokens=60)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "again"}]
+    second = engine.complete(messages, max_tokens=60)
+    assert second.stats.cached_prompt_tokens > 0
+    assert second.token_ids == hf_greedy(tiny, engine.encode(messages), 60)
+
+
+def test_sampling_is_refused_with_a_clear_message(tiny):
+    from fafo_cli.errors import FafoError
+
+    engine = load(str(tiny), dtype="float32", method="fafo")
+    with pytest.raises(FafoError, match="--method fafo decodes greedily for now"):
+        engine.complete("hi", temperature=0.7)

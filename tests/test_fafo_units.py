@@ -1,0 +1,164 @@
+"""FAFO's pieces against hand-checked cases and direct references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.engine.attention import FafoAttention, PrefixMasks
+from fafo_cli.engine.cache import KVCache
+from fafo_cli.engine.compressors import make_compressor
+from fafo_cli.engine.fafo import step_layout
+from fafo_cli.engine.model import causal_attention
+from fafo_cli.engine.pool import NgramPool
+from fafo_cli.engine.verify import accept_greedy
+from fafo_cli.engine.window import LookaheadWindow, window_layout
+
+
+def test_window_layout_hand_checked():
+    # W=3 streams, 3 levels. Rows: (0,1) (0,2) | (1,0) (1,1) (1,2) | (2,0) (2,1) (2,2)
+    layout = window_layout(3, 3)
+    assert layout.offsets == (1, 2, 1, 2, 3, 2, 3, 4)  # level + column
+    expected = [  # columns: anchor, then the 8 rows
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],  # (0,1): anchor, itself
+        [1, 1, 1, 0, 0, 0, 0, 0, 0],  # (0,2): anchor, (0,1), itself
+        [1, 0, 0, 1, 0, 0, 0, 0, 0],  # (1,0): anchor, itself
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],  # (1,1): anchor, (0,1), itself
+        [1, 1, 1, 0, 0, 1, 0, 0, 0],  # (1,2): anchor, (0,1), (0,2), itself
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],  # (2,0): anchor, (1,0), itself
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],  # (2,1): anchor, (0,1), (1,1), itself
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],  # (2,2): anchor, (0,1), (0,2), (1,2), itself
+    ]
+    assert layout.local_mask.int().tolist() == expected
+    assert layout.predictors == (5, 6, 7)
+    # Each row's visible tokens occupy positions t..t+offset without gaps (the staircase).
+    for r, offset in enumerate(layout.offsets):
+        seen = [0] + [layout.offsets[c - 1] for c in range(1, 9) if expected[r][c]]
+        assert sorted(seen) == list(range(offset + 1))
+    # One level filled: the anchor predicts column 0, the level-0 rows the others.
+    assert window_layout(3, 1).predictors == (-1, 0, 1)
+
+
+def test_window_warms_up_then_yields_kgrams_and_shifts():
+    window = LookaheadWindow(streams=2, ngram=3, prefix=2, seed_tokens=[7])
+    assert window.levels == [[7]]
+    assert window.advance(100, [10, 11]) == [] and window.advance(101, [20, 21]) == []  # warm-up: k-1 steps
+    assert window.levels == [[7], [10, 11], [20, 21]]
+    found = window.advance(102, [30, 31])
+    # stream i: its levels 1..k-1 and the new token, keyed by what preceded it (anchor / level-0 token)
+    assert found == [([102], (10, 20, 30)), ([7], (11, 21, 31))]
+    assert window.levels == [[11], [20, 21], [30, 31]]  # level 1 became level 0 (its column 0 gave way)
+    found = window.advance(103, [40, 41])
+    assert found == [([102, 103], (20, 30, 40)), ([7, 11], (21, 31, 41))]
+
+
+def test_pool_keys_lru_and_retrieval_order():
+    pool = NgramPool(ngram=2, prefix=2, per_key=2)
+    pool.add([1, 2], (3, 4))  # under (2,) and (1, 2)
+    assert pool.keys == 2 and pool.ngrams == 2
+    pool.add([9, 2], (5, 6))  # under (2,) and (9, 2)
+    pool.add([2], (7, 8))  # (2,) now holds (3,4) (5,6) (7,8) -> the oldest (3,4) is dropped
+    assert pool.lookup([2], 10) == [(7, 8), (5, 6)]  # newest first
+    pool.add([2], (5, 6))  # re-inserting refreshes
+    assert pool.lookup([2], 10) == [(5, 6), (7, 8)]
+    # longest key first: (1, 2) knows (3, 4), then the shorter key's n-grams, without duplicates
+    assert pool.lookup([0, 1, 2], 10) == [(3, 4), (5, 6), (7, 8)]
+    assert pool.lookup([0, 1, 2], 2) == [(3, 4), (5, 6)]
+    assert pool.lookup([5], 3) == []
+    assert pool.lookup([0, 1, 2], 0) == []
+
+
+def test_pool_seeding_from_text_and_key_bound():
+    pool = NgramPool(ngram=2, prefix=1, per_key=4)
+    pool.add_text([1, 2, 3, 1, 2, 4])
+    assert pool.lookup([1], 5) == [(2, 4), (2, 3)]
+    assert pool.lookup([2], 5) == [(3, 1)]  # the last 2 is followed by one token only
+    assert pool.lookup([3], 5) == [(1, 2)]
+    pool.add_text([1, 2, 3, 1, 2, 4, 1, 2, 5], new=3)  # only n-grams ending in the 3 new tokens
+    assert pool.lookup([1], 5) == [(2, 5), (2, 4), (2, 3)]
+    bounded = NgramPool(ngram=1, prefix=1, per_key=1, max_keys=3)
+    for token in range(10):
+        bounded.add([token], (0,))
+    assert bounded.keys == 3 and bounded.ngrams == 3
+    assert bounded.lookup([9], 1) == [(0,)] and bounded.lookup([0], 1) == []
+
+
+def test_accept_greedy():
+    # anchor predicts 5; candidate 0 = (5, 6, 9): after 5 the model says 6, after 6 it says 7 -> accept 2
+    predictions = [6, 7, 1, 5, 2, 3]
+    assert accept_greedy(5, [(5, 6, 9), (4, 4, 4)], predictions, 3) == (0, 2)
+    assert accept_greedy(5, [(4, 4, 4), (5, 2, 3)], [0, 0, 0, 2, 3, 8], 3) == (1, 3)
+    assert accept_greedy(5, [(1, 2, 3)], [0, 0, 0], 3) == (0, 0)
+    assert accept_greedy(5, [], [], 3) == (0, 0)
+
+
+def test_stream_selection_is_sink_plus_recent():
+    cache = KVCache(2, 1, 2, max_slots=64, dtype=torch.float32, device=torch.device("cpu"))
+    compressor = make_compressor("stream", budget=8, sink=3, tail_rows=4)
+    positions = torch.arange(20, dtype=torch.float32)
+    for start in range(0, 20, 3):  # commit in uneven pieces, as accepted runs do
+        count = min(3, 20 - start)
+        rows = positions[start:start + count].view(count, 1, 1).expand(count, 1, 2)
+        for layer in range(2):
+            cache.write(layer, rows, -rows)
+        cache.commit(count)
+        if start == 0:
+            compressor.rebuild(cache)
+        else:
+            compressor.committed(cache, start, count)
+        expected = sorted(set(range(min(3, cache.length))) | set(range(max(0, cache.length - 5), cache.length)))
+        assert compressor.selected_positions(cache) == expected
+        view = compressor.view(1)
+        if cache.length <= 8:
+            assert view is None and compressor.visible(cache) == cache.length
+        else:
+            keys = sorted(int(k) for k in view[0][:8, 0, 0])
+            assert keys == expected and compressor.visible(cache) == 8
+            assert sorted(int(-v) for v in view[1][:8, 0, 0]) == expected
+
+
+@pytest.mark.parametrize("compressor_name", ["stream", "none"])
+def test_fumble_rows_equal_a_forward_over_the_gathered_cache(tiny_models, compressor_name):
+    """The window rows' logits from FAFO's attention equal those of a plain forward pass whose cache holds
+    only C(kv) (physically gathered, original positions) plus the anchor."""
+    engine = load(str(tiny_models["qwen2-bias"]), dtype="float32", chat_template=False)
+    model, session = engine.model, engine.session
+    prompt = engine.encode("The cat sat on the mat. " * 6)
+    session.prefill(prompt[:-1] + [prompt[-1]], reserve=64)
+    anchor = prompt[-1]
+    cache, start = session.cache, session.cache.length
+    compressor = make_compressor(compressor_name, budget=24, sink=4, tail_rows=32)
+    compressor.rebuild(cache)
+    candidates = [(5, 6, 7), (8, 9, 10)]
+    window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)
+    window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
+    layout = step_layout(len(candidates), 3, 3, 3)
+    rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
+    attend = FafoAttention(cache, compressor, model.scaling, PrefixMasks(model.device),
+                           verify_rows=layout.verify_rows, verify_local=layout.verify_local,
+                           window_local=layout.window_local, combined_local=layout.combined_local)
+    logits = model.forward(torch.tensor(rows), start + layout.offsets, cache, attend)
+    fafo_window = logits[layout.verify_rows:]
+
+    # Reference: the anchor committed by a plain step, then C(kv) + anchor gathered into a fresh cache.
+    session.step(anchor)
+    selected = list(range(start)) if compressor_name == "none" else _stream_positions(start, 24, 4)
+    keep = torch.tensor(selected + [start])
+    gathered = model.new_cache(initial_slots=len(keep) + len(rows))
+    gathered.keys[:, :len(keep)] = cache.keys[:, keep]
+    gathered.values[:, :len(keep)] = cache.values[:, keep]
+    gathered.commit(len(keep))
+    local = layout.window_local[:, 1:]
+    mask = torch.cat([torch.ones(local.shape[0], len(keep), dtype=torch.bool), local], dim=1)
+    window_offsets = layout.offsets[layout.verify_rows:]
+    expected = model.forward(torch.tensor(window.tokens()), start + window_offsets, gathered,
+                             causal_attention(mask, model.scaling))
+    torch.testing.assert_close(fafo_window, expected, atol=2e-4, rtol=1e-4)
+    # and the verify rows really saw more: a compressed view changes the anchor's logits
+    if compressor_name == "stream":
+        assert len(selected) < start
+
+
+def _stream_positions(length: int, budget: int, sink: int) -> list[int]:
+    return list(range(sink)) + list(range(length - (budget - sink), length))
