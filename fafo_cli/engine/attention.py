@@ -53,6 +53,11 @@ class FafoAttention:
             self.visible = compressor.visible(cache)
             self.verify_mask = masks.get("verify", length, verify_local)
             self.window_mask = masks.get("window", self.visible, window_local)
+            # the anchor's and the window rows' slots in the cache, copied after the view in each layer
+            window = window_local.shape[0]
+            start = length + verify_rows
+            self.window_source = torch.cat([torch.tensor([length]), torch.arange(start, start + window)]).to(
+                cache.device)
         else:
             self.mask = masks.get("all", length, combined_local)
 
@@ -66,12 +71,9 @@ class FafoAttention:
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.visible
-        window = q.shape[2] - n_verify
-        view_k[n] = self.cache.keys[layer, start]
-        view_v[n] = self.cache.values[layer, start]
-        view_k[n + 1:n + 1 + window] = self.cache.keys[layer, verify_end:verify_end + window]
-        view_v[n + 1:n + 1 + window] = self.cache.values[layer, verify_end:verify_end + window]
-        end = n + 1 + window
+        end = n + len(self.window_source)
+        torch.index_select(self.cache.keys[layer], 0, self.window_source, out=view_k[n:end])
+        torch.index_select(self.cache.values[layer], 0, self.window_source, out=view_v[n:end])
         fumble = F.scaled_dot_product_attention(q[:, :, n_verify:], view_k[:end].transpose(0, 1)[None],
                                                 view_v[:end].transpose(0, 1)[None], attn_mask=self.window_mask,
                                                 scale=self.scaling, enable_gqa=True)
