@@ -55,10 +55,21 @@ PoolPerKey = Annotated[Optional[int], typer.Option("--pool-per-key", help="fafo:
                                                    show_default=False, rich_help_panel="FAFO")]
 Compressor = Annotated[Optional[str], typer.Option(help=f"fafo: {' | '.join(config_mod.COMPRESSORS)}",
                                                    show_default=False, rich_help_panel="FAFO")]
-Budget = Annotated[Optional[int], typer.Option("--budget", "-B", help="fafo: compressed budget B (tokens).",
+Budget = Annotated[Optional[float], typer.Option("--budget", "-B", help="fafo: compressed budget B: tokens, or a "
+                                                 "fraction of the prompt (0.1).", show_default=False,
+                                                 rich_help_panel="FAFO")]
+Sink = Annotated[Optional[int], typer.Option(help="stream: first positions always kept.", show_default=False,
+                                             rich_help_panel="FAFO")]
+PageSize = Annotated[Optional[int], typer.Option(help="quest: tokens per page.", show_default=False,
+                                                 rich_help_panel="FAFO")]
+Refresh = Annotated[Optional[int], typer.Option(help="quest: re-select pages every N new tokens.",
+                                                show_default=False, rich_help_panel="FAFO")]
+Window = Annotated[Optional[int], typer.Option(help="snapkv/h2o: prompt queries observed at prefill.",
                                                show_default=False, rich_help_panel="FAFO")]
-Sink = Annotated[Optional[int], typer.Option(help="fafo: sink tokens kept by the stream compressor.",
-                                             show_default=False, rich_help_panel="FAFO")]
+Kernel = Annotated[Optional[int], typer.Option(help="snapkv: score smoothing width (odd).", show_default=False,
+                                               rich_help_panel="FAFO")]
+Recent = Annotated[Optional[int], typer.Option(help="h2o: recent positions always kept.", show_default=False,
+                                               rich_help_panel="FAFO")]
 
 
 def _version(value: bool) -> None:
@@ -71,6 +82,12 @@ def _version(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Show the version and exit.")] = False) -> None:
     """Lossless fast decoding for local LLMs (FAFO)."""
+
+
+def _config_flags(arguments: dict) -> dict:
+    """The command's arguments that are config keys (None: not given, the file's value stands)."""
+    keys = config_mod.Config().to_dict()
+    return {k: v for k, v in arguments.items() if k in keys}
 
 
 def _read_prompt(source: str) -> str:
@@ -115,6 +132,8 @@ def run(
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
+    page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
+    recent: Recent = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
@@ -125,12 +144,7 @@ def run(
     from .ui import StreamView, consoles, method_label
 
     text = _read_prompt(prompt)
-    settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                                  device=device, system=system, chat_template=chat_template,
-                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                                  streams=streams, ngram=ngram, guesses=guesses, prefix=prefix,
-                                  pool_per_key=pool_per_key, compressor=compressor, budget=budget, sink=sink)
+    settings = config_mod.resolve(config, **_config_flags(locals()))
     out, err = consoles()
     engine = _load(settings, err)
     if as_json:
@@ -152,17 +166,14 @@ def chat(
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
+    page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
+    recent: Recent = None,
 ) -> None:
     """Multi-turn chat with the same live panel. /help lists the commands."""
     from .chat import Repl
     from .ui import consoles
 
-    settings = config_mod.resolve(config, model=model, method=method, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                                  device=device, system=system, chat_template=chat_template,
-                                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                                  streams=streams, ngram=ngram, guesses=guesses, prefix=prefix,
-                                  pool_per_key=pool_per_key, compressor=compressor, budget=budget, sink=sink)
+    settings = config_mod.resolve(config, **_config_flags(locals()))
     out, err = consoles()
     Repl(_load(settings, err), out, err).run()
 

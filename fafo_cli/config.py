@@ -17,7 +17,7 @@ import yaml
 from .errors import FafoError
 
 METHODS = ("vanilla", "fafo")
-COMPRESSORS = ("none", "stream")
+COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -25,6 +25,17 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False):
     return field(default=default, metadata=dict(help=help, choices=choices, low=low, high=high,
                                                 low_open=low_open, nullable=nullable))
+
+
+def _budget(value: Any) -> int | float:
+    """Tokens (an integer >= 1) or a fraction of the prompt (a number in (0, 1))."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FafoError(f"config key 'budget' must be a number of tokens or a fraction (got {value!r})")
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        value = int(value)
+    if isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1:
+        return value
+    raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {value})")
 
 
 @dataclass(frozen=True)
@@ -55,8 +66,14 @@ class Config:
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
     compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see", choices=COMPRESSORS)
-    budget: int = _opt(256, "fafo: compressed budget B, in tokens", low=1)
-    sink: int = _opt(4, "fafo: first positions always kept by the stream compressor (< budget)", low=0)
+    budget: int | float = _opt(256, "fafo: compressed budget B: tokens (>= 1) or a fraction of the prompt "
+                                    "(e.g. 0.1)")
+    sink: int = _opt(4, "fafo stream: first positions always kept (< budget)", low=0)
+    page_size: int = _opt(16, "fafo quest: tokens per page", low=1, high=4096)
+    refresh: int = _opt(16, "fafo quest: re-select pages every this many new tokens", low=1)
+    window: int = _opt(32, "fafo snapkv/h2o: prompt queries observed at prefill", low=1)
+    kernel: int = _opt(7, "fafo snapkv: width of the score smoothing (max pooling; odd)", low=1, high=63)
+    recent: int = _opt(64, "fafo h2o: most recent positions always kept (< budget)", low=1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +86,8 @@ def _check(name: str, value: Any, spec) -> Any:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)
+    if name == "budget":
+        return _budget(value)
     if kind is bool:
         if not isinstance(value, bool):
             raise FafoError(f"config key '{name}' must be true or false (got {value!r})")
@@ -101,10 +120,29 @@ def build(base: Config | None = None, **changes: Any) -> Config:
         raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(known)})")
     given = {k: _check(k, v, known[k]) for k, v in changes.items() if v is not None}
     config = replace(base or Config(), **given)
-    if config.sink >= config.budget:
-        raise FafoError(f"config key 'sink' must be smaller than 'budget' (got sink {config.sink}, "
-                        f"budget {config.budget})")
+    _check_compressor(config)
     return config
+
+
+def _check_compressor(config: Config) -> None:
+    """The chosen compressor's parts must fit in its budget (checked here when the budget is in tokens)."""
+    if config.kernel % 2 == 0:
+        raise FafoError(f"config key 'kernel' must be odd (got {config.kernel})")
+    if not isinstance(config.budget, int) or config.compressor not in MIN_BUDGET:
+        return
+    what, least = MIN_BUDGET[config.compressor](config)
+    if config.budget < least:
+        raise FafoError(f"config key 'budget' ({config.budget}) is too small for the {config.compressor} "
+                        f"compressor: it needs at least {what} = {least}")
+
+
+# compressor -> (what its budget must hold, the least budget in tokens)
+MIN_BUDGET = {
+    "stream": lambda c: ("sink + 1", c.sink + 1),
+    "quest": lambda c: ("page_size + refresh", c.page_size + c.refresh),
+    "snapkv": lambda c: ("window + 1", c.window + 1),
+    "h2o": lambda c: ("recent + 1", c.recent + 1),
+}
 
 
 def user_config_path() -> Path:

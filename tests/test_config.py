@@ -52,10 +52,26 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("temperature: .nan\n", "'temperature' must be a number"),
     ("- a\n- b\n", "must be a mapping"),
     ("a: [\n", "is not valid YAML"),
+    ("budget: 0\n", "'budget' must be an integer >= 1 \\(tokens\\) or a fraction in \\(0, 1\\)"),
+    ("budget: 1.5\n", "'budget' must be an integer >= 1"),
+    ("budget: many\n", "'budget' must be a number of tokens or a fraction"),
+    ("compressor: quest\nbudget: 20\n", "too small for the quest compressor: it needs at least page_size \\+ "
+                                         "refresh = 32"),
+    ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
+    ("kernel: 4\n", "'kernel' must be odd"),
+    ("compressor: lz4\n", "'compressor' must be one of none, stream, quest, snapkv, h2o"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):
         config_mod.load_file(write(tmp_path, text))
+
+
+def test_budget_tokens_or_fraction(tmp_path):
+    assert config_mod.load_file(write(tmp_path, "budget: 0.1\n")).budget == 0.1
+    assert config_mod.load_file(write(tmp_path, "budget: 300\n")).budget == 300
+    assert config_mod.load_file(write(tmp_path, "budget: 300.0\n")).budget == 300
+    # a fraction is resolved against the prompt, so the token minimum is checked per request
+    assert config_mod.load_file(write(tmp_path, "compressor: quest\nbudget: 0.01\n")).budget == 0.01
 
 
 def test_missing_and_unreadable_files(tmp_path):

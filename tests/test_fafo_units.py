@@ -8,7 +8,7 @@ import torch
 from fafo_cli import load
 from fafo_cli.engine.attention import FafoAttention, PrefixMasks
 from fafo_cli.engine.cache import KVCache
-from fafo_cli.engine.compressors import make_compressor
+from fafo_cli.engine.compressors import NoCompressor, StreamCompressor
 from fafo_cli.engine.fafo import step_layout
 from fafo_cli.engine.model import causal_attention
 from fafo_cli.engine.pool import NgramPool
@@ -95,7 +95,7 @@ def test_accept_greedy():
 
 def test_stream_selection_is_sink_plus_recent():
     cache = KVCache(2, 1, 2, max_slots=64, dtype=torch.float32, device=torch.device("cpu"))
-    compressor = make_compressor("stream", budget=8, sink=3, tail_rows=4)
+    compressor = StreamCompressor(budget=8, sink=3, tail_rows=4)
     positions = torch.arange(20, dtype=torch.float32)
     for start in range(0, 20, 3):  # commit in uneven pieces, as accepted runs do
         count = min(3, 20 - start)
@@ -128,7 +128,7 @@ def test_fumble_rows_equal_a_forward_over_the_gathered_cache(tiny_models, compre
     session.prefill(prompt[:-1] + [prompt[-1]], reserve=64)
     anchor = prompt[-1]
     cache, start = session.cache, session.cache.length
-    compressor = make_compressor(compressor_name, budget=24, sink=4, tail_rows=32)
+    compressor = StreamCompressor(budget=24, sink=4, tail_rows=32) if compressor_name == "stream" else NoCompressor()
     compressor.rebuild(cache)
     candidates = [(5, 6, 7), (8, 9, 10)]
     window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)

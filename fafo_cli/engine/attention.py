@@ -49,6 +49,7 @@ class FafoAttention:
         self.verify_rows = verify_rows
         length = cache.length
         self.split = compressor.view(0) is not None
+        self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
             self.visible = compressor.visible(cache)
             self.verify_mask = masks.get("verify", length, verify_local)
@@ -62,9 +63,11 @@ class FafoAttention:
             self.mask = masks.get("all", length, combined_local)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_verify, start = self.verify_rows, self.cache.length
+        if self.observe is not None:  # query-aware compressors learn from the anchor row
+            self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
         if not self.split:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
-        n_verify, start = self.verify_rows, self.cache.length
         verify_end = start + n_verify
         verify = F.scaled_dot_product_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end],
                                                 attn_mask=self.verify_mask, scale=self.scaling, enable_gqa=True)

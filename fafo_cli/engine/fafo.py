@@ -8,12 +8,14 @@ the output is exactly plain greedy decoding's; the window only feeds the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Iterator
 
 import torch
 
+from ..config import MIN_BUDGET
 from ..errors import FafoError
 from .attention import FafoAttention, PrefixMasks
 from .compressors import make_compressor
@@ -33,17 +35,28 @@ class FafoSettings:
     prefix: int  # P
     pool_per_key: int
     compressor: str
-    budget: int  # B
-    sink: int
+    budget: int | float  # B: tokens, or a fraction of the prompt
+    sink: int  # stream
+    page_size: int  # quest
+    refresh: int  # quest
+    window: int  # snapkv, h2o
+    kernel: int  # snapkv
+    recent: int  # h2o
 
     @property
     def max_rows(self) -> int:
         return 1 + self.guesses * self.ngram + self.streams * self.ngram
 
+    def budget_tokens(self, prompt_length: int) -> int:
+        """B in tokens: as given, or the fraction of the prompt (at least what the compressor's parts need)."""
+        if isinstance(self.budget, int):
+            return self.budget
+        least = MIN_BUDGET[self.compressor](self)[1] if self.compressor in MIN_BUDGET else 1
+        return max(least, math.ceil(self.budget * prompt_length))
+
     @classmethod
     def from_config(cls, config) -> "FafoSettings":
-        return cls(config.streams, config.ngram, config.guesses, config.prefix, config.pool_per_key,
-                   config.compressor, config.budget, config.sink)
+        return cls(*(getattr(config, f.name) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         raise FafoError("--method fafo decodes greedily for now (temperature 0); use --method vanilla to sample")
     settings = FafoSettings.from_config(request.config)
     model, cache, k = session.model, session.cache, settings.ngram
-    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows)
+    compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
+                                 tail_rows=settings.streams * k, max_commit=k + 1)
+    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
+                                     observe=getattr(compressor, "observe_prefill", None))
+    compressor.rebuild(cache)
     emitter.prefilled(reused)
 
     anchor = int(logits.argmax())
@@ -93,14 +110,12 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     pool = NgramPool(k, settings.prefix, settings.pool_per_key)
     pool.add_text(text)
     window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
-    compressor = make_compressor(settings.compressor, budget=settings.budget, sink=settings.sink,
-                                 tail_rows=settings.streams * k)
-    compressor.rebuild(cache)
     masks = PrefixMasks(model.device)
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
         start = cache.length
+        compressor.prepare(cache)
         emitter.stats.fumble_positions = compressor.visible(cache)
         candidates = pool.lookup(text, settings.guesses)
         layout = step_layout(len(candidates), k, settings.streams, len(window.levels))

@@ -46,9 +46,11 @@ class Session:
         self.cache.truncate(length)
         del self.ids[length:]
 
-    def prefill(self, prompt_ids: list[int], reserve: int) -> tuple[torch.Tensor, int]:
-        """Bring the cache to `prompt_ids[:-1]` plus the last prompt token's logits; reserve slots beyond.
+    def prefill(self, prompt_ids: list[int], reserve: int, observe=None) -> tuple[torch.Tensor, int]:
+        """Bring the cache to `prompt_ids` and return the last prompt token's logits; reserve slots beyond.
 
+        `observe(layer, q [heads, rows, dim], keys [slots, kv_heads, dim], first_position)` sees each
+        prefilled chunk's queries (compressors that learn from the prompt use it).
         Returns (logits of the last prompt token, number of prompt tokens reused from the cache).
         """
         reused = 0
@@ -61,8 +63,10 @@ class Session:
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[start:start + PREFILL_CHUNK]
-            logits = self.forward(chunk, causal_attention(
-                prefix_causal_mask(start, len(chunk), self.model.device), self.model.scaling), last_only=True)
+            attend = causal_attention(prefix_causal_mask(start, len(chunk), self.model.device), self.model.scaling)
+            if observe is not None:
+                attend = _observed(attend, observe, self.cache, start)
+            logits = self.forward(chunk, attend, last_only=True)
             self.commit(chunk)
         return logits[-1], reused
 
@@ -83,6 +87,14 @@ class Session:
         logits = self.forward([token], causal_attention(None, self.model.scaling))
         self.commit([token])
         return logits[-1]
+
+
+def _observed(attend, observe, cache, first: int):
+    def wrapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        observe(layer, q[0], cache.keys[layer, :first + q.shape[2]], first)
+        return attend(layer, q, k, v)
+
+    return wrapped
 
 
 class Emitter:

@@ -14,15 +14,23 @@ from typing import Protocol
 import torch
 
 from ..cache import KVCache
+from .h2o import H2OCompressor
 from .none import NoCompressor
+from .quest import QuestCompressor
+from .snapkv import SnapKVCompressor
 from .stream import StreamCompressor
+
+COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 
 
 class Compressor(Protocol):
     name: str
 
     def rebuild(self, cache: KVCache) -> None:
-        """Select from scratch (after a prefill, or after the cache was rolled back)."""
+        """Select from scratch, right after a prefill."""
+
+    def prepare(self, cache: KVCache) -> None:
+        """Before a step: refresh the selection if it is due."""
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         """Positions start..start+count-1 were just committed to the cache."""
@@ -31,15 +39,27 @@ class Compressor(Protocol):
         """(keys, values) [slots, kv_heads, dim] holding C(kv) in their first `visible` slots, or None."""
 
     def visible(self, cache: KVCache) -> int:
-        """How many cache positions the fumble rows see."""
+        """How many cache positions the fumble rows see (the same in every layer)."""
+
+    # Optional: `needs_query = True` and observe(layer, anchor_query [heads, dim], cached_keys) to learn from
+    # the anchor row each step; observe_prefill(layer, q [heads, rows, dim], keys, first_position) to learn
+    # from the prefill's queries.
 
 
-def make_compressor(name: str, *, budget: int, sink: int, tail_rows: int) -> Compressor:
+def make_compressor(settings, *, prompt_length: int, scale: float, tail_rows: int, max_commit: int) -> Compressor:
+    """The compressor named in `settings` (FafoSettings), with its budget resolved in tokens."""
+    name, budget = settings.compressor, settings.budget_tokens(prompt_length)
     if name == "none":
         return NoCompressor()
     if name == "stream":
-        return StreamCompressor(budget=budget, sink=sink, tail_rows=tail_rows)
+        return StreamCompressor(budget=budget, sink=settings.sink, tail_rows=tail_rows)
+    if name == "quest":
+        return QuestCompressor(budget=budget, page_size=settings.page_size, refresh=settings.refresh,
+                               tail_rows=tail_rows, max_commit=max_commit)
+    if name == "snapkv":
+        return SnapKVCompressor(budget=budget, window=settings.window, kernel=settings.kernel,
+                                prompt_length=prompt_length, scale=scale, tail_rows=tail_rows)
+    if name == "h2o":
+        return H2OCompressor(budget=budget, recent=settings.recent, window=settings.window,
+                             prompt_length=prompt_length, scale=scale, tail_rows=tail_rows)
     raise ValueError(f"unknown compressor {name!r}")
-
-
-COMPRESSORS = ("none", "stream")

@@ -11,6 +11,9 @@ class NoCompressor:
     def rebuild(self, cache: KVCache) -> None:
         pass
 
+    def prepare(self, cache: KVCache) -> None:
+        pass
+
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         pass
 

@@ -9,54 +9,49 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
+from .view import SlotView
 
 
 class StreamCompressor:
     name = "stream"
 
     def __init__(self, *, budget: int, sink: int, tail_rows: int):
-        if not 0 <= sink < budget:
-            raise ValueError("sink must be smaller than the budget")
-        self.budget, self.sink, self.tail_rows = budget, sink, tail_rows
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.budget, self.sink, self.tail_rows = budget, min(sink, budget - 1), tail_rows
+        self.slots: SlotView | None = None
         self.active = False  # False while the whole cache fits in the budget
 
-    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        ring = self.budget - self.sink
-        return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % ring)
-
-    def _copy(self, cache: KVCache, positions: torch.Tensor) -> None:
-        slots = self._slots(positions)
-        self.keys[:, slots] = cache.keys[:, positions]
-        self.values[:, slots] = cache.values[:, positions]
+    def _ring(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.where(positions < self.sink, positions,
+                           self.sink + (positions - self.sink) % (self.budget - self.sink))
 
     def rebuild(self, cache: KVCache) -> None:
         self.active = cache.length > self.budget
         if not self.active:
             return
-        if self.keys is None:
-            shape = (cache.keys.shape[0], self.budget + self.tail_rows, *cache.keys.shape[2:])
-            self.keys = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            self.values = torch.empty_like(self.keys)
-        recent = torch.arange(cache.length - (self.budget - self.sink), cache.length, device=cache.device)
-        self._copy(cache, torch.cat([torch.arange(self.sink, device=cache.device), recent]))
+        if self.slots is None:
+            self.slots = SlotView(cache, self.budget, self.tail_rows)
+        device = cache.device
+        positions = torch.cat([torch.arange(self.sink, device=device),
+                               torch.arange(cache.length - (self.budget - self.sink), cache.length, device=device)])
+        self.slots.fill(cache, positions[torch.argsort(self._ring(positions))])  # slot s holds ring position s
+
+    def prepare(self, cache: KVCache) -> None:
+        pass
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:
             if cache.length > self.budget:
                 self.rebuild(cache)
             return
-        self._copy(cache, torch.arange(start, start + count, device=cache.device))
+        positions = torch.arange(start, start + count, device=cache.device)
+        self.slots.put(cache, self._ring(positions), positions)
 
     def view(self, layer: int):
-        return (self.keys[layer], self.values[layer]) if self.active else None
+        return self.slots.layer(layer) if self.active else None
 
     def visible(self, cache: KVCache) -> int:
         return min(cache.length, self.budget)
 
-    def selected_positions(self, cache: KVCache) -> list[int]:
-        """C(kv) as positions (for tests and inspection)."""
-        if not self.active:
-            return list(range(cache.length))
-        return list(range(self.sink)) + list(range(cache.length - (self.budget - self.sink), cache.length))
+    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
+        """C(kv) as sorted positions (for tests and inspection)."""
+        return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -1,0 +1,115 @@
+"""`quest` (Quest, query-aware page selection).
+
+The cache is split into pages of `page_size` positions; each page keeps the element-wise min and max of
+its keys, updated as tokens are committed. Pages are scored with the latest anchor query by the upper bound
+Σ_d max(q_d·min_d, q_d·max_d) (summed over the query heads of each kv group and over groups), and the top
+pages (the newest page always among them) fill the budget, leaving room for the tokens committed until
+the next refresh, every `refresh` new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache import KVCache
+from .view import SlotView
+
+
+def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound per page. q: [heads, dim]; page_min/max: [pages, kv_heads, dim] -> [pages]."""
+    kv_heads = page_min.shape[1]
+    grouped = q.float().view(kv_heads, -1, q.shape[-1])  # [kv, group, dim]
+    low = page_min.float()[:, :, None, :] * grouped[None]
+    high = page_max.float()[:, :, None, :] * grouped[None]
+    return torch.maximum(low, high).sum(-1).sum((1, 2))
+
+
+class QuestCompressor:
+    name = "quest"
+    needs_query = True
+
+    def __init__(self, *, budget: int, page_size: int, refresh: int, tail_rows: int, max_commit: int):
+        self.budget, self.page_size, self.refresh = budget, page_size, refresh
+        self.pages_kept = max(1, (budget - refresh) // page_size)
+        self.tail_rows, self.max_commit = tail_rows, max_commit
+        self.slots: SlotView | None = None
+        self.page_min = self.page_max = None
+        self.query: list[torch.Tensor | None] = []
+        self.active = False
+        self.refreshed_at = 0
+
+    def _update_pages(self, cache: KVCache, first_page: int, end: int) -> None:
+        ps = self.page_size
+        pages = math.ceil(end / ps)
+        if self.page_min is None or self.page_min.shape[1] < pages:
+            grow = max(pages, 2 * (0 if self.page_min is None else self.page_min.shape[1]))
+            shape = (cache.keys.shape[0], grow, *cache.keys.shape[2:])
+            page_min, page_max = torch.empty(shape, dtype=cache.dtype), torch.empty(shape, dtype=cache.dtype)
+            if self.page_min is not None:
+                page_min[:, :self.page_min.shape[1]] = self.page_min
+                page_max[:, :self.page_max.shape[1]] = self.page_max
+            self.page_min, self.page_max = page_min.to(cache.device), page_max.to(cache.device)
+        for page in range(first_page, pages):
+            block = cache.keys[:, page * ps:min(end, (page + 1) * ps)]
+            self.page_min[:, page] = block.amin(1)
+            self.page_max[:, page] = block.amax(1)
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
+        self.observe(layer, q[:, -1], keys)
+
+    def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        """Remember the newest query row ([heads, dim]) of each layer for the next selection."""
+        while len(self.query) <= layer:
+            self.query.append(None)
+        self.query[layer] = q.detach().clone()
+
+    def rebuild(self, cache: KVCache) -> None:
+        self._update_pages(cache, 0, cache.length)
+        self.active = cache.length > self.budget
+        if self.active:
+            self._select(cache)
+
+    def _select(self, cache: KVCache) -> None:
+        ps, length = self.page_size, cache.length
+        pages = math.ceil(length / ps)
+        keep = min(self.pages_kept, pages)
+        chosen = []
+        for layer in range(cache.keys.shape[0]):
+            scores = page_bounds(self.query[layer], self.page_min[layer, :pages], self.page_max[layer, :pages])
+            scores[pages - 1] = float("inf")  # the newest page is always in
+            chosen.append(torch.topk(scores, keep).indices)
+        chosen = torch.stack(chosen).sort(-1).values  # [layers, keep], the newest page last
+        offsets = torch.arange(ps, device=cache.device)
+        positions = (chosen[:, :-1, None] * ps + offsets).flatten(1)
+        newest = torch.arange((pages - 1) * ps, length, device=cache.device).expand(len(chosen), -1)
+        if self.slots is None:
+            self.slots = SlotView(cache, self.budget + self.max_commit, self.tail_rows)
+        self.slots.fill(cache, torch.cat([positions, newest], dim=1))
+        self.refreshed_at = length
+
+    def prepare(self, cache: KVCache) -> None:
+        due = cache.length - self.refreshed_at >= self.refresh or self.slots.size + self.max_commit > self.budget
+        if self.active and due:
+            self._select(cache)
+
+    def committed(self, cache: KVCache, start: int, count: int) -> None:
+        self._update_pages(cache, start // self.page_size, start + count)
+        if not self.active:
+            if cache.length > self.budget:
+                self.active = True
+                self._select(cache)
+            return
+        slots = torch.arange(self.slots.size, self.slots.size + count, device=cache.device)
+        self.slots.put(cache, slots, torch.arange(start, start + count, device=cache.device))
+        self.slots.size += count
+
+    def view(self, layer: int):
+        return self.slots.layer(layer) if self.active else None
+
+    def visible(self, cache: KVCache) -> int:
+        return self.slots.size if self.active else cache.length
+
+    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
+        return self.slots.selected(layer) if self.active else list(range(cache.length))

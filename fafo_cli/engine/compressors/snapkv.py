@@ -1,0 +1,107 @@
+"""`snapkv` (SnapKV): select prompt positions by what the end of the prompt attends to.
+
+At every prefill (so at each new chat turn too: re-selecting per turn avoids SnapKV's multi-turn failure)
+the last `window` prompt queries score every prompt position by attention weight (summed over queries and
+heads), the scores are smoothed by 1-D max pooling of width `kernel`, and the top positions per layer are
+kept with the window itself. Tokens generated since the prefill follow, in a ring of a quarter of the
+budget (the oldest dropped first when over budget).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+from .scores import attention_weights
+from .view import SlotView
+
+
+class ObservationScores:
+    """Attention mass each prompt position receives from the last `window` prompt queries, per layer."""
+
+    def __init__(self, window: int, prompt_length: int, scale: float):
+        self.window, self.prompt_length, self.scale = window, prompt_length, scale
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
+        positions = torch.arange(first, first + q.shape[1], device=q.device)
+        rows = positions >= self.prompt_length - self.window
+        if not rows.any():
+            return
+        weights = attention_weights(q[:, rows], keys, self.scale, positions[rows])
+        total = self.scores.get(layer)
+        if total is None or total.shape[0] < weights.shape[0]:
+            grown = torch.zeros(weights.shape[0], device=q.device)
+            if total is not None:
+                grown[:total.shape[0]] = total
+            total = grown
+        total[:weights.shape[0]] += weights
+        self.scores[layer] = total
+
+    def layer(self, layer: int, length: int) -> torch.Tensor:
+        scores = self.scores.get(layer)
+        out = torch.zeros(length)
+        if scores is not None:
+            out[:min(length, scores.shape[0])] = scores[:length].cpu()
+        return out
+
+
+class SnapKVCompressor:
+    name = "snapkv"
+
+    def __init__(self, *, budget: int, window: int, kernel: int, prompt_length: int, scale: float, tail_rows: int):
+        self.budget, self.window, self.kernel = budget, window, kernel
+        self.ring = max(1, budget // 4)  # room for generated tokens
+        self.observed = ObservationScores(window, prompt_length, scale)
+        self.observe_prefill = self.observed.observe_prefill
+        self.tail_rows = tail_rows
+        self.slots: SlotView | None = None
+        self.active = False
+        self.prefix = 0  # slots holding the prompt selection
+        self.prefilled = 0  # cache length at the selection
+
+    def select_prompt(self, cache: KVCache) -> torch.Tensor:
+        """[layers, n] prompt positions: the pooled top scores plus the observation window."""
+        length = cache.length
+        window = min(self.window, length)
+        keep = max(0, min(length - window, self.budget - self.ring - window))
+        chosen = []
+        for layer in range(cache.keys.shape[0]):
+            scores = self.observed.layer(layer, length)[:length - window]
+            if self.kernel > 1 and scores.numel():
+                scores = F.max_pool1d(scores[None, None], self.kernel, stride=1, padding=self.kernel // 2)[0, 0]
+            top = torch.topk(scores[:length - window], keep).indices if keep else torch.empty(0, dtype=torch.long)
+            chosen.append(torch.cat([top.sort().values, torch.arange(length - window, length)]))
+        return torch.stack(chosen).to(cache.device)
+
+    def rebuild(self, cache: KVCache) -> None:
+        self.active = cache.length > self.budget - self.ring
+        self.prefilled = cache.length
+        if not self.active:
+            return
+        if self.slots is None:
+            self.slots = SlotView(cache, self.budget, self.tail_rows)
+        self.slots.fill(cache, self.select_prompt(cache))
+        self.prefix = self.slots.size
+
+    def prepare(self, cache: KVCache) -> None:
+        pass
+
+    def committed(self, cache: KVCache, start: int, count: int) -> None:
+        if not self.active:
+            if cache.length > self.budget:  # the answer outgrew the budget: fall back to the ring alone
+                self.rebuild(cache)
+            return
+        positions = torch.arange(start, start + count, device=cache.device)
+        self.slots.put(cache, self.prefix + (positions - self.prefilled) % self.ring, positions)
+        self.slots.size = self.prefix + min(self.ring, cache.length - self.prefilled)
+
+    def view(self, layer: int):
+        return self.slots.layer(layer) if self.active else None
+
+    def visible(self, cache: KVCache) -> int:
+        return self.slots.size if self.active else cache.length
+
+    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
+        return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -1,0 +1,46 @@
+"""SlotView: the per-layer contiguous copy of C(kv) that every compressor maintains.
+
+Slots hold cached positions in any order (attention does not care). A compressor replaces the whole
+selection with one gather (`fill`), or updates single slots as tokens are committed (`put`). After the
+`size` selected slots there is room for the step's anchor and window rows (the attention puts them there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+
+
+class SlotView:
+    def __init__(self, cache: KVCache, slots: int, tail_rows: int):
+        n_layers = cache.keys.shape[0]
+        shape = (n_layers, slots + tail_rows, *cache.keys.shape[2:])
+        self.keys = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        self.values = torch.empty_like(self.keys)
+        self.positions = torch.full((n_layers, slots), -1, dtype=torch.long, device=cache.device)
+        self.slots = slots
+        self.size = 0
+        self._layers = torch.arange(n_layers, device=cache.device)[:, None]
+
+    def fill(self, cache: KVCache, positions: torch.Tensor) -> None:
+        """Select `positions` ([layers, n] or [n] for every layer), replacing the whole view."""
+        if positions.dim() == 1:
+            positions = positions.expand(self._layers.shape[0], -1)
+        n = positions.shape[1]
+        self.keys[:, :n] = cache.keys[self._layers, positions]
+        self.values[:, :n] = cache.values[self._layers, positions]
+        self.positions[:, :n] = positions
+        self.size = n
+
+    def put(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store `positions` ([m], the same in every layer) in `slots` ([m])."""
+        self.keys[:, slots] = cache.keys[:, positions]
+        self.values[:, slots] = cache.values[:, positions]
+        self.positions[:, slots] = positions
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]
+
+    def selected(self, layer: int) -> list[int]:
+        return sorted(self.positions[layer, :self.size].tolist())

@@ -1,0 +1,169 @@
+"""Each compressor: its selection against a slow, direct reference; lossless decoding with every one of them
+(float32, token for token against transformers' generate), including a multi-turn chat."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.config import COMPRESSORS
+from fafo_cli.engine.cache import KVCache
+from fafo_cli.engine.compressors.h2o import H2OCompressor
+from fafo_cli.engine.compressors.quest import QuestCompressor, page_bounds
+from fafo_cli.engine.compressors.scores import attention_weights
+from fafo_cli.engine.compressors.snapkv import SnapKVCompressor
+
+from .conftest import hf_greedy
+
+LAYERS, KV, DIM, HEADS = 2, 2, 8, 4
+
+
+def filled_cache(length: int, seed: int = 0) -> KVCache:
+    torch.manual_seed(seed)
+    cache = KVCache(LAYERS, KV, DIM, max_slots=512, dtype=torch.float32, device=torch.device("cpu"))
+    rows = torch.randn(LAYERS, length, KV, DIM)
+    for layer in range(LAYERS):
+        cache.write(layer, rows[layer], -rows[layer])
+    cache.commit(length)
+    return cache
+
+
+def brute_bound(q, keys):
+    """Quest's bound for one page, literally: sum over heads and dims of max(q*min, q*max)."""
+    group = HEADS // KV
+    total = 0.0
+    for h in range(HEADS):
+        kmin, kmax = keys[:, h // group].min(0).values, keys[:, h // group].max(0).values
+        total += sum(max(q[h, d] * kmin[d], q[h, d] * kmax[d]) for d in range(DIM))
+    return float(total)
+
+
+def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
+    cache = filled_cache(100)
+    quest = QuestCompressor(budget=48, page_size=8, refresh=8, tail_rows=4, max_commit=3)
+    queries = torch.randn(LAYERS, HEADS, DIM)
+    for layer in range(LAYERS):
+        quest.observe(layer, queries[layer], cache.keys[layer, :100])
+    quest.rebuild(cache)
+    pages = math.ceil(100 / 8)
+    for layer in range(LAYERS):
+        bounds = [brute_bound(queries[layer], cache.keys[layer, p * 8:min(100, (p + 1) * 8)]) for p in range(pages)]
+        fast = page_bounds(queries[layer], quest.page_min[layer, :pages], quest.page_max[layer, :pages])
+        assert torch.allclose(fast, torch.tensor(bounds), atol=1e-4)
+        top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:4]) + [pages - 1]  # 5 pages kept
+        expected = [pos for p in top for pos in range(p * 8, min(100, (p + 1) * 8))]
+        assert quest.selected_positions(cache, layer) == expected
+        view_keys = quest.view(layer)[0][:quest.visible(cache)]
+        assert sorted(view_keys[:, 0, 0].tolist()) == sorted(cache.keys[layer, expected, 0, 0].tolist())
+    # new tokens are appended until the refresh is due, and page bounds follow them
+    extra = torch.randn(LAYERS, 3, KV, DIM)
+    for layer in range(LAYERS):
+        cache.write(layer, extra[layer], -extra[layer])
+    cache.commit(3)
+    quest.committed(cache, 100, 3)
+    assert quest.selected_positions(cache)[-7:] == list(range(96, 103))
+    assert torch.allclose(quest.page_max[0, 12], cache.keys[0, 96:103].amax(0))
+
+
+def test_snapkv_keeps_pooled_top_scores_plus_window():
+    cache = filled_cache(120)
+    snap = SnapKVCompressor(budget=64, window=8, kernel=3, prompt_length=120, scale=0.5, tail_rows=4)
+    q = torch.randn(LAYERS, HEADS, 120, DIM)
+    for layer in range(LAYERS):  # observed in two prefill chunks, as a chunked prefill would
+        snap.observe_prefill(layer, q[layer, :, :100], cache.keys[layer, :100], 0)
+        snap.observe_prefill(layer, q[layer, :, 100:], cache.keys[layer, :120], 100)
+    snap.rebuild(cache)
+    keep = 64 - 16 - 8  # budget - ring for generated tokens - window
+    for layer in range(LAYERS):
+        scores = torch.zeros(120)
+        for row in range(112, 120):  # the last 8 prompt queries, each over the keys up to itself, all heads
+            for h in range(HEADS):
+                logits = cache.keys[layer, :row + 1, h // 2] @ q[layer, h, row] * 0.5
+                scores[:row + 1] += logits.softmax(0)
+        pooled = torch.tensor([scores[max(0, i - 1):i + 2].max() for i in range(112)])
+        expected = sorted(torch.topk(pooled, keep).indices.tolist()) + list(range(112, 120))
+        assert snap.selected_positions(cache, layer) == expected
+    # generated tokens go into a ring of budget // 4 slots after the prompt selection
+    for start in range(120, 140):
+        row = torch.randn(LAYERS, 1, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, row[layer], -row[layer])
+        cache.commit(1)
+        snap.committed(cache, start, 1)
+    assert snap.selected_positions(cache)[-16:] == list(range(124, 140))
+    assert snap.visible(cache) == 64
+
+
+def test_h2o_keeps_heavy_hitters_plus_recent():
+    cache = filled_cache(90)
+    h2o = H2OCompressor(budget=40, recent=10, window=4, prompt_length=90, scale=0.3, tail_rows=4)
+    q_prompt = torch.randn(LAYERS, HEADS, 90, DIM)
+    q_anchor = torch.randn(LAYERS, HEADS, DIM)
+    for layer in range(LAYERS):
+        h2o.observe_prefill(layer, q_prompt[layer], cache.keys[layer, :90], 0)
+        h2o.observe(layer, q_anchor[layer], cache.keys[layer, :90])
+    h2o.prepare(cache)
+    for layer in range(LAYERS):
+        mass = torch.zeros(90)
+        for row in range(86, 90):
+            mass[:row + 1] += attention_weights(q_prompt[layer, :, row:row + 1], cache.keys[layer, :row + 1], 0.3)
+        mass += attention_weights(q_anchor[layer][:, None], cache.keys[layer, :90], 0.3)
+        expected = sorted(torch.topk(mass[:80], 30).indices.tolist()) + list(range(80, 90))
+        assert h2o.selected_positions(cache, layer) == expected
+
+
+def test_attention_weights_match_a_direct_softmax():
+    keys = torch.randn(12, KV, DIM)
+    q = torch.randn(HEADS, 3, DIM)
+    positions = torch.tensor([5, 9, 11])
+    got = attention_weights(q, keys, 0.7, positions)
+    expected = torch.zeros(12)
+    for h in range(HEADS):
+        for r, pos in enumerate(positions.tolist()):
+            expected[:pos + 1] += (keys[:pos + 1, h // 2] @ q[h, r] * 0.7).softmax(0)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+SHORT = "one two three"
+LONG = "The cat sat on the mat. The dog sat on the log. " * 4 + "Where did the cat sit? " * 2
+OPTIONS = dict(streams=2, ngram=3, guesses=2, prefix=2, budget=96, sink=4, page_size=8, refresh=8, window=8,
+               kernel=3, recent=16)
+
+
+@lru_cache(maxsize=None)
+def fafo_engine(folder):
+    return load(str(folder), dtype="float32", chat_template=False, method="fafo")
+
+
+@pytest.mark.parametrize("variant", ["llama-mha", "llama-gqa"])
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_every_compressor_is_lossless(tiny_models, variant, compressor):
+    engine = fafo_engine(tiny_models[variant])
+    for prompt in (SHORT, LONG):  # ~15 and ~300 tokens: shorter and longer than the budget of 96
+        ids = engine.encode(prompt)
+        result = engine.complete(prompt, max_tokens=256, compressor=compressor, **OPTIONS)
+        assert result.token_ids == hf_greedy(tiny_models[variant], ids, 256), (compressor, len(ids))
+        if compressor != "none":
+            assert result.stats.fumble_positions <= 96
+
+
+@pytest.mark.parametrize("compressor", ["snapkv", "quest", "h2o"])
+def test_three_turn_chat_is_lossless(tiny, compressor):
+    engine = load(str(tiny), dtype="float32", method="fafo")
+    messages = []
+    for turn in ("Tell me about cats. " * 8, "And dogs?", "Compare them. " * 5):
+        messages.append({"role": "user", "content": turn})
+        result = engine.complete(messages, max_tokens=60, compressor=compressor, **OPTIONS)
+        assert result.token_ids == hf_greedy(tiny, engine.encode(messages), 60), (compressor, len(messages))
+        messages.append({"role": "assistant", "content": result.text})
+    assert result.stats.cached_prompt_tokens > 0  # later turns prefilled only their new tokens
+
+
+def test_fraction_budget_scales_with_the_prompt(tiny):
+    engine = fafo_engine(tiny)
+    result = engine.complete(LONG, max_tokens=20, compressor="stream", budget=0.25, sink=4)
+    assert result.stats.fumble_positions == math.ceil(0.25 * len(engine.encode(LONG)))
