@@ -13,10 +13,10 @@ import torch
 from ..cache import KVCache
 from .scores import attention_weights
 from .snapkv import ObservationScores
-from .view import SlotView
+from .view import SlotView, ViewCompressor
 
 
-class H2OCompressor:
+class H2OCompressor(ViewCompressor):
     name = "h2o"
     needs_query = True
 
@@ -60,12 +60,3 @@ class H2OCompressor:
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         pass  # the next step's prepare selects again
-
-    def view(self, layer: int):
-        return self.slots.layer(layer) if self.active else None
-
-    def visible(self, cache: KVCache) -> int:
-        return self.budget if self.active else cache.length
-
-    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
-        return self.slots.selected(layer) if self.active else list(range(cache.length))

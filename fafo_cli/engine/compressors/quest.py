@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..cache import KVCache
-from .view import SlotView
+from .view import SlotView, ViewCompressor
 
 
 def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
     return torch.maximum(low, high).sum(-1).sum((1, 2))
 
 
-class QuestCompressor:
+class QuestCompressor(ViewCompressor):
     name = "quest"
     needs_query = True
 
@@ -104,12 +104,3 @@ class QuestCompressor:
         slots = torch.arange(self.slots.size, self.slots.size + count, device=cache.device)
         self.slots.put(cache, slots, torch.arange(start, start + count, device=cache.device))
         self.slots.size += count
-
-    def view(self, layer: int):
-        return self.slots.layer(layer) if self.active else None
-
-    def visible(self, cache: KVCache) -> int:
-        return self.slots.size if self.active else cache.length
-
-    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
-        return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from .scores import attention_weights
-from .view import SlotView
+from .view import SlotView, ViewCompressor
 
 
 class ObservationScores:
@@ -47,7 +47,7 @@ class ObservationScores:
         return out
 
 
-class SnapKVCompressor:
+class SnapKVCompressor(ViewCompressor):
     name = "snapkv"
 
     def __init__(self, *, budget: int, window: int, kernel: int, prompt_length: int, scale: float, tail_rows: int):
@@ -85,9 +85,6 @@ class SnapKVCompressor:
         self.slots.fill(cache, self.select_prompt(cache))
         self.prefix = self.slots.size
 
-    def prepare(self, cache: KVCache) -> None:
-        pass
-
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:
             if cache.length > self.budget:  # the answer outgrew the budget: fall back to the ring alone
@@ -96,12 +93,3 @@ class SnapKVCompressor:
         positions = torch.arange(start, start + count, device=cache.device)
         self.slots.put(cache, self.prefix + (positions - self.prefilled) % self.ring, positions)
         self.slots.size = self.prefix + min(self.ring, cache.length - self.prefilled)
-
-    def view(self, layer: int):
-        return self.slots.layer(layer) if self.active else None
-
-    def visible(self, cache: KVCache) -> int:
-        return self.slots.size if self.active else cache.length
-
-    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
-        return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from .view import SlotView
+from .view import SlotView, ViewCompressor
 
 
-class StreamCompressor:
+class StreamCompressor(ViewCompressor):
     name = "stream"
 
     def __init__(self, *, budget: int, sink: int, tail_rows: int):
@@ -35,9 +35,6 @@ class StreamCompressor:
                                torch.arange(cache.length - (self.budget - self.sink), cache.length, device=device)])
         self.slots.fill(cache, positions[torch.argsort(self._ring(positions))])  # slot s holds ring position s
 
-    def prepare(self, cache: KVCache) -> None:
-        pass
-
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:
             if cache.length > self.budget:
@@ -45,13 +42,3 @@ class StreamCompressor:
             return
         positions = torch.arange(start, start + count, device=cache.device)
         self.slots.put(cache, self._ring(positions), positions)
-
-    def view(self, layer: int):
-        return self.slots.layer(layer) if self.active else None
-
-    def visible(self, cache: KVCache) -> int:
-        return min(cache.length, self.budget)
-
-    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
-        """C(kv) as sorted positions (for tests and inspection)."""
-        return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -44,3 +44,24 @@ class SlotView:
 
     def selected(self, layer: int) -> list[int]:
         return sorted(self.positions[layer, :self.size].tolist())
+
+
+class ViewCompressor:
+    """What compressors keeping a SlotView share: while the whole cache fits in the budget they are inactive
+    (`view` is None: the fumble rows see everything); once active, the slots are C(kv)."""
+
+    slots: SlotView | None = None
+    active = False
+
+    def prepare(self, cache: KVCache) -> None:
+        pass
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.slots.layer(layer) if self.active else None
+
+    def visible(self, cache: KVCache) -> int:
+        return self.slots.size if self.active else cache.length
+
+    def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
+        """C(kv) as sorted positions (for tests and inspection)."""
+        return self.slots.selected(layer) if self.active else list(range(cache.length))
