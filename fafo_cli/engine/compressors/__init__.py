@@ -20,8 +20,6 @@ from .quest import QuestCompressor
 from .snapkv import SnapKVCompressor
 from .stream import StreamCompressor
 
-COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
-
 
 class Compressor(Protocol):
     name: str
