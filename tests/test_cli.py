@@ -245,3 +245,20 @@ def test_chat_exits_on_end_of_input(tiny):
     assert result.returncode == 0 and result.stderr == ""
     result = _chat(tiny, "/exit\nthis is never answered\n")
     assert result.returncode == 0 and "turns" not in result.stdout
+
+
+def test_quiet_silences_the_footer_even_with_verbose(capsys, tiny, prompt_file):
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "6", "--dtype", "float32", "-q", "-v")
+    assert code == 0 and out.strip() and err == ""
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_every_config_key_is_a_flag(command):
+    """Each YAML key can be overridden from the command line (and reaches the config, see _config_flags)."""
+    import inspect
+
+    from fafo_cli import cli
+    from fafo_cli.config import Config
+
+    parameters = set(inspect.signature(getattr(cli, command)).parameters)
+    assert set(Config().to_dict()) <= parameters
