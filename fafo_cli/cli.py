@@ -68,6 +68,8 @@ Window = Annotated[Optional[int], typer.Option(help="snapkv/h2o: prompt queries 
                                                show_default=False, rich_help_panel="FAFO")]
 Kernel = Annotated[Optional[int], typer.Option(help="snapkv: score smoothing width (odd).", show_default=False,
                                                rich_help_panel="FAFO")]
+Attention = Annotated[Optional[str], typer.Option(help="fafo: split | block (FlexAttention) | auto.",
+                                                  show_default=False, rich_help_panel="FAFO")]
 Recent = Annotated[Optional[int], typer.Option(help="h2o: recent positions always kept.", show_default=False,
                                                rich_help_panel="FAFO")]
 
@@ -133,7 +135,7 @@ def run(
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
     page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
-    recent: Recent = None,
+    recent: Recent = None, attention: Attention = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
@@ -167,7 +169,7 @@ def chat(
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
     page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
-    recent: Recent = None,
+    recent: Recent = None, attention: Attention = None,
 ) -> None:
     """Multi-turn chat with the same live panel. /help lists the commands."""
     from .chat import Repl

@@ -18,6 +18,7 @@ from .errors import FafoError
 
 METHODS = ("vanilla", "fafo")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
+ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -74,6 +75,9 @@ class Config:
     window: int = _opt(32, "fafo snapkv/h2o: prompt queries observed at prefill", low=1)
     kernel: int = _opt(7, "fafo snapkv: width of the score smoothing (max pooling; odd)", low=1, high=63)
     recent: int = _opt(64, "fafo h2o: most recent positions always kept (< budget)", low=1)
+    attention: str = _opt("auto", "fafo: how window rows skip what they do not see: split (two attention calls) "
+                                  "or block (one FlexAttention call with a block mask); auto: block on CUDA",
+                          choices=ATTENTION)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -167,3 +167,53 @@ def test_fraction_budget_scales_with_the_prompt(tiny):
     engine = fafo_engine(tiny)
     result = engine.complete(LONG, max_tokens=20, compressor="stream", budget=0.25, sink=4)
     assert result.stats.fumble_positions == math.ceil(0.25 * len(engine.encode(LONG)))
+
+
+@pytest.mark.parametrize("compressor", ["stream", "quest", "snapkv", "h2o"])
+def test_block_sparse_path_equals_split_path(tiny_models, compressor):
+    """One FlexAttention call over [C(kv) leading region | positions] with a per-bucket block mask gives the
+    split path's results: same tokens, and the same steps and accepted guesses (so the window rows saw the
+    same positions). CPU runs FlexAttention eagerly: slow but exact."""
+    engine = fafo_engine(tiny_models["llama-gqa"])
+    options = dict(OPTIONS, budget=48, window=4, recent=8, compressor=compressor, max_tokens=48)
+    split = engine.complete(LONG, attention="split", **options)
+    block = engine.complete(LONG, attention="block", **options)
+    assert block.token_ids == split.token_ids == hf_greedy(tiny_models["llama-gqa"], engine.encode(LONG), 48)
+    assert block.stats.fumble_positions == split.stats.fumble_positions
+    if compressor == "h2o":  # re-selects every step from masses the model computes: float32 rounding of the two
+        assert abs(block.stats.steps - split.stats.steps) <= 2  # kernels can flip a near-tied heavy hitter
+    else:
+        assert (block.stats.steps, block.stats.accepted_tokens) == (split.stats.steps, split.stats.accepted_tokens)
+    assert engine.session.cache.lead > 0  # the block layout really was used
+    engine.complete(SHORT, attention="split", max_tokens=4)
+    assert engine.session.cache.lead == 0  # and the split layout drops the leading region
+
+
+def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
+    from fafo_cli.engine.attention import BlockSparseMasks, FafoAttention, PrefixMasks, flex_attention_kernel
+    from fafo_cli.engine.compressors import StreamCompressor
+    from fafo_cli.engine.fafo import step_layout
+    from fafo_cli.engine.window import LookaheadWindow
+
+    outputs = []
+    for block in (False, True):
+        engine = load(str(tiny_models["qwen2-bias"]), dtype="float32", chat_template=False)
+        session, model = engine.session, engine.model
+        session.cache.use_lead(128 if block else 0)
+        prompt = engine.encode(LONG)
+        session.prefill(prompt, reserve=64)
+        compressor = StreamCompressor(budget=40, sink=4, tail_rows=16)
+        compressor.rebuild(session.cache)
+        window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)
+        window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
+        layout = step_layout(2, 3, 3, 3)
+        rows = [prompt[-1], 5, 6, 7, 8, 9, 10] + window.tokens()
+        attend = FafoAttention(session.cache, compressor, model.scaling, PrefixMasks(model.device),
+                               verify_rows=layout.verify_rows, verify_local=layout.verify_local,
+                               window_local=layout.window_local, combined_local=layout.combined_local,
+                               block_masks=BlockSparseMasks.for_device(model.device) if block else None,
+                               flex=flex_attention_kernel(model.device) if block else None,
+                               window_local_padded=layout.window_local_padded)
+        start = session.cache.length
+        outputs.append(model.forward(torch.tensor(rows), start + layout.offsets, session.cache, attend))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)

@@ -44,21 +44,30 @@ class FafoAttention:
 
     def __init__(self, cache: KVCache, compressor, scaling: float, masks: PrefixMasks, *,
                  verify_rows: int, verify_local: torch.Tensor, window_local: torch.Tensor,
-                 combined_local: torch.Tensor):
+                 combined_local: torch.Tensor, block_masks: "BlockSparseMasks | None" = None, flex=None,
+                 window_local_padded: torch.Tensor | None = None):
         self.cache, self.compressor, self.scaling = cache, compressor, scaling
+        self.flex = flex
         self.verify_rows = verify_rows
         length = cache.length
         self.split = compressor.view(0) is not None
         self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
             self.visible = compressor.visible(cache)
-            self.verify_mask = masks.get("verify", length, verify_local)
-            self.window_mask = masks.get("window", self.visible, window_local)
             # the anchor's and the window rows' slots in the cache, copied after the view in each layer
             window = window_local.shape[0]
             start = length + verify_rows
             self.window_source = torch.cat([torch.tensor([length]), torch.arange(start, start + window)]).to(
                 cache.device)
+            if block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
+                self.kv_length = cache.lead + cache.capacity
+                self.block_mask = block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,
+                                                  visible=self.visible, verify_local=verify_local,
+                                                  window_local_padded=window_local_padded)
+            else:
+                self.block_mask = None
+                self.verify_mask = masks.get("verify", length, verify_local)
+                self.window_mask = masks.get("window", self.visible, window_local)
         else:
             self.mask = masks.get("all", length, combined_local)
 
@@ -68,16 +77,117 @@ class FafoAttention:
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
         if not self.split:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
-        verify_end = start + n_verify
-        verify = F.scaled_dot_product_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end],
-                                                attn_mask=self.verify_mask, scale=self.scaling, enable_gqa=True)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.visible
         end = n + len(self.window_source)
         torch.index_select(self.cache.keys[layer], 0, self.window_source, out=view_k[n:end])
         torch.index_select(self.cache.values[layer], 0, self.window_source, out=view_v[n:end])
+        if self.block_mask is not None:
+            keys = self.cache.storage_keys[layer, :self.kv_length].transpose(0, 1)[None]
+            values = self.cache.storage_values[layer, :self.kv_length].transpose(0, 1)[None]
+            return self.flex(q, keys, values, block_mask=self.block_mask, scale=self.scaling, enable_gqa=True)
+        verify_end = start + n_verify
+        verify = F.scaled_dot_product_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end],
+                                                attn_mask=self.verify_mask, scale=self.scaling, enable_gqa=True)
         fumble = F.scaled_dot_product_attention(q[:, :, n_verify:], view_k[:end].transpose(0, 1)[None],
                                                 view_v[:end].transpose(0, 1)[None], attn_mask=self.window_mask,
                                                 scale=self.scaling, enable_gqa=True)
         return torch.cat([verify, fumble], dim=2)
+
+
+BUCKET = 256  # positions per length bucket: one BlockMask serves every step whose rows end in the bucket
+Q_BLOCK = 128  # FlexAttention's default block sizes
+KV_BLOCK = 128
+
+
+_BLOCK_MASKS: dict[torch.device, "BlockSparseMasks"] = {}
+
+
+class BlockSparseMasks:
+    """FlexAttention BlockMasks for the block-sparse layout, built once per (length bucket, row shape).
+
+    Keys are one tensor per layer: [leading region: C(kv), then the anchor and window rows | positions].
+    A q block holding window rows lists only the leading blocks; one holding verify rows lists the position
+    blocks up to the bucket's end. Every listed block is "partial", so `mask_mod` (which reads the live
+    length and view size from tensors updated each step) decides inside each block.
+    """
+
+    def __init__(self, device: torch.device):
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.visible = torch.zeros((), dtype=torch.long, device=device)
+        self.device = device
+        self._masks: dict[tuple, object] = {}
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "BlockSparseMasks":
+        """One per device for the process: every tensor a mask function captures must outlive the request
+        (FlexAttention may reuse a traced mask function, captured tensors included, across calls)."""
+        if device not in _BLOCK_MASKS:
+            _BLOCK_MASKS[device] = cls(device)
+        return _BLOCK_MASKS[device]
+
+    def get(self, *, lead: int, kv_length: int, length: int, visible: int, verify_local: torch.Tensor,
+            window_local_padded: torch.Tensor):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.length.fill_(length)
+        self.visible.fill_(visible)
+        n_verify, n_window = verify_local.shape[0], window_local_padded.shape[0] - 1
+        rows = n_verify + n_window
+        bucket = min(kv_length - lead, -(-(length + n_verify) // BUCKET) * BUCKET)
+        key = (lead, kv_length, bucket, id(verify_local), id(window_local_padded))
+        if key not in self._masks:
+            q_blocks = -(-rows // Q_BLOCK)
+            lead_blocks = list(range(lead // KV_BLOCK))
+            verify_blocks = list(range(lead // KV_BLOCK, -(-(lead + bucket) // KV_BLOCK)))
+            lists = []
+            for j in range(q_blocks):
+                has_verify, has_window = j * Q_BLOCK < n_verify, (j + 1) * Q_BLOCK > n_verify and n_window
+                lists.append((lead_blocks if has_window else []) + (verify_blocks if has_verify else []))
+            width = max(len(blocks) for blocks in lists)
+            indices = torch.zeros(1, 1, q_blocks, width, dtype=torch.int32)
+            for j, blocks in enumerate(lists):
+                indices[0, 0, j, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            counts = torch.tensor([[[len(b) for b in lists]]], dtype=torch.int32)
+            self._masks[key] = BlockMask.from_kv_blocks(
+                counts.to(self.device), indices.to(self.device), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+                mask_mod=self._mask_mod(lead, verify_local, window_local_padded), seq_lengths=(rows, kv_length))
+        return self._masks[key]
+
+    def _mask_mod(self, lead: int, verify_local: torch.Tensor, window_local: torch.Tensor):
+        # window_local has one extra, all-hidden row, so the indexing below is valid even with no window rows
+        n_verify, n_window = verify_local.shape[0], window_local.shape[0] - 1
+        length, visible = self.length, self.visible
+
+        def mask_mod(b, h, q, kv):
+            position = kv - lead
+            local = position - length
+            verify_ok = (position >= 0) & ((position < length) | (
+                (local >= 0) & (local < n_verify) & verify_local[q.clamp(0, n_verify - 1), local.clamp(0, n_verify - 1)]))
+            tail = kv - visible
+            window_ok = (kv < visible) | ((tail >= 0) & (tail <= n_window) & window_local[
+                (q - n_verify).clamp(0, n_window), tail.clamp(0, n_window)])
+            return torch.where(q < n_verify, verify_ok, window_ok)
+
+        return mask_mod
+
+
+def flex_attention_kernel(device: torch.device):
+    """FlexAttention, compiled where it pays (CUDA); eager elsewhere (correct, slow: a test path on CPU)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cuda":
+        try:
+            return torch.compile(flex_attention, dynamic=False)
+        except Exception:  # noqa: BLE001 - no compiler available: eager still gives exact results
+            pass
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "use torch.compile" advice, printed once per process otherwise
+            return flex_attention(*args, **kwargs)
+
+    return eager

@@ -3,11 +3,17 @@
 Layout is [layer, slot, kv_head, head_dim] so the live prefix `[:length]` of a layer is one contiguous
 block of memory (attention reads a view of it, never a copy). Rows of the step in flight are written after
 `length`; `commit` makes them part of the cache, anything not committed is simply overwritten next step.
+
+For the block-sparse attention path the tensor can start with a leading region (`lead` slots per layer)
+where a compressor keeps C(kv): then C(kv) and the positions are one physically contiguous tensor, and a
+block mask lets the window rows read only the leading blocks. `keys`/`values` always address positions.
 """
 
 from __future__ import annotations
 
 import torch
+
+LEAD_ALIGN = 128  # the block-sparse attention's key block size
 
 
 class KVCache:
@@ -17,17 +23,23 @@ class KVCache:
         self.max_slots = max_slots
         self.dtype, self.device = dtype, device
         self.length = 0  # committed positions
+        self.lead = 0  # leading slots per layer before position 0 (block-sparse layout)
         self.keys = self.values = torch.empty(0)
-        self._allocate(min(max(initial_slots, 1), max_slots))
+        self._allocate(min(max(initial_slots, 1), max_slots), 0)
 
-    def _allocate(self, slots: int) -> None:
+    def _allocate(self, slots: int, lead: int) -> None:
         n_layers, n_kv, dim = self.shape
-        keys = torch.empty(n_layers, slots, n_kv, dim, dtype=self.dtype, device=self.device)
-        values = torch.empty_like(keys)
+        storage_keys = torch.empty(n_layers, lead + slots, n_kv, dim, dtype=self.dtype, device=self.device)
+        storage_values = torch.empty_like(storage_keys)
         if self.length:
-            keys[:, : self.length] = self.keys[:, : self.length]
-            values[:, : self.length] = self.values[:, : self.length]
-        self.keys, self.values = keys, values
+            storage_keys[:, lead:lead + self.length] = self.keys[:, : self.length]
+            storage_values[:, lead:lead + self.length] = self.values[:, : self.length]
+        kept = min(lead, self.lead)  # a compressor's C(kv) copy survives growth
+        if kept:
+            storage_keys[:, :kept] = self.storage_keys[:, :kept]
+            storage_values[:, :kept] = self.storage_values[:, :kept]
+        self.storage_keys, self.storage_values, self.lead = storage_keys, storage_values, lead
+        self.keys, self.values = storage_keys[:, lead:], storage_values[:, lead:]  # position-addressed views
 
     @property
     def capacity(self) -> int:
@@ -38,7 +50,18 @@ class KVCache:
         if slots > self.max_slots:
             raise ValueError(f"{slots} positions exceed the cache limit of {self.max_slots}")
         if slots > self.capacity:
-            self._allocate(min(self.max_slots, max(slots, 2 * self.capacity)))
+            self._allocate(min(self.max_slots, max(slots, 2 * self.capacity)), self.lead)
+
+    def use_lead(self, slots: int) -> None:
+        """Keep a leading region of at least `slots` per layer (the block-sparse layout); 0 removes it.
+        Sizes are rounded to LEAD_ALIGN so the region ends on an attention block boundary."""
+        slots = -(-slots // LEAD_ALIGN) * LEAD_ALIGN
+        if slots > self.lead or (slots == 0 and self.lead):
+            self._allocate(self.capacity, slots)
+
+    def lead_buffers(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `slots` of the leading region (views: fetch them again after the cache grows)."""
+        return self.storage_keys[:, :slots], self.storage_values[:, :slots]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's rows ([rows, kv_head, dim]) after the committed prefix; return views over both."""
@@ -63,4 +86,4 @@ class KVCache:
         self.length = min(self.length, length)
 
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        return self.storage_keys.numel() * self.storage_keys.element_size() * 2

@@ -17,7 +17,7 @@ import torch
 
 from ..config import MIN_BUDGET
 from ..errors import FafoError
-from .attention import FafoAttention, PrefixMasks
+from .attention import KV_BLOCK, BlockSparseMasks, FafoAttention, PrefixMasks, flex_attention_kernel
 from .compressors import make_compressor
 from .events import Step
 from .model import causal_attention
@@ -42,6 +42,7 @@ class FafoSettings:
     window: int  # snapkv, h2o
     kernel: int  # snapkv
     recent: int  # h2o
+    attention: str  # auto | split | block
 
     @property
     def max_rows(self) -> int:
@@ -65,13 +66,17 @@ class StepLayout:
     offsets: torch.Tensor  # positions relative to the anchor, all rows
     verify_local: torch.Tensor  # [verify, verify]
     window_local: torch.Tensor  # [window, 1 + window]
+    window_local_padded: torch.Tensor  # [window + 1, 1 + window]: an all-hidden last row (block-sparse indexing)
     combined_local: torch.Tensor  # [rows, rows]
     logit_rows: torch.Tensor  # rows whose logits are read: all verify rows, then the window's predictors
     predictors: tuple[int, ...]  # per stream, index into the logits read (0 = the anchor)
 
 
 @lru_cache(maxsize=256)
-def step_layout(candidates: int, ngram: int, streams: int, levels: int) -> StepLayout:
+def step_layout(candidates: int, ngram: int, streams: int, levels: int,
+                device: torch.device = torch.device("cpu")) -> StepLayout:
+    """Everything about a step's rows that depends only on its shape: built once per shape and device (the
+    tensors live for the process, which FlexAttention's mask functions rely on)."""
     window = window_layout(streams, levels)
     n_verify = 1 + candidates * ngram
     n_window = len(window.offsets)
@@ -89,8 +94,10 @@ def step_layout(candidates: int, ngram: int, streams: int, levels: int) -> StepL
     window_rows = sorted({p for p in window.predictors if p >= 0})
     logit_rows = list(range(n_verify)) + [n_verify + p for p in window_rows]
     predictors = tuple(0 if p < 0 else n_verify + window_rows.index(p) for p in window.predictors)
-    return StepLayout(n_verify, torch.tensor(offsets), verify_local, window.local_mask, combined,
-                      torch.tensor(logit_rows), predictors)
+    padded = torch.cat([window.local_mask, torch.zeros(1, n_window + 1, dtype=torch.bool)])
+    return StepLayout(n_verify, torch.tensor(offsets, device=device), verify_local.to(device),
+                      window.local_mask.to(device), padded.to(device), combined.to(device),
+                      torch.tensor(logit_rows, device=device), predictors)
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
@@ -98,6 +105,10 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         raise FafoError("--method fafo decodes greedily for now (temperature 0); use --method vanilla to sample")
     settings = FafoSettings.from_config(request.config)
     model, cache, k = session.model, session.cache, settings.ngram
+    block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
+    cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
+    block_masks = BlockSparseMasks.for_device(model.device) if block else None
+    flex = flex_attention_kernel(model.device) if block else None
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=settings.streams * k, max_commit=k + 1)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
@@ -118,16 +129,16 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         compressor.prepare(cache)
         emitter.stats.fumble_positions = compressor.visible(cache)
         candidates = pool.lookup(text, settings.guesses)
-        layout = step_layout(len(candidates), k, settings.streams, len(window.levels))
+        layout = step_layout(len(candidates), k, settings.streams, len(window.levels), model.device)
         rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
         if start + len(rows) <= model.max_context:
             cache.reserve(start + len(rows))
             attend = FafoAttention(cache, compressor, model.scaling, masks, verify_rows=layout.verify_rows,
                                    verify_local=layout.verify_local, window_local=layout.window_local,
-                                   combined_local=layout.combined_local)
-            device = model.device
-            logits = model.forward(torch.tensor(rows, device=device), start + layout.offsets.to(device), cache,
-                                   attend, layout.logit_rows.to(device))
+                                   combined_local=layout.combined_local, block_masks=block_masks, flex=flex,
+                                   window_local_padded=layout.window_local_padded)
+            logits = model.forward(torch.tensor(rows, device=model.device), start + layout.offsets, cache,
+                                   attend, layout.logit_rows)
             argmax = logits.argmax(-1).tolist()
             best, accepted = accept_greedy(argmax[0], candidates, argmax[1:layout.verify_rows], k)
             guessed = list(candidates[best][:accepted]) if accepted else []

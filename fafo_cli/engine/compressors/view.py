@@ -15,13 +15,25 @@ from ..cache import KVCache
 class SlotView:
     def __init__(self, cache: KVCache, slots: int, tail_rows: int):
         n_layers = cache.keys.shape[0]
-        shape = (n_layers, slots + tail_rows, *cache.keys.shape[2:])
-        self.keys = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-        self.values = torch.empty_like(self.keys)
+        self.cache, self.total = cache, slots + tail_rows
+        self._own: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cache.lead:  # block-sparse layout: C(kv) lives in the cache tensor's leading region
+            cache.use_lead(self.total)
+        else:
+            keys = torch.empty((n_layers, self.total, *cache.keys.shape[2:]), dtype=cache.dtype, device=cache.device)
+            self._own = keys, torch.empty_like(keys)
         self.positions = torch.full((n_layers, slots), -1, dtype=torch.long, device=cache.device)
         self.slots = slots
         self.size = 0
         self._layers = torch.arange(n_layers, device=cache.device)[:, None]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._own[0] if self._own else self.cache.lead_buffers(self.total)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._own[1] if self._own else self.cache.lead_buffers(self.total)[1]
 
     def fill(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Select `positions` ([layers, n] or [n] for every layer), replacing the whole view."""
