@@ -132,7 +132,7 @@ class Engine:
         context = self.model.max_context
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
-        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed)
+        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config)
         emitter = Emitter(self.session, request, self.tokenizer)
         try:

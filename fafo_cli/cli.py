@@ -30,6 +30,8 @@ Temperature = Annotated[Optional[float], typer.Option(help="0 = greedy; above 0 
 TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", show_default=False)]
 TopK = Annotated[Optional[int], typer.Option("--top-k", help="Sample among the k likeliest (0 = off).",
                                              show_default=False)]
+MinP = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below min_p × the likeliest (0 = off).",
+                                               show_default=False)]
 Seed = Annotated[Optional[int], typer.Option(help="Random seed for sampling.", show_default=False)]
 Dtype = Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16 | float16", show_default=False)]
 Device = Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | mps", show_default=False)]
@@ -129,7 +131,8 @@ def run(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt file, or - for standard input.",
                                         show_default=False)] = ...,
     config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
+    seed: Seed = None,
     dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
@@ -163,7 +166,8 @@ def run(
 @app.command()
 def chat(
     model: ModelArg = None, config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
+    seed: Seed = None,
     dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,

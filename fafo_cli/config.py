@@ -52,6 +52,7 @@ class Config:
     top_p: float = _opt(1.0, "nucleus sampling: keep the smallest set of tokens with this much mass",
                         low=0.0, high=1.0, low_open=True)
     top_k: int = _opt(0, "sample among the k most likely tokens (0 = off)", low=0)
+    min_p: float = _opt(0.0, "drop tokens less likely than min_p times the likeliest (0 = off)", low=0.0, high=1.0)
     seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one, reported in --json)",
                             nullable=True, low=0)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)

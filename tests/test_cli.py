@@ -122,7 +122,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of none, stream, quest, snapkv, h2o"),
         (["run", tiny, "-p", prompt_file, "--budget", "8", "--sink", "8"], "'budget' (8) is too small for the stream compressor: it needs at least sink + 1 = 9"),
         (["run", tiny, "-p", prompt_file, "-k", "1"], "'ngram' must be >= 2"),
-        (["run", tiny, "-p", prompt_file, "--temperature", "0.5"], "--method fafo decodes greedily for now"),
+        (["run", tiny, "-p", prompt_file, "--min-p", "1.5"], "'min_p' must be <= 1.0"),
         (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
         (["pull", "not a repo id"], "is not a valid model id"),
     ]

@@ -115,9 +115,11 @@ def test_fafo_chat_turns_reuse_the_cache(tiny):
     assert second.token_ids == hf_greedy(tiny, engine.encode(messages), 60)
 
 
-def test_sampling_is_refused_with_a_clear_message(tiny):
-    from fafo_cli.errors import FafoError
-
-    engine = load(str(tiny), dtype="float32", method="fafo")
-    with pytest.raises(FafoError, match="--method fafo decodes greedily for now"):
-        engine.complete("hi", temperature=0.7)
+def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    settings = dict(max_tokens=120, temperature=0.8, top_p=0.95, min_p=0.02)
+    a = engine.complete(LONG, seed=3, **settings)
+    b = engine.complete(LONG, seed=3, **settings)
+    c = engine.complete(LONG, seed=4, **settings)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    assert a.stats.accepted_tokens > 0 and a.stats.steps < 120

@@ -16,14 +16,14 @@ from typing import Iterator
 import torch
 
 from ..config import MIN_BUDGET
-from ..errors import FafoError
 from .attention import KV_BLOCK, BlockSparseMasks, FafoAttention, PrefixMasks, flex_attention_kernel
 from .compressors import make_compressor
 from .events import Step
 from .model import causal_attention
 from .pool import NgramPool
 from .session import Emitter, Request, Session
-from .verify import accept_greedy
+from .sampling import next_token, target_probs
+from .verify import accept_greedy, accept_sampling
 from .window import LookaheadWindow, window_layout
 
 
@@ -101,9 +101,9 @@ def step_layout(candidates: int, ngram: int, streams: int, levels: int,
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
-    if not request.sampling.greedy:
-        raise FafoError("--method fafo decodes greedily for now (temperature 0); use --method vanilla to sample")
     settings = FafoSettings.from_config(request.config)
+    sampling = request.sampling
+    generator = sampling.generator(session.model.device)
     model, cache, k = session.model, session.cache, settings.ngram
     block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
     cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
@@ -116,7 +116,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     compressor.rebuild(cache)
     emitter.prefilled(reused)
 
-    anchor = int(logits.argmax())
+    anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
     pool = NgramPool(k, settings.prefix, settings.pool_per_key)
     pool.add_text(text)
@@ -140,14 +140,22 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
             logits = model.forward(torch.tensor(rows, device=model.device), start + layout.offsets, cache,
                                    attend, layout.logit_rows)
             argmax = logits.argmax(-1).tolist()
-            best, accepted = accept_greedy(argmax[0], candidates, argmax[1:layout.verify_rows], k)
-            guessed = list(candidates[best][:accepted]) if accepted else []
-            emitted = guessed + [argmax[best * k + accepted] if accepted else argmax[0]]
+            if sampling.greedy:
+                best, accepted = accept_greedy(argmax[0], candidates, argmax[1:layout.verify_rows], k)
+                guessed = list(candidates[best][:accepted]) if accepted else []
+                emitted = guessed + [argmax[best * k + accepted] if accepted else argmax[0]]
+            else:  # the row after candidate c's token j-1 gives the target at its position j
+                best, emitted = accept_sampling(
+                    lambda c, j: target_probs(logits[0] if j == 0 else logits[c * k + j], sampling),
+                    candidates, generator)
+                guessed = emitted[:-1]
+            # the window itself stays greedy: it only proposes guesses
             for before, ngram in window.advance(anchor, [argmax[p] for p in layout.predictors]):
                 pool.add(before, ngram)
         else:  # the context's last few positions: no room for guesses, a plain step
             candidates, guessed, best = [], [], 0
-            emitted = [int(session.forward([anchor], causal_attention(None, model.scaling))[-1].argmax())]
+            emitted = [next_token(session.forward([anchor], causal_attention(None, model.scaling))[-1], sampling,
+                                  generator)]
         # Commit the anchor's and the accepted guesses' keys and values, computed in this very pass.
         cache.commit_rows([0] + [1 + best * k + j for j in range(len(guessed))])
         session.ids.extend([anchor] + guessed)

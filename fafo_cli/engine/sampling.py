@@ -1,7 +1,7 @@
 """From logits to the next token: greedy, or sampling from the target distribution.
 
 `target_probs` is the single definition of the distribution a sampled token must follow (temperature,
-then top-k, then top-p, the order transformers applies them); every decoder samples through it, so a
+then top-k, then top-p, then min-p: the order transformers applies them); every decoder samples through it, so a
 lossless method only has to match this one function.
 """
 
@@ -18,6 +18,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +49,11 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if sampling.min_p > 0.0:  # keep tokens at least min_p times as likely as the likeliest
+        probs = probs.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
