@@ -8,17 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import yaml
 from rich.console import Console
 
 from .api import Engine
 from .errors import FafoError
 from .ui import StreamView, method_label
 
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+
 HELP = """Commands:
-  /help    this help
-  /reset   forget the conversation (and the cached keys and values)
-  /stats   totals for this session
-  /exit    leave (Ctrl-D too)
+  /help             this help
+  /set KEY VALUE    change a setting for the next answers: temperature, top_p, top_k, min_p, seed, max_tokens
+  /set              show them
+  /reset            forget the conversation (and the cached keys and values)
+  /stats            totals for this session
+  /exit             leave (Ctrl-D too)
 Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\".
 Ctrl-C stops the current answer; the conversation stays."""
 
@@ -43,8 +48,13 @@ class Repl:
     def __init__(self, engine: Engine, out: Console, err: Console):
         self.engine, self.out, self.err = engine, out, err
         self.messages: list[dict] = []
+        self.settings: dict = {}  # /set overrides for the next answers
         self.totals = Totals()
         self.interactive = out.is_terminal
+
+    def _warn(self, message: str) -> None:
+        """One line on stderr, never wrapped (scripts and tests read it whole)."""
+        self.err.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def _read(self) -> str | None:
         """One user message (possibly multi-line); None at end of input."""
@@ -107,15 +117,54 @@ class Repl:
             self.out.print("conversation cleared")
         elif name == "/stats":
             self.out.print(self.totals.line())
+        elif name == "/set":
+            self._set(line.split()[1:])
         else:
-            self.err.print(f"unknown command {name} (try /help)", markup=False)
+            self._warn(f"unknown command {name} (try /help)")
         return False
+
+    def _set(self, words: list[str]) -> None:
+        if not words:
+            config = self.engine.request_config(**self.settings)
+            self.out.print("  ".join(f"{key}={getattr(config, key)}" for key in SETTABLE), markup=False)
+            return
+        if len(words) != 2 or words[0] not in SETTABLE:
+            self._warn(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+            return
+        key, raw = words
+        try:
+            value = yaml.safe_load(raw)
+            self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
+        except (FafoError, yaml.YAMLError) as e:
+            self._warn(f"error: {e}")
+            return
+        self.settings[key] = value
+        self.out.print(f"{key} = {value}", markup=False)
+
+    def _fit_context(self) -> bool:
+        """Drop the oldest exchanges until the conversation fits the model's context; False if it cannot."""
+        context = self.engine.model.max_context
+        dropped = 0
+        while len(self.engine.encode(self.messages)) >= context:
+            first = next((i for i, m in enumerate(self.messages) if m["role"] != "system"), None)
+            if first is None or first >= len(self.messages) - 1:  # only the newest message is left
+                self.messages.pop()
+                self._warn(f"error: this message alone does not fit the model's context ({context} tokens)")
+                return False
+            del self.messages[first:first + 2]  # the oldest user message and its answer
+            dropped += 1
+        if dropped:
+            self._warn(f"note: the conversation outgrew the model's context ({context} tokens); dropped the "
+                       f"oldest {dropped} exchange{'s' if dropped > 1 else ''} (/reset starts over)")
+        return True
 
     def _answer(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
+        if not self._fit_context():
+            return
         view = StreamView(self.out, method=method_label(self.engine.config), live=self.interactive,
                           show_footer=self.interactive)
-        stream = self.engine.stream(self.messages)
+        stream = self.engine.stream(self.messages, **self.settings)
         answer = []
         try:
             with view:
@@ -127,7 +176,7 @@ class Repl:
             self.out.print("[dim](stopped)[/]")
         except FafoError as e:
             self.messages.pop()
-            self.err.print(f"error: {e}. /reset starts a new conversation.", markup=False)
+            self._warn(f"error: {e}. /reset starts a new conversation.")
             return
         self.messages.append({"role": "assistant", "content": "".join(answer)})
         if view.last:

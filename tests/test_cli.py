@@ -262,3 +262,26 @@ def test_every_config_key_is_a_flag(command):
 
     parameters = set(inspect.signature(getattr(cli, command)).parameters)
     assert set(Config().to_dict()) <= parameters
+
+
+def test_chat_set_command_changes_and_validates_settings(tiny):
+    script = "/set\n/set temperature 0.5\n/set top_p 2\n/set bogus 1\n/set seed 7\n/set\nhello\n"
+    result = _chat(tiny, script)
+    assert result.returncode == 0, result.stderr
+    assert "temperature=0.0" in result.stdout  # the first /set shows the current values
+    assert "temperature = 0.5" in result.stdout and "seed = 7" in result.stdout
+    assert "temperature=0.5" in result.stdout and "seed=7" in result.stdout  # the second /set
+    assert "error: config key 'top_p' must be <= 1.0 (got 2.0)" in result.stderr
+    assert "usage: /set KEY VALUE" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_that_outgrows_the_context_drops_the_oldest_turns(tmp_path):
+    folder = build_tiny_model(tmp_path / "small", "llama-gqa", max_positions=160)
+    script = "".join(f"message number {i} with some words\n" for i in range(6)) + "x" * 300 + "\nshort\n/stats\n"
+    result = _chat(folder, script)
+    assert result.returncode == 0, result.stderr
+    assert "dropped the oldest" in result.stderr and "(/reset starts over)" in result.stderr
+    assert "this message alone does not fit the model's context (160 tokens)" in result.stderr
+    assert "7 turns" in result.stdout  # every message that fits was answered
+    assert "Traceback" not in result.stderr
