@@ -71,6 +71,7 @@ class Engine:
         self.session = Session(model)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
+        self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
 
     @classmethod
     def from_config(cls, config: config_mod.Config) -> "Engine":
@@ -117,6 +118,8 @@ class Engine:
         if fixed:
             raise FafoError(f"'{sorted(fixed)[0]}' is fixed when the model is loaded; call load() again to change it")
         config = config_mod.build(self.config, **overrides)
+        unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
+        config = replace(config, **unset)  # what the user left empty: the model's own defaults
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config
@@ -151,6 +154,15 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached conversation (the next request prefills from scratch)."""
         self.session.reset()
+
+
+def _sampling_defaults(generation_config) -> dict:
+    """The model's sampling settings (generation_config.json), as transformers would apply them."""
+    fallback = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    if not getattr(generation_config, "do_sample", False):
+        return fallback
+    given = {key: getattr(generation_config, key, None) for key in fallback}
+    return {**fallback, "temperature": 1.0, **{key: value for key, value in given.items() if value is not None}}
 
 
 def _stop_ids(generation_config, tokenizer) -> frozenset[int]:

@@ -84,7 +84,7 @@ class Repl:
 
     def run(self) -> None:
         if self.interactive:
-            self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.config)} · /help for commands, "
+            self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.request_config())} · /help for commands, "
                            "Ctrl-D to leave")
         while True:
             try:
@@ -162,7 +162,8 @@ class Repl:
         self.messages.append({"role": "user", "content": text})
         if not self._fit_context():
             return
-        view = StreamView(self.out, method=method_label(self.engine.config), live=self.interactive,
+        view = StreamView(self.out, method=method_label(self.engine.request_config(**self.settings)),
+                          live=self.interactive,
                           show_footer=self.interactive)
         stream = self.engine.stream(self.messages, **self.settings)
         answer = []

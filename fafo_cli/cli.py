@@ -155,7 +155,7 @@ def run(
     if as_json:
         print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
         return
-    request = engine.request_config()
+    request = engine.request_config()  # the model's sampling defaults filled in, a fresh seed drawn
     live = out.is_terminal and not quiet
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err)

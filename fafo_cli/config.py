@@ -48,11 +48,16 @@ class Config:
                       choices=DTYPES)
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
     max_tokens: int = _opt(512, "most tokens generated per answer", low=1)
-    temperature: float = _opt(0.0, "0 = greedy; above 0 samples", low=0.0, high=100.0)
-    top_p: float = _opt(1.0, "nucleus sampling: keep the smallest set of tokens with this much mass",
-                        low=0.0, high=1.0, low_open=True)
-    top_k: int = _opt(0, "sample among the k most likely tokens (0 = off)", low=0)
-    min_p: float = _opt(0.0, "drop tokens less likely than min_p times the likeliest (0 = off)", low=0.0, high=1.0)
+    # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
+    temperature: float | None = _opt(None, "0 = greedy; above 0 samples (empty: the model's default)", low=0.0,
+                                     high=100.0, nullable=True)
+    top_p: float | None = _opt(None, "nucleus sampling: keep the smallest set of tokens with this much mass "
+                                     "(empty: the model's default, else 1)", low=0.0, high=1.0, low_open=True,
+                               nullable=True)
+    top_k: int | None = _opt(None, "sample among the k most likely tokens (0 = off; empty: the model's default)",
+                             low=0, nullable=True)
+    min_p: float | None = _opt(None, "drop tokens less likely than min_p times the likeliest (0 = off; empty: "
+                                     "the model's default)", low=0.0, high=1.0, nullable=True)
     seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one, reported in --json)",
                             nullable=True, low=0)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
@@ -90,7 +95,7 @@ def _check(name: str, value: Any, spec) -> Any:
         if meta["nullable"]:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
-    kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)
+    kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
     if name == "budget":
         return _budget(value)
     if kind is bool:

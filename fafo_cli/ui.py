@@ -36,11 +36,14 @@ def _pool(stats: Stats) -> str:
 
 
 def method_label(config) -> str:
-    """How the panel and footer name the method: fafo with its compressor and budget."""
-    if config.method != "fafo":
-        return config.method
-    budget = "" if config.compressor == "none" else f" B={config.budget}"
-    return f"fafo · {config.compressor}{budget}"
+    """How the panel and footer name the method (fafo with its compressor and budget) and the sampling."""
+    label = config.method
+    if config.method == "fafo":
+        label += f" · {config.compressor}" + ("" if config.compressor == "none" else f" B={config.budget}")
+    if config.temperature:
+        label += f" · T={config.temperature:g} top-p {config.top_p:g}" + (f" top-k {config.top_k}" if config.top_k
+                                                                          else "")
+    return label
 
 
 def _fumble(stats: Stats) -> str:

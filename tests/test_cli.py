@@ -285,3 +285,11 @@ def test_chat_that_outgrows_the_context_drops_the_oldest_turns(tmp_path):
     assert "this message alone does not fit the model's context (160 tokens)" in result.stderr
     assert "7 turns" in result.stdout  # every message that fits was answered
     assert "Traceback" not in result.stderr
+
+
+def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, tmp_path, prompt_file):
+    folder = build_tiny_model(tmp_path / "plain", "llama-gqa", chat_template=False)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "4", "--dtype", "float32")
+    assert code == 0 and out.strip()
+    assert err == f"note: {folder} has no chat template; the prompt is continued as plain text\n"

@@ -144,3 +144,21 @@ def test_smollm2_greedy_matches_transformers(smollm2):
         expected = hf_greedy(smollm2, engine.encode(prompt), 128)
         assert result.token_ids == expected[:len(result.token_ids)]
         assert len(result.token_ids) == len(expected)  # stopped where generate stopped (eos or limit)
+
+
+def test_sampling_defaults_come_from_the_model(tmp_path):
+    import json
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    config_path = folder / "generation_config.json"
+    data = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**data, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    config = engine.request_config()
+    assert (config.temperature, config.top_p, config.top_k, config.min_p) == (0.6, 0.9, 0, 0.0)
+    assert config.seed is not None  # sampling: a fresh seed, reported
+    assert engine.request_config(temperature=0.0, top_p=0.5).temperature == 0.0  # the user's word wins
+    result = engine.complete(PROMPT, max_tokens=5)
+    assert result.settings["temperature"] == 0.6 and result.settings["top_p"] == 0.9
+    plain = load(str(build_tiny_model(tmp_path / "g", "llama-gqa")), dtype="float32").request_config()
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.seed) == (0.0, 1.0, 0, 0.0, None)

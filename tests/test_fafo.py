@@ -123,3 +123,28 @@ def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
     c = engine.complete(LONG, seed=4, **settings)
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
     assert a.stats.accepted_tokens > 0 and a.stats.steps < 120
+
+
+def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
+    engine = load(str(tiny), dtype="float32", method="fafo", budget=32)
+    messages = [{"role": "user", "content": "tell me about cats " * 6}]
+    first = engine.complete(messages, max_tokens=40)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+    second = engine.complete(messages, max_tokens=40)
+    assert second.stats.pool_ngrams > first.stats.pool_ngrams  # the first turn's n-grams are still there
+    assert second.token_ids == hf_greedy(tiny, engine.encode(messages), 40)
+    engine.reset()
+    fresh = engine.complete([{"role": "user", "content": "more"}], max_tokens=40)
+    assert fresh.stats.pool_ngrams < first.stats.pool_ngrams
+
+
+def test_four_turn_chat_equals_generate_on_each_turns_history(tiny):
+    engine = load(str(tiny), dtype="float32", method="fafo", budget=48)
+    messages = [{"role": "system", "content": "You are terse."}]
+    for turn in ("Name a fruit. " * 4, "Another one?", "Why that one? " * 3, "Thanks."):
+        messages.append({"role": "user", "content": turn})
+        result = engine.complete(messages, max_tokens=50)
+        assert result.token_ids == hf_greedy(tiny, engine.encode(messages), 50), len(messages)
+        messages.append({"role": "assistant", "content": result.text})
+    # the earlier turns were not prefilled again (a random model's bytes do not all survive re-tokenization)
+    assert result.stats.cached_prompt_tokens > 0.5 * result.stats.prompt_tokens

@@ -118,8 +118,16 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
 
     anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
-    pool = NgramPool(k, settings.prefix, settings.pool_per_key)
-    pool.add_text(text)
+    # The pool follows the conversation: a request that continues the previous one (a chat turn: it extends
+    # that whole prompt) keeps what earlier turns taught it. A re-run or a branch starts a new pool, so the
+    # same prompt and seed always meet the same guesses and give the same sample.
+    pool_key = ("pool", k, settings.prefix, settings.pool_per_key)
+    carried = session.carry.get(pool_key)
+    continues = carried is not None and reused >= carried[1]
+    pool = carried[0] if continues else NgramPool(k, settings.prefix, settings.pool_per_key)
+    pool.add_text(text, new=len(text) - reused if continues else None)
+    session.carry.clear()
+    session.carry[pool_key] = (pool, len(request.prompt_ids))
     window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
     masks = PrefixMasks(model.device)
     step = emitter.emit([anchor])

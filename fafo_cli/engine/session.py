@@ -37,10 +37,12 @@ class Session:
         self.model = model
         self.cache = model.new_cache()
         self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
+        self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
 
     def reset(self) -> None:
         self.cache.truncate(0)
         self.ids = []
+        self.carry.clear()
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(length)
