@@ -56,6 +56,15 @@ def test_cache_grows_without_losing_committed_rows():
         cache.reserve(101)
 
 
+def test_cache_slots_never_written_hold_finite_values():
+    """Attention over whole blocks multiplies masked slots' values by 0: they must never be NaN."""
+    cache = KVCache(2, 1, 4, max_slots=4096, dtype=torch.float32, device=torch.device("cpu"), initial_slots=8)
+    cache.use_lead(5)
+    cache.reserve(3000)
+    assert torch.isfinite(cache.storage_keys).all() and torch.isfinite(cache.storage_values).all()
+    assert cache.lead == 128  # rounded to whole attention blocks
+
+
 def test_prefix_causal_mask():
     mask = prefix_causal_mask(2, 3, torch.device("cpu"))
     assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]

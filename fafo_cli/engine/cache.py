@@ -29,8 +29,10 @@ class KVCache:
 
     def _allocate(self, slots: int, lead: int) -> None:
         n_layers, n_kv, dim = self.shape
-        storage_keys = torch.empty(n_layers, lead + slots, n_kv, dim, dtype=self.dtype, device=self.device)
-        storage_values = torch.empty_like(storage_keys)
+        # zeros, not empty: the block-sparse path reads whole blocks, and a masked slot still adds 0 × value,
+        # which is NaN if never-written memory happens to hold a NaN pattern
+        storage_keys = torch.zeros(n_layers, lead + slots, n_kv, dim, dtype=self.dtype, device=self.device)
+        storage_values = torch.zeros_like(storage_keys)
         if self.length:
             storage_keys[:, lead:lead + self.length] = self.keys[:, : self.length]
             storage_values[:, lead:lead + self.length] = self.values[:, : self.length]
