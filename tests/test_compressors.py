@@ -208,12 +208,9 @@ def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
         window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
         layout = step_layout(2, 3, 3, 3)
         rows = [prompt[-1], 5, 6, 7, 8, 9, 10] + window.tokens()
-        attend = FafoAttention(session.cache, compressor, model.scaling, PrefixMasks(model.device),
-                               verify_rows=layout.verify_rows, verify_local=layout.verify_local,
-                               window_local=layout.window_local, combined_local=layout.combined_local,
+        attend = FafoAttention(session.cache, compressor, model.scaling, PrefixMasks(model.device), layout,
                                block_masks=BlockSparseMasks.for_device(model.device) if block else None,
-                               flex=flex_attention_kernel(model.device) if block else None,
-                               window_local_padded=layout.window_local_padded)
+                               flex=flex_attention_kernel(model.device) if block else None)
         start = session.cache.length
         outputs.append(model.forward(torch.tensor(rows), start + layout.offsets, session.cache, attend))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)

@@ -135,9 +135,7 @@ def test_fumble_rows_equal_a_forward_over_the_gathered_cache(tiny_models, compre
     window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
     layout = step_layout(len(candidates), 3, 3, 3)
     rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
-    attend = FafoAttention(cache, compressor, model.scaling, PrefixMasks(model.device),
-                           verify_rows=layout.verify_rows, verify_local=layout.verify_local,
-                           window_local=layout.window_local, combined_local=layout.combined_local)
+    attend = FafoAttention(cache, compressor, model.scaling, PrefixMasks(model.device), layout)
     logits = model.forward(torch.tensor(rows), start + layout.offsets, cache, attend)
     fafo_window = logits[layout.verify_rows:]
 

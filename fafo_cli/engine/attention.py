@@ -9,10 +9,15 @@ placed after an all-visible prefix in a reused buffer, never rebuilt from scratc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
+
+if TYPE_CHECKING:
+    from .fafo import StepLayout
 
 
 class PrefixMasks:
@@ -42,34 +47,32 @@ class PrefixMasks:
 class FafoAttention:
     """Callable handed to Model.forward for one step (see module docstring)."""
 
-    def __init__(self, cache: KVCache, compressor, scaling: float, masks: PrefixMasks, *,
-                 verify_rows: int, verify_local: torch.Tensor, window_local: torch.Tensor,
-                 combined_local: torch.Tensor, block_masks: "BlockSparseMasks | None" = None, flex=None,
-                 window_local_padded: torch.Tensor | None = None):
+    def __init__(self, cache: KVCache, compressor, scaling: float, masks: PrefixMasks, layout: "StepLayout", *,
+                 block_masks: "BlockSparseMasks | None" = None, flex=None):
         self.cache, self.compressor, self.scaling = cache, compressor, scaling
         self.flex = flex
-        self.verify_rows = verify_rows
+        self.verify_rows = verify_rows = layout.verify_rows
         length = cache.length
         self.split = compressor.view(0) is not None
         self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
             self.visible = compressor.visible(cache)
             # the anchor's and the window rows' slots in the cache, copied after the view in each layer
-            window = window_local.shape[0]
+            window = layout.window_local.shape[0]
             start = length + verify_rows
             self.window_source = torch.cat([torch.tensor([length]), torch.arange(start, start + window)]).to(
                 cache.device)
             if block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
                 self.kv_length = cache.lead + cache.capacity
                 self.block_mask = block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,
-                                                  visible=self.visible, verify_local=verify_local,
-                                                  window_local_padded=window_local_padded)
+                                                  visible=self.visible, verify_local=layout.verify_local,
+                                                  window_local_padded=layout.window_local_padded)
             else:
                 self.block_mask = None
-                self.verify_mask = masks.get("verify", length, verify_local)
-                self.window_mask = masks.get("window", self.visible, window_local)
+                self.verify_mask = masks.get("verify", length, layout.verify_local)
+                self.window_mask = masks.get("window", self.visible, layout.window_local)
         else:
-            self.mask = masks.get("all", length, combined_local)
+            self.mask = masks.get("all", length, layout.combined_local)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_verify, start = self.verify_rows, self.cache.length

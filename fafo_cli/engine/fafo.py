@@ -141,10 +141,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
         if start + len(rows) <= model.max_context:
             cache.reserve(start + len(rows))
-            attend = FafoAttention(cache, compressor, model.scaling, masks, verify_rows=layout.verify_rows,
-                                   verify_local=layout.verify_local, window_local=layout.window_local,
-                                   combined_local=layout.combined_local, block_masks=block_masks, flex=flex,
-                                   window_local_padded=layout.window_local_padded)
+            attend = FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks, flex=flex)
             logits = model.forward(torch.tensor(rows, device=model.device), start + layout.offsets, cache,
                                    attend, layout.logit_rows)
             argmax = logits.argmax(-1).tolist()

@@ -13,7 +13,7 @@ import torch
 from ..cache import KVCache
 from .scores import attention_weights
 from .snapkv import ObservationScores
-from .view import SlotView, ViewCompressor
+from .view import ViewCompressor
 
 
 class H2OCompressor(ViewCompressor):
@@ -25,19 +25,9 @@ class H2OCompressor(ViewCompressor):
         self.budget, self.recent, self.scale, self.tail_rows = budget, recent, scale, tail_rows
         self.mass = ObservationScores(window, prompt_length, scale)
         self.observe_prefill = self.mass.observe_prefill
-        self.slots: SlotView | None = None
-        self.active = False
 
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        weights = attention_weights(q[:, None], keys, self.scale)
-        scores = self.mass.scores.get(layer)
-        if scores is None or scores.shape[0] < weights.shape[0]:
-            grown = torch.zeros(max(weights.shape[0], 2 * (0 if scores is None else scores.shape[0])),
-                                device=weights.device)
-            if scores is not None:
-                grown[:scores.shape[0]] = scores
-            scores = self.mass.scores[layer] = grown
-        scores[:weights.shape[0]] += weights
+        self.mass.add(layer, attention_weights(q[:, None], keys, self.scale))
 
     def select(self, cache: KVCache) -> torch.Tensor:
         length = cache.length
@@ -52,9 +42,7 @@ class H2OCompressor(ViewCompressor):
     def rebuild(self, cache: KVCache) -> None:
         self.active = cache.length > self.budget
         if self.active:
-            if self.slots is None:
-                self.slots = SlotView(cache, self.budget, self.tail_rows)
-            self.slots.fill(cache, self.select(cache))
+            self._slots(cache, self.budget).fill(cache, self.select(cache))
 
     prepare = rebuild  # every step: the recent window slides and the masses change
 

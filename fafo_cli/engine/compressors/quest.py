@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..cache import KVCache
-from .view import SlotView, ViewCompressor
+from .view import ViewCompressor
 
 
 def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
@@ -34,10 +34,8 @@ class QuestCompressor(ViewCompressor):
         self.budget, self.page_size, self.refresh = budget, page_size, refresh
         self.pages_kept = max(1, (budget - refresh) // page_size)
         self.tail_rows, self.max_commit = tail_rows, max_commit
-        self.slots: SlotView | None = None
         self.page_min = self.page_max = None
         self.query: list[torch.Tensor | None] = []
-        self.active = False
         self.refreshed_at = 0
 
     def _update_pages(self, cache: KVCache, first_page: int, end: int) -> None:
@@ -46,11 +44,12 @@ class QuestCompressor(ViewCompressor):
         if self.page_min is None or self.page_min.shape[1] < pages:
             grow = max(pages, 2 * (0 if self.page_min is None else self.page_min.shape[1]))
             shape = (cache.keys.shape[0], grow, *cache.keys.shape[2:])
-            page_min, page_max = torch.empty(shape, dtype=cache.dtype), torch.empty(shape, dtype=cache.dtype)
+            page_min = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+            page_max = torch.empty_like(page_min)
             if self.page_min is not None:
                 page_min[:, :self.page_min.shape[1]] = self.page_min
                 page_max[:, :self.page_max.shape[1]] = self.page_max
-            self.page_min, self.page_max = page_min.to(cache.device), page_max.to(cache.device)
+            self.page_min, self.page_max = page_min, page_max
         for page in range(first_page, pages):
             block = cache.keys[:, page * ps:min(end, (page + 1) * ps)]
             self.page_min[:, page] = block.amin(1)
@@ -84,9 +83,7 @@ class QuestCompressor(ViewCompressor):
         offsets = torch.arange(ps, device=cache.device)
         positions = (chosen[:, :-1, None] * ps + offsets).flatten(1)
         newest = torch.arange((pages - 1) * ps, length, device=cache.device).expand(len(chosen), -1)
-        if self.slots is None:
-            self.slots = SlotView(cache, self.budget + self.max_commit, self.tail_rows)
-        self.slots.fill(cache, torch.cat([positions, newest], dim=1))
+        self._slots(cache, self.budget + self.max_commit).fill(cache, torch.cat([positions, newest], dim=1))
         self.refreshed_at = length
 
     def prepare(self, cache: KVCache) -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from .scores import attention_weights
-from .view import SlotView, ViewCompressor
+from .view import ViewCompressor
 
 
 class ObservationScores:
@@ -29,15 +29,18 @@ class ObservationScores:
         rows = positions >= self.prompt_length - self.window
         if not rows.any():
             return
-        weights = attention_weights(q[:, rows], keys, self.scale, positions[rows])
+        self.add(layer, attention_weights(q[:, rows], keys, self.scale, positions[rows]))
+
+    def add(self, layer: int, weights: torch.Tensor) -> None:
+        """Accumulate attention mass ([positions]) for a layer, growing its record as the context grows."""
         total = self.scores.get(layer)
         if total is None or total.shape[0] < weights.shape[0]:
-            grown = torch.zeros(weights.shape[0], device=q.device)
+            grown = torch.zeros(max(weights.shape[0], 2 * (0 if total is None else total.shape[0])),
+                                device=weights.device)
             if total is not None:
                 grown[:total.shape[0]] = total
-            total = grown
+            total = self.scores[layer] = grown
         total[:weights.shape[0]] += weights
-        self.scores[layer] = total
 
     def layer(self, layer: int, length: int) -> torch.Tensor:
         scores = self.scores.get(layer)
@@ -56,8 +59,6 @@ class SnapKVCompressor(ViewCompressor):
         self.observed = ObservationScores(window, prompt_length, scale)
         self.observe_prefill = self.observed.observe_prefill
         self.tail_rows = tail_rows
-        self.slots: SlotView | None = None
-        self.active = False
         self.prefix = 0  # slots holding the prompt selection
         self.prefilled = 0  # cache length at the selection
 
@@ -80,9 +81,7 @@ class SnapKVCompressor(ViewCompressor):
         self.prefilled = cache.length
         if not self.active:
             return
-        if self.slots is None:
-            self.slots = SlotView(cache, self.budget, self.tail_rows)
-        self.slots.fill(cache, self.select_prompt(cache))
+        self._slots(cache, self.budget).fill(cache, self.select_prompt(cache))
         self.prefix = self.slots.size
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from .view import SlotView, ViewCompressor
+from .view import ViewCompressor
 
 
 class StreamCompressor(ViewCompressor):
@@ -17,8 +17,6 @@ class StreamCompressor(ViewCompressor):
 
     def __init__(self, *, budget: int, sink: int, tail_rows: int):
         self.budget, self.sink, self.tail_rows = budget, min(sink, budget - 1), tail_rows
-        self.slots: SlotView | None = None
-        self.active = False  # False while the whole cache fits in the budget
 
     def _ring(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.where(positions < self.sink, positions,
@@ -28,12 +26,11 @@ class StreamCompressor(ViewCompressor):
         self.active = cache.length > self.budget
         if not self.active:
             return
-        if self.slots is None:
-            self.slots = SlotView(cache, self.budget, self.tail_rows)
+        slots = self._slots(cache, self.budget)
         device = cache.device
         positions = torch.cat([torch.arange(self.sink, device=device),
                                torch.arange(cache.length - (self.budget - self.sink), cache.length, device=device)])
-        self.slots.fill(cache, positions[torch.argsort(self._ring(positions))])  # slot s holds ring position s
+        slots.fill(cache, positions[torch.argsort(self._ring(positions))])  # slot s holds ring position s
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:

@@ -64,6 +64,13 @@ class ViewCompressor:
 
     slots: SlotView | None = None
     active = False
+    tail_rows = 0  # room after C(kv) for the step's anchor and window rows
+
+    def _slots(self, cache: KVCache, size: int) -> SlotView:
+        """The slot view, created on first use (a request whose context stays within the budget needs none)."""
+        if self.slots is None:
+            self.slots = SlotView(cache, size, self.tail_rows)
+        return self.slots
 
     def prepare(self, cache: KVCache) -> None:
         pass
