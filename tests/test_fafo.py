@@ -148,3 +148,21 @@ def test_four_turn_chat_equals_generate_on_each_turns_history(tiny):
         messages.append({"role": "assistant", "content": result.text})
     # the earlier turns were not prefilled again (a random model's bytes do not all survive re-tokenization)
     assert result.stats.cached_prompt_tokens > 0.5 * result.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("method", ["vanilla", "fafo"])
+def test_min_p_reaches_the_sampler(tiny, method):
+    """min_p = 1 keeps only the likeliest token: sampling then equals greedy decoding."""
+    engine = load(str(tiny), dtype="float32", chat_template=False, method=method)
+    greedy = engine.complete(LONG, max_tokens=40, temperature=0.0).token_ids
+    assert engine.complete(LONG, max_tokens=40, temperature=1.0, min_p=1.0, seed=5).token_ids == greedy
+    assert engine.complete(LONG, max_tokens=40, temperature=1.0, seed=5).token_ids != greedy
+
+
+def test_pool_and_guess_settings_take_effect(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats
+    assert one.pool_ngrams == one.pool_keys  # one n-gram per key
+    assert one.drafted_tokens % 4 == 0 and one.drafted_tokens <= 2 * 4 * one.steps  # G candidates of k tokens
+    many = engine.complete(LONG, max_tokens=80, pool_per_key=8, guesses=2, ngram=4).stats
+    assert many.pool_ngrams > many.pool_keys
