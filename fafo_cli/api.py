@@ -28,7 +28,7 @@ from .errors import FafoError
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
-LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle"}
+LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle", "draft_model"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -68,29 +68,26 @@ class Engine:
         self.tokenizer = tokenizer
         self.folder = folder
         self.config = config
-        self.session = Session(model)
+        self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
 
     @classmethod
     def from_config(cls, config: config_mod.Config) -> "Engine":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        folder = hub.resolve(config.model, allow_pickle=config.allow_pickle,
-                             trust_remote_code=config.trust_remote_code)
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
-        try:
-            with hub.quiet_transformers():
-                tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
-                hf_model = AutoModelForCausalLM.from_pretrained(
-                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                    use_safetensors=None if config.allow_pickle else True)
-        except (OSError, ValueError) as e:
-            raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
-        hf_model.to(device).eval()
-        return cls(Model(hf_model), tokenizer, folder, config)
+        tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
+        engine = cls(Model(hf_model), tokenizer, folder, config)
+        if config.draft_model is not None:
+            if config.method != "triforce":
+                raise FafoError(f"--draft-model is used by method triforce only (the method is {config.method})")
+            draft_tokenizer, draft, _ = _load_model(config.draft_model, config, device, dtype)
+            if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise FafoError(f"the draft model {config.draft_model} does not share the tokenizer of "
+                                f"{engine.name} (their vocabularies differ)")
+            engine.session.draft_model = Model(draft)
+        return engine
 
     @property
     def name(self) -> str:
@@ -154,6 +151,23 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached conversation (the next request prefills from scratch)."""
         self.session.reset()
+
+
+def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
+    """(tokenizer, transformers model on `device`, folder) for a hub id, folder or .gguf (None: the embedded one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
+    try:
+        with hub.quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                use_safetensors=None if config.allow_pickle else True)
+    except (OSError, ValueError) as e:
+        raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
+    hf_model.to(device).eval()
+    return tokenizer, hf_model, folder
 
 
 def _sampling_defaults(generation_config) -> dict:

@@ -76,6 +76,31 @@ Recent = Annotated[Optional[int], typer.Option(help="h2o: recent positions alway
                                                rich_help_panel="FAFO")]
 
 
+
+def _peer(flag: str, kind: type, help: str, panel: str):
+    return Annotated[Optional[kind], typer.Option(flag, help=help, show_default=False, rich_help_panel=panel)]
+
+
+LookaheadStreams = _peer("--lookahead-streams", int, "Window streams W.", "Lookahead")
+LookaheadNgram = _peer("--lookahead-ngram", int, "Guess length (N - 1).", "Lookahead")
+LookaheadGuesses = _peer("--lookahead-guesses", int, "Candidates verified per step G.", "Lookahead")
+LookupNgram = _peer("--lookup-ngram", int, "Longest text ending looked up in the context.", "Prompt lookup")
+LookupTokens = _peer("--lookup-tokens", int, "Tokens drafted after a match.", "Prompt lookup")
+CachebackLeader = _peer("--cacheback-leader", int, "Leader length LL.", "Cacheback")
+CachebackFollower = _peer("--cacheback-follower", int, "Follower length FL.", "Cacheback")
+CachebackFollowers = _peer("--cacheback-followers", int, "Followers kept per leader FC.", "Cacheback")
+CachebackLeaders = _peer("--cacheback-leaders", int, "Leaders kept in the dynamic table.", "Cacheback")
+CachebackBudget = _peer("--cacheback-budget", int, "Draft tokens per step (tree nodes).", "Cacheback")
+CachebackTable = _peer("--cacheback-table", str, "Frozen table file (fafo cacheback build-table).", "Cacheback")
+TriforceChunk = _peer("--triforce-chunk", int, "Tokens per retrieval chunk.", "TriForce")
+TriforceBudget = _peer("--triforce-budget", int, "Retrieval cache size in tokens.", "TriForce")
+TriforceGamma1 = _peer("--triforce-gamma1", int, "Draft model tokens per middle-level check.", "TriForce")
+TriforceGamma2 = _peer("--triforce-gamma2", int, "Middle-level tokens per full-model check.", "TriForce")
+TriforceDraftCache = _peer("--triforce-draft-cache", int, "Draft model's StreamingLLM cache size.", "TriForce")
+DraftModel = _peer("--draft-model", str, "Tiny draft model sharing the tokenizer.", "TriForce")
+QuantspecGamma = _peer("--quantspec-gamma", int, "Tokens drafted per step.", "QuantSpec")
+QuantspecGroup = _peer("--quantspec-group", int, "Quantisation group size.", "QuantSpec")
+
 def _version(value: bool) -> None:
     if value:
         print(f"fafo-cli {__version__}")
@@ -139,6 +164,15 @@ def run(
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
     page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
     recent: Recent = None, attention: Attention = None,
+    lookahead_streams: LookaheadStreams = None, lookahead_ngram: LookaheadNgram = None,
+    lookahead_guesses: LookaheadGuesses = None, lookup_ngram: LookupNgram = None, lookup_tokens: LookupTokens = None,
+    cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
+    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
+    cacheback_budget: CachebackBudget = None, cacheback_table: CachebackTable = None,
+    triforce_chunk: TriforceChunk = None, triforce_budget: TriforceBudget = None,
+    triforce_gamma1: TriforceGamma1 = None, triforce_gamma2: TriforceGamma2 = None,
+    triforce_draft_cache: TriforceDraftCache = None, draft_model: DraftModel = None,
+    quantspec_gamma: QuantspecGamma = None, quantspec_group: QuantspecGroup = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
@@ -174,6 +208,15 @@ def chat(
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
     page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
     recent: Recent = None, attention: Attention = None,
+    lookahead_streams: LookaheadStreams = None, lookahead_ngram: LookaheadNgram = None,
+    lookahead_guesses: LookaheadGuesses = None, lookup_ngram: LookupNgram = None, lookup_tokens: LookupTokens = None,
+    cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
+    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
+    cacheback_budget: CachebackBudget = None, cacheback_table: CachebackTable = None,
+    triforce_chunk: TriforceChunk = None, triforce_budget: TriforceBudget = None,
+    triforce_gamma1: TriforceGamma1 = None, triforce_gamma2: TriforceGamma2 = None,
+    triforce_draft_cache: TriforceDraftCache = None, draft_model: DraftModel = None,
+    quantspec_gamma: QuantspecGamma = None, quantspec_group: QuantspecGroup = None,
 ) -> None:
     """Multi-turn chat with the same live panel. /help lists the commands."""
     from .chat import Repl

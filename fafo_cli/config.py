@@ -16,7 +16,7 @@ import yaml
 
 from .errors import FafoError
 
-METHODS = ("vanilla", "fafo")
+METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "triforce", "quantspec")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -85,6 +85,35 @@ class Config:
                                   "or block (one FlexAttention call with a block mask); auto: block on CUDA",
                           choices=ATTENTION)
 
+    # Peer methods (see ../shared/design/peers.md); defaults measured like FAFO's (README, "Peer methods").
+    lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)
+    lookahead_ngram: int = _opt(3, "lookahead: guess length (N - 1)", low=2, high=16)
+    lookahead_guesses: int = _opt(2, "lookahead: candidates verified per step G", low=0, high=64)
+    lookup_ngram: int = _opt(3, "prompt-lookup: longest ending of the text looked up in the context", low=1,
+                             high=16)
+    lookup_tokens: int = _opt(8, "prompt-lookup: tokens drafted after a match", low=1, high=256)
+    cacheback_leader: int = _opt(1, "cacheback: leader length LL (tokens a lookup is keyed by)", low=1, high=8)
+    cacheback_follower: int = _opt(3, "cacheback: follower length FL (tokens per table entry)", low=1, high=16)
+    cacheback_followers: int = _opt(4, "cacheback: followers kept per leader FC (least recently used dropped)",
+                                     low=1, high=256)
+    cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table", low=1)
+    cacheback_budget: int = _opt(12, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
+    cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
+                                             "looked up after the dynamic one", nullable=True)
+    triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
+    triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens (first chunk, top chunks, last "
+                                     "partial chunk)", low=2)
+    triforce_gamma1: int = _opt(2, "triforce: tokens the draft model proposes per middle-level check", low=1,
+                                high=32)
+    triforce_gamma2: int = _opt(4, "triforce: tokens the middle level drafts per full-model check", low=1, high=32)
+    triforce_draft_cache: int = _opt(256, "triforce: the draft model's StreamingLLM cache (4 sink + recent "
+                                          "positions)", low=8)
+    draft_model: str | None = _opt(None, "triforce: tiny draft model sharing the tokenizer (hub id, folder or "
+                                         ".gguf); empty: the two upper levels only", nullable=True)
+    quantspec_gamma: int = _opt(3, "quantspec: tokens drafted from the 4-bit cache per step", low=1, high=32)
+    quantspec_group: int = _opt(64, "quantspec: quantisation group (key tokens per group; value channels per "
+                                    "group, at most head_dim)", low=2, high=4096)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -130,14 +159,17 @@ def build(base: Config | None = None, **changes: Any) -> Config:
         raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(known)})")
     given = {k: _check(k, v, known[k]) for k, v in changes.items() if v is not None}
     config = replace(base or Config(), **given)
-    _check_compressor(config)
+    _check_together(config)
     return config
 
 
-def _check_compressor(config: Config) -> None:
+def _check_together(config: Config) -> None:
     """The chosen compressor's parts must fit in its budget (checked here when the budget is in tokens)."""
     if config.kernel % 2 == 0:
         raise FafoError(f"config key 'kernel' must be odd (got {config.kernel})")
+    if config.triforce_budget < 2 * config.triforce_chunk:
+        raise FafoError(f"config key 'triforce_budget' ({config.triforce_budget}) must hold at least two chunks "
+                        f"(2 × triforce_chunk = {2 * config.triforce_chunk}): the first and the last")
     if not isinstance(config.budget, int) or config.compressor not in MIN_BUDGET:
         return
     what, least = MIN_BUDGET[config.compressor](config)

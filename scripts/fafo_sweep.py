@@ -1,4 +1,4 @@
-"""Sweep FAFO settings against vanilla on one model: tokens/s, τ and per-step cost, side by side.
+"""Sweep decoding settings against vanilla on one model: tokens/s, τ and per-step cost, side by side.
 
 Every repetition runs vanilla and each setting in turn on each prompt (interleaved, so machine drift hits all
 equally); medians over repetitions. This is how the defaults in config.py were chosen; `fafo bench` will
@@ -6,6 +6,9 @@ supersede it for reporting.
 
     python scripts/fafo_sweep.py --tokens 256 --repeats 3 \
         --settings "W=2,k=4,G=2,P=2" "W=1,k=6,G=2,P=3" --prompts examples/rewrite.txt examples/prompt.txt
+
+A setting is FAFO's short keys (W, k, G, P, B, C, S, N), `M=method` for another method, or any config key:
+"M=cacheback,cacheback_budget=24". `--markdown` prints the results as a table for the README.
 """
 
 from __future__ import annotations
@@ -17,14 +20,19 @@ from pathlib import Path
 from fafo_cli import load
 
 KEYS = {"W": "streams", "k": "ngram", "G": "guesses", "P": "prefix", "B": "budget", "C": "compressor",
-        "S": "sink", "N": "pool_per_key"}
+        "S": "sink", "N": "pool_per_key", "M": "method"}
 
 
 def parse(spec: str) -> dict:
-    out = {}
+    out = {"method": "fafo"}
     for part in spec.split(","):
         key, value = part.split("=")
-        out[KEYS[key]] = value if key == "C" else int(value)
+        for kind in (int, float, str):
+            try:
+                out[KEYS.get(key, key)] = kind(value)
+                break
+            except ValueError:
+                continue
     return out
 
 
@@ -36,10 +44,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settings", nargs="+", required=True)
     parser.add_argument("--prompts", nargs="+", default=["examples/rewrite.txt", "examples/prompt.txt"])
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table per prompt")
     args = parser.parse_args()
 
     engine = load(args.model, dtype=args.dtype)
-    runs = [("vanilla", dict(method="vanilla"))] + [(s, dict(method="fafo", **parse(s))) for s in args.settings]
+    runs = [("vanilla", dict(method="vanilla"))] + [(s, parse(s)) for s in args.settings]
     for path in args.prompts:
         prompt = Path(path).read_text()
         results: dict[str, list] = {name: [] for name, _ in runs}
@@ -57,16 +66,25 @@ def main() -> None:
         print(f"\n{path} ({len(engine.encode(prompt))} prompt tokens, {args.tokens} new, {args.dtype}, "
               f"median of {args.repeats})")
         print(f"{'setting':28s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'ms/step':>8s} {'step cost':>9s} "
-              f"{'accept':>7s} {'same as vanilla':>16s}")
+              f"{'accept':>7s} {'extra MB':>8s} {'peak MB':>8s} {'same as vanilla':>16s}")
+        rows = []
         for name, _ in runs:
             stats = [s for s, _, _ in results[name]]
             speed = statistics.median(s.tokens_per_s for s in stats)
             tau = statistics.median(s.tokens_per_step for s in stats)
             step = statistics.median(s.decode_s / max(1, s.steps - 1) for s in stats)
             rate = statistics.median(s.acceptance_rate or 0 for s in stats)
+            extra = max(s.draft_memory_mb or 0 for s in stats)
+            peak = max(s.peak_memory_mb for s in stats)
             same, total = results[name][-1][1], results[name][-1][2]
+            rows.append((name, speed, speed / base, tau, rate, extra, peak))
             print(f"{name:28s} {speed:7.1f} {speed / base:7.2f}x {tau:5.2f} {step * 1e3:8.1f} "
-                  f"{step / base_step:8.2f}x {rate:7.0%} {same:>7d}/{total} tok")
+                  f"{step / base_step:8.2f}x {rate:7.0%} {extra:8.1f} {peak:8.0f} {same:>7d}/{total} tok")
+        if args.markdown:
+            print("\n| method | tokens/s | speedup | τ | accepted/drafted | extra memory | peak RSS |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
+            for name, speed, ratio, tau, rate, extra, peak in rows:
+                print(f"| {name} | {speed:.1f} | {ratio:.2f}× | {tau:.2f} | {rate:.0%} | {extra:.1f} MB | {peak:.0f} MB |")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -61,11 +61,11 @@ def build_tiny_model(folder: Path, variant: str, *, seed: int = 0, max_positions
     tokenizer = build_tokenizer(eos)
     if not chat_template:
         tokenizer.chat_template = None
-    config = getattr(transformers, cls_name)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **{**extra, **overrides})
+    settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    config = getattr(transformers, cls_name)(**{**settings, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if variant == "qwen2-bias":  # random (not zero) biases, so a forgotten bias would show

@@ -12,6 +12,7 @@ from fafo_cli.engine.compressors import NoCompressor, StreamCompressor
 from fafo_cli.engine.fafo import step_layout
 from fafo_cli.engine.model import causal_attention
 from fafo_cli.engine.pool import NgramPool
+from fafo_cli.engine.tree import DraftTree
 from fafo_cli.engine.verify import accept_greedy
 from fafo_cli.engine.window import LookaheadWindow, window_layout
 
@@ -86,11 +87,39 @@ def test_pool_seeding_from_text_and_key_bound():
 
 def test_accept_greedy():
     # anchor predicts 5; candidate 0 = (5, 6, 9): after 5 the model says 6, after 6 it says 7 -> accept 2
-    predictions = [6, 7, 1, 5, 2, 3]
-    assert accept_greedy(5, [(5, 6, 9), (4, 4, 4)], predictions, 3) == (0, 2)
-    assert accept_greedy(5, [(4, 4, 4), (5, 2, 3)], [0, 0, 0, 2, 3, 8], 3) == (1, 3)
-    assert accept_greedy(5, [(1, 2, 3)], [0, 0, 0], 3) == (0, 0)
-    assert accept_greedy(5, [], [], 3) == (0, 0)
+    chains = DraftTree.chains
+    assert accept_greedy(chains([(5, 6, 9), (4, 4, 4)]), [5, 6, 7, 1, 5, 2, 3]) == ([0, 1], [5, 6, 7])
+    assert accept_greedy(chains([(4, 4, 4), (5, 2, 3)]), [5, 0, 0, 0, 2, 3, 8]) == ([3, 4, 5], [5, 2, 3, 8])
+    assert accept_greedy(chains([(1, 2, 3)]), [5, 0, 0, 0]) == ([], [5])
+    assert accept_greedy(chains([]), [5]) == ([], [5])
+    # equal depth: the earlier candidate wins
+    assert accept_greedy(chains([(5, 1), (5, 2)]), [5, 9, 9, 8, 8]) == ([0], [5, 9])
+
+
+def test_tree_mask_and_positions_for_a_hand_drawn_tree():
+    #  anchor ─ a(7) ─ b(8) ─ c(9)
+    #         │      └ d(3)
+    #         └ e(4) ─ f(5)
+    tree = DraftTree()
+    tree.add_chain([7, 8, 9])
+    tree.add_chain([7, 3])  # merged: shares a
+    tree.add_chain([4, 5])
+    assert tree.tokens == [7, 8, 9, 3, 4, 5] and tree.parents == [-1, 0, 1, 0, -1, 4]
+    assert tree.offsets(torch.device("cpu")).tolist() == [0, 1, 2, 3, 2, 1, 2]
+    expected = torch.tensor([
+        # anchor a  b  c  d  e  f
+        [1, 0, 0, 0, 0, 0, 0],  # anchor
+        [1, 1, 0, 0, 0, 0, 0],  # a
+        [1, 1, 1, 0, 0, 0, 0],  # b
+        [1, 1, 1, 1, 0, 0, 0],  # c
+        [1, 1, 0, 0, 1, 0, 0],  # d
+        [1, 0, 0, 0, 0, 1, 0],  # e
+        [1, 0, 0, 0, 0, 1, 1],  # f
+    ], dtype=torch.bool)
+    assert torch.equal(tree.local_mask(torch.device("cpu")), expected)
+    # the model says 7 after the anchor, 3 after a, 0 after d: path a-d, bonus 0
+    assert accept_greedy(tree, [7, 3, 0, 0, 0, 0, 0]) == ([0, 3], [7, 3, 0])
+    assert accept_greedy(tree, [4, 0, 0, 0, 0, 5, 6]) == ([4, 5], [4, 5, 6])
 
 
 def test_stream_selection_is_sink_plus_recent():

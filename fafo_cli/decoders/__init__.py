@@ -1,9 +1,14 @@
 """Decoding methods behind one interface: generate(session, request, emitter) -> Iterator[Step]."""
 
 from ..engine import fafo
-from . import vanilla
+from . import cacheback, lookahead, prompt_lookup, quantspec, triforce, vanilla
 
 DECODERS = {
     "vanilla": vanilla.generate,
     "fafo": fafo.generate,
+    "lookahead": lookahead.generate,
+    "prompt-lookup": prompt_lookup.generate,
+    "cacheback": cacheback.generate,
+    "triforce": triforce.generate,
+    "quantspec": quantspec.generate,
 }

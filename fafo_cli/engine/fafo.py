@@ -23,6 +23,7 @@ from .model import causal_attention
 from .pool import NgramPool
 from .session import Emitter, Request, Session
 from .sampling import next_token, target_probs
+from .tree import DraftTree
 from .verify import accept_greedy, accept_sampling
 from .window import LookaheadWindow, window_layout
 
@@ -145,29 +146,25 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
             logits = model.forward(torch.tensor(rows, device=model.device), start + layout.offsets, cache,
                                    attend, layout.logit_rows)
             argmax = logits.argmax(-1).tolist()
+            tree = DraftTree.chains(candidates)  # node i is row 1 + i: the verify rows' layout
             if sampling.greedy:
-                best, accepted = accept_greedy(argmax[0], candidates, argmax[1:layout.verify_rows], k)
-                guessed = list(candidates[best][:accepted]) if accepted else []
-                emitted = guessed + [argmax[best * k + accepted] if accepted else argmax[0]]
-            else:  # the row after candidate c's token j-1 gives the target at its position j
-                best, emitted = accept_sampling(
-                    lambda c, j: target_probs(logits[0] if j == 0 else logits[c * k + j], sampling),
-                    candidates, generator)
-                guessed = emitted[:-1]
+                path, emitted = accept_greedy(tree, argmax[:layout.verify_rows])
+            else:
+                path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
             # the window itself stays greedy: it only proposes guesses
             for before, ngram in window.advance(anchor, [argmax[p] for p in layout.predictors]):
                 pool.add(before, ngram)
         else:  # the context's last few positions: no room for guesses, a plain step
-            candidates, guessed, best = [], [], 0
+            candidates, path = [], []
             emitted = [next_token(session.forward([anchor], causal_attention(None, model.scaling))[-1], sampling,
                                   generator)]
         # Commit the anchor's and the accepted guesses' keys and values, computed in this very pass.
-        cache.commit_rows([0] + [1 + best * k + j for j in range(len(guessed))])
-        session.ids.extend([anchor] + guessed)
-        compressor.committed(cache, start, 1 + len(guessed))
+        cache.commit_rows([0] + [1 + node for node in path])
+        session.ids.extend([anchor] + emitted[:-1])
+        compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
         pool.add_text(text, new=len(emitted))
         emitter.stats.pool_keys, emitter.stats.pool_ngrams = pool.keys, pool.ngrams
-        step = emitter.emit(emitted, drafted=len(candidates) * k, accepted=len(guessed))
+        step = emitter.emit(emitted, drafted=len(candidates) * k, accepted=len(path))
         yield step
         anchor = emitted[-1]

@@ -67,8 +67,8 @@ class Model:
         # of the (exactly representable) half-precision keys and values. Elsewhere the cache matches the model.
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
 
-    def new_cache(self, initial_slots: int = 256) -> KVCache:
-        return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=self.max_context,
+    def new_cache(self, initial_slots: int = 256, max_slots: int | None = None) -> KVCache:
+        return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=max_slots or self.max_context,
                        dtype=self.cache_dtype, device=self.device, initial_slots=initial_slots)
 
     @torch.inference_mode()

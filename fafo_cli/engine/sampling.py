@@ -61,3 +61,11 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     if sampling.greedy:
         return int(logits.argmax(-1))
     return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A drafted token and the distribution it was drawn from (None when greedy: the draft is the argmax)."""
+    if sampling.greedy:
+        return int(logits.argmax(-1)), None
+    probs = target_probs(logits, sampling)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs

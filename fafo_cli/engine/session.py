@@ -33,11 +33,13 @@ class Request:
 
 
 class Session:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer
         self.cache = model.new_cache()
         self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
         self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
+        self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
 
     def reset(self) -> None:
         self.cache.truncate(0)

@@ -1,0 +1,19 @@
+"""Lookahead decoding: FAFO's step with full-KV fumbling (`compressor: none`) and a pool keyed by the single
+last token (P = 1), which is the method FAFO extends. Its window, guess length and candidate count are its
+own settings (`lookahead_*`), chosen for CPUs by measurement."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+from ..engine import fafo
+from ..engine.events import Step
+from ..engine.session import Emitter, Request, Session
+
+
+def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    c = request.config
+    config = replace(c, streams=c.lookahead_streams, ngram=c.lookahead_ngram, guesses=c.lookahead_guesses,
+                     prefix=1, compressor="none", attention="split")
+    yield from fafo.generate(session, replace(request, config=config), emitter)

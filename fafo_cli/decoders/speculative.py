@@ -1,0 +1,121 @@
+"""Draft, then verify in one pass: the loop shared by every method whose guesses come from a `Drafter`.
+
+Each step the drafter proposes a `DraftTree` after the anchor (the last emitted token); one forward pass of
+the full model over [anchor] + tree, with tree attention over the whole cache, decides what is emitted:
+the accepted path plus one token of the model's own, so the output is exactly plain decoding's. Only the
+anchor's and the accepted path's keys and values are committed.
+
+A drafter that samples its guesses from a distribution (a self-draft) returns those distributions with a
+chain, and sampling then uses standard speculative sampling; one-hot guesses (tables, copies) use the
+multi-draft rule in `verify.accept_sampling`. Both keep the output distributed exactly as plain sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from ..engine.attention import PrefixMasks
+from ..engine.events import Step
+from ..engine.model import causal_attention
+from ..engine.cache import KVCache
+from ..engine.model import Model
+from ..engine.sampling import Sampling, draw, next_token, target_probs
+from ..engine.session import Emitter, Request, Session
+from ..engine.tree import DraftTree
+from ..engine.verify import accept_greedy, accept_sampling, accept_speculative
+
+
+@dataclass
+class Draft:
+    tree: DraftTree = field(default_factory=DraftTree)
+    q: list[torch.Tensor] | None = None  # sampled self-drafts: the distribution each chain token was drawn from
+    passes: int = 0  # forward passes the drafting took
+
+
+class Drafter(Protocol):
+    max_rows: int  # the most tree nodes a draft can have (cache room reserved up front)
+    runs_model: bool  # drafting costs forward passes (counted in `Stats.draft_passes`)
+
+    def start(self, session: Session, request: Request, text: list[int], generator: torch.Generator | None) -> None:
+        """After the prefill; `text` is the prompt and the first emitted token; `generator` draws samples."""
+
+    def draft(self, text: list[int], room: int) -> Draft:
+        """Guesses to follow `text` (whose last token is the anchor), at most `room` nodes."""
+
+    def accepted(self, text: list[int], new: int) -> None:
+        """`text` grew by `new` emitted tokens, whose keys and values (but the last) are now committed."""
+
+    def nbytes(self) -> int:
+        """Memory the drafter holds beyond the model and its cache."""
+
+
+def generate(session: Session, request: Request, emitter: Emitter, drafter: Drafter) -> Iterator[Step]:
+    model, cache, sampling = session.model, session.cache, request.sampling
+    generator = sampling.generator(model.device)
+    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + drafter.max_rows + 1,
+                                     observe=getattr(drafter, "observe_prefill", None))
+    anchor = next_token(logits, sampling, generator)
+    text = list(request.prompt_ids) + [anchor]
+    drafter.start(session, request, text, generator)
+    emitter.prefilled(reused)
+    stats = emitter.stats
+    stats.draft_memory_mb = drafter.nbytes() / 2**20
+    stats.draft_passes = 0 if drafter.runs_model else None
+    masks = PrefixMasks(model.device)
+    step = emitter.emit([anchor])
+    yield step
+    while not step.finish_reason:
+        start = cache.length
+        draft = drafter.draft(text, room=model.max_context - start - 1)
+        tree = draft.tree
+        if drafter.runs_model:
+            stats.draft_passes += draft.passes
+        rows = [anchor] + tree.tokens
+        cache.reserve(start + len(rows))
+        attend = causal_attention(masks.get("tree", start, tree.local_mask(model.device)), model.scaling)
+        logits = model.forward(torch.tensor(rows, device=model.device), start + tree.offsets(model.device), cache,
+                               attend)
+        if sampling.greedy:
+            path, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
+        elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j
+            emitted = accept_speculative(tree.tokens, lambda j: target_probs(logits[j], sampling), draft.q, generator)
+            path = list(range(len(emitted) - 1))
+        else:
+            path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
+        cache.commit_rows([0] + [1 + node for node in path])
+        session.ids.extend([anchor] + emitted[:-1])
+        text.extend(emitted)
+        drafter.accepted(text, len(emitted))
+        stats.draft_memory_mb = drafter.nbytes() / 2**20
+        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path))
+        yield step
+        anchor = emitted[-1]
+
+
+def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int, n: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor] | None]:
+    """A self-draft: `n` tokens after `anchor` (at `position`), one forward pass each over `cache` with `attend`.
+
+    Each pass's row is committed so the next one sees it, and the cache is cut back afterwards: draft keys
+    and values are never kept. Returns the tokens and, when sampling, the distributions they were drawn from.
+    """
+    base = cache.length
+    cache.reserve(base + n)
+    tokens: list[int] = []
+    drafts: list[torch.Tensor] = []
+    token = anchor
+    try:
+        for j in range(n):
+            logits = model.forward(torch.tensor([token], device=model.device),
+                                   torch.tensor([position + j], device=model.device), cache, attend)
+            cache.commit(1)
+            token, probs = draw(logits[-1], sampling, generator)
+            tokens.append(token)
+            if probs is not None:
+                drafts.append(probs)
+    finally:
+        cache.truncate(base)
+    return tokens, (drafts if not sampling.greedy else None)

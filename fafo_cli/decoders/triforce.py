@@ -1,0 +1,210 @@
+"""TriForce: hierarchical self-speculation through a retrieval KV cache.
+
+Middle level: the model's own weights attending to a retrieval cache, a second KV cache holding the
+prompt's best chunks (`engine.retrieval`) and then the full-cache keys and values of every accepted token.
+It drafts `triforce_gamma2` tokens for the top level, one full-cache pass that verifies them exactly.
+Bottom level (with `--draft-model`): a small model sharing the tokenizer, with a StreamingLLM cache (sink +
+recent positions), proposes `triforce_gamma1` tokens at a time that the middle level checks in one pass.
+Every level verifies the one below with the same rules as the top, so the output is plain decoding's.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..engine.events import Step
+from ..engine.model import Model, causal_attention, prefix_causal_mask
+from ..engine.retrieval import gather_positions, select_positions
+from ..engine.sampling import Sampling, draw, target_probs
+from ..engine.session import PREFILL_CHUNK, Emitter, Request, Session
+from ..engine.tree import DraftTree
+from ..engine.verify import accept_greedy, accept_speculative
+from . import speculative
+from .speculative import Draft, draft_chain
+
+SINK = 4  # the draft model's StreamingLLM cache: first positions always kept
+
+
+class StreamingDraftModel:
+    """The bottom level: a small model over the text with a StreamingLLM cache (sink + recent positions).
+
+    Keys keep their rotary positions when the middle of the cache is evicted, so slots and positions differ;
+    positions are passed explicitly. Tokens of a round are committed tentatively and cut back at its end.
+    """
+
+    def __init__(self, model: Model, size: int):
+        self.model, self.size = model, size
+        self.recent = size - SINK
+        self.cache = model.new_cache()
+        self.ids: list[int] = []  # every token processed, absolute position = index
+        self.logits: torch.Tensor | None = None  # for the token after ids[-1]
+        self.mark = (0, 0)  # (slots, ids) at the start of a round
+        self.passes = 0
+
+    def _feed(self, tokens: list[int]) -> None:
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start:start + PREFILL_CHUNK]
+            cached = self.cache.length
+            self.cache.reserve(cached + len(chunk))
+            mask = prefix_causal_mask(cached, len(chunk), self.model.device) if len(chunk) > 1 else None
+            positions = torch.arange(len(self.ids), len(self.ids) + len(chunk), device=self.model.device)
+            self.logits = self.model.forward(torch.tensor(chunk, device=self.model.device), positions, self.cache,
+                                             causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
+            self.passes += 1
+            self.cache.commit(len(chunk))
+            self.ids.extend(chunk)
+            self._evict()
+
+    def _evict(self) -> None:
+        length = self.cache.length
+        if length <= self.size + self.recent // 4:  # some slack: evict in batches, not every token
+            return
+        keys, values = self.cache.keys, self.cache.values
+        keys[:, SINK:self.size] = keys[:, length - self.recent:length].clone()
+        values[:, SINK:self.size] = values[:, length - self.recent:length].clone()
+        self.cache.truncate(self.size)
+
+    def begin(self, text: list[int]) -> None:
+        """Bring the cache to `text` (a new conversation starts over: evicted slots cannot be rolled back)."""
+        if self.ids != text[:len(self.ids)]:
+            self.cache.truncate(0)
+            self.ids, self.logits = [], None
+        self._feed(text[len(self.ids):])
+        self.mark = (self.cache.length, len(self.ids))
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens the middle level accepted in this round (cut back by `end`)."""
+        cached = self.cache.length
+        self.cache.reserve(cached + len(tokens))
+        positions = torch.arange(len(self.ids), len(self.ids) + len(tokens), device=self.model.device)
+        mask = prefix_causal_mask(cached, len(tokens), self.model.device)
+        self.logits = self.model.forward(torch.tensor(tokens, device=self.model.device), positions, self.cache,
+                                         causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
+        self.passes += 1
+        self.cache.commit(len(tokens))
+        self.ids.extend(tokens)
+
+    def propose(self, n: int, sampling: Sampling, generator) -> tuple[list[int], list[torch.Tensor] | None]:
+        assert self.logits is not None
+        token, probs = draw(self.logits, sampling, generator)
+        if n == 1:
+            return [token], None if probs is None else [probs]
+        tokens, drafts = draft_chain(self.model, self.cache, causal_attention(None, self.model.scaling), token,
+                                     len(self.ids), n - 1, sampling, generator)
+        self.passes += n - 1
+        return [token] + tokens, None if probs is None else [probs] + drafts
+
+    def end(self) -> None:
+        slots, ids = self.mark
+        self.cache.truncate(slots)
+        del self.ids[ids:]
+
+    def nbytes(self) -> int:
+        weights = sum(p.numel() * p.element_size() for p in self.model.hf.parameters())
+        return weights + self.cache.nbytes()
+
+
+class TriForce:
+    runs_model = True
+
+    def __init__(self, config, bottom: StreamingDraftModel | None):
+        self.chunk, self.budget = config.triforce_chunk, config.triforce_budget
+        self.gamma1, self.gamma2 = config.triforce_gamma1, config.triforce_gamma2
+        self.max_rows = self.gamma2
+        self.bottom = bottom
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> the last prompt token's query [heads, dim]
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
+        self.queries[layer] = q[:, -1]  # the last chunk's last row is the last prompt token
+
+    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+        self.model, self.main = session.model, session.cache
+        self.sampling, self.generator = request.sampling, generator
+        length = self.main.length
+        # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
+        slack = self.gamma2 + self.gamma1 + 1
+        self.retrieval = self.model.new_cache(initial_slots=self.budget + slack,
+                                              max_slots=self.model.max_context + slack)
+        for layer in range(len(self.model.layers)):
+            positions = select_positions(self.main.keys[layer, :length], self.queries[layer], self.chunk, self.budget)
+            kept = positions.shape[1]  # whole chunks: up to a chunk less than the budget
+            self.retrieval.keys[layer, :kept] = gather_positions(self.main.keys[layer, :length], positions)
+            self.retrieval.values[layer, :kept] = gather_positions(self.main.values[layer, :length], positions)
+        self.retrieval.commit(kept)
+        self.synced = length  # main-cache positions copied into the retrieval cache
+
+    def draft(self, text: list[int], room: int) -> Draft:
+        n = min(self.gamma2, room)
+        if n <= 0:
+            return Draft()
+        anchor, position = text[-1], len(text) - 1
+        if self.bottom is None:
+            tokens, drafts = draft_chain(self.model, self.retrieval, causal_attention(None, self.model.scaling),
+                                         anchor, position, n, self.sampling, self.generator)
+            passes = n
+        else:
+            tokens, drafts, passes = self._draft_hierarchically(text, n)
+        tree = DraftTree()
+        tree.add_chain(tokens)
+        return Draft(tree, drafts, passes)
+
+    def _draft_hierarchically(self, text: list[int], n: int) -> tuple[list[int], list[torch.Tensor] | None, int]:
+        """The middle level's n tokens, each check of the bottom level's proposals one middle pass."""
+        model, cache, sampling = self.model, self.retrieval, self.sampling
+        bottom = self.bottom
+        bottom_passes = bottom.passes
+        bottom.begin(text)
+        base = cache.length
+        tokens: list[int] = []
+        drafts: list[torch.Tensor] = []
+        pending, position, passes = text[-1], len(text) - 1, 0
+        try:
+            while len(tokens) < n:
+                proposed, proposed_q = bottom.propose(min(self.gamma1, n - len(tokens)), sampling, self.generator)
+                rows = [pending] + proposed
+                cache.reserve(cache.length + len(rows))
+                mask = prefix_causal_mask(cache.length, len(rows), model.device)
+                logits = model.forward(torch.tensor(rows, device=model.device),
+                                       torch.arange(position, position + len(rows), device=model.device), cache,
+                                       causal_attention(mask, model.scaling))
+                passes += 1
+                if sampling.greedy:
+                    _, emitted = accept_greedy(DraftTree.chains([proposed]), logits.argmax(-1).tolist())
+                else:
+                    emitted = accept_speculative(proposed, lambda j: target_probs(logits[j], sampling), proposed_q,
+                                                 self.generator)
+                    drafts += [target_probs(logits[j], sampling) for j in range(len(emitted))]
+                cache.commit(len(emitted))  # the pending token's and the accepted proposals' rows
+                tokens += emitted
+                bottom.extend(emitted)
+                pending, position = emitted[-1], position + len(emitted)
+        finally:
+            cache.truncate(base)
+            bottom.end()
+        return tokens[:n], (drafts[:n] if not sampling.greedy else None), passes + bottom.passes - bottom_passes
+
+    def accepted(self, text: list[int], new: int) -> None:
+        """Append the full-cache keys and values of the newly committed tokens to the retrieval cache."""
+        length = self.main.length
+        added = length - self.synced
+        start = self.retrieval.length
+        self.retrieval.reserve(start + added)
+        self.retrieval.keys[:, start:start + added] = self.main.keys[:, self.synced:length]
+        self.retrieval.values[:, start:start + added] = self.main.values[:, self.synced:length]
+        self.retrieval.commit(added)
+        self.synced = length
+
+    def nbytes(self) -> int:
+        return self.retrieval.nbytes() + (self.bottom.nbytes() if self.bottom else 0)
+
+
+def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    config, bottom = request.config, None
+    if session.draft_model is not None:
+        # the draft model's cache follows the conversation like the main one (begin() restarts it on a branch)
+        key = ("triforce-draft", config.triforce_draft_cache)
+        bottom = session.carry.get(key) or StreamingDraftModel(session.draft_model, config.triforce_draft_cache)
+        session.carry[key] = bottom
+    yield from speculative.generate(session, request, emitter, TriForce(config, bottom))

@@ -1,0 +1,113 @@
+"""The peer methods' parts against hand-made cases and brute-force references: TriForce's chunk scoring and
+selection, its draft model's StreamingLLM eviction, prompt lookup's index, Cacheback's tree drafting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from fafo_cli.decoders.cacheback import Cacheback
+from fafo_cli.decoders.prompt_lookup import PromptLookup
+from fafo_cli.engine.retrieval import chunk_scores, gather_positions, select_positions
+
+
+def test_chunk_scores_equal_a_brute_force_reference():
+    torch.manual_seed(0)
+    keys = torch.randn(37, 2, 8)  # 4 whole chunks of 8 and a partial one
+    query = torch.randn(6, 8)  # 6 query heads: 3 per KV head
+    scores = chunk_scores(keys, query, 8)
+    assert scores.shape == (2, 4)
+    for head in range(2):
+        for chunk in range(4):
+            mean = sum(keys[chunk * 8 + i, head] for i in range(8)) / 8
+            expected = sum(float(query[head * 3 + g] @ mean) for g in range(3))
+            assert abs(float(scores[head, chunk]) - expected) < 1e-4
+
+
+def test_selection_keeps_first_chunk_top_chunks_and_the_tail():
+    torch.manual_seed(1)
+    keys = torch.randn(37, 2, 8)
+    query = torch.randn(2, 8)  # one query head per KV head
+    positions = select_positions(keys, query, chunk=8, budget=29)  # tail of 5 + 3 whole chunks
+    scores = chunk_scores(keys, query, 8)
+    for head in range(2):
+        best = sorted(range(1, 4), key=lambda c: -float(scores[head, c]))[:2]  # chunk 0 is always kept
+        expected = [p for c in sorted([0] + best) for p in range(c * 8, c * 8 + 8)] + list(range(32, 37))
+        assert positions[head].tolist() == expected
+    gathered = gather_positions(keys, positions)
+    assert gathered.shape == (29, 2, 8)
+    assert torch.equal(gathered[:, 1], keys[positions[1], 1])
+    # within the budget: everything, in order
+    assert select_positions(keys, query, chunk=8, budget=64).tolist() == [list(range(37))] * 2
+
+
+def test_streaming_draft_model_keeps_sink_and_recent_positions(tiny):
+    from fafo_cli import load
+    from fafo_cli.decoders.triforce import SINK, StreamingDraftModel
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    draft = StreamingDraftModel(engine.model, size=24)
+    text = list(range(40, 140))
+    draft.begin(text)
+    length = draft.cache.length
+    assert length <= 24 + 20 // 4 and draft.ids == text
+    # the kept slots are the sink and the most recent positions: compare with a full-cache pass of the same text
+    full = engine.model.new_cache()
+    from fafo_cli.engine.model import causal_attention, prefix_causal_mask
+
+    ids = torch.tensor(text)
+    engine.model.forward(ids, torch.arange(100), full, causal_attention(prefix_causal_mask(0, 100, ids.device),
+                                                                       engine.model.scaling))
+    # layer 0's keys depend on the token and its position only: the kept slots must be those positions
+    kept = list(range(SINK)) + list(range(100 - (length - SINK), 100))
+    assert torch.allclose(draft.cache.keys[0, :length], full.keys[0, kept], atol=1e-5)
+    # a round's tentative tokens are cut back
+    draft.extend([7, 8, 9])
+    draft.end()
+    assert draft.cache.length == length and draft.ids == text
+    # a branch (a different text) starts over
+    draft.begin([1, 2, 3])
+    assert draft.ids == [1, 2, 3] and draft.cache.length == 3
+
+
+def test_prompt_lookup_copies_after_the_most_recent_earlier_occurrence():
+    lookup = PromptLookup(longest=2, tokens=3)
+    text = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
+    # "2 3" occurred at 1-2 (followed by 4 9 2) and at 5-6 (followed by 5 6 7): the later one wins
+    assert lookup.draft(text, room=10).tree.tokens == [5, 6, 7]
+    assert lookup.draft(text, room=2).tree.tokens == [5, 6]  # never more than the room left
+    # neither "3 8" nor "8" occurred before
+    assert lookup.draft(text + [8], room=10).tree.tokens == []
+    # the one-token fallback: "7 3" never occurred, "3" did (last at 6, followed by 5 6 7)
+    assert PromptLookup(longest=2, tokens=3).draft(text[:10] + [3], room=10).tree.tokens == [5, 6, 7]
+
+
+def _cacheback(**overrides):
+    config = SimpleNamespace(cacheback_leader=1, cacheback_follower=2, cacheback_followers=4,
+                             cacheback_leaders=100, cacheback_budget=8)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return Cacheback(config, frozen=None)
+
+
+def test_cacheback_grows_the_tree_level_by_level_within_the_budget():
+    drafter = _cacheback()
+    # seeded with the prompt: after 1 came (2 3) and later (4 5); after 3 came (6 7); after 5 came (8 9)
+    drafter.start(None, None, [1, 2, 3, 6, 7, 0, 1, 4, 5, 8, 9, 0, 1], None)
+    tree = drafter.draft([0, 1], room=100).tree
+    # level 1 (at most half of 8 = 4 tokens): (4 5) most recent first, then (2 3)
+    # level 2 (half of the 4 left = 2): after 5 -> (8 9); level 3 (2 left): after 9 -> (0 1)
+    assert [tree.tokens[i] for i in tree.path(len(tree) - 1)] == [4, 5, 8, 9, 0, 1]
+    assert tree.tokens[:4] == [4, 5, 2, 3] and tree.parents[:4] == [-1, 0, -1, 2]
+    assert len(tree) == 8
+    assert len(drafter.draft([0, 1], room=3).tree) == 3  # the room left in the context bounds it too
+
+
+def test_cacheback_merges_shared_prefixes_and_learns_accepted_text():
+    drafter = _cacheback(cacheback_budget=8)
+    drafter.start(None, None, [1, 2, 3, 1, 2, 4], None)
+    tree = drafter.draft([1], room=100).tree
+    assert tree.tokens[:3] == [2, 4, 3] and tree.parents[:3] == [-1, 0, 0]  # (2 4) and (2 3) share the 2
+    drafter.accepted([1, 2, 3, 1, 2, 4, 9, 1, 7, 7], new=4)
+    assert drafter.dynamic.lookup((1,))[0] == (7, 7)  # the newest text's follower comes first

@@ -1,0 +1,172 @@
+"""The peer methods are lossless: float32 token ids identical to transformers' greedy generate, across
+architectures and prompts shorter and longer than each method's budget; chat turns, limits, sampling
+reproducibility and the draft model's checks; their statistics."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+from fafo_cli import load
+from fafo_cli.cli import entrypoint
+
+from .conftest import VARIANTS, build_tiny_model, hf_greedy
+from .test_fafo import LONG, SHORT, TOKENS
+
+# Budgets sit between SHORT (~40 tokens) and LONG (~300): the retrieval cache and the 4-bit groups cover
+# all of a short prompt and part of a long one.
+PEERS = {
+    "lookahead": dict(method="lookahead", lookahead_streams=2, lookahead_ngram=3, lookahead_guesses=2),
+    "prompt-lookup": dict(method="prompt-lookup", lookup_ngram=3, lookup_tokens=6),
+    "cacheback": dict(method="cacheback", cacheback_budget=16, cacheback_followers=3),
+    "cacheback-ll2": dict(method="cacheback", cacheback_leader=2, cacheback_follower=4, cacheback_budget=9),
+    "triforce": dict(method="triforce", triforce_chunk=8, triforce_budget=64, triforce_gamma2=4),
+    "quantspec": dict(method="quantspec", quantspec_gamma=3, quantspec_group=64),
+}
+DRAFTED_BY_MODEL = {"triforce", "quantspec"}
+
+
+@lru_cache(maxsize=None)
+def reference(folder, prompt_ids: tuple[int, ...], tokens: int = TOKENS) -> list[int]:
+    return hf_greedy(folder, list(prompt_ids), tokens)
+
+
+@lru_cache(maxsize=None)
+def engine_for(folder, draft=None):
+    return load(str(folder), dtype="float32", chat_template=False, method="triforce" if draft else "vanilla",
+                draft_model=str(draft) if draft else None)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_peer_matches_transformers_greedy(tiny_models, variant, peer):
+    engine = engine_for(tiny_models[variant])
+    accepted = 0
+    for prompt in (SHORT, LONG):
+        ids = engine.encode(prompt)
+        result = engine.complete(prompt, max_tokens=TOKENS, **PEERS[peer])
+        assert result.token_ids == reference(tiny_models[variant], tuple(ids)), (variant, peer, len(ids))
+        stats = result.stats
+        assert stats.generated_tokens == TOKENS and stats.accepted_tokens == TOKENS - stats.steps
+        assert (stats.draft_passes is not None) == (PEERS[peer]["method"] in DRAFTED_BY_MODEL)
+        accepted += stats.accepted_tokens
+    assert accepted > 0  # guesses were accepted and their keys and values committed
+
+
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory):
+    """A draft model sharing the tiny models' tokenizer (the tests also use each target as its own draft)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {"other": build_tiny_model(root / "other", "llama-mha", seed=7, num_hidden_layers=1)}
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "mistral"])
+@pytest.mark.parametrize("draft", ["other", "same"])
+def test_triforce_with_a_draft_model_matches_transformers(tiny_models, draft_models, variant, draft):
+    target = tiny_models[variant]
+    engine = engine_for(target, draft_models["other"] if draft == "other" else target)
+    for prompt in (SHORT, LONG):
+        ids = engine.encode(prompt)
+        result = engine.complete(prompt, max_tokens=TOKENS, method="triforce", triforce_budget=64,
+                                 triforce_gamma1=3, triforce_gamma2=5, triforce_draft_cache=48)
+        assert result.token_ids == reference(target, tuple(ids)), (variant, draft, len(ids))
+        # every middle-level check is one pass; the draft model adds its own
+        assert result.stats.draft_passes > result.stats.steps
+        if prompt is SHORT:  # within the budget the middle level reads the whole cache: it agrees with the top
+            assert result.stats.tokens_per_step > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", ["lookahead", "prompt-lookup", "cacheback", "triforce", "quantspec"])
+def test_peer_matches_transformers_on_smollm2(smollm2, peer):
+    engine = engine_for(smollm2)
+    prompts = [
+        "Write a short poem about the ocean.",  # chat: shorter than every budget
+        "Rewrite the following text, fixing any typos, and keep everything else identical:\n\n"
+        + ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+           "How vexingly quick daft zebras jump! The five boxing wizards jump quickly. ") * 6,  # ~290 tokens
+    ]
+    settings = dict(method=peer, triforce_budget=128, quantspec_group=64, chat_template=True)
+    for prompt in prompts:
+        ids = engine.encode(prompt, engine.request_config(chat_template=True))
+        result = engine.complete(prompt, max_tokens=TOKENS, **settings)
+        assert result.token_ids == reference(smollm2, tuple(ids)), (peer, len(ids))
+    assert result.stats.tokens_per_step > 1.5  # the copy-heavy prompt is copied in accepted runs
+
+
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_peer_chat_turns_equal_generate_on_each_turns_history(tiny, peer):
+    engine = load(str(tiny), dtype="float32", **PEERS[peer])
+    messages = [{"role": "system", "content": "You are terse."}]
+    for turn in ("Name a fruit. " * 4, "Another one?", "Why that one? " * 3):
+        messages.append({"role": "user", "content": turn})
+        result = engine.complete(messages, max_tokens=50)
+        assert result.token_ids == hf_greedy(tiny, engine.encode(messages), 50), (peer, len(messages))
+        messages.append({"role": "assistant", "content": result.text})
+    assert result.stats.cached_prompt_tokens > 0.5 * result.stats.prompt_tokens
+
+
+def test_triforce_draft_model_follows_the_chat(tiny, draft_models):
+    engine = load(str(tiny), dtype="float32", method="triforce", draft_model=str(draft_models["other"]),
+                  triforce_budget=32, triforce_draft_cache=24)
+    messages = []
+    for turn in ("Name a fruit. " * 4, "Another one?", "Why that one? " * 3):
+        messages.append({"role": "user", "content": turn})
+        result = engine.complete(messages, max_tokens=40)
+        assert result.token_ids == hf_greedy(tiny, engine.encode(messages), 40)
+        messages.append({"role": "assistant", "content": result.text})
+
+
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_peer_limits_cut_inside_accepted_runs(tiny, peer):
+    engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS[peer])
+    full = engine.complete(LONG, max_tokens=120).token_ids
+    for limit in (1, 2, 7, 50):
+        limited = engine.complete(LONG, max_tokens=limit)
+        assert limited.token_ids == full[:limit] and limited.finish_reason == "length"
+
+
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_peer_context_end(tmp_path, peer):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=96)
+    engine = load(str(folder), dtype="float32", chat_template=False, **PEERS[peer])
+    ids = engine.encode("abc abc abc abc abc")
+    result = engine.complete("abc abc abc abc abc", max_tokens=500)
+    assert result.finish_reason == "context" and len(ids) + len(result.token_ids) == 96
+    assert result.token_ids == hf_greedy(folder, ids, 96 - len(ids))
+
+
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_peer_sampling_is_reproducible(tiny, peer):
+    engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS[peer])
+    settings = dict(max_tokens=100, temperature=0.8, top_p=0.95)
+    a = engine.complete(LONG, seed=3, **settings)
+    b = engine.complete(LONG, seed=3, **settings)
+    c = engine.complete(LONG, seed=4, **settings)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids  # (exactness: tests/test_sampling.py)
+
+
+def test_second_caches_are_reported(tiny, draft_models):
+    quantspec = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["quantspec"]).stats
+    triforce = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats
+    with_draft = engine_for(tiny, draft_models["other"]).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats
+    assert 0 < quantspec.draft_memory_mb < triforce.draft_memory_mb < with_draft.draft_memory_mb
+    assert engine_for(tiny).complete(LONG, max_tokens=8, **PEERS["prompt-lookup"]).stats.draft_memory_mb == 0
+
+
+def test_draft_model_must_share_the_tokenizer(tmp_path, tiny, capsys):
+    from .conftest import build_tokenizer
+
+    other = build_tiny_model(tmp_path / "other", "llama-gqa")
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "triforce", "--draft-model", str(other)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip().count("\n") == 0
+    assert "does not share the tokenizer" in err
+    code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "fafo", "--draft-model", str(tiny)])
+    assert code == 1 and "used by method triforce only" in capsys.readouterr().err

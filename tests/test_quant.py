@@ -1,0 +1,218 @@
+"""Tests of QuantSpec's 4-bit KV cache copy: error bound, exact constant groups, packing, sync/rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fafo_cli.engine.cache import KVCache
+from fafo_cli.engine.quant import (QuantizedKV, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys,
+                                   quantize_values, unpack_nibbles)
+
+CPU = torch.device("cpu")
+
+
+def _data(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Normal data with a few large outliers (the case per-group scales exist for)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen)
+    flat = x.view(-1)
+    picks = torch.randint(0, flat.numel(), (max(1, flat.numel() // 200),), generator=gen)
+    flat[picks] *= 30
+    return x
+
+
+def _bound(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return scale / 2 + 1e-6 * (1 + x.abs())  # half a step, plus float rounding
+
+
+def test_keys_round_trip_within_half_scale():
+    x = _data(96, 3, 16)
+    codes, scale, minimum = quantize_keys(x, 32)
+    assert codes.shape == (96, 3, 8) and codes.dtype == torch.uint8
+    assert scale.shape == minimum.shape == (3, 3, 16) and scale.dtype == torch.float32
+    # per channel over 32 tokens: min and range of each group
+    torch.testing.assert_close(minimum[1], x[32:64].amin(0), rtol=0, atol=0)
+    torch.testing.assert_close(scale[2], (x[64:96].amax(0) - x[64:96].amin(0)) / 15)
+    out = dequantize_keys(codes, scale, minimum, 32, torch.float32)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    error = (out - x).abs()
+    assert (error <= _bound(scale.repeat_interleave(32, 0), x)).all()
+    assert error.max() > 0.01  # it really is 4-bit
+    # each group's min maps to code 0 and its max to code 15
+    unpacked = unpack_nibbles(codes).unflatten(0, (3, 32))
+    assert (unpacked.amin(1) == 0).all() and (unpacked.amax(1) == 15).all()
+
+
+@pytest.mark.parametrize("group,channels", [(32, 32), (16, 16), (128, 64)])
+def test_values_round_trip_within_half_scale(group, channels):
+    x = _data(40, 2, 64, seed=1)
+    codes, scale, minimum = quantize_values(x, group)
+    assert codes.shape == (40, 2, 32)
+    assert scale.shape == minimum.shape == (40, 2, 64 // channels)
+    torch.testing.assert_close(minimum[7, 1, 0], x[7, 1, :channels].amin(), rtol=0, atol=0)
+    out = dequantize_values(codes, scale, minimum, group, torch.float32)
+    error = (out - x).abs()
+    assert (error <= _bound(scale.repeat_interleave(channels, -1), x)).all()
+    assert error.max() > 0.01
+
+
+def test_constant_groups_are_exact():
+    x = _data(64, 2, 8, seed=2)
+    x[32:64, 1, 3] = 2.7182817  # one key channel constant over a whole group
+    codes, scale, minimum = quantize_keys(x, 32)
+    assert scale[1, 1, 3] == 0
+    out = dequantize_keys(codes, scale, minimum, 32, torch.float32)
+    assert torch.equal(out[32:64, 1, 3], x[32:64, 1, 3])
+
+    v = _data(5, 2, 8, seed=3)
+    v[4, 0, 4:] = -1.3  # one value channel group constant
+    v[2] = 0.0  # a whole token zero
+    codes, scale, minimum = quantize_values(v, 4)
+    assert scale[4, 0, 1] == 0 and (scale[2] == 0).all()
+    out = dequantize_values(codes, scale, minimum, 4, torch.float32)
+    assert torch.equal(out[4, 0, 4:], v[4, 0, 4:]) and torch.equal(out[2], v[2])
+    assert not out.isnan().any()
+
+
+def test_nibble_packing_on_hand_made_codes():
+    codes = torch.tensor([[1, 2, 3, 4], [15, 0, 9, 6]], dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x43], [0x0F, 0x69]]  # even index low, odd index high
+    assert torch.equal(unpack_nibbles(packed), codes)
+    # values [0, 15, 5, 10] in one group: min 0, scale 1, codes are the values themselves
+    x = torch.tensor([0.0, 15.0, 5.0, 10.0]).view(1, 1, 4)
+    codes, scale, minimum = quantize_values(x, 4)
+    assert codes.view(-1).tolist() == [0xF0, 0xA5] and scale.item() == 1 and minimum.item() == 0
+    # dequantizing hand-made bytes with scale 2, min -1
+    hand = torch.tensor([[[0x3C, 0x0F]]], dtype=torch.uint8)  # codes 12, 3, 15, 0
+    out = dequantize_values(hand, torch.full((1, 1, 1), 2.0), torch.full((1, 1, 1), -1.0), 4, torch.float32)
+    assert out.view(-1).tolist() == [23.0, 5.0, 29.0, -1.0]
+
+
+def _fake_cache(n_layers: int = 2, n_kv: int = 2, dim: int = 16, positions: int = 128) -> KVCache:
+    cache = KVCache(n_layers, n_kv, dim, max_slots=1024, dtype=torch.float32, device=CPU, initial_slots=8)
+    cache.reserve(positions)
+    for layer in range(n_layers):
+        cache.write(layer, _data(positions, n_kv, dim, seed=10 + layer), _data(positions, n_kv, dim, seed=20 + layer))
+    return cache
+
+
+def _assert_within_bound(quant: QuantizedKV, cache: KVCache, layer: int, start: int, end: int) -> None:
+    keys, values = quant.dequantize(layer, torch.float32)
+    exact_keys, exact_values = cache.keys[layer, start:end], cache.values[layer, start:end]
+    g0, g1 = start // quant.group, end // quant.group
+    key_scale = quant.key_scale[layer, g0:g1].repeat_interleave(quant.group, 0)
+    value_scale = quant.value_scale[layer, start:end].repeat_interleave(quant.channels, -1)
+    assert ((keys[start:end] - exact_keys).abs() <= _bound(key_scale, exact_keys)).all()
+    assert ((values[start:end] - exact_values).abs() <= _bound(value_scale, exact_values)).all()
+
+
+def test_sync_quantizes_only_whole_groups_then_flushes_one_more():
+    cache = _fake_cache()
+    quant = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    cache.commit(45)
+    quant.sync(cache.keys, cache.values, cache.length)
+    assert quant.length == 32  # positions 32..44 stay in the exact cache (the buffer)
+    keys, values = quant.dequantize(1, torch.float32)
+    assert keys.shape == values.shape == (32, 2, 16)
+    for layer in range(2):
+        _assert_within_bound(quant, cache, layer, 0, 32)
+    before = [quant.dequantize(layer, torch.float32) for layer in range(2)]
+
+    cache.commit(2)  # 47: still no whole new group
+    quant.sync(cache.keys, cache.values, cache.length)
+    assert quant.length == 32
+    cache.commit(3)  # 50: positions 32..47 are a whole group now
+    quant.sync(cache.keys, cache.values, cache.length)
+    assert quant.length == 48
+    for layer in range(2):
+        keys, values = quant.dequantize(layer, torch.float32)
+        assert keys.shape == (48, 2, 16)
+        assert torch.equal(keys[:32], before[layer][0]) and torch.equal(values[:32], before[layer][1])
+        _assert_within_bound(quant, cache, layer, 32, 48)
+    # all layers at once gives the same as quantizing the one layer's group alone
+    expected = dequantize_keys(*quantize_keys(cache.keys[1, 32:48], 16), 16, torch.float32)
+    assert torch.equal(quant.dequantize(1, torch.float32)[0][32:48], expected)
+
+
+def test_one_token_at_a_time_matches_one_shot_and_grows_geometrically():
+    cache = _fake_cache(positions=200)
+    step = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    capacities = []
+    for length in range(1, 201):
+        cache.length = length
+        step.sync(cache.keys, cache.values, length)
+        capacities.append(step.capacity)
+    assert step.length == 192
+    assert sorted(set(capacities)) == [0, 16, 32, 64, 128, 256]  # nothing allocated before a whole group
+    whole = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    whole.sync(cache.keys, cache.values, 200)
+    for layer in range(2):
+        for a, b in zip(step.dequantize(layer, torch.float32), whole.dequantize(layer, torch.float32)):
+            assert torch.equal(a, b)
+
+
+def test_rollback_drops_groups_and_requantizes_new_data():
+    cache = _fake_cache()
+    quant = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    cache.commit(70)
+    quant.sync(cache.keys, cache.values, 70)
+    assert quant.length == 64
+    old = quant.dequantize(0, torch.float32)[0][32:48].clone()
+
+    cache.truncate(40)
+    quant.sync(cache.keys, cache.values, 40)
+    assert quant.length == 32
+    assert quant.dequantize(0, torch.float32)[0].shape == (32, 2, 16)
+    quant.truncate(20)
+    assert quant.length == 16
+
+    # the conversation continues differently: the re-quantized group follows the new tokens
+    cache.keys[:, 32:48] = _data(2, 16, 2, 16, seed=99) + 5
+    cache.length = 50
+    quant.sync(cache.keys, cache.values, 50)
+    assert quant.length == 48
+    new = quant.dequantize(0, torch.float32)[0][32:48]
+    assert (new - old).abs().mean() > 1
+    for layer in range(2):
+        _assert_within_bound(quant, cache, layer, 0, 48)
+
+
+def test_dequantize_dtype_and_empty():
+    cache = _fake_cache()
+    quant = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    keys, values = quant.dequantize(0, torch.float32)
+    assert keys.shape == values.shape == (0, 2, 16)
+    quant.sync(cache.keys.to(torch.bfloat16), cache.values.to(torch.bfloat16), 32)
+    keys, values = quant.dequantize(1, torch.bfloat16)
+    assert keys.dtype == values.dtype == torch.bfloat16 and keys.shape == (32, 2, 16)
+    exact = cache.keys[1, :32].to(torch.bfloat16).float()
+    assert (keys.float() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_nbytes_is_about_four_bits_per_element():
+    n_layers, n_kv, dim, group, positions = 4, 2, 64, 32, 256
+    cache = _fake_cache(n_layers, n_kv, dim, positions)
+    cache.commit(positions)
+    quant = QuantizedKV(n_layers, n_kv, dim, group=group, device=CPU)
+    quant.sync(cache.keys, cache.values, positions)
+    assert quant.capacity == positions
+    codes = 2 * n_layers * positions * n_kv * dim // 2  # keys + values, one byte per two elements
+    key_params = 2 * n_layers * (positions // group) * n_kv * dim * 4  # float32 scale + min
+    value_params = 2 * n_layers * positions * n_kv * (dim // group) * 4
+    assert quant.nbytes() == codes + key_params + value_params == 196608
+    exact_bytes = 2 * n_layers * positions * n_kv * dim * 4
+    assert quant.nbytes() * 5 < exact_bytes  # 6 bits per element against 32
+
+
+def test_head_dim_not_divisible_raises():
+    with pytest.raises(ValueError):
+        QuantizedKV(2, 2, 48, group=32, device=CPU)
+    with pytest.raises(ValueError):
+        quantize_values(torch.randn(4, 2, 48), 32)
+    with pytest.raises(ValueError):
+        quantize_keys(torch.randn(40, 2, 16), 32)  # not whole groups of tokens
+    with pytest.raises(ValueError):
+        QuantizedKV(2, 2, 15, group=32, device=CPU)  # odd head_dim cannot be packed
+    QuantizedKV(2, 2, 48, group=16, device=CPU)  # 48 = 3 groups of 16 is fine
