@@ -18,6 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Lossless fast decoding for local LLMs (FAFO).")
 config_app = typer.Typer(no_args_is_help=True, help="Show or create the YAML configuration file.")
 app.add_typer(config_app, name="config")
+cacheback_app = typer.Typer(no_args_is_help=True, help="Cacheback's frozen n-gram tables.")
+app.add_typer(cacheback_app, name="cacheback")
 
 # Options shared by `run` and `chat`. None means "not given": the config file's value stands.
 ModelArg = Annotated[Optional[str], typer.Argument(
@@ -287,6 +289,36 @@ def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite a
     partial.write_text(config_mod.default_yaml(), encoding="utf-8")
     partial.replace(path)
     print(path)
+
+
+@cacheback_app.command("build-table")
+def cacheback_build_table(
+    files: Annotated[list[str], typer.Argument(help="Text files to learn from.", show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", help="Table file to write (e.g. table.bin).",
+                                     show_default=False)],
+    model: Annotated[Optional[str], typer.Option(help="Model whose tokenizer encodes the text (default: the "
+                                                 "config's model, else the embedded SmolLM2).",
+                                                 show_default=False)] = None,
+    config: ConfigOpt = None, cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
+    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
+    trust_remote_code: TrustRemoteCode = None,
+) -> None:
+    """Build a frozen Cacheback table from text files, for --cacheback-table."""
+    from .engine.ngram_table import build_table, read_corpus, tokenizer_fingerprint
+
+    settings = config_mod.resolve(config, **_config_flags(locals()))
+    texts = read_corpus(files)  # every file checked before the tokenizer loads
+    folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    with hub.quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=settings.trust_remote_code)
+    streams = [tokenizer(text)["input_ids"] for text in texts]
+    table = build_table(streams, settings.cacheback_leader, settings.cacheback_follower,
+                        settings.cacheback_followers, settings.cacheback_leaders)
+    table.save(out, tokenizer_fingerprint(tokenizer))
+    print(f"{out}: {table.leaders:,} leaders, {table.entries:,} followers from {sum(map(len, streams)):,} tokens "
+          f"in {len(texts)} file(s)")
 
 
 def _one_line(message: str) -> str:

@@ -88,7 +88,7 @@ class Config:
     # Peer methods (see ../shared/design/peers.md); defaults measured like FAFO's (README, "Peer methods").
     lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)
     lookahead_ngram: int = _opt(3, "lookahead: guess length (N - 1)", low=2, high=16)
-    lookahead_guesses: int = _opt(2, "lookahead: candidates verified per step G", low=0, high=64)
+    lookahead_guesses: int = _opt(1, "lookahead: candidates verified per step G", low=0, high=64)
     lookup_ngram: int = _opt(3, "prompt-lookup: longest ending of the text looked up in the context", low=1,
                              high=16)
     lookup_tokens: int = _opt(8, "prompt-lookup: tokens drafted after a match", low=1, high=256)
@@ -97,7 +97,7 @@ class Config:
     cacheback_followers: int = _opt(4, "cacheback: followers kept per leader FC (least recently used dropped)",
                                      low=1, high=256)
     cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table", low=1)
-    cacheback_budget: int = _opt(12, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
+    cacheback_budget: int = _opt(8, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
     cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
                                              "looked up after the dynamic one", nullable=True)
     triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
@@ -105,12 +105,12 @@ class Config:
                                      "partial chunk)", low=2)
     triforce_gamma1: int = _opt(2, "triforce: tokens the draft model proposes per middle-level check", low=1,
                                 high=32)
-    triforce_gamma2: int = _opt(4, "triforce: tokens the middle level drafts per full-model check", low=1, high=32)
+    triforce_gamma2: int = _opt(2, "triforce: tokens the middle level drafts per full-model check", low=1, high=32)
     triforce_draft_cache: int = _opt(256, "triforce: the draft model's StreamingLLM cache (4 sink + recent "
                                           "positions)", low=8)
     draft_model: str | None = _opt(None, "triforce: tiny draft model sharing the tokenizer (hub id, folder or "
                                          ".gguf); empty: the two upper levels only", nullable=True)
-    quantspec_gamma: int = _opt(3, "quantspec: tokens drafted from the 4-bit cache per step", low=1, high=32)
+    quantspec_gamma: int = _opt(2, "quantspec: tokens drafted from the 4-bit cache per step", low=1, high=32)
     quantspec_group: int = _opt(64, "quantspec: quantisation group (key tokens per group; value channels per "
                                     "group, at most head_dim)", low=2, high=4096)
 

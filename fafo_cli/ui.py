@@ -22,7 +22,12 @@ REFRESH_PER_SECOND = 8
 
 def _memory(stats: Stats) -> str:
     label = "peak GPU" if stats.memory_kind == "cuda" else "peak RSS"
-    return f"{label} {stats.peak_memory_mb:,.0f} MB"
+    extra = f" (drafting {stats.draft_memory_mb:,.1f} MB)" if stats.draft_memory_mb else ""
+    return f"{label} {stats.peak_memory_mb:,.0f} MB{extra}"
+
+
+def _draft_passes(stats: Stats) -> str:
+    return "" if stats.draft_passes is None else f"draft passes [bold]{stats.draft_passes:,}[/]"
 
 
 def _acceptance(stats: Stats) -> str:
@@ -59,7 +64,7 @@ def stats_panel(stats: Stats, title: str) -> Panel:
                   _memory(stats))
     table.add_row(f"accepted n-grams [bold]{stats.accepted_ngrams if stats.drafted_tokens else '—'}[/]",
                   f"accepted/drafted [bold]{_acceptance(stats)}[/]", f"pool [bold]{_pool(stats)}[/]",
-                  f"fumble rows see [bold]{_fumble(stats)}[/]", "")
+                  f"fumble rows see [bold]{_fumble(stats)}[/]", _draft_passes(stats))
     return Panel(table, title=title, title_align="left", border_style="cyan", expand=False)
 
 
@@ -69,6 +74,8 @@ def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
              f"τ {stats.tokens_per_step:.2f}"]
     if stats.drafted_tokens:
         parts.append(f"accepted/drafted {_acceptance(stats)} in {stats.accepted_ngrams} n-grams")
+    if stats.draft_passes is not None:
+        parts.append(f"{stats.draft_passes} draft passes")
     prompt = f"prompt {stats.prompt_tokens} tok"
     if stats.cached_prompt_tokens:
         prompt += f" ({stats.cached_prompt_tokens} cached)"

@@ -170,3 +170,32 @@ def test_draft_model_must_share_the_tokenizer(tmp_path, tiny, capsys):
     assert "does not share the tokenizer" in err
     code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "fafo", "--draft-model", str(tiny)])
     assert code == 1 and "used by method triforce only" in capsys.readouterr().err
+
+
+def test_cacheback_frozen_table_built_by_the_cli_is_used(tmp_path, tiny, capsys):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="cacheback")
+    expected = engine.complete(SHORT, max_tokens=120)
+    # a corpus holding the answer: a frozen table built from it drafts the answer, the dynamic one cannot
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(expected.text, encoding="utf-8")
+    table = tmp_path / "table.bin"
+    code = entrypoint(["cacheback", "build-table", str(corpus), "--out", str(table), "--model", str(tiny)])
+    assert code == 0 and table.exists() and "leaders" in capsys.readouterr().out
+    with_table = engine.complete(SHORT, max_tokens=120, cacheback_table=str(table))
+    assert with_table.token_ids == expected.token_ids == reference(tiny, tuple(engine.encode(SHORT)), 120)
+    assert with_table.stats.accepted_tokens > expected.stats.accepted_tokens + 20
+
+
+def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsys):
+    from fafo_cli.engine.ngram_table import build_table
+
+    build_table([[1, 2, 3, 4]], 1, 3, 4).save(tmp_path / "table.bin", "0123456789abcdef")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "cacheback", "--cacheback-table",
+                       str(tmp_path / "table.bin")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "different tokenizer" in err
+    code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "cacheback", "--cacheback-table",
+                       str(tmp_path / "missing.bin")])
+    assert code == 1 and "cacheback table not found" in capsys.readouterr().err

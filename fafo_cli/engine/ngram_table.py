@@ -27,7 +27,20 @@ FORMAT = "fafo-cacheback-table"
 VERSION = "1"
 
 
-class FollowerTable:
+class _Sizes:
+    _table: dict
+    _entries: int
+
+    @property
+    def leaders(self) -> int:
+        return len(self._table)
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+
+class FollowerTable(_Sizes):
     def __init__(self, leader: int, follower: int, followers: int, max_leaders: int = 1_000_000):
         for name, value in (("leader length", leader), ("follower length", follower),
                             ("followers per leader", followers), ("max leaders", max_leaders)):
@@ -38,14 +51,6 @@ class FollowerTable:
         # Oldest first at both levels: popitem(last=False) evicts, move_to_end refreshes.
         self._table: OrderedDict[Tokens, OrderedDict[Tokens, None]] = OrderedDict()
         self._entries = 0
-
-    @property
-    def leaders(self) -> int:
-        return len(self._table)
-
-    @property
-    def entries(self) -> int:
-        return self._entries
 
     def insert(self, leader: Sequence[int], follower: Sequence[int]) -> None:
         """Store `follower` under `leader`, refreshing both (inserting a known pair only refreshes it)."""
@@ -99,21 +104,13 @@ class FollowerTable:
                            {leader: list(reversed(found)) for leader, found in self._table.items()})
 
 
-class FrozenTable:
+class FrozenTable(_Sizes):
     """Read-only leader -> followers (most recent first); lookups have no LRU effects."""
 
     def __init__(self, leader_length: int, follower_length: int, table: dict[Tokens, list[Tokens]]):
         self.leader_length, self.follower_length = leader_length, follower_length
         self._table = table
         self._entries = sum(len(found) for found in table.values())
-
-    @property
-    def leaders(self) -> int:
-        return len(self._table)
-
-    @property
-    def entries(self) -> int:
-        return self._entries
 
     def lookup(self, leader: Sequence[int]) -> list[Tokens]:
         return list(self._table.get(tuple(leader), ()))  # a copy: callers cannot edit the table
