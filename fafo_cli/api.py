@@ -86,7 +86,11 @@ class Engine:
             if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise FafoError(f"the draft model {config.draft_model} does not share the tokenizer of "
                                 f"{engine.name} (their vocabularies differ)")
-            engine.session.draft_model = Model(draft)
+            draft_model = Model(draft)
+            if draft_model.vocab_size > engine.model.vocab_size:
+                raise FafoError(f"the draft model {config.draft_model} has a larger vocabulary "
+                                f"({draft_model.vocab_size}) than {engine.name} ({engine.model.vocab_size})")
+            engine.session.draft_model = draft_model
         return engine
 
     @property

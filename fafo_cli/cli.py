@@ -230,6 +230,61 @@ def chat(
 
 
 @app.command()
+def bench(
+    model: ModelArg = None, config: ConfigOpt = None,
+    suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit "
+                                                  "(default: all).", show_default=False)] = None,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: all). vanilla always "
+                                                   "runs: it is the reference.", show_default=False)] = None,
+    compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor (default: the "
+                                                       "config's).", show_default=False)] = None,
+    tokens: Annotated[int, typer.Option(help="New tokens per answer.", min=1)] = 512,
+    repeats: Annotated[int, typer.Option(help="Repetitions per prompt (medians reported).", min=1)] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed runs of every row first.", min=0)] = 1,
+    samples: Annotated[int, typer.Option(help="Prompts per suite.", min=1)] = 3,
+    prompts: Annotated[Optional[str], typer.Option(help="Your own prompts: a JSONL file, {\"prompt\": ...} or "
+                                                   "{\"messages\": [...]} per line.", show_default=False)] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
+                                               min=0.0)] = 0.0,
+    dtype: Dtype = None, device: Device = None,
+    external: Annotated[bool, typer.Option("--external/--no-external", help="Time transformers' generate and "
+                                           "its prompt lookup too.")] = True,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-run the greedy rows in float32 and require "
+                                         "identical tokens.")] = False,
+    json_file: Annotated[Optional[str], typer.Option("--json", help="Write one record per method × suite.",
+                                                     show_default=False)] = None,
+    csv_file: Annotated[Optional[str], typer.Option("--csv", help="Write the records as CSV.",
+                                                    show_default=False)] = None,
+    markdown_file: Annotated[Optional[str], typer.Option("--markdown", help="Write a markdown table (- for "
+                                                         "standard output).", show_default=False)] = None,
+    plot_file: Annotated[Optional[str], typer.Option("--plot", help="Speedup chart (PNG; needs matplotlib).",
+                                                     show_default=False)] = None,
+    tune: Annotated[bool, typer.Option("--tune", help="Measure this machine and write the best FAFO settings "
+                                       "into the user config.")] = False,
+    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
+) -> None:
+    """FAFO against plain decoding, the peer methods and transformers, side by side."""
+    from .bench import command
+    from .bench.suites import parse_suites
+    from .ui import consoles
+
+    settings = config_mod.resolve(config, **_config_flags({k: v for k, v in locals().items() if k != "temperature"}))
+    options = command.BenchOptions(
+        suites=parse_suites(suites),
+        methods=command.parse_list("--methods", methods, config_mod.METHODS, list(config_mod.METHODS)),
+        compressors=command.parse_list("--compressors", compressors, config_mod.COMPRESSORS, [settings.compressor]),
+        tokens=tokens, repeats=repeats, warmup=warmup, samples=samples, prompts=prompts, temperature=temperature,
+        external=external, verify=verify, json_path=json_file, csv_path=csv_file, markdown_path=markdown_file,
+        plot_path=plot_file)
+    out, err = consoles()
+    if tune:
+        from .bench import tune as tune_mod
+
+        raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
+    raise typer.Exit(command.run(_load(settings, err), settings, options, out, err))
+
+
+@app.command()
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct.", show_default=False)],
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.", show_default=False)] = None,

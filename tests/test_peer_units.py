@@ -42,26 +42,25 @@ def test_selection_keeps_first_chunk_top_chunks_and_the_tail():
     assert select_positions(keys, query, chunk=8, budget=64).tolist() == [list(range(37))] * 2
 
 
-def test_streaming_draft_model_keeps_sink_and_recent_positions(tiny):
+def test_streaming_draft_model_keeps_sink_and_recent_positions_renumbered(tiny):
     from fafo_cli import load
     from fafo_cli.decoders.triforce import SINK, StreamingDraftModel
+    from fafo_cli.engine.model import causal_attention, prefix_causal_mask
 
     engine = load(str(tiny), dtype="float32", chat_template=False)
-    draft = StreamingDraftModel(engine.model, size=24)
+    draft = StreamingDraftModel(engine.model, size=24, target_vocab=engine.model.vocab_size)
     text = list(range(40, 140))
     draft.begin(text)
     length = draft.cache.length
     assert length <= 24 + 20 // 4 and draft.ids == text
-    # the kept slots are the sink and the most recent positions: compare with a full-cache pass of the same text
-    full = engine.model.new_cache()
-    from fafo_cli.engine.model import causal_attention, prefix_causal_mask
-
-    ids = torch.tensor(text)
-    engine.model.forward(ids, torch.arange(100), full, causal_attention(prefix_causal_mask(0, 100, ids.device),
-                                                                       engine.model.scaling))
-    # layer 0's keys depend on the token and its position only: the kept slots must be those positions
-    kept = list(range(SINK)) + list(range(100 - (length - SINK), 100))
-    assert torch.allclose(draft.cache.keys[0, :length], full.keys[0, kept], atol=1e-5)
+    # Layer 0's keys depend only on the token and its position. StreamingLLM numbers positions within the
+    # cache, so the kept slots must hold the sink tokens and the most recent ones at positions 0..length-1.
+    kept = text[:SINK] + text[len(text) - (length - SINK):]
+    fresh = engine.model.new_cache()
+    ids = torch.tensor(kept)
+    engine.model.forward(ids, torch.arange(length), fresh,
+                         causal_attention(prefix_causal_mask(0, length, ids.device), engine.model.scaling))
+    assert torch.allclose(draft.cache.keys[0, :length], fresh.keys[0, :length], atol=1e-4)
     # a round's tentative tokens are cut back
     draft.extend([7, 8, 9])
     draft.end()
@@ -69,6 +68,10 @@ def test_streaming_draft_model_keeps_sink_and_recent_positions(tiny):
     # a branch (a different text) starts over
     draft.begin([1, 2, 3])
     assert draft.ids == [1, 2, 3] and draft.cache.length == 3
+    # a smaller vocabulary than the target's: its logits are padded, the missing ids never proposed
+    small = StreamingDraftModel(engine.model, size=24, target_vocab=engine.model.vocab_size + 5)
+    small.begin([1, 2, 3])
+    assert small.logits.shape[-1] == engine.model.vocab_size + 5 and torch.isinf(small.logits[-5:]).all()
 
 
 def test_prompt_lookup_copies_after_the_most_recent_earlier_occurrence():

@@ -67,11 +67,12 @@ class Cacheback:
         chunk = self.dynamic.follower_length
         left = min(self.budget, room)
         frontier = [ROOT]
+        tail = text[-max(self.dynamic.leader_length, self.frozen.leader_length if self.frozen else 0):]
         while frontier and left > 0:
             quota = left if left <= chunk else max(chunk, (left + 1) // 2)  # this level's share of what is left
             spent, grown = 0, []
             for node in frontier:
-                context = text + [tree.tokens[i] for i in tree.path(node)]
+                context = tail + [tree.tokens[i] for i in tree.path(node)]  # leaders read only the end
                 for follower in self._followers(context):
                     if spent >= quota:
                         break
@@ -96,5 +97,6 @@ class Cacheback:
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     config = request.config
-    frozen = load_frozen_table(config.cacheback_table, session.tokenizer) if config.cacheback_table else None
+    table = config.cacheback_table
+    frozen = load_frozen_table(os.path.expanduser(table), session.tokenizer) if table else None
     yield from speculative.generate(session, request, emitter, Cacheback(config, frozen))

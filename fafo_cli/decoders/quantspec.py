@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from ..engine.events import Step
 from ..engine.quant import QuantizedKV
 from ..engine.session import Emitter, Request, Session
-from ..engine.tree import DraftTree
 from ..errors import FafoError
 from . import speculative
 from .speculative import Draft, draft_chain
@@ -37,8 +36,8 @@ class QuantSpec:
         try:
             self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
         except ValueError:
-            raise FafoError(f"quantspec_group ({self.group}) must divide the model's head dimension "
-                            f"({model.head_dim}) or be a multiple of it") from None
+            raise FafoError(f"quantspec_group ({self.group}) must be at least the model's head dimension "
+                            f"({model.head_dim}) or divide it") from None
         self.quantized.sync(self.cache.keys, self.cache.values, self.cache.length)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -56,9 +55,7 @@ class QuantSpec:
             return Draft()
         tokens, drafts = draft_chain(self.model, self.cache, self.attend, text[-1], len(text) - 1, n, self.sampling,
                                      self.generator)
-        tree = DraftTree()
-        tree.add_chain(tokens)
-        return Draft(tree, drafts, passes=n)
+        return Draft.chain(tokens, drafts, passes=n)
 
     def accepted(self, text: list[int], new: int) -> None:
         self.quantized.sync(self.cache.keys, self.cache.values, self.cache.length)

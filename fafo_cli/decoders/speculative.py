@@ -34,6 +34,12 @@ class Draft:
     q: list[torch.Tensor] | None = None  # sampled self-drafts: the distribution each chain token was drawn from
     passes: int = 0  # forward passes the drafting took
 
+    @classmethod
+    def chain(cls, tokens: list[int], q: list[torch.Tensor] | None = None, passes: int = 0) -> "Draft":
+        tree = DraftTree()
+        tree.add_chain(tokens)
+        return cls(tree, q, passes)
+
 
 class Drafter(Protocol):
     max_rows: int  # the most tree nodes a draft can have (cache room reserved up front)
@@ -75,13 +81,16 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
             stats.draft_passes += draft.passes
         rows = [anchor] + tree.tokens
         cache.reserve(start + len(rows))
-        attend = causal_attention(masks.get("tree", start, tree.local_mask(model.device)), model.scaling)
+        # one mask buffer for every tree size: the local block padded to the largest, then sliced
+        local = torch.zeros(1 + drafter.max_rows, 1 + drafter.max_rows, dtype=torch.bool, device=model.device)
+        local[:len(rows), :len(rows)] = tree.local_mask(model.device)
+        attend = causal_attention(masks.get("tree", start, local)[:len(rows), :start + len(rows)], model.scaling)
         logits = model.forward(torch.tensor(rows, device=model.device), start + tree.offsets(model.device), cache,
                                attend)
         if sampling.greedy:
             path, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
         elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j
-            emitted = accept_speculative(tree.tokens, lambda j: target_probs(logits[j], sampling), draft.q, generator)
+            emitted = check_chain(logits, tree.tokens, draft.q, sampling, generator)
             path = list(range(len(emitted) - 1))
         else:
             path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
@@ -119,3 +128,12 @@ def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int
     finally:
         cache.truncate(base)
     return tokens, (drafts if not sampling.greedy else None)
+
+
+def check_chain(logits: torch.Tensor, tokens: list[int], q: list[torch.Tensor] | None, sampling: Sampling,
+                generator: torch.Generator | None) -> list[int]:
+    """Emitted tokens for a chain verified by `logits` (row j: the target after the anchor and j tokens):
+    greedy agreement, or speculative sampling against the draft distributions `q`."""
+    if sampling.greedy:
+        return accept_greedy(DraftTree.chains([tokens]), logits.argmax(-1).tolist())[1]
+    return accept_speculative(tokens, lambda j: target_probs(logits[j], sampling), q, generator)

@@ -13,16 +13,15 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from ..engine.events import Step
 from ..engine.model import Model, causal_attention, prefix_causal_mask
 from ..engine.retrieval import gather_positions, select_positions
 from ..engine.sampling import Sampling, draw, target_probs
 from ..engine.session import PREFILL_CHUNK, Emitter, Request, Session
-from ..engine.tree import DraftTree
-from ..engine.verify import accept_greedy, accept_speculative
 from . import speculative
-from .speculative import Draft, draft_chain
+from .speculative import Draft, check_chain, draft_chain
 
 SINK = 4  # the draft model's StreamingLLM cache: first positions always kept
 
@@ -30,39 +29,43 @@ SINK = 4  # the draft model's StreamingLLM cache: first positions always kept
 class StreamingDraftModel:
     """The bottom level: a small model over the text with a StreamingLLM cache (sink + recent positions).
 
-    Keys keep their rotary positions when the middle of the cache is evicted, so slots and positions differ;
-    positions are passed explicitly. Tokens of a round are committed tentatively and cut back at its end.
+    As in StreamingLLM, positions are numbered within the cache (slot = position): when the middle of the
+    cache is evicted, the recent keys are rotated back to follow the sink, so the draft model never runs past
+    the positions it was trained on. Tokens of a round are committed tentatively and cut back at its end.
     """
 
-    def __init__(self, model: Model, size: int):
+    def __init__(self, model: Model, size: int, target_vocab: int):
         self.model, self.size = model, size
         self.recent = size - SINK
-        self.cache = model.new_cache()
-        self.ids: list[int] = []  # every token processed, absolute position = index
+        slack = self.recent // 4 + PREFILL_CHUNK + 64  # a prompt chunk and a round's rows beyond the size
+        self.cache = model.new_cache(initial_slots=min(size + slack, 4096), max_slots=size + slack)
+        self.pad = target_vocab - model.vocab_size  # a smaller vocabulary proposes none of the missing ids
+        self.ids: list[int] = []  # every token seen (the cache holds the sink and the most recent ones)
         self.logits: torch.Tensor | None = None  # for the token after ids[-1]
         self.mark = (0, 0)  # (slots, ids) at the start of a round
         self.passes = 0
 
-    def _feed(self, tokens: list[int]) -> None:
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[start:start + PREFILL_CHUNK]
-            cached = self.cache.length
-            self.cache.reserve(cached + len(chunk))
-            mask = prefix_causal_mask(cached, len(chunk), self.model.device) if len(chunk) > 1 else None
-            positions = torch.arange(len(self.ids), len(self.ids) + len(chunk), device=self.model.device)
-            self.logits = self.model.forward(torch.tensor(chunk, device=self.model.device), positions, self.cache,
-                                             causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
-            self.passes += 1
-            self.cache.commit(len(chunk))
-            self.ids.extend(chunk)
-            self._evict()
+    def _forward(self, tokens: list[int]) -> None:
+        """Process `tokens` after the cache (committed), keeping the last one's logits."""
+        cached = self.cache.length
+        self.cache.reserve(cached + len(tokens))
+        mask = prefix_causal_mask(cached, len(tokens), self.model.device) if len(tokens) > 1 else None
+        positions = torch.arange(cached, cached + len(tokens), device=self.model.device)
+        logits = self.model.forward(torch.tensor(tokens, device=self.model.device), positions, self.cache,
+                                    causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
+        self.logits = F.pad(logits, (0, self.pad), value=float("-inf")) if self.pad else logits
+        self.passes += 1
+        self.ids.extend(tokens)
+        self.cache.commit(len(tokens))
 
     def _evict(self) -> None:
         length = self.cache.length
         if length <= self.size + self.recent // 4:  # some slack: evict in batches, not every token
             return
+        delta = length - self.size
         keys, values = self.cache.keys, self.cache.values
-        keys[:, SINK:self.size] = keys[:, length - self.recent:length].clone()
+        for layer in range(keys.shape[0]):
+            keys[layer, SINK:self.size] = self.model.shift_positions(keys[layer, length - self.recent:length], delta)
         values[:, SINK:self.size] = values[:, length - self.recent:length].clone()
         self.cache.truncate(self.size)
 
@@ -71,30 +74,31 @@ class StreamingDraftModel:
         if self.ids != text[:len(self.ids)]:
             self.cache.truncate(0)
             self.ids, self.logits = [], None
-        self._feed(text[len(self.ids):])
+        new = text[len(self.ids):]
+        for start in range(0, len(new), PREFILL_CHUNK):
+            self._forward(new[start:start + PREFILL_CHUNK])
+            self._evict()
         self.mark = (self.cache.length, len(self.ids))
 
     def extend(self, tokens: list[int]) -> None:
         """Tokens the middle level accepted in this round (cut back by `end`)."""
-        cached = self.cache.length
-        self.cache.reserve(cached + len(tokens))
-        positions = torch.arange(len(self.ids), len(self.ids) + len(tokens), device=self.model.device)
-        mask = prefix_causal_mask(cached, len(tokens), self.model.device)
-        self.logits = self.model.forward(torch.tensor(tokens, device=self.model.device), positions, self.cache,
-                                         causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
-        self.passes += 1
-        self.cache.commit(len(tokens))
-        self.ids.extend(tokens)
+        self._forward(tokens)
 
     def propose(self, n: int, sampling: Sampling, generator) -> tuple[list[int], list[torch.Tensor] | None]:
-        assert self.logits is not None
-        token, probs = draw(self.logits, sampling, generator)
-        if n == 1:
-            return [token], None if probs is None else [probs]
-        tokens, drafts = draft_chain(self.model, self.cache, causal_attention(None, self.model.scaling), token,
-                                     len(self.ids), n - 1, sampling, generator)
-        self.passes += n - 1
-        return [token] + tokens, None if probs is None else [probs] + drafts
+        tokens: list[int] = []
+        drafts: list[torch.Tensor] = []
+        mark = self.cache.length, len(self.ids), self.logits
+        for j in range(n):
+            token, probs = draw(self.logits, sampling, generator)
+            tokens.append(token)
+            if probs is not None:
+                drafts.append(probs)
+            if j < n - 1:
+                self._forward([token])
+        self.cache.truncate(mark[0])
+        del self.ids[mark[1]:]
+        self.logits = mark[2]
+        return tokens, (drafts if not sampling.greedy else None)
 
     def end(self) -> None:
         slots, ids = self.mark
@@ -117,7 +121,7 @@ class TriForce:
         self.queries: dict[int, torch.Tensor] = {}  # layer -> the last prompt token's query [heads, dim]
 
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
-        self.queries[layer] = q[:, -1]  # the last chunk's last row is the last prompt token
+        self.queries[layer] = q[:, -1].clone()  # the last chunk's last row is the last prompt token
 
     def start(self, session: Session, request: Request, text: list[int], generator) -> None:
         self.model, self.main = session.model, session.cache
@@ -133,6 +137,7 @@ class TriForce:
             self.retrieval.keys[layer, :kept] = gather_positions(self.main.keys[layer, :length], positions)
             self.retrieval.values[layer, :kept] = gather_positions(self.main.values[layer, :length], positions)
         self.retrieval.commit(kept)
+        self.queries.clear()
         self.synced = length  # main-cache positions copied into the retrieval cache
 
     def draft(self, text: list[int], room: int) -> Draft:
@@ -146,9 +151,7 @@ class TriForce:
             passes = n
         else:
             tokens, drafts, passes = self._draft_hierarchically(text, n)
-        tree = DraftTree()
-        tree.add_chain(tokens)
-        return Draft(tree, drafts, passes)
+        return Draft.chain(tokens, drafts, passes)
 
     def _draft_hierarchically(self, text: list[int], n: int) -> tuple[list[int], list[torch.Tensor] | None, int]:
         """The middle level's n tokens, each check of the bottom level's proposals one middle pass."""
@@ -170,11 +173,8 @@ class TriForce:
                                        torch.arange(position, position + len(rows), device=model.device), cache,
                                        causal_attention(mask, model.scaling))
                 passes += 1
-                if sampling.greedy:
-                    _, emitted = accept_greedy(DraftTree.chains([proposed]), logits.argmax(-1).tolist())
-                else:
-                    emitted = accept_speculative(proposed, lambda j: target_probs(logits[j], sampling), proposed_q,
-                                                 self.generator)
+                emitted = check_chain(logits, proposed, proposed_q, sampling, self.generator)
+                if not sampling.greedy:  # what the middle level emitted was drawn from its own distribution
                     drafts += [target_probs(logits[j], sampling) for j in range(len(emitted))]
                 cache.commit(len(emitted))  # the pending token's and the accepted proposals' rows
                 tokens += emitted
@@ -205,6 +205,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     if session.draft_model is not None:
         # the draft model's cache follows the conversation like the main one (begin() restarts it on a branch)
         key = ("triforce-draft", config.triforce_draft_cache)
-        bottom = session.carry.get(key) or StreamingDraftModel(session.draft_model, config.triforce_draft_cache)
+        bottom = session.carry.get(key) or StreamingDraftModel(session.draft_model, config.triforce_draft_cache,
+                                                                session.model.vocab_size)
         session.carry[key] = bottom
     yield from speculative.generate(session, request, emitter, TriForce(config, bottom))

@@ -21,8 +21,8 @@ class Stats:
     pool_ngrams: int | None = None
     fumble_positions: int | None = None  # cache positions the fumble rows saw (the compressed budget in use)
     draft_passes: int | None = None  # forward passes spent drafting (a self-draft or a draft model; not in steps)
-    draft_memory_mb: float | None = None  # what drafting holds beyond the model and its cache (second caches, tables,
-    # a draft model's weights); also inside peak_memory_mb
+    draft_memory_mb: float | None = None  # device memory drafting holds beyond the model and its cache (second
+    # caches, a draft model); also inside peak_memory_mb, which alone covers host-side n-gram tables
     prefill_s: float = 0.0  # time to prefill the uncached prompt tokens
     ttft_s: float = 0.0  # request start to the first emitted token
     decode_s: float = 0.0  # first emitted token to the last one

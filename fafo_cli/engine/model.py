@@ -72,6 +72,16 @@ class Model:
                        dtype=self.cache_dtype, device=self.device, initial_slots=initial_slots)
 
     @torch.inference_mode()
+    def shift_positions(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Cached keys ([slots, kv_heads, dim], rotary applied) moved `delta` positions earlier: a rotary
+        rotation by -delta composes with the one applied, as StreamingLLM's renumbering within a cache needs."""
+        x = keys.to(self.dtype)[None]
+        cos, sin = self.rotary(x, torch.full((1, 1), -delta, device=keys.device))
+        scale = getattr(self.rotary, "attention_scaling", 1.0) or 1.0  # applied once already, not again
+        cos, sin = (cos[0, :, None] / scale).to(keys.dtype), (sin[0, :, None] / scale).to(keys.dtype)
+        return keys * cos + _rotate_half(keys) * sin
+
+    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend: Attention,
                 logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Run `ids` (1-D) at `positions` against `cache`; return logits [rows, vocab] (float32).

