@@ -75,9 +75,12 @@ def _write(path: str, text: str) -> None:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _divergences(engine, runs: list[Run]) -> dict[tuple[str, str], exactness.Divergence | None]:
-    """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only)."""
+def _divergences(engine, runs: list[Run]) -> tuple[dict[tuple[str, str], exactness.Divergence | None], float]:
+    """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
+    rounding noise that tells near-ties from bugs."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
+    first = next(iter(reference.values()))
+    tolerance = exactness.rounding_noise(engine, engine.encode(list(first.sample.messages)), first.token_ids)
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     for run in runs:
         base = reference.get(run.sample.id)
@@ -85,8 +88,8 @@ def _divergences(engine, runs: list[Run]) -> dict[tuple[str, str], exactness.Div
             continue
         position = exactness.first_divergence(run.token_ids, base.token_ids)
         found[(run.row.name, run.sample.id)] = None if position is None else exactness.classify(
-            engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position)
-    return found
+            engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position, tolerance)
+    return found, tolerance
 
 
 def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[str]:
@@ -128,6 +131,8 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                                  warmup=options.warmup, settings=settings):
                 if isinstance(event, Progress):
                     bar.update(task, completed=event.done, total=event.total, description=event.label)
+                    if not err_console.is_terminal and event.done % len(rows) == 0:  # logs: a line per round
+                        err_console.print(f"bench {event.done}/{event.total}: {event.label}")
                 else:
                     runs.append(event)
         except KeyboardInterrupt:
@@ -139,11 +144,13 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     runs = [r for r in runs if r.sample.id in complete]
     if not runs:
         return 130 if interrupted else 1
-    divergences = _divergences(engine, runs) if greedy else {}
+    divergences, tolerance = _divergences(engine, runs) if greedy else ({}, None)
     results = report.aggregate(runs, rows, divergences, greedy)
-    meta = _meta(engine, options, config)
+    meta = {**_meta(engine, options, config), "tie_tolerance": tolerance}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
+    if tolerance:
+        title += f" · near-tie: logit gap ≤ {tolerance:.2f}"
     report.print_tables(results, console, title)
     records = [r.record(meta) for r in results]
     if options.json_path:

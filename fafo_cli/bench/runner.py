@@ -59,7 +59,7 @@ class Run:
     repeat: int
     token_ids: list[int]
     tokens_per_s: float
-    steps: int
+    steps: int  # full-model passes (0: not known, for the external rows)
     drafted: int
     accepted: int
     peak_memory_mb: float
@@ -119,7 +119,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         ids = engine.encode(list(sample.messages), config)
         generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
-        return Run(row, sample, repeat, generated, speed, len(generated), 0, 0, peak)
+        return Run(row, sample, repeat, generated, speed, 0, 0, 0, peak)  # steps unknown: generate() hides them
     result = engine.complete(list(sample.messages), max_tokens=tokens, method=row.method,
                              **{**settings, **dict(row.overrides)})
     s = result.stats

@@ -63,7 +63,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
 
 
-def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def draw(logits: torch.Tensor, sampling: Sampling,
+         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """A drafted token and the distribution it was drawn from (None when greedy: the draft is the argmax)."""
     if sampling.greedy:
         return int(logits.argmax(-1)), None
