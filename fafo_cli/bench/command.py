@@ -79,8 +79,10 @@ def _divergences(engine, runs: list[Run]) -> tuple[dict[tuple[str, str], exactne
     """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
     rounding noise that tells near-ties from bugs."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
-    first = next(iter(reference.values()))
-    tolerance = exactness.rounding_noise(engine, engine.encode(list(first.sample.messages)), first.token_ids)
+    # the noise differs from text to text (measured: 0.38 on a chat answer, 0.75 on a math answer): take the
+    # largest over every prompt's vanilla answer
+    tolerance = max(exactness.rounding_noise(engine, engine.encode(list(r.sample.messages)), r.token_ids)
+                    for r in reference.values())
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     for run in runs:
         base = reference.get(run.sample.id)
