@@ -171,6 +171,7 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     written = config_mod.load_file(path)
     assert (written.streams, written.ngram, written.guesses) in {(5, 6, 4), (1, 2, 1), (2, 2, 0)}
     assert ("Wrote streams=" in out) == ((written.streams, written.ngram, written.guesses) != (5, 6, 4))
+    assert "Wrote streams=" in out or "unchanged" in out
     assert yaml.safe_load(text)["max_tokens"] == 99 and not list(tmp_path.glob("*.partial"))
 
 
@@ -178,3 +179,12 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
 def test_bench_numbers_are_checked(tiny, capsys, value):
     code = entrypoint(["bench", str(tiny), "--tokens", value])
     assert code == 2 and "--tokens" in capsys.readouterr().err
+
+
+def test_sampled_bench_compares_speed_not_tokens(tiny, tmp_path):
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo,quantspec", "--temperature", "0.7",
+                       "--no-external", *FAST, "--json", str(out)])
+    records = json.loads(out.read_text())
+    assert code == 0 and [r["exact"] for r in records] == [None, None, None]
+    assert all(r["temperature"] == 0.7 and r["tokens_per_s"] > 0 for r in records)
