@@ -105,8 +105,11 @@ def test_exactness_column_catches_a_corrupted_method(tiny, tmp_path, monkeypatch
     monkeypatch.setitem(decoders.DECODERS, "prompt-lookup", corrupted)
     out = tmp_path / "out.json"
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "fafo,prompt-lookup", "--no-external",
-                       *FAST, "--json", str(out)])
-    text = capsys.readouterr().out
+                       *FAST, "--json", str(out), "--verify"])
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "prompt-lookup on chat-science: differs from vanilla at token 5 in float32" in captured.err
+    assert "fafo-stream on chat-science: differs" not in captured.err
     assert code == 1  # a divergence that is not a near-tie is a bug: non-zero exit
     records = {r["row"]: r for r in json.loads(out.read_text())}
     assert records["fafo-stream"]["exact"] == "1/1" and records["prompt-lookup"]["exact"] == "0/1"
@@ -188,3 +191,23 @@ def test_sampled_bench_compares_speed_not_tokens(tiny, tmp_path):
     records = json.loads(out.read_text())
     assert code == 0 and [r["exact"] for r in records] == [None, None, None]
     assert all(r["temperature"] == 0.7 and r["tokens_per_s"] > 0 for r in records)
+
+
+def test_warmup_runs_every_row_first_and_verify_reruns_in_float32(tiny, monkeypatch, capsys):
+    from fafo_cli.bench import runner
+
+    real, tokens = runner.run_once, []
+
+    def counted(engine, row, sample, repeat, n, settings):
+        tokens.append((repeat, n, str(engine.model.dtype)))
+        return real(engine, row, sample, repeat, n, settings)
+
+    monkeypatch.setattr(runner, "run_once", counted)
+    monkeypatch.setattr("fafo_cli.bench.command.run_once", counted)
+    code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo", "--no-external", "--samples",
+                       "1", "--repeats", "1", "--warmup", "1", "--tokens", "16", "--dtype", "bfloat16", "--verify"])
+    err = capsys.readouterr().err
+    assert code == 0 and "verified in float32: math · math-apples" in err
+    # 2 warm-up runs (repeat -1, short), 2 measured bf16 runs, then both rows again in float32
+    assert [(r, d) for r, _, d in tokens] == [(-1, "torch.bfloat16")] * 2 + [(0, "torch.bfloat16")] * 2 + [
+        (0, "torch.float32")] * 2

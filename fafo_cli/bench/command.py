@@ -175,5 +175,3 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         return 130
     return 1 if failures or bugs else 0
 
-
-METHOD_CHOICES = config_mod.METHODS

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from ..engine.memory import PeakMemory
+from ..engine.sampling import Sampling
 from .suites import Sample
 
 # transformers' own decoding on the same weights; 10 lookup tokens is the value its documentation uses
@@ -114,8 +115,6 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
     engine.reset()
     if row.external:
         config = engine.request_config(**settings)
-        from ..engine.sampling import Sampling
-
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         ids = engine.encode(list(sample.messages), config)
         generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
