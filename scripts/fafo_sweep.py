@@ -84,7 +84,8 @@ def main() -> None:
             print("\n| method | tokens/s | speedup | τ | accepted/drafted | extra memory | peak RSS |")
             print("|---|---:|---:|---:|---:|---:|---:|")
             for name, speed, ratio, tau, rate, extra, peak in rows:
-                print(f"| {name} | {speed:.1f} | {ratio:.2f}× | {tau:.2f} | {rate:.0%} | {extra:.1f} MB | {peak:.0f} MB |")
+                print(f"| {name} | {speed:.1f} | {ratio:.2f}× | {tau:.2f} | {rate:.0%} | {extra:.1f} MB "
+                      f"| {peak:.0f} MB |")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -4,7 +4,6 @@ bookkeeping: prefix reuse across requests, chunked prefill, stop tokens, limits,
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fafo_cli import load
 from fafo_cli.engine import session as session_mod

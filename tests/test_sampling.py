@@ -3,8 +3,6 @@ two deliberately wrong rules that this test catches), and the engine against the
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 

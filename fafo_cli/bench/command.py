@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from .. import config as config_mod
 from ..errors import FafoError
 from . import exactness, report, suites
 from .runner import Progress, Run, measure, plan_rows, run_once

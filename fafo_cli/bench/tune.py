@@ -27,18 +27,19 @@ TOKENS = 96
 NOISE = 0.03  # a setting must beat the current one by more than run-to-run noise to replace it
 
 
-def step_costs(engine, context: int = 300) -> dict[int, float]:
-    """Median milliseconds of one forward pass with each row count, after `context` cached tokens."""
+def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
+    """Median milliseconds of one forward pass with each row count, after `context` cached tokens (the
+    first two timings of each are warm-up)."""
     session, model = engine.session, engine.model
     engine.reset()
     ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
-    session.prefill(ids, reserve=max(ROWS))
+    session.prefill(ids, reserve=max(row_counts))
     length = session.cache.length
     costs = {}
-    for rows in ROWS:
+    for rows in row_counts:
         mask = torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)
         times = []
-        for _ in range(8):
+        for _ in range(repeats):
             start = time.perf_counter()
             model.forward(torch.zeros(rows, dtype=torch.long, device=model.device),
                           torch.arange(length, length + rows, device=model.device), session.cache,
