@@ -10,16 +10,19 @@
 
 from __future__ import annotations
 
+import json
 import secrets
+import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from . import config as config_mod
 from . import hub
 from .decoders import DECODERS
+from .engine.compiled import CompiledSteps, identity
 from .engine.events import Result, Step
 from .engine.model import Model
 from .engine.sampling import Sampling
@@ -28,7 +31,7 @@ from .errors import FafoError
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
-LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle", "draft_model"}
+LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle", "draft_model", "compile"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -56,10 +59,15 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
-def load(model: str | None = None, **settings) -> "Engine":
-    """Load a model (hub id, folder, .gguf; None: the embedded default) with config settings as keywords."""
+def load(model: str | None = None, *, notify: Callable[[str], None] | None = None, **settings) -> "Engine":
+    """Load a model (hub id, folder, .gguf; None: the embedded default) with config settings as keywords.
+    `notify` receives one-line notices (compilation progress, fallbacks); default: standard error."""
     config = config_mod.build(model=model, **settings)
-    return Engine.from_config(config)
+    return Engine.from_config(config, notify=notify)
+
+
+def _print_notice(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 class Engine:
@@ -72,13 +80,18 @@ class Engine:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
+        self.compiled: CompiledSteps | None = None  # also in session.compiled while in use (bench toggles it)
 
     @classmethod
-    def from_config(cls, config: config_mod.Config) -> "Engine":
+    def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None) -> "Engine":
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
+        if config.compile != "off":
+            engine.compiled = CompiledSteps(engine.model, _compiled_folder(engine.model, folder), mode=config.compile,
+                                            notify=notify or _print_notice)
+            engine.session.compiled = engine.compiled
         if config.draft_model is not None:
             if config.method != "triforce":
                 raise FafoError(f"--draft-model is used by method triforce only (the method is {config.method})")
@@ -172,6 +185,14 @@ def _load_model(name: str | None, config: config_mod.Config, device: torch.devic
         raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
     hf_model.to(device).eval()
     return tokenizer, hf_model, folder
+
+
+def _compiled_folder(model: Model, folder: Path) -> Path:
+    """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device."""
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
+                     if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
+    source = json.dumps([str(folder.resolve()), weights])
+    return hub.cache_dir() / "compiled" / f"{folder.name}-{identity(model, source)}"
 
 
 def _sampling_defaults(generation_config) -> dict:

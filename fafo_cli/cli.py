@@ -37,6 +37,10 @@ MinP = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens belo
 Seed = Annotated[Optional[int], typer.Option(help="Random seed for sampling.", show_default=False)]
 Dtype = Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16 | float16", show_default=False)]
 Device = Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | mps", show_default=False)]
+Compile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Compiled decoding steps: built "
+                                                 "once per model (minutes on a CPU), then loaded from disk. "
+                                                 "Default (config 'auto'): those already built and faster.",
+                                                 show_default=False)]
 Method = Annotated[Optional[str], typer.Option(help=f"Decoding method: {' | '.join(config_mod.METHODS)}",
                                                show_default=False)]
 System = Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)]
@@ -118,7 +122,10 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 def _config_flags(arguments: dict) -> dict:
     """The command's arguments that are config keys (None: not given, the file's value stands)."""
     keys = config_mod.Config().to_dict()
-    return {k: v for k, v in arguments.items() if k in keys}
+    flags = {k: v for k, v in arguments.items() if k in keys}
+    if isinstance(flags.get("compile"), bool):  # --compile / --no-compile
+        flags["compile"] = "on" if flags["compile"] else "off"
+    return flags
 
 
 def _read_prompt(source: str) -> str:
@@ -160,7 +167,7 @@ def run(
     config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
     seed: Seed = None,
-    dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
+    dtype: Dtype = None, device: Device = None, compile: Compile = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
@@ -204,7 +211,7 @@ def chat(
     model: ModelArg = None, config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
     seed: Seed = None,
-    dtype: Dtype = None, device: Device = None, system: System = None, chat_template: ChatTemplate = None,
+    dtype: Dtype = None, device: Device = None, compile: Compile = None, system: System = None, chat_template: ChatTemplate = None,
     trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
     streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
     pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
@@ -246,7 +253,7 @@ def bench(
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
                                                min=0.0)] = 0.0,
-    dtype: Dtype = None, device: Device = None,
+    dtype: Dtype = None, device: Device = None, compile: Compile = None,
     external: Annotated[bool, typer.Option("--external/--no-external", help="Time transformers' generate and "
                                            "its prompt lookup too.")] = True,
     verify: Annotated[bool, typer.Option("--verify", help="Re-run the greedy rows in float32 and require "

@@ -21,6 +21,7 @@ COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+COMPILE = ("auto", "on", "off")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False):
@@ -47,6 +48,9 @@ class Config:
     dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
                       choices=DTYPES)
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
+    compile: str = _opt("auto", "compiled decoding steps (built once per model, then loaded from disk): on builds "
+                               "them when missing; auto uses those that measured faster than eager; off",
+                        choices=COMPILE)
     max_tokens: int = _opt(512, "most tokens generated per answer", low=1)
     # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
     temperature: float | None = _opt(None, "0 = greedy; above 0 samples (empty: the model's default)", low=0.0,

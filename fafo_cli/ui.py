@@ -107,16 +107,16 @@ class StreamView:
 
     def __enter__(self) -> "StreamView":
         if self.live_enabled:
-            self._live = Live(self._renderable(), console=self.console, refresh_per_second=REFRESH_PER_SECOND,
-                              transient=True, redirect_stdout=False, redirect_stderr=False)
+            # the panel is rendered by Live's refresh thread at its own rate, never per step or token
+            self._live = Live(console=self.console, get_renderable=self._renderable,
+                              refresh_per_second=REFRESH_PER_SECOND, transient=True, redirect_stdout=False,
+                              redirect_stderr=False)
             self._live.__enter__()
         return self
 
     def show(self, step: Step) -> None:
         self.last = step
         if not step.text:
-            if self._live:
-                self._live.update(self._renderable(), refresh=False)
             return
         self._wrote_text = True
         if not self._live:
@@ -127,7 +127,6 @@ class StreamView:
         for line in lines[:-1]:
             self._live.console.print(Text(line), soft_wrap=False)
         self._pending = lines[-1]
-        self._live.update(self._renderable(), refresh=False)
 
     def consume(self, steps: Iterable[Step]) -> Step | None:
         for step in steps:

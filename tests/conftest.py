@@ -79,6 +79,28 @@ def build_tiny_model(folder: Path, variant: str, *, seed: int = 0, max_positions
     return folder
 
 
+def pytest_addoption(parser):
+    parser.addoption("--compile-all", action="store_true",
+                     help="run every test with compiled steps (config compile 'on' wherever a test leaves it "
+                          "at 'auto'): builds a package per model and row bucket, so it takes much longer")
+
+
+def pytest_configure(config):
+    if config.getoption("--compile-all"):
+        from dataclasses import replace
+
+        from fafo_cli import api
+
+        from_config = api.Engine.from_config.__func__
+
+        def compiled(cls, settings, notify=None):
+            if settings.compile == "auto":
+                settings = replace(settings, compile="on")
+            return from_config(cls, settings, notify=notify or (lambda _: None))
+
+        api.Engine.from_config = classmethod(compiled)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

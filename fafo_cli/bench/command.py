@@ -118,7 +118,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     if not samples:
         raise FafoError("no prompt fits the model's context with --tokens "
                         f"{options.tokens}")
-    rows = plan_rows(options.methods, options.compressors, options.external)
+    rows = plan_rows(options.methods, options.compressors, options.external, compiled=config.compile == "on")
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
     runs: list[Run] = []

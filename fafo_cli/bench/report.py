@@ -21,6 +21,7 @@ class Result:
     spread: float  # median over samples of half the range over repetitions (tokens/s)
     speedup: float | None  # median over samples of (row / vanilla), each the median over repetitions
     tau: float | None  # generated tokens / full-model passes, over all runs (None: passes not known)
+    step_ms: float  # median time of one decoding step (external rows: per token)
     accepted: int
     drafted: int
     peak_memory_mb: float
@@ -43,7 +44,7 @@ class Result:
             "method": self.row.method, "row": self.row.name, "compressor": self.row.compressor, "suite": self.suite,
             "tokens_per_s": round(self.tokens_per_s, 3), "spread": round(self.spread, 3),
             "speedup": None if self.speedup is None else round(self.speedup, 4),
-            "tau": None if self.tau is None else round(self.tau, 4),
+            "tau": None if self.tau is None else round(self.tau, 4), "step_ms": round(self.step_ms, 2),
             "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
             "accepted_tokens": self.accepted, "drafted_tokens": self.drafted,
             "exact": None if self.matches is None else f"{self.matches}/{self.compared}",
@@ -83,13 +84,14 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 statistics.median(ratios) if ratios else None,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
+                statistics.median(r.step_ms for r in mine),
                 sum(r.accepted for r in mine), sum(r.drafted for r in mine),
                 max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
                 (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine)))
     return results
 
 
-COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "acceptance", "peak memory", "exact")
+COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "ms/step", "acceptance", "peak memory", "exact")
 
 
 def _cells(result: Result) -> list[str]:
@@ -100,7 +102,7 @@ def _cells(result: Result) -> list[str]:
         memory += f" (+{result.draft_memory_mb:,.1f})"
     speedup = "—" if result.speedup is None else f"{result.speedup:.2f}×"
     return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup,
-            "—" if result.tau is None else f"{result.tau:.2f}", acceptance, memory, exact]
+            "—" if result.tau is None else f"{result.tau:.2f}", f"{result.step_ms:.1f}", acceptance, memory, exact]
 
 
 def print_tables(results: list[Result], console, title: str) -> None:

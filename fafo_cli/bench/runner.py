@@ -28,6 +28,7 @@ class Row:
     name: str
     method: str
     overrides: tuple[tuple[str, object], ...] = ()
+    compiled: bool | None = None  # True: the engine's compiled steps; False: eager; None: as the engine loaded
 
     @property
     def external(self) -> bool:
@@ -38,8 +39,9 @@ class Row:
         return dict(self.overrides).get("compressor")
 
 
-def plan_rows(methods: list[str], compressors: list[str], external: bool) -> list[Row]:
-    """vanilla first (the reference), then each method; fafo once per compressor."""
+def plan_rows(methods: list[str], compressors: list[str], external: bool, compiled: bool = False) -> list[Row]:
+    """vanilla first (the reference), then each method; fafo once per compressor. `compiled`: each of our rows
+    also runs compiled, right after its eager twin (named "...+compiled")."""
     rows = [Row("vanilla", "vanilla")]
     for method in methods:
         if method == "vanilla":
@@ -48,6 +50,9 @@ def plan_rows(methods: list[str], compressors: list[str], external: bool) -> lis
             rows += [Row(f"fafo-{c}", "fafo", (("compressor", c),)) for c in compressors]
         else:
             rows.append(Row(method, method))
+    if compiled:
+        rows = [twin for row in rows for twin in (Row(row.name, row.method, row.overrides, False),
+                                                  Row(f"{row.name}+compiled", row.method, row.overrides, True))]
     if external:
         rows += [Row(name, name) for name in EXTERNAL]
     return rows
@@ -61,6 +66,7 @@ class Run:
     token_ids: list[int]
     tokens_per_s: float
     steps: int  # full-model passes (0: not known, for the external rows)
+    step_ms: float
     drafted: int
     accepted: int
     peak_memory_mb: float
@@ -118,12 +124,16 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         ids = engine.encode(list(sample.messages), config)
         generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
-        return Run(row, sample, repeat, generated, speed, 0, 0, 0, peak)  # steps unknown: generate() hides them
+        step_ms = 1e3 / speed if speed else 0.0  # one token per pass
+        return Run(row, sample, repeat, generated, speed, 0, step_ms, 0, 0, peak)  # passes: generate() hides them
+    if row.compiled is not None:
+        engine.session.compiled = engine.compiled if row.compiled else None
     result = engine.complete(list(sample.messages), max_tokens=tokens, method=row.method,
                              **{**settings, **dict(row.overrides)})
     s = result.stats
-    return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, s.drafted_tokens, s.accepted_tokens,
-               s.peak_memory_mb, s.draft_memory_mb or 0.0)
+    step_ms = s.decode_s / (s.steps - 1) * 1e3 if s.steps > 1 else 0.0  # the first step's token is the prefill's
+    return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, step_ms, s.drafted_tokens,
+               s.accepted_tokens, s.peak_memory_mb, s.draft_memory_mb or 0.0)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,15 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     stats.draft_memory_mb = drafter.nbytes() / 2**20
     stats.draft_passes = 0 if drafter.runs_model else None
     masks = PrefixMasks(model.device)
+    # one eager mask buffer for every tree size: the local block placed in the largest, then sliced back
+    largest = torch.zeros(1 + drafter.max_rows, 1 + drafter.max_rows, dtype=torch.bool, device=model.device)
+
+    def tree_attention(start: int, local: torch.Tensor):
+        n = len(local)
+        largest.zero_()
+        largest[:n, :n] = local
+        return causal_attention(masks.get("tree", start, largest)[:n, :start + n], model.scaling)
+
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -81,12 +90,9 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
             stats.draft_passes += draft.passes
         rows = [anchor] + tree.tokens
         cache.reserve(start + len(rows))
-        # one mask buffer for every tree size: the local block padded to the largest, then sliced
-        local = torch.zeros(1 + drafter.max_rows, 1 + drafter.max_rows, dtype=torch.bool, device=model.device)
-        local[:len(rows), :len(rows)] = tree.local_mask(model.device)
-        attend = causal_attention(masks.get("tree", start, local)[:len(rows), :start + len(rows)], model.scaling)
-        logits = model.forward(torch.tensor(rows, device=model.device), start + tree.offsets(model.device), cache,
-                               attend)
+        local = tree.local_mask(model.device)
+        logits = session.run(rows, tree.offsets(model.device), local, lambda: tree_attention(start, local),
+                             pad_to=1 + drafter.max_rows)
         if sampling.greedy:
             path, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
         elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j

@@ -70,6 +70,7 @@ class StepLayout:
     window_local_padded: torch.Tensor  # [window + 1, 1 + window]: an all-hidden last row (block-sparse indexing)
     combined_local: torch.Tensor  # [rows, rows]
     logit_rows: torch.Tensor  # rows whose logits are read: all verify rows, then the window's predictors
+    sees_all: torch.Tensor  # [rows]: verify rows see the whole cache, window rows only C(kv)
     predictors: tuple[int, ...]  # per stream, index into the logits read (0 = the anchor)
 
 
@@ -98,7 +99,8 @@ def step_layout(candidates: int, ngram: int, streams: int, levels: int,
     padded = torch.cat([window.local_mask, torch.zeros(1, n_window + 1, dtype=torch.bool)])
     return StepLayout(n_verify, torch.tensor(offsets, device=device), verify_local.to(device),
                       window.local_mask.to(device), padded.to(device), combined.to(device),
-                      torch.tensor(logit_rows, device=device), predictors)
+                      torch.tensor(logit_rows, device=device),
+                      (torch.arange(n_verify + n_window) < n_verify).to(device), predictors)
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
@@ -129,6 +131,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     pool.add_text(text, new=len(text) - reused if continues else None)
     session.carry.clear()
     session.carry[pool_key] = (pool, len(request.prompt_ids))
+    # The compiled step has no per-layer hook: compressors that learn from each step's queries run eager.
+    compiled = session.compiled is not None and not getattr(compressor, "needs_query", False)
+    if session.compiled is not None and not compiled:
+        session.compiled.notify_once(f"the {compressor.name} compressor reads each step's queries per layer, "
+                                     "which the compiled step cannot hand out: FAFO with it runs eager")
     window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
     masks = PrefixMasks(model.device)
     step = emitter.emit([anchor])
@@ -142,9 +149,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
         if start + len(rows) <= model.max_context:
             cache.reserve(start + len(rows))
-            attend = FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks, flex=flex)
-            logits = model.forward(torch.tensor(rows, device=model.device), start + layout.offsets, cache,
-                                   attend, layout.logit_rows)
+            logits = session.run(
+                rows, layout.offsets, layout.combined_local,
+                lambda: FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks, flex=flex),
+                sees_all=layout.sees_all, visible=compressor.visible_mask(cache) if compiled else None,
+                logit_rows=layout.logit_rows, allow_compiled=compiled, pad_to=settings.max_rows)
             argmax = logits.argmax(-1).tolist()
             tree = DraftTree.chains(candidates)  # node i is row 1 + i: the verify rows' layout
             if sampling.greedy:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .detok import Detokenizer
 from .events import Stats, Step
 from .memory import PeakMemory
-from .model import Model, causal_attention, prefix_causal_mask
+from .compiled import CompiledSteps
+from .model import Attention, Model, causal_attention, prefix_causal_mask
 from .sampling import Sampling
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
@@ -40,6 +41,9 @@ class Session:
         self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
         self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
+        self.compiled: CompiledSteps | None = None  # the model's compiled steps (`compile` on/auto)
+        self._one = (torch.zeros(1, dtype=torch.long, device=model.device),
+                     torch.ones(1, 1, dtype=torch.bool, device=model.device))  # a plain step's offsets and mask
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -82,13 +86,34 @@ class Session:
         rows = slice(-1, None) if last_only else None
         return self.model.forward(torch.tensor(ids, device=device), positions, self.cache, attend, rows)
 
+    def run(self, ids: list[int], offsets: torch.Tensor, local: torch.Tensor, eager_attention: Callable[[], Attention],
+            *, sees_all: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+            logit_rows: torch.Tensor | None = None, allow_compiled: bool = True, pad_to: int = 1) -> torch.Tensor:
+        """One decoding step: `ids` at the committed length + `offsets`, written after the committed prefix.
+
+        The compiled step runs it when one serves this many rows; else the eager forward pass with the
+        attention `eager_attention()` builds. Both express the same visibility: `local` [rows, rows] among
+        the step's rows; cached positions all visible, except for rows where `sees_all` is false, which see
+        what `visible` [length, layers] marks (the eager attention must agree). `pad_to`: the decoder's
+        largest step, so that every step runs the same compiled graph. Returns logits [rows or logit_rows, vocab].
+        """
+        device = self.model.device
+        ids_tensor, positions = torch.tensor(ids, device=device), self.cache.length + offsets
+        if self.compiled is not None and allow_compiled:
+            logits = self.compiled(ids_tensor, positions, self.cache, local, sees_all=sees_all, visible=visible,
+                                   pad_to=pad_to)
+            if logits is not None:
+                return logits if logit_rows is None else logits[logit_rows]
+        return self.model.forward(ids_tensor, positions, self.cache, eager_attention(), logit_rows)
+
     def commit(self, ids: list[int]) -> None:
         self.cache.commit(len(ids))
         self.ids.extend(ids)
 
     def step(self, token: int) -> torch.Tensor:
         """Plain decoding: process one token, commit it, return the next token's logits."""
-        logits = self.forward([token], causal_attention(None, self.model.scaling))
+        offsets, local = self._one
+        logits = self.run([token], offsets, local, lambda: causal_attention(None, self.model.scaling))
         self.commit([token])
         return logits[-1]
 

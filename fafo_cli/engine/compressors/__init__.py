@@ -39,6 +39,9 @@ class Compressor(Protocol):
     def visible(self, cache: KVCache) -> int:
         """How many cache positions the fumble rows see (the same in every layer)."""
 
+    def visible_mask(self, cache: KVCache) -> torch.Tensor | None:
+        """C(kv) as booleans [length, layers] (the compiled step's one masked attention call), or None."""
+
     # Optional: `needs_query = True` and observe(layer, anchor_query [heads, dim], cached_keys) to learn from
     # the anchor row each step; observe_prefill(layer, q [heads, rows, dim], keys, first_position) to learn
     # from the prefill's queries.

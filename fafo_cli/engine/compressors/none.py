@@ -22,3 +22,6 @@ class NoCompressor:
 
     def visible(self, cache: KVCache) -> int:
         return cache.length
+
+    def visible_mask(self, cache: KVCache) -> None:
+        return None

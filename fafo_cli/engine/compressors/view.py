@@ -81,6 +81,14 @@ class ViewCompressor:
     def visible(self, cache: KVCache) -> int:
         return self.slots.size if self.active else cache.length
 
+    def visible_mask(self, cache: KVCache) -> torch.Tensor | None:
+        if not self.active:
+            return None
+        slots = self.slots
+        mask = torch.zeros(slots.positions.shape[0], cache.length, dtype=torch.bool, device=cache.device)
+        mask.scatter_(1, slots.positions[:, :slots.size], True)
+        return mask.T.contiguous()
+
     def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
         """C(kv) as sorted positions (for tests and inspection)."""
         return self.slots.selected(layer) if self.active else list(range(cache.length))

@@ -1,0 +1,289 @@
+"""The compiled step: the model's forward pass compiled ahead of time by inductor (AOTInductor) into one
+package on disk, which later runs load in well under a second.
+
+Why ahead of time: eager PyTorch spends most of a small model's step outside arithmetic (per-op dispatch,
+generic matmul kernels that read bf16 weights at half the memory bandwidth). Inductor fuses the
+elementwise work and generates GEMM kernels specialised to the frozen weights; `torch.compile` does the
+same, but traces and re-generates them in every process (its disk cache skips packed weights), which costs
+minutes per start on a CPU. A package is built once per model, dtype and device.
+
+Shapes: the cache length and capacity are dynamic dimensions (one graph for every step); the row count is
+static, in buckets (1, 4, 8, 12, ...): a decoder pads every step up to the bucket of its largest one, because
+kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4 vs 18
+ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder costs one build. Each layer runs one masked attention call:
+a row sees the cached positions where `sees_all` is true, or else those its layer marks in `visible` (FAFO's
+fumble rows and C(kv)), plus the step's own rows through `local`. New keys and values are written in place
+after the `visible.shape[0]` committed positions, exactly as the eager path writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+from .model import Model
+
+GRAPH_VERSION = 1  # bump when the traced computation changes: old packages are then rebuilt
+MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
+# A decoder pads every step to the bucket of its largest step, so it needs one package; fine steps keep
+# the padding small (FAFO's default 10 rows, prompt lookup's 9 and Cacheback's 9 share the 12-row package).
+ROW_BUCKETS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
+
+
+def bucket(rows: int) -> int | None:
+    return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+class CompileError(RuntimeError):
+    """Compilation is impossible here (no compiler, an unsupported op, ...): the caller runs eager."""
+
+
+class _LayerCache:
+    """The part of KVCache that Model.forward uses, over per-layer tensors inside the traced graph."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], start, rows: int):
+        self.keys_list, self.values_list = keys, values
+        self.end = start + rows
+        self.slots = torch.arange(start, start + rows, device=keys[0].device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys_list[layer], self.values_list[layer]
+        keys.index_copy_(0, self.slots, k.to(keys.dtype))
+        values.index_copy_(0, self.slots, v.to(values.dtype))
+        return keys[:self.end], values[:self.end]
+
+
+class _Step(torch.nn.Module):
+    """What gets traced: Model.forward with one masked attention call per layer."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.model = model
+        self.hf = model.hf  # registered, so the weights are the graph's (frozen) parameters
+
+    def forward(self, ids, positions, local, sees_all, visible, keys, values):
+        scaling = self.model.scaling
+
+        def attend(layer: int, q, k, v):
+            prefix = sees_all[:, None] | visible[:, layer][None, :]
+            mask = torch.cat([prefix, local], dim=1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+        cache = _LayerCache(keys, values, visible.shape[0], ids.shape[0])
+        return self.model.forward(ids, positions, cache, attend)
+
+
+def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
+    device, n_layers = model.device, len(model.layers)
+    cache = model.new_cache(capacity, capacity)
+    return (torch.zeros(rows, dtype=torch.long, device=device), torch.arange(length, length + rows, device=device),
+            torch.ones(rows, rows, dtype=torch.bool, device=device).tril(),
+            torch.ones(rows, dtype=torch.bool, device=device),
+            torch.ones(length, n_layers, dtype=torch.bool, device=device),
+            list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+
+
+def build(model: Model, rows: int, path: Path) -> None:
+    """Trace, compile and package the `rows`-row step at `path` (atomically). Minutes on a CPU."""
+    from torch.export import Dim
+
+    length = Dim("length", min=MIN_LENGTH, max=model.max_context)
+    capacity = Dim.DYNAMIC  # its range follows from the slicing (at least length + rows)
+    layer_dims = [{0: capacity}] * len(model.layers)
+    shapes = (None, None, None, None, {0: length}, layer_dims, layer_dims)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
+            exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
+            # quiet: no autotuning tables on the user's terminal
+            options = {"freezing": True, "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+            if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights (measured: 2-3x)
+                options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
+        partial.replace(path)
+    except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
+        raise CompileError(_first_line(error)) from error
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def identity(model: Model, source: str) -> str:
+    """Names a model's packages: its source and config, dtype, device kind, torch version, graph version."""
+    key = json.dumps([source, model.config.to_json_string(), str(model.dtype), model.device.type,
+                      torch.__version__, GRAPH_VERSION])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class CompiledSteps:
+    """The compiled steps of one model: a package per row bucket, loaded from disk or built on first need.
+
+    mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
+    were built (their record says so). Any failure prints one notice and leaves that bucket to eager.
+    """
+
+    def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None]):
+        self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
+        self._runners: dict[int, object | None] = {}
+        self._layers: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
+        self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
+        self._all_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
+        self._said: set[str] = set()
+
+    def notify_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.notify(message)
+
+    def paths(self, rows: int) -> tuple[Path, Path]:
+        return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
+
+    def runner(self, rows: int):
+        """The loaded package for `rows` rows, building it when allowed; None: run eager."""
+        if rows not in self._runners:
+            self._runners[rows] = self._load(rows)
+        return self._runners[rows]
+
+    def _load(self, rows: int):
+        package, record = self.paths(rows)
+        if package.exists() and record.exists():
+            timing = Timing.read(record)
+            if self.mode == "auto" and timing is not None and not timing.pays_off:
+                return None
+            try:
+                return torch._inductor.aoti_load_package(str(package))
+            except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
+                if self.mode == "auto":
+                    self.notify(f"compiled step unusable ({_first_line(error)}); running eager")
+                    return None
+        if self.mode != "on":
+            return None
+        self.notify(f"compiling the {rows}-row step for this model once (minutes on a CPU; later runs load it)")
+        started = time.perf_counter()
+        try:
+            build(self.model, rows, package)
+            runner = torch._inductor.aoti_load_package(str(package))
+        except CompileError as error:
+            self.notify(f"compilation failed, running eager: {error}")
+            return None
+        timing = measure(self.model, lambda *args: runner(*args), rows)
+        timing.build_s = time.perf_counter() - started
+        timing.write(record)
+        self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
+                    f"(eager {timing.eager_ms:.1f} ms)")
+        return runner
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, local: torch.Tensor, *,
+                 sees_all: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+                 pad_to: int = 1) -> torch.Tensor | None:
+        """Logits [rows, vocab] of `ids` at `positions`, written after the committed prefix of `cache`; None
+        when no compiled step serves this step (the caller runs eager). Rows are padded to the bucket of
+        `pad_to` (the decoder's largest step) at least.
+
+        `local` [rows, rows]: which of this step's rows each row sees. Cached positions: every row sees all of
+        them unless `sees_all` [rows] is false for it; such a row sees those `visible` [length, layers] marks.
+        """
+        rows, length, device = ids.shape[0], cache.length, self.model.device
+        size = bucket(max(rows, pad_to))
+        if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
+            return None
+        runner = self.runner(size)
+        if runner is None:
+            return None
+        cache.reserve(length + size)
+        local = local.contiguous()  # the package was traced with contiguous inputs
+        if size > rows:  # padding rows: token 0 at the anchor's position, seeing only themselves
+            pad = size - rows
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions[:1].expand(pad)])
+            padded = torch.eye(size, dtype=torch.bool, device=device)
+            padded[:rows, :rows] = local
+            local = padded
+            if sees_all is not None:
+                sees_all = torch.cat([sees_all, self._all_rows[:pad]])
+        if self._everything.shape[0] < cache.capacity:
+            self._everything = torch.ones(cache.capacity, len(self.model.layers), dtype=torch.bool, device=device)
+        storage = (cache.keys.data_ptr(), cache.capacity)
+        if self._layers is None or self._layers[0] != storage:
+            self._layers = (storage, list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+        started = time.perf_counter()
+        try:
+            logits = runner(ids, positions, local, self._all_rows[:size] if sees_all is None else sees_all,
+                            self._everything[:length] if visible is None else visible, self._layers[1],
+                            self._layers[2])
+        except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
+            self.notify(f"compiled step failed, running eager: {_first_line(error)}")
+            self._runners[size] = None
+            return None
+        self.calls += 1
+        self.seconds += time.perf_counter() - started
+        return logits[:rows]
+
+
+@dataclass
+class Timing:
+    rows: int
+    eager_ms: float
+    compiled_ms: float
+    build_s: float = 0.0
+
+    @property
+    def pays_off(self) -> bool:
+        return self.compiled_ms < self.eager_ms
+
+    def write(self, path: Path) -> None:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(asdict(self)), encoding="utf-8")
+        partial.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> "Timing | None":
+        try:
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 8) -> Timing:
+    """Median time of a `rows`-row step after `context` cached positions, eager and compiled."""
+    from .model import causal_attention, prefix_causal_mask
+
+    device = model.device
+    cache = model.new_cache(context + rows, context + rows)
+    cache.commit(context)
+    ids, positions = torch.zeros(rows, dtype=torch.long, device=device), torch.arange(context, context + rows, device=device)
+    mask = prefix_causal_mask(context, rows, device)
+    local, sees_all = mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool, device=device)
+    visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
+    keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
+
+    def timed(run) -> float:
+        times = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:]) * 1e3
+
+    with torch.inference_mode():
+        eager = timed(lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling)))
+        compiled = timed(lambda: runner(ids, positions, local, sees_all, visible, keys, values))
+    return Timing(rows, eager, compiled)

@@ -1,0 +1,149 @@
+"""The compiled step (`compile`): float32 token ids identical to transformers' greedy generate with it on,
+built once and loaded from disk afterwards, padded row buckets, C(kv) as a mask, and eager fallbacks that
+say so in one line instead of failing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.cli import entrypoint
+
+from .conftest import build_tiny_model, hf_greedy
+from .test_fafo import LONG, SHORT, TOKENS
+
+METHODS = {
+    "vanilla": dict(method="vanilla"),
+    # budget between SHORT and LONG: on LONG the fumble rows see C(kv) only (the compiled step's mask)
+    "fafo-stream": dict(method="fafo", compressor="stream", budget=48, sink=4, streams=2, ngram=3, guesses=2),
+    "fafo-snapkv": dict(method="fafo", compressor="snapkv", budget=48, window=8),
+    "prompt-lookup": dict(method="prompt-lookup", lookup_tokens=6),
+    "cacheback": dict(method="cacheback", cacheback_budget=12),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_cache(tmp_path_factory):
+    """fafo's cache (where packages go) in a temporary folder for this module."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("fafo-cache")
+        patch.setenv("FAFO_CACHE", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(compiled_cache, tiny):
+    notices: list[str] = []
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    engine.notices = notices
+    return engine
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
+    engine = compiled_engine
+    for prompt in (SHORT, LONG):
+        before = engine.compiled.calls
+        result = engine.complete(prompt, max_tokens=TOKENS, **METHODS[method])
+        assert result.token_ids == hf_greedy(tiny, engine.encode(prompt), TOKENS), (method, prompt[:20])
+        assert engine.compiled.calls - before == result.stats.steps - 1  # every step after the prefill's
+    assert not [n for n in engine.notices if "running eager" in n or "runs eager" in n]
+
+
+def test_one_package_per_row_bucket_built_once(compiled_engine, compiled_cache):
+    engine = compiled_engine
+    engine.complete(SHORT, max_tokens=8, method="vanilla")
+    engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])  # 1 + 2·3 + 2·3 = 13 rows: bucket 16
+    folder = engine.compiled.folder
+    built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
+    assert {1, 16} <= built <= {1, 8, 12, 16}  # 8: prompt lookup (7 rows), 12: fafo-snapkv (10), if they ran
+    records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
+    compiling = [n for n in engine.notices if n.startswith("compiling")]
+    assert len(compiling) == len(built)  # one build per bucket, however many requests used it
+
+
+def test_second_load_reads_the_packages(compiled_engine, tiny):
+    compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # the package exists
+    notices: list[str] = []
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    started = time.perf_counter()
+    result = engine.complete(SHORT, max_tokens=TOKENS, method="vanilla")
+    assert time.perf_counter() - started < 30  # a load, not a build (minutes)
+    assert notices == [] and engine.compiled.calls == TOKENS - 1
+    assert result.token_ids == hf_greedy(tiny, engine.encode(SHORT), TOKENS)
+
+
+def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_cache, tiny):
+    compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")
+    record = next(p for p in compiled_cache.glob("compiled/*/rows1.json"))
+    original = json.loads(record.read_text())
+    try:
+        for compiled_ms, used in ((original["eager_ms"] * 2, False), (original["eager_ms"] / 2, True)):
+            record.write_text(json.dumps({**original, "compiled_ms": compiled_ms}))
+            engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=print)
+            engine.complete(SHORT, max_tokens=8, method="vanilla")
+            assert (engine.compiled.calls > 0) == used
+    finally:
+        record.write_text(json.dumps(original))
+
+
+def test_auto_never_builds(compiled_cache, tiny_models):
+    engine = load(str(tiny_models["mistral"]), dtype="float32", chat_template=False, compile="auto",
+                  notify=pytest.fail)
+    engine.complete(SHORT, max_tokens=8, method="vanilla")
+    assert engine.compiled.calls == 0
+
+
+def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tmp_path, monkeypatch):
+    import torch._inductor.config as inductor
+
+    folder = build_tiny_model(tmp_path / "m", "qwen2-bias")
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    notices: list[str] = []
+    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    result = engine.complete(SHORT, max_tokens=32, method="vanilla")
+    assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 32)
+    failed = [n for n in notices if n.startswith("compilation failed, running eager")]
+    assert len(failed) == 1 and all("\n" not in n for n in notices)
+    assert not list(compiled_cache.glob("compiled/m-*/*.pt2")) and not list(compiled_cache.glob("**/*.partial*"))
+
+
+def test_padding_past_the_context_end_runs_eager(compiled_cache, tmp_path):
+    folder = build_tiny_model(tmp_path / "short", "llama-gqa", max_positions=64)
+    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=lambda _: None)
+    ids = engine.encode(SHORT)
+    result = engine.complete(SHORT, max_tokens=200, method="vanilla")
+    assert result.finish_reason == "context" and result.token_ids == hf_greedy(folder, ids, 64 - len(ids))
+
+
+def test_cli_compile_flag(compiled_engine, tiny, tmp_path, capsys):
+    compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # built: the CLI only loads
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(SHORT)
+    code = entrypoint(["run", str(tiny), "-p", str(prompt), "--compile", "--dtype", "float32", "--no-chat-template",
+                       "--method", "vanilla", "-n", "16", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["settings"]["compile"] == "on"
+    assert out["token_ids"] == hf_greedy(tiny, compiled_engine.encode(SHORT), 16)
+    entrypoint(["run", str(tiny), "-p", str(prompt), "--no-compile", "--dtype", "float32", "-n", "4", "--json"])
+    assert json.loads(capsys.readouterr().out)["settings"]["compile"] == "off"
+
+
+def test_visible_mask_is_the_compressors_selection(tiny):
+    """The compiled step's C(kv) mask marks exactly the positions the eager split attention copies."""
+    from fafo_cli.engine.compressors.stream import StreamCompressor
+
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    session = engine.session
+    session.prefill(engine.encode(LONG), reserve=16)
+    compressor = StreamCompressor(budget=40, sink=4, tail_rows=8)
+    compressor.rebuild(session.cache)
+    mask = compressor.visible_mask(session.cache)
+    assert mask.shape == (session.cache.length, len(engine.model.layers))
+    for layer in range(mask.shape[1]):
+        assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)
