@@ -7,6 +7,8 @@ supersede it for reporting.
     python scripts/fafo_sweep.py --tokens 256 --repeats 3 \
         --settings "W=2,k=4,G=2,P=2" "W=1,k=6,G=2,P=3" --prompts examples/rewrite.txt examples/prompt.txt
 
+`--compile` runs everything on compiled steps (building the packages it needs first).
+
 A setting is FAFO's short keys (W, k, G, P, B, C, S, N), `M=method` for another method, or any config key:
 "M=cacheback,cacheback_budget=24". `--markdown` prints the results as a table for the README.
 """
@@ -45,9 +47,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", required=True)
     parser.add_argument("--prompts", nargs="+", default=["examples/rewrite.txt", "examples/prompt.txt"])
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table per prompt")
+    parser.add_argument("--compile", action="store_true", help="every run (vanilla too) on compiled steps")
     args = parser.parse_args()
 
-    engine = load(args.model, dtype=args.dtype)
+    engine = load(args.model, dtype=args.dtype, compile="on" if args.compile else "off")
     runs = [("vanilla", dict(method="vanilla"))] + [(s, parse(s)) for s in args.settings]
     for path in args.prompts:
         prompt = Path(path).read_text()

@@ -147,3 +147,16 @@ def test_visible_mask_is_the_compressors_selection(tiny):
     assert mask.shape == (session.cache.length, len(engine.model.layers))
     for layer in range(mask.shape[1]):
         assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)
+
+
+def test_bench_runs_eager_and_compiled_side_by_side(compiled_engine, tiny, tmp_path, capsys):
+    compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # built: the bench only loads
+    out = tmp_path / "bench.json"
+    code = entrypoint(["bench", str(tiny), "--compile", "--dtype", "float32", "--methods", "vanilla,prompt-lookup",
+                       "--suites", "chat", "--samples", "1", "--repeats", "1", "--warmup", "0", "--tokens", "24",
+                       "--no-external", "--json", str(out)])
+    capsys.readouterr()
+    records = {r["row"]: r for r in json.loads(out.read_text())}
+    assert code == 0
+    assert set(records) == {"vanilla", "vanilla+compiled", "prompt-lookup", "prompt-lookup+compiled"}
+    assert all(r["exact"] == "1/1" and r["step_ms"] > 0 for r in records.values())

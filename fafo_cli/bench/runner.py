@@ -145,9 +145,14 @@ class Progress:
 
 def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repeats: int, warmup: int,
             settings: dict) -> Iterator[Run | Progress]:
-    """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved."""
+    """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved.
+    Compiled rows always get one short untimed run first: it builds or loads their package."""
     total = (warmup * len(rows) if samples else 0) + len(samples) * repeats * len(rows)
     done = 0
+    for row in rows if samples and not warmup else []:
+        if row.compiled:
+            yield Progress(done, total, f"loading the compiled step · {row.name}")
+            run_once(engine, row, samples[0], -1, 2, settings)
     for _ in range(warmup if samples else 0):
         for row in rows:
             yield Progress(done, total, f"warm-up · {row.name}")

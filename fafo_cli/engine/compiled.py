@@ -1,19 +1,21 @@
 """The compiled step: the model's forward pass compiled ahead of time by inductor (AOTInductor) into one
-package on disk, which later runs load in well under a second.
+package on disk, which later runs load in about a second.
 
 Why ahead of time: eager PyTorch spends most of a small model's step outside arithmetic (per-op dispatch,
 generic matmul kernels that read bf16 weights at half the memory bandwidth). Inductor fuses the
 elementwise work and generates GEMM kernels specialised to the frozen weights; `torch.compile` does the
 same, but traces and re-generates them in every process (its disk cache skips packed weights), which costs
-minutes per start on a CPU. A package is built once per model, dtype and device.
+minutes per start on a CPU. A package is built once per model, dtype, device and row bucket.
 
 Shapes: the cache length and capacity are dynamic dimensions (one graph for every step); the row count is
 static, in buckets (1, 4, 8, 12, ...): a decoder pads every step up to the bucket of its largest one, because
 kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4 vs 18
-ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder costs one build. Each layer runs one masked attention call:
-a row sees the cached positions where `sees_all` is true, or else those its layer marks in `visible` (FAFO's
-fumble rows and C(kv)), plus the step's own rows through `local`. New keys and values are written in place
-after the `visible.shape[0]` committed positions, exactly as the eager path writes them.
+ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder costs one build.
+
+Each layer runs one masked attention call: a row sees the cached positions where `sees_all` is true, or else
+those its layer marks in `visible` (FAFO's fumble rows and C(kv)), plus the step's own rows through `local`.
+New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
+eager path writes them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 import warnings
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -109,7 +111,8 @@ def build(model: Model, rows: int, path: Path) -> None:
             warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
             exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
             # quiet: no autotuning tables on the user's terminal
-            options = {"freezing": True, "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+            options = {"freezing": True, "autotune_num_choices_displayed": 0,
+                       "max_autotune_report_choices_stats": False}
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights (measured: 2-3x)
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
@@ -181,10 +184,11 @@ class CompiledSteps:
         try:
             build(self.model, rows, package)
             runner = torch._inductor.aoti_load_package(str(package))
-        except CompileError as error:
-            self.notify(f"compilation failed, running eager: {error}")
+            timing = measure(self.model, runner, rows)
+        except Exception as error:  # noqa: BLE001 - build, load or first run: whatever failed, run eager
+            reason = error if isinstance(error, CompileError) else _first_line(error)
+            self.notify(f"compilation failed, running eager: {reason}")
             return None
-        timing = measure(self.model, lambda *args: runner(*args), rows)
         timing.build_s = time.perf_counter() - started
         timing.write(record)
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
@@ -192,14 +196,15 @@ class CompiledSteps:
         return runner
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, local: torch.Tensor, *,
-                 sees_all: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+                 sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
                  pad_to: int = 1) -> torch.Tensor | None:
         """Logits [rows, vocab] of `ids` at `positions`, written after the committed prefix of `cache`; None
         when no compiled step serves this step (the caller runs eager). Rows are padded to the bucket of
         `pad_to` (the decoder's largest step) at least.
 
         `local` [rows, rows]: which of this step's rows each row sees. Cached positions: every row sees all of
-        them unless `sees_all` [rows] is false for it; such a row sees those `visible` [length, layers] marks.
+        them unless `sees_all` [rows] is false for it; such a row sees those `visible()` [length, layers] marks
+        (None: all; a callable, so that eager steps never build it).
         """
         rows, length, device = ids.shape[0], cache.length, self.model.device
         size = bucket(max(rows, pad_to))
@@ -209,6 +214,7 @@ class CompiledSteps:
         if runner is None:
             return None
         cache.reserve(length + size)
+        visible = visible() if visible is not None else None
         local = local.contiguous()  # the package was traced with contiguous inputs
         if size > rows:  # padding rows: token 0 at the anchor's position, seeing only themselves
             pad = size - rows
@@ -269,7 +275,8 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
     device = model.device
     cache = model.new_cache(context + rows, context + rows)
     cache.commit(context)
-    ids, positions = torch.zeros(rows, dtype=torch.long, device=device), torch.arange(context, context + rows, device=device)
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    positions = torch.arange(context, context + rows, device=device)
     mask = prefix_causal_mask(context, rows, device)
     local, sees_all = mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool, device=device)
     visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)

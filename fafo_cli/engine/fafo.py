@@ -151,8 +151,9 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
             cache.reserve(start + len(rows))
             logits = session.run(
                 rows, layout.offsets, layout.combined_local,
-                lambda: FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks, flex=flex),
-                sees_all=layout.sees_all, visible=compressor.visible_mask(cache) if compiled else None,
+                lambda: FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks,
+                                      flex=flex),
+                sees_all=layout.sees_all, visible=lambda: compressor.visible_mask(cache),
                 logit_rows=layout.logit_rows, allow_compiled=compiled, pad_to=settings.max_rows)
             argmax = logits.argmax(-1).tolist()
             tree = DraftTree.chains(candidates)  # node i is row 1 + i: the verify rows' layout

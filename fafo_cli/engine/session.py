@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from .compiled import CompiledSteps
 from .detok import Detokenizer
 from .events import Stats, Step
 from .memory import PeakMemory
-from .compiled import CompiledSteps
 from .model import Attention, Model, causal_attention, prefix_causal_mask
 from .sampling import Sampling
 
@@ -87,15 +87,16 @@ class Session:
         return self.model.forward(torch.tensor(ids, device=device), positions, self.cache, attend, rows)
 
     def run(self, ids: list[int], offsets: torch.Tensor, local: torch.Tensor, eager_attention: Callable[[], Attention],
-            *, sees_all: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+            *, sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
             logit_rows: torch.Tensor | None = None, allow_compiled: bool = True, pad_to: int = 1) -> torch.Tensor:
         """One decoding step: `ids` at the committed length + `offsets`, written after the committed prefix.
 
         The compiled step runs it when one serves this many rows; else the eager forward pass with the
         attention `eager_attention()` builds. Both express the same visibility: `local` [rows, rows] among
         the step's rows; cached positions all visible, except for rows where `sees_all` is false, which see
-        what `visible` [length, layers] marks (the eager attention must agree). `pad_to`: the decoder's
-        largest step, so that every step runs the same compiled graph. Returns logits [rows or logit_rows, vocab].
+        what `visible()` [length, layers] marks (the eager attention must agree; called only when compiled).
+        `pad_to`: the decoder's largest step, so that every step runs the same compiled graph. Returns logits
+        [rows or logit_rows, vocab].
         """
         device = self.model.device
         ids_tensor, positions = torch.tensor(ids, device=device), self.cache.length + offsets
