@@ -87,9 +87,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--compile-all"):
+        import tempfile
         from dataclasses import replace
 
         from fafo_cli import api
+
+        # packages of the tests' throwaway models go to a throwaway cache, not the user's
+        os.environ["FAFO_CACHE"] = tempfile.mkdtemp(prefix="fafo-compile-all-")
 
         from_config = api.Engine.from_config.__func__
 
