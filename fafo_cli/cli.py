@@ -13,6 +13,7 @@ from . import __version__
 from . import config as config_mod
 from . import hub
 from .errors import FafoError
+from .files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless fast decoding for local LLMs (FAFO).")
@@ -349,9 +350,7 @@ def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite a
     if path.exists() and not force:
         raise FafoError(f"{path} already exists (use --force to overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".yaml.partial")
-    partial.write_text(config_mod.default_yaml(), encoding="utf-8")
-    partial.replace(path)
+    write_atomic(path, config_mod.default_yaml())
     print(path)
 
 

@@ -99,14 +99,14 @@ def test_auto_never_builds(compiled_cache, tiny_models):
     assert engine.compiled.calls == 0
 
 
-def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tmp_path, monkeypatch):
+def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tmp_path):
     import torch._inductor.config as inductor
 
     folder = build_tiny_model(tmp_path / "m", "qwen2-bias")
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
     notices: list[str] = []
     engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
-    result = engine.complete(SHORT, max_tokens=32, method="vanilla")
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # inductor's own patch: undone cleanly after
+        result = engine.complete(SHORT, max_tokens=32, method="vanilla")
     assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 32)
     failed = [n for n in notices if n.startswith("compilation failed, running eager")]
     assert len(failed) == 1 and all("\n" not in n for n in notices)
@@ -160,3 +160,19 @@ def test_bench_runs_eager_and_compiled_side_by_side(compiled_engine, tiny, tmp_p
     assert code == 0
     assert set(records) == {"vanilla", "vanilla+compiled", "prompt-lookup", "prompt-lookup+compiled"}
     assert all(r["exact"] == "1/1" and r["step_ms"] > 0 for r in records.values())
+
+
+def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, monkeypatch):
+    from fafo_cli.engine import compiled
+
+    def no_space(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compiled.Timing, "write", no_space)
+    folder = build_tiny_model(tmp_path / "full", "llama-mha")
+    notices: list[str] = []
+    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    result = engine.complete(SHORT, max_tokens=16, method="vanilla")
+    assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 16)
+    assert [n for n in notices if n.startswith("compilation failed")] == [
+        "compilation failed, running eager: OSError: [Errno 28] No space left on device"]

@@ -246,7 +246,7 @@ def test_save_overwrites_atomically(tmp_path):
 
 
 def test_failed_save_leaves_no_partial_and_keeps_old_file(tmp_path, monkeypatch):
-    import fafo_cli.engine.ngram_table as module
+    import fafo_cli.files as module  # where the rename happens
 
     path = tmp_path / "t.safetensors"
     build_table([[1, 2, 3]], 1, 1, 2).save(path, "fp")

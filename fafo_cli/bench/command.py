@@ -14,6 +14,7 @@ import torch
 
 from .. import __version__
 from ..errors import FafoError
+from ..files import write_atomic
 from . import exactness, report, suites
 from .runner import Progress, Run, measure, plan_rows, run_once
 
@@ -64,13 +65,9 @@ def _write(path: str, text: str) -> None:
     if path == "-":
         sys.stdout.write(text)
         return
-    target = Path(path).expanduser()
-    partial = target.with_name(target.name + ".partial")
     try:
-        partial.write_text(text, encoding="utf-8")
-        partial.replace(target)
+        write_atomic(Path(path).expanduser(), text)
     except OSError as e:
-        partial.unlink(missing_ok=True)
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
 

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..files import write_atomic
 from .cache import KVCache
 from .model import Model
 
@@ -185,12 +186,12 @@ class CompiledSteps:
             build(self.model, rows, package)
             runner = torch._inductor.aoti_load_package(str(package))
             timing = measure(self.model, runner, rows)
-        except Exception as error:  # noqa: BLE001 - build, load or first run: whatever failed, run eager
+            timing.build_s = time.perf_counter() - started
+            timing.write(record)
+        except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
             reason = error if isinstance(error, CompileError) else _first_line(error)
             self.notify(f"compilation failed, running eager: {reason}")
             return None
-        timing.build_s = time.perf_counter() - started
-        timing.write(record)
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
         return runner
@@ -256,9 +257,7 @@ class Timing:
         return self.compiled_ms < self.eager_ms
 
     def write(self, path: Path) -> None:
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(asdict(self)), encoding="utf-8")
-        partial.replace(path)
+        write_atomic(path, json.dumps(asdict(self)))
 
     @classmethod
     def read(cls, path: Path) -> "Timing | None":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -20,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as serialize
 
 from fafo_cli.errors import FafoError
+from fafo_cli.files import write_atomic
 
 Tokens = tuple[int, ...]
 
@@ -132,15 +132,10 @@ class FrozenTable(_Sizes):
         metadata = {"format": FORMAT, "version": VERSION, "leader_length": str(ll),
                     "follower_length": str(fl), "tokenizer_fingerprint": tokenizer_fingerprint}
         data = serialize(tensors, metadata=metadata)  # in memory, so only plain OSErrors come from the write
-        partial = path.with_name(path.name + ".partial")
         try:
-            with open(partial, "wb") as f:
-                f.write(data)
-            os.replace(partial, path)
+            write_atomic(path, data)
         except OSError as e:
             raise FafoError(f"cannot write cacheback table {path}: {e.strerror or e}") from None
-        finally:
-            partial.unlink(missing_ok=True)  # gone after a successful rename; removed after a failure
 
     @classmethod
     def load(cls, path: str | Path, tokenizer_fingerprint: str) -> FrozenTable:
