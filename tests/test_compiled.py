@@ -176,3 +176,61 @@ def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, mon
     assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 16)
     assert [n for n in notices if n.startswith("compilation failed")] == [
         "compilation failed, running eager: OSError: [Errno 28] No space left on device"]
+
+
+@pytest.mark.parametrize("rows, slots, heads, kv_heads, dim", [
+    (1, 5, 4, 2, 16), (3, 130, 4, 4, 32), (13, 300, 9, 3, 64), (40, 129, 8, 1, 16)])
+def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_heads, dim):
+    """Our CPU attention kernel against torch's, on GQA groups, ragged chunks and rows that see a single slot
+    (whole chunks of them masked), with keys and values as views into a larger cache."""
+    from fafo_cli.engine import native
+
+    native.load(compiled_cache / "compiled")
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = (torch.randn(slots + 7, kv_heads, dim, generator=gen)[:slots] for _ in range(2))
+    mask = torch.rand(rows, slots, generator=gen) < 0.6
+    mask[0] = False
+    mask[0, -1] = True  # sees one slot: every other chunk is empty for it
+    mask[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.3,
+        enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(torch.ops.fafo.attend(q, k, v, mask, 0.3), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_bfloat16_package_matches_eager(compiled_cache, tiny):
+    """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
+    rounding, and its steps run compiled."""
+    from fafo_cli.engine.model import causal_attention, prefix_causal_mask
+
+    notices: list[str] = []
+    engine = load(str(tiny), dtype="bfloat16", chat_template=False, compile="on", notify=notices.append)
+    model, rows, context = engine.model, 4, 40
+    runner = engine.compiled.runner(rows)
+    assert runner is not None, notices
+    cache = model.new_cache(context + rows, context + rows)
+    gen = torch.Generator().manual_seed(0)
+    cache.keys.normal_(generator=gen)
+    cache.values.normal_(generator=gen)
+    cache.commit(context)
+    ids = torch.tensor([5, 17, 3, 9])
+    positions = torch.arange(context, context + rows)
+    mask = prefix_causal_mask(context, rows, model.device)
+    eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))
+    compiled = runner(ids, positions, mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool),
+                      torch.ones(context, len(model.layers), dtype=torch.bool), list(cache.keys.unbind(0)),
+                      list(cache.values.unbind(0)))
+    torch.testing.assert_close(compiled.float(), eager, atol=0.1, rtol=0.05)
+    result = engine.complete(SHORT, max_tokens=12, method="vanilla")
+    assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]
+
+
+def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):
+    """No C++ compiler for our kernels: a one-line error (callers then run eager), and no partial library."""
+    from fafo_cli.engine import native
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(native.BuildError, match=r"^cannot run /nonexistent/c\+\+: [^\n]+$"):
+        native._compile(tmp_path / "ops.so")
+    assert not list(tmp_path.iterdir())

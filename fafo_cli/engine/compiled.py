@@ -14,6 +14,8 @@ ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder cos
 
 Each layer runs one masked attention call: a row sees the cached positions where `sees_all` is true, or else
 those its layer marks in `visible` (FAFO's fumble rows and C(kv)), plus the step's own rows through `local`.
+On a CPU that call is our kernel (attention_op.cpp, via native.py), and bf16 GEMMs may use ours
+(bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic.
 New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
 eager path writes them.
 """
@@ -34,10 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from ..files import write_atomic
+from . import bf16_gemm, native
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 1  # bump when the traced computation changes: old packages are then rebuilt
+GRAPH_VERSION = 2  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the bucket of its largest step, so it needs one package; fine steps keep
 # the padding small (FAFO's default 10 rows, prompt lookup's 9 and Cacheback's 9 share the 12-row package).
@@ -81,6 +84,9 @@ class _Step(torch.nn.Module):
         def attend(layer: int, q, k, v):
             prefix = sees_all[:, None] | visible[:, layer][None, :]
             mask = torch.cat([prefix, local], dim=1)
+            if q.device.type == "cpu" and q.shape[-1] % 16 == 0:  # ours: [rows, heads, dim], [slots, kv_heads, dim]
+                return torch.ops.fafo.attend(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask,
+                                             scaling).transpose(0, 1)[None]
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
         cache = _LayerCache(keys, values, visible.shape[0], ids.shape[0])
@@ -108,6 +114,7 @@ def build(model: Model, rows: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
+        load_kernels(model, path.parent.parent)
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
             exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
@@ -116,12 +123,19 @@ def build(model: Model, rows: int, path: Path) -> None:
                        "max_autotune_report_choices_stats": False}
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights (measured: 2-3x)
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+                bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
         partial.replace(path)
     except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
         raise CompileError(_first_line(error)) from error
     finally:
         partial.unlink(missing_ok=True)
+
+
+def load_kernels(model: Model, folder: Path) -> None:
+    """Our own kernels, which the CPU graphs call: compiled into `folder` once (seconds), loaded per process."""
+    if model.device.type == "cpu":
+        native.load(folder)
 
 
 def _first_line(error: Exception) -> str:
@@ -173,6 +187,7 @@ class CompiledSteps:
             if self.mode == "auto" and timing is not None and not timing.pays_off:
                 return None
             try:
+                load_kernels(self.model, self.folder.parent)
                 return torch._inductor.aoti_load_package(str(package))
             except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
                 if self.mode == "auto":

@@ -1,0 +1,220 @@
+// fafo::attend: masked attention of a few query rows against a long KV cache, on the CPU.
+//
+// Why our own kernel: torch's CPU flash attention issues a small GEMM library call per head and key
+// block, which for decoding (1 to ~32 query rows, thousands of cached keys) costs several times what
+// reading the keys and values costs. Here each task takes one KV head and one chunk of cached slots,
+// multiplies all the query rows that share that KV head (GQA) with register-blocked vector code, and
+// a final pass merges the chunks' softmax partials (flash-decoding), so both cores stream the cache once.
+//
+// Portable C++ (GCC/Clang vector extensions): the compiler maps 16-float vectors to AVX-512, AVX2 or NEON.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kChunk = 64;   // cached slots per task
+constexpr int64_t kRows = 4;     // query rows per register block
+constexpr int64_t kCols = 4;     // vectors per register block row
+constexpr int64_t kBlock = kCols * kLanes;
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+// exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
+inline vf exp_nonpositive(vf x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const vf shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  vf t = x * 1.44269504088896341f + shifter;
+  vf n = t - shifter;
+  vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  return p * reinterpret_cast<vf&>(bits);
+}
+
+// tile[r][l] <- tile[l][r] for a 16 x 16 tile, in four rounds of two-vector shuffles
+template <int kSpan>
+inline void transpose_round(vf* tile) {
+  vi low, high;
+  for (int l = 0; l < kLanes; ++l) {
+    low[l] = (l & kSpan) ? l - kSpan + kLanes : l;
+    high[l] = (l & kSpan) ? l + kLanes : l + kSpan;
+  }
+  for (int r = 0; r < kLanes; ++r) {
+    if (r & kSpan) continue;
+    const vf x = tile[r], y = tile[r + kSpan];
+    tile[r] = __builtin_shuffle(x, y, low);
+    tile[r + kSpan] = __builtin_shuffle(x, y, high);
+  }
+}
+
+inline void transpose(vf* tile) {
+  transpose_round<8>(tile);
+  transpose_round<4>(tile);
+  transpose_round<2>(tile);
+  transpose_round<1>(tile);
+}
+
+inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }
+inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i]; return s; }
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const at::Tensor& mask_in, double scale_in) {
+  // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; mask [rows, slots] (true: visible); -> [rows, heads, dim]
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
+              v_in.scalar_type() == at::kFloat && mask_in.scalar_type() == at::kBool, "fafo::attend: float32 and bool");
+  const at::Tensor q = q_in.contiguous(), mask = mask_in.contiguous();
+  const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
+  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && mask.size(0) == rows && mask.size(1) == slots,
+              "fafo::attend: unsupported shapes");
+  const int64_t chunks = (slots + kChunk - 1) / kChunk, tasks = kv_heads * chunks;
+  const int64_t queries = rows * group, width = dim + 2;
+  const float scale = static_cast<float>(scale_in);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+  // per task and query: running max, sum of exponentials, unnormalised output
+  at::Tensor partial = at::empty({kv_heads, chunks, queries, width}, q.options());
+  float* pp = partial.data_ptr<float>();
+
+  // Tasks are chunk-major (the KV heads of one chunk share cache lines: [slot, kv_head, dim]) and dealt
+  // round-robin, so the short last chunk does not leave one thread with all the full ones.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> keys_t(dim * kChunk);  // this chunk's keys, transposed: [dim, slot]
+    alignas(64) float probs[kRows][kChunk];
+    for (int64_t lane = first; lane < last; ++lane)
+    for (int64_t task = lane; task < tasks; task += threads) {
+      const int64_t c = task / kv_heads, h = task % kv_heads, s0 = c * kChunk, n = std::min(kChunk, slots - s0);
+      // the last chunk may be short: work on whole register blocks past its end, masked out below
+      const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
+      for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
+        for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+          vf tile[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j)
+            tile[j] = j0 + j < n ? load(kp + (s0 + j0 + j) * ks + h * kh + d0) : vf{};
+          transpose(tile);
+          for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
+        }
+      }
+      for (int64_t q0 = 0; q0 < queries; q0 += kRows) {
+        const int64_t nq = std::min(kRows, queries - q0);
+        const float* qrow[kRows];
+        const bool* mrow[kRows];
+        for (int64_t i = 0; i < kRows; ++i) {
+          const int64_t qi = q0 + std::min(i, nq - 1), r = qi / group;  // spare lanes repeat the last query
+          qrow[i] = qp + (r * heads + h * group + qi % group) * dim;
+          mrow[i] = mp + r * slots + s0;
+        }
+        // scores = q . k * scale, kRows queries x kBlock slots at a time
+        for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
+          vf acc[kRows][kCols] = {};
+          for (int64_t d = 0; d < dim; ++d) {
+            vf kv[kCols];
+            for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
+            for (int64_t i = 0; i < kRows; ++i) {
+              const vf b = splat(qrow[i][d]);
+              for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
+            }
+          }
+          for (int64_t i = 0; i < kRows; ++i)
+            for (int64_t t = 0; t < kCols; ++t) store(&probs[i][j0 + t * kLanes], acc[i][t] * scale);
+        }
+        // softmax within the chunk; masked and padding slots get probability exactly 0
+        for (int64_t i = 0; i < nq; ++i) {
+          float* pr = probs[i];
+          for (int64_t j = 0; j < n_vec; ++j) pr[j] = (j < n && mrow[i][j]) ? pr[j] : -FLT_MAX;
+          vf vmax = splat(-FLT_MAX);
+          for (int64_t j = 0; j < n_vec; j += kLanes) { vf x = load(pr + j); vmax = x > vmax ? x : vmax; }
+          const float m = hmax(vmax);
+          vf vsum = {};
+          for (int64_t j = 0; j < n_vec; j += kLanes) {
+            vf x = load(pr + j);
+            vf e = exp_nonpositive(x - m);
+            e = x == -FLT_MAX ? splat(0.0f) : e;
+            store(pr + j, e);
+            vsum += e;
+          }
+          float* out = pp + ((h * chunks + c) * queries + q0 + i) * width;
+          out[0] = m;
+          out[1] = hsum(vsum);
+        }
+        for (int64_t i = nq; i < kRows; ++i) std::memset(probs[i], 0, sizeof probs[i]);
+        // output = probs . v, kRows queries x kBlock dims at a time
+        for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
+          const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
+          vf acc[kRows][kCols] = {};
+          for (int64_t j = 0; j < n; ++j) {
+            const float* value = vp + (s0 + j) * vs + h * vh + d0;
+            vf vv[kCols];
+            for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
+            for (int64_t i = 0; i < kRows; ++i) {
+              const vf b = splat(probs[i][j]);
+              for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * vv[t];
+            }
+          }
+          for (int64_t i = 0; i < nq; ++i) {
+            float* out = pp + ((h * chunks + c) * queries + q0 + i) * width + 2 + d0;
+            for (int64_t t = 0; t < nd; ++t) store(out + t * kLanes, acc[i][t]);
+          }
+        }
+      }
+    }
+  });
+
+  // merge the chunks of each (kv head, query)
+  at::Tensor result = at::empty({rows, heads, dim}, q.options());
+  float* rp = result.data_ptr<float>();
+  at::parallel_for(0, kv_heads * queries, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / queries, qi = task % queries, r = qi / group;
+      float m = -FLT_MAX;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, pp[((h * chunks + c) * queries + qi) * width]);
+      float* out = rp + (r * heads + h * group + qi % group) * dim;
+      std::fill(out, out + dim, 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = pp + ((h * chunks + c) * queries + qi) * width;
+        if (part[1] == 0.0f) continue;  // nothing visible in this chunk
+        const float w = std::exp(part[0] - m);
+        total += part[1] * w;
+        for (int64_t d = 0; d < dim; d += kLanes) store(out + d, load(out + d) + load(part + 2 + d) * w);
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t d = 0; d < dim; d += kLanes) store(out + d, load(out + d) * inv);
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fafo, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fafo, CPU, m) {
+  m.impl("attend", &attend);
+}

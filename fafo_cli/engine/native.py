@@ -1,0 +1,64 @@
+"""Our C++ kernels (attention_op.cpp), compiled once per machine and torch version with the C++ compiler
+that compiled steps need anyway, cached next to the compiled packages, and loaded into torch as `fafo::` ops."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("attention_op.cpp")
+_loaded = False
+
+
+class BuildError(RuntimeError):
+    """The C++ compiler failed or is missing."""
+
+
+def library_path(folder: Path) -> Path:
+    """Named by the source, torch's version and the CPU's vector level (the code is built for this CPU)."""
+    machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    key = hashlib.sha256(SOURCE.read_bytes() + machine.encode()).hexdigest()[:16]
+    return folder / f"fafo-ops-{key}.so"
+
+
+def _compile(path: Path) -> None:
+    from torch.utils import cpp_extension
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
+    command = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+               "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            reason = next((line for line in lines if "error" in line), lines[0] if lines else done.returncode)
+            raise BuildError(f"{command[0]} failed: {reason}")
+        partial.replace(path)
+    except OSError as error:
+        raise BuildError(f"cannot run {command[0]}: {error.strerror}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load(folder: Path) -> None:
+    """Make `torch.ops.fafo.attend` available, compiling the library into `folder` on first use."""
+    global _loaded
+    if _loaded:
+        return
+    path = library_path(folder)
+    if not path.exists():
+        _compile(path)
+    torch.ops.load_library(str(path))
+
+    @torch.library.register_fake("fafo::attend")
+    def _(q, k, v, mask, scale):  # shapes for tracing: the output has the queries' shape
+        return q.new_empty(q.shape)
+
+    _loaded = True
