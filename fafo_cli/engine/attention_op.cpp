@@ -21,6 +21,7 @@ namespace {
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef int8_t vb __attribute__((vector_size(16)));  // 16 bools of the mask
 constexpr int64_t kLanes = 16;
 constexpr int64_t kChunk = 64;   // cached slots per task
 constexpr int64_t kRows = 4;     // query rows per register block
@@ -49,27 +50,26 @@ inline vf exp_nonpositive(vf x) {
   return p * reinterpret_cast<vf&>(bits);
 }
 
-// tile[r][l] <- tile[l][r] for a 16 x 16 tile, in four rounds of two-vector shuffles
-template <int kSpan>
-inline void transpose_round(vf* tile) {
-  vi low, high;
-  for (int l = 0; l < kLanes; ++l) {
-    low[l] = (l & kSpan) ? l - kSpan + kLanes : l;
-    high[l] = (l & kSpan) ? l + kLanes : l + kSpan;
+// tile[r][l] <- tile[l][r] for a 16 x 16 tile: four rounds, each swapping blocks of `span` lanes between rows r
+// and r + span (__builtin_shufflevector: GCC from 12, Clang)
+#define FAFO_LANES(...) __VA_ARGS__
+#define FAFO_TRANSPOSE_ROUND(span, low, high)                          \
+  for (int r = 0; r < kLanes; ++r) {                                  \
+    if (r & span) continue;                                           \
+    const vf x = tile[r], y = tile[r + span];                         \
+    tile[r] = __builtin_shufflevector(x, y, FAFO_LANES low);          \
+    tile[r + span] = __builtin_shufflevector(x, y, FAFO_LANES high);  \
   }
-  for (int r = 0; r < kLanes; ++r) {
-    if (r & kSpan) continue;
-    const vf x = tile[r], y = tile[r + kSpan];
-    tile[r] = __builtin_shuffle(x, y, low);
-    tile[r + kSpan] = __builtin_shuffle(x, y, high);
-  }
-}
 
 inline void transpose(vf* tile) {
-  transpose_round<8>(tile);
-  transpose_round<4>(tile);
-  transpose_round<2>(tile);
-  transpose_round<1>(tile);
+  FAFO_TRANSPOSE_ROUND(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                       (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+  FAFO_TRANSPOSE_ROUND(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                       (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  FAFO_TRANSPOSE_ROUND(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                       (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  FAFO_TRANSPOSE_ROUND(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                       (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 }
 
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }
@@ -145,9 +145,20 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
         // softmax within the chunk; masked and padding slots get probability exactly 0
         for (int64_t i = 0; i < nq; ++i) {
           float* pr = probs[i];
-          for (int64_t j = 0; j < n_vec; ++j) pr[j] = (j < n && mrow[i][j]) ? pr[j] : -FLT_MAX;
           vf vmax = splat(-FLT_MAX);
-          for (int64_t j = 0; j < n_vec; j += kLanes) { vf x = load(pr + j); vmax = x > vmax ? x : vmax; }
+          for (int64_t j = 0; j < n_vec; j += kLanes) {
+            vi visible;
+            if (j + kLanes <= n) {
+              vb bytes;
+              std::memcpy(&bytes, mrow[i] + j, sizeof bytes);
+              visible = __builtin_convertvector(bytes, vi) != 0;
+            } else {
+              for (int l = 0; l < kLanes; ++l) visible[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
+            }
+            const vf x = visible ? load(pr + j) : splat(-FLT_MAX);
+            store(pr + j, x);
+            vmax = x > vmax ? x : vmax;
+          }
           const float m = hmax(vmax);
           vf vsum = {};
           for (int64_t j = 0; j < n_vec; j += kLanes) {

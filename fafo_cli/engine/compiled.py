@@ -144,9 +144,10 @@ def _first_line(error: Exception) -> str:
 
 
 def identity(model: Model, source: str) -> str:
-    """Names a model's packages: its source and config, dtype, device kind, torch version, graph version."""
+    """Names a model's packages: its source and config, dtype, device kind, the CPU's vector level (kernels
+    are generated for it), torch version, graph version."""
     key = json.dumps([source, model.config.to_json_string(), str(model.dtype), model.device.type,
-                      torch.__version__, GRAPH_VERSION])
+                      torch.backends.cpu.get_cpu_capability(), torch.__version__, GRAPH_VERSION])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
