@@ -1,20 +1,31 @@
-"""Writing a file so that no reader ever sees half of it: a `.partial` sibling, then one rename over it."""
+"""Writing a file so that no reader ever sees half of it: a partial sibling, then one rename over it."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A sibling path to write `path`'s new content to (by us or by a tool: a compiler, a plotter); when the
+    block ends without an exception it is renamed over `path`. Either way no partial file remains. The name
+    carries the process id (two processes may build the same file) and keeps the suffix (tools read it)."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # gone after a successful rename; removed after a failure
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write `data` (text as UTF-8) to `path`. On failure the OSError propagates and only the old file, if
-    any, remains: the partial sibling is removed."""
-    partial = path.with_name(path.name + ".partial")
-    try:
+    any, remains."""
+    with atomic_path(path) as partial:
         if isinstance(data, str):
             partial.write_text(data, encoding="utf-8")
         else:
             partial.write_bytes(data)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)  # gone after a successful rename; removed after a failure

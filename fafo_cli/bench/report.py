@@ -9,6 +9,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..files import atomic_path
 from .exactness import Divergence
 from .runner import Row, Run
 
@@ -166,7 +167,6 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
-    partial = path.with_name(path.name + ".partial.png")
-    figure.savefig(partial, dpi=120)
+    with atomic_path(path) as partial:
+        figure.savefig(partial, dpi=120)
     plt.close(figure)
-    partial.replace(path)

@@ -18,6 +18,7 @@ import torch
 from .. import config as config_mod
 from ..engine.model import causal_attention
 from ..errors import FafoError
+from ..files import atomic_path
 from . import suites
 from .runner import Row, run_once
 
@@ -63,14 +64,9 @@ def write_settings(path: Path, values: dict) -> None:
         if not count:
             text = text.rstrip("\n") + f"\n{line}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    try:
+    with atomic_path(path) as partial:
+        partial.write_text(text, encoding="utf-8")
         config_mod.load_file(partial)  # validate before replacing the user's file
-    except FafoError:
-        partial.unlink()
-        raise
-    partial.replace(path)
 
 
 def run(engine, config, console, err_console, config_path: Path | None = None) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 import warnings
@@ -35,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..files import write_atomic
+from ..files import atomic_path, write_atomic
 from . import bf16_gemm, native
 from .cache import KVCache
 from .model import Model
@@ -112,10 +111,9 @@ def build(model: Model, rows: int, path: Path) -> None:
     layer_dims = [{0: capacity}] * len(model.layers)
     shapes = (None, None, None, None, {0: length}, layer_dims, layer_dims)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
         load_kernels(model, path.parent.parent)
-        with torch.inference_mode(), warnings.catch_warnings():
+        with torch.inference_mode(), warnings.catch_warnings(), atomic_path(path) as partial:
             warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
             exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
             # quiet: no autotuning tables on the user's terminal
@@ -125,11 +123,8 @@ def build(model: Model, rows: int, path: Path) -> None:
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
-        partial.replace(path)
     except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
         raise CompileError(_first_line(error)) from error
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def load_kernels(model: Model, folder: Path) -> None:

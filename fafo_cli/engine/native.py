@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_path
+
 SOURCE = Path(__file__).with_name("attention_op.cpp")
 _loaded = False
 
@@ -29,22 +31,20 @@ def _compile(path: Path) -> None:
     from torch.utils import cpp_extension
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
-    command = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-               "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
-               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    compiler = os.environ.get("CXX", "g++")
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            reason = next((line for line in lines if "error" in line), lines[0] if lines else done.returncode)
-            raise BuildError(f"{command[0]} failed: {reason}")
-        partial.replace(path)
+        with atomic_path(path) as partial:
+            command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+                       f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                       *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+                       *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                reason = next((line for line in lines if "error" in line), lines[0] if lines else done.returncode)
+                raise BuildError(f"{compiler} failed: {reason}")
     except OSError as error:
-        raise BuildError(f"cannot run {command[0]}: {error.strerror}") from None
-    finally:
-        partial.unlink(missing_ok=True)
+        raise BuildError(f"cannot run {compiler}: {error.strerror}") from None
 
 
 def load(folder: Path) -> None:
