@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import config as config_mod
+from ..engine.fafo import step_rows
 from ..engine.model import causal_attention
 from ..errors import FafoError
 from ..files import atomic_path
@@ -49,10 +50,6 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
         costs[rows] = statistics.median(times[2:]) * 1e3
     engine.reset()
     return costs
-
-
-def rows_of(streams: int, ngram: int, guesses: int) -> int:
-    return 1 + guesses * ngram + streams * ngram
 
 
 def write_settings(path: Path, values: dict) -> None:
@@ -98,7 +95,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     table = Table("W, k, G", "rows", "τ", "speedup", "predicted from step cost", title="FAFO settings on "
                   f"{len(sample)} prompts ({TOKENS} tokens each)", title_justify="left")
     for setting in settings:
-        rows = rows_of(*setting)
+        rows = step_rows(*setting)
         cost = min(costs, key=lambda r: abs(r - rows))  # nearest measured row count
         tau = statistics.median(taus[setting])
         table.add_row(", ".join(map(str, setting)) + (" (current)" if setting == current else ""), str(rows),

@@ -75,17 +75,27 @@ inline void transpose(vf* tile) {
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }
 inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i]; return s; }
 
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                  const at::Tensor& mask_in, double scale_in) {
-  // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; mask [rows, slots] (true: visible); -> [rows, heads, dim]
+// The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
+// cached slot s when sees_all[r], or when sees_part[r] and visible[s]; it sees the step's own rows (the last
+// `rows` slots) through local[r].
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& all_in,
+                  const at::Tensor& part_in, const at::Tensor& visible_in, const at::Tensor& local_in,
+                  double scale_in) {
+  // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; sees_all, sees_part [rows]; visible [slots - rows];
+  // local [rows, rows]; -> [rows, heads, dim]
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
-              v_in.scalar_type() == at::kFloat && mask_in.scalar_type() == at::kBool, "fafo::attend: float32 and bool");
-  const at::Tensor q = q_in.contiguous(), mask = mask_in.contiguous();
+              v_in.scalar_type() == at::kFloat && all_in.scalar_type() == at::kBool &&
+              part_in.scalar_type() == at::kBool && visible_in.scalar_type() == at::kBool &&
+              local_in.scalar_type() == at::kBool, "fafo::attend: float32 and bool");
+  const at::Tensor q = q_in.contiguous(), sees_all = all_in.contiguous(), sees_part = part_in.contiguous();
+  const at::Tensor visible = visible_in.contiguous(), local = local_in.contiguous();
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
-  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && mask.size(0) == rows && mask.size(1) == slots,
+  const int64_t cached = visible.size(0);
+  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_all.numel() == rows && sees_part.numel() == rows &&
+              cached + rows == slots && local.size(0) == rows && local.size(1) == rows,
               "fafo::attend: unsupported shapes");
   const int64_t chunks = (slots + kChunk - 1) / kChunk, tasks = kv_heads * chunks;
   const int64_t queries = rows * group, width = dim + 2;
@@ -93,8 +103,24 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const bool* mp = mask.data_ptr<bool>();
+  const bool *all = sees_all.data_ptr<bool>(), *part = sees_part.data_ptr<bool>();
+  const bool *vis = visible.data_ptr<bool>(), *loc = local.data_ptr<bool>();
   const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+  // The whole mask [rows, slots] (a row's cached part is all, `visible` or nothing: a memset or a memcpy), and
+  // which rows see anything of each chunk [chunks, rows]. A decoding step mixes rows that see the whole cache
+  // with rows that see a small part of it (FAFO's fumble rows) or none (padding rows): those skip most chunks.
+  std::vector<int8_t> mask(rows * slots);
+  std::vector<char> sees(chunks * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* m = &mask[r * slots];
+    if (all[r]) std::memset(m, 1, cached);
+    else if (part[r]) std::memcpy(m, vis, cached);
+    else std::memset(m, 0, cached);
+    std::memcpy(m + cached, loc + r * rows, rows);
+    for (int64_t c = 0; c < chunks; ++c)
+      sees[c * rows + r] = std::memchr(m + c * kChunk, 1, std::min(kChunk, slots - c * kChunk)) != nullptr;
+  }
+  const int8_t* mp = mask.data();
   // per task and query: running max, sum of exponentials, unnormalised output
   at::Tensor partial = at::empty({kv_heads, chunks, queries, width}, q.options());
   float* pp = partial.data_ptr<float>();
@@ -104,10 +130,19 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> keys_t(dim * kChunk);  // this chunk's keys, transposed: [dim, slot]
+    std::vector<int64_t> active(queries);  // the queries whose rows see a slot of this chunk
     alignas(64) float probs[kRows][kChunk];
     for (int64_t lane = first; lane < last; ++lane)
     for (int64_t task = lane; task < tasks; task += threads) {
       const int64_t c = task / kv_heads, h = task % kv_heads, s0 = c * kChunk, n = std::min(kChunk, slots - s0);
+      int64_t n_active = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          if (sees[c * rows + r]) active[n_active++] = r * group + g;
+          else pp[((h * chunks + c) * queries + r * group + g) * width + 1] = 0.0f;  // sum 0: nothing visible
+        }
+      }
+      if (n_active == 0) continue;
       // the last chunk may be short: work on whole register blocks past its end, masked out below
       const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
       for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
@@ -119,12 +154,14 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
           for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
         }
       }
-      for (int64_t q0 = 0; q0 < queries; q0 += kRows) {
-        const int64_t nq = std::min(kRows, queries - q0);
+      for (int64_t q0 = 0; q0 < n_active; q0 += kRows) {
+        const int64_t nq = std::min(kRows, n_active - q0);
         const float* qrow[kRows];
-        const bool* mrow[kRows];
+        const int8_t* mrow[kRows];
+        float* part[kRows];  // this task's partial of each query
         for (int64_t i = 0; i < kRows; ++i) {
-          const int64_t qi = q0 + std::min(i, nq - 1), r = qi / group;  // spare lanes repeat the last query
+          const int64_t qi = active[q0 + std::min(i, nq - 1)], r = qi / group;  // spare lanes repeat the last query
+          part[i] = pp + ((h * chunks + c) * queries + qi) * width;
           qrow[i] = qp + (r * heads + h * group + qi % group) * dim;
           mrow[i] = mp + r * slots + s0;
         }
@@ -168,9 +205,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
             store(pr + j, e);
             vsum += e;
           }
-          float* out = pp + ((h * chunks + c) * queries + q0 + i) * width;
-          out[0] = m;
-          out[1] = hsum(vsum);
+          part[i][0] = m;
+          part[i][1] = hsum(vsum);
         }
         for (int64_t i = nq; i < kRows; ++i) std::memset(probs[i], 0, sizeof probs[i]);
         // output = probs . v, kRows queries x kBlock dims at a time
@@ -187,8 +223,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
             }
           }
           for (int64_t i = 0; i < nq; ++i) {
-            float* out = pp + ((h * chunks + c) * queries + q0 + i) * width + 2 + d0;
-            for (int64_t t = 0; t < nd; ++t) store(out + t * kLanes, acc[i][t]);
+            for (int64_t t = 0; t < nd; ++t) store(part[i] + 2 + d0 + t * kLanes, acc[i][t]);
           }
         }
       }
@@ -202,7 +237,10 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / queries, qi = task % queries, r = qi / group;
       float m = -FLT_MAX;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, pp[((h * chunks + c) * queries + qi) * width]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = pp + ((h * chunks + c) * queries + qi) * width;
+        if (part[1] != 0.0f) m = std::max(m, part[0]);
+      }
       float* out = rp + (r * heads + h * group + qi % group) * dim;
       std::fill(out, out + dim, 0.0f);
       float total = 0.0f;
@@ -223,7 +261,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(fafo, m) {
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor sees_all, Tensor sees_part, Tensor visible, Tensor local, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fafo, CPU, m) {

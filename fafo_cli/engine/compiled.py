@@ -12,8 +12,9 @@ static, in buckets (1, 4, 8, 12, ...): a decoder pads every step up to the bucke
 kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4 vs 18
 ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder costs one build.
 
-Each layer runs one masked attention call: a row sees the cached positions where `sees_all` is true, or else
-those its layer marks in `visible` (FAFO's fumble rows and C(kv)), plus the step's own rows through `local`.
+Each layer runs one masked attention call: a row sees all cached positions where `sees_all` is true, those its
+layer marks in `visible` where `sees_part` is (FAFO's fumble rows and C(kv)), none where neither is (padding
+rows), plus the step's own rows through `local`.
 On a CPU that call is our kernel (attention_op.cpp, via native.py), and bf16 GEMMs may use ours
 (bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic.
 New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
@@ -39,10 +40,12 @@ from . import bf16_gemm, native
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 2  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 3  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-# A decoder pads every step to the bucket of its largest step, so it needs one package; fine steps keep
-# the padding small (FAFO's default 10 rows, prompt lookup's 9 and Cacheback's 9 share the 12-row package).
+# A decoder pads every step to the bucket of its largest step, so it needs one package (FAFO's default 9 rows,
+# prompt lookup's 9 and Cacheback's 9 share the 12-row one). Padding rows see no cached position, so they cost
+# matrix rows but no attention. Exact sizes did not pay: a 9-row package ran slower than the 12-row one (31 vs
+# 25 ms after 1,300 cached tokens, SmolLM2 bf16; one build each).
 ROW_BUCKETS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -77,15 +80,16 @@ class _Step(torch.nn.Module):
         self.model = model
         self.hf = model.hf  # registered, so the weights are the graph's (frozen) parameters
 
-    def forward(self, ids, positions, local, sees_all, visible, keys, values):
+    def forward(self, ids, positions, local, sees_all, sees_part, visible, keys, values):
         scaling = self.model.scaling
 
         def attend(layer: int, q, k, v):
-            prefix = sees_all[:, None] | visible[:, layer][None, :]
-            mask = torch.cat([prefix, local], dim=1)
             if q.device.type == "cpu" and q.shape[-1] % 16 == 0:  # ours: [rows, heads, dim], [slots, kv_heads, dim]
-                return torch.ops.fafo.attend(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask,
+                q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
+                return torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible[:, layer], local,
                                              scaling).transpose(0, 1)[None]
+            prefix = sees_all[:, None] | (sees_part[:, None] & visible[:, layer][None, :])
+            mask = torch.cat([prefix, local], dim=1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
         cache = _LayerCache(keys, values, visible.shape[0], ids.shape[0])
@@ -97,7 +101,7 @@ def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
     cache = model.new_cache(capacity, capacity)
     return (torch.zeros(rows, dtype=torch.long, device=device), torch.arange(length, length + rows, device=device),
             torch.ones(rows, rows, dtype=torch.bool, device=device).tril(),
-            torch.ones(rows, dtype=torch.bool, device=device),
+            torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, dtype=torch.bool, device=device),
             torch.ones(length, n_layers, dtype=torch.bool, device=device),
             list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
 
@@ -109,7 +113,7 @@ def build(model: Model, rows: int, path: Path) -> None:
     length = Dim("length", min=MIN_LENGTH, max=model.max_context)
     capacity = Dim.DYNAMIC  # its range follows from the slicing (at least length + rows)
     layer_dims = [{0: capacity}] * len(model.layers)
-    shapes = (None, None, None, None, {0: length}, layer_dims, layer_dims)
+    shapes = (None, None, None, None, None, {0: length}, layer_dims, layer_dims)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         load_kernels(model, path.parent.parent)
@@ -159,6 +163,7 @@ class CompiledSteps:
         self._layers: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
         self._all_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._no_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self._said: set[str] = set()
 
@@ -228,6 +233,8 @@ class CompiledSteps:
         cache.reserve(length + size)
         visible = visible() if visible is not None else None
         local = local.contiguous()  # the package was traced with contiguous inputs
+        sees_all = self._all_rows[:rows] if sees_all is None else sees_all
+        sees_part = ~sees_all
         if size > rows:  # padding rows: token 0 at the anchor's position, seeing only themselves
             pad = size - rows
             ids = torch.cat([ids, ids.new_zeros(pad)])
@@ -235,8 +242,7 @@ class CompiledSteps:
             padded = torch.eye(size, dtype=torch.bool, device=device)
             padded[:rows, :rows] = local
             local = padded
-            if sees_all is not None:
-                sees_all = torch.cat([sees_all, self._all_rows[:pad]])
+            sees_all, sees_part = (torch.cat([part, self._no_rows[:pad]]) for part in (sees_all, sees_part))
         if self._everything.shape[0] < cache.capacity:
             self._everything = torch.ones(cache.capacity, len(self.model.layers), dtype=torch.bool, device=device)
         storage = (cache.keys.data_ptr(), cache.capacity)
@@ -244,9 +250,8 @@ class CompiledSteps:
             self._layers = (storage, list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
         started = time.perf_counter()
         try:
-            logits = runner(ids, positions, local, self._all_rows[:size] if sees_all is None else sees_all,
-                            self._everything[:length] if visible is None else visible, self._layers[1],
-                            self._layers[2])
+            visible = self._everything[:length] if visible is None else visible
+            logits = runner(ids, positions, local, sees_all, sees_part, visible, self._layers[1], self._layers[2])
         except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
             self.notify(f"compiled step failed, running eager: {_first_line(error)}")
             self._runners[size] = None
@@ -289,6 +294,7 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
     positions = torch.arange(context, context + rows, device=device)
     mask = prefix_causal_mask(context, rows, device)
     local, sees_all = mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool, device=device)
+    sees_part = ~sees_all
     visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
     keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
 
@@ -302,5 +308,5 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
 
     with torch.inference_mode():
         eager = timed(lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling)))
-        compiled = timed(lambda: runner(ids, positions, local, sees_all, visible, keys, values))
+        compiled = timed(lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values))
     return Timing(rows, eager, compiled)

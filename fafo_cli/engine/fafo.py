@@ -28,6 +28,11 @@ from .verify import accept_greedy, accept_sampling
 from .window import LookaheadWindow, window_layout
 
 
+def step_rows(streams: int, ngram: int, guesses: int) -> int:
+    """The most rows a step carries: the anchor, G candidates of k tokens, the window's W·k − 1 rows."""
+    return (guesses + streams) * ngram
+
+
 @dataclass(frozen=True)
 class FafoSettings:
     streams: int  # W
@@ -47,7 +52,7 @@ class FafoSettings:
 
     @property
     def max_rows(self) -> int:
-        return 1 + self.guesses * self.ngram + self.streams * self.ngram
+        return step_rows(self.streams, self.ngram, self.guesses)
 
     def budget_tokens(self, prompt_length: int) -> int:
         """B in tokens: as given, or the fraction of the prompt (at least what the compressor's parts need)."""
