@@ -184,8 +184,8 @@ def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, mon
 def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_heads, dim, any_sees_all):
     """Our CPU attention kernel against torch's, on GQA groups, ragged chunks, rows that see every cached slot,
     rows that see a StreamingLLM view (sink and recent: their middle chunks skipped while other rows' are
-    not), rows that see only the step's own rows (padding), chunks no row sees, with keys and values as views
-    into a larger cache."""
+    not), rows that see only the step's own rows (padding), chunks no row sees, with keys, values and the
+    visible positions as views into larger tensors (a layer's column of the per-layer selection)."""
     from fafo_cli.engine import native
 
     native.load(compiled_cache / "compiled")
@@ -195,7 +195,7 @@ def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_h
     cached = slots - rows
     sees_all = (torch.arange(rows) % 3 == 0) & any_sees_all
     sees_part = torch.arange(rows) % 3 == 1
-    visible = torch.zeros(cached, dtype=torch.bool)
+    visible = torch.zeros(cached, 3, dtype=torch.bool)[:, 1]
     visible[:4] = visible[-20:] = True
     local = torch.rand(rows, rows, generator=gen) < 0.5
     local.fill_diagonal_(True)
@@ -227,8 +227,8 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     mask = prefix_causal_mask(context, rows, model.device)
     eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))
     compiled = runner(ids, positions, mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool),
-                      torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool), list(cache.keys.unbind(0)),
-                      list(cache.values.unbind(0)))
+                      torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool),
+                      list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
     torch.testing.assert_close(compiled.float(), eager, atol=0.1, rtol=0.05)
     result = engine.complete(SHORT, max_tokens=12, method="vanilla")
     assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]

@@ -88,7 +88,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
               part_in.scalar_type() == at::kBool && visible_in.scalar_type() == at::kBool &&
               local_in.scalar_type() == at::kBool, "fafo::attend: float32 and bool");
   const at::Tensor q = q_in.contiguous(), sees_all = all_in.contiguous(), sees_part = part_in.contiguous();
-  const at::Tensor visible = visible_in.contiguous(), local = local_in.contiguous();
+  const at::Tensor local = local_in.contiguous();
+  const at::Tensor& visible = visible_in;  // a column of [cached, layers]: read in place, not copied per layer
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -103,18 +104,19 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const bool *all = sees_all.data_ptr<bool>(), *part = sees_part.data_ptr<bool>();
+  const bool *row_all = sees_all.data_ptr<bool>(), *row_part = sees_part.data_ptr<bool>();
   const bool *vis = visible.data_ptr<bool>(), *loc = local.data_ptr<bool>();
+  const int64_t vis_stride = visible.stride(0);
   const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
-  // The whole mask [rows, slots] (a row's cached part is all, `visible` or nothing: a memset or a memcpy), and
+  // The whole mask [rows, slots] (a row's cached part is all, `visible` or nothing), and
   // which rows see anything of each chunk [chunks, rows]. A decoding step mixes rows that see the whole cache
   // with rows that see a small part of it (FAFO's fumble rows) or none (padding rows): those skip most chunks.
   std::vector<int8_t> mask(rows * slots);
   std::vector<char> sees(chunks * rows);
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* m = &mask[r * slots];
-    if (all[r]) std::memset(m, 1, cached);
-    else if (part[r]) std::memcpy(m, vis, cached);
+    if (row_all[r]) std::memset(m, 1, cached);
+    else if (row_part[r]) for (int64_t s = 0; s < cached; ++s) m[s] = vis[s * vis_stride];
     else std::memset(m, 0, cached);
     std::memcpy(m + cached, loc + r * rows, rows);
     for (int64_t c = 0; c < chunks; ++c)
