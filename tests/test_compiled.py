@@ -15,6 +15,7 @@ from fafo_cli.cli import entrypoint
 
 from .conftest import build_tiny_model, hf_greedy
 from .test_fafo import LONG, SHORT, TOKENS
+from .test_peers import PEERS
 
 METHODS = {
     "vanilla": dict(method="vanilla"),
@@ -205,11 +206,16 @@ def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_h
         enable_gqa=True)[0].transpose(0, 1)
     attended = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.3)
     torch.testing.assert_close(attended, expected, atol=2e-6, rtol=1e-5)
+    # a compact (bfloat16) cache gives exactly what float32 copies of the same values give
+    k16, v16 = (torch.randn(slots + 7, kv_heads, dim, generator=gen).bfloat16()[:slots] for _ in range(2))
+    compact = torch.ops.fafo.attend(q, k16, v16, sees_all, sees_part, visible, local, 0.3)
+    assert torch.equal(compact, torch.ops.fafo.attend(q, k16.float(), v16.float(), sees_all, sees_part, visible,
+                                                      local, 0.3))
 
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
-    rounding, and its steps run compiled."""
+    rounding, and its steps run compiled, reading the cache in bf16."""
     from fafo_cli.engine.model import causal_attention, prefix_causal_mask
 
     notices: list[str] = []
@@ -219,19 +225,44 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     assert runner is not None, notices
     cache = model.new_cache(context + rows, context + rows)
     gen = torch.Generator().manual_seed(0)
-    cache.keys.normal_(generator=gen)
-    cache.values.normal_(generator=gen)
+    for part in (cache.keys, cache.values):  # values a bf16 model's keys and values can take
+        part.copy_(torch.randn(part.shape, generator=gen).bfloat16())
     cache.commit(context)
     ids = torch.tensor([5, 17, 3, 9])
     positions = torch.arange(context, context + rows)
     mask = prefix_causal_mask(context, rows, model.device)
     eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))
+    cache.store_as(torch.bfloat16)  # what the package was traced with
     compiled = runner(ids, positions, mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool),
                       torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool),
                       list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
     torch.testing.assert_close(compiled.float(), eager, atol=0.1, rtol=0.05)
     result = engine.complete(SHORT, max_tokens=12, method="vanilla")
     assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]
+    assert engine.session.cache.keys.dtype == torch.bfloat16  # stored compact while compiled steps serve
+
+
+COMPACT_READERS = {
+    "vanilla": dict(method="vanilla"),
+    **{f"fafo-{name}": dict(method="fafo", compressor=name, budget=48, sink=4, window=8, recent=16, page_size=8,
+                            refresh=8) for name in ("stream", "quest", "snapkv", "h2o")},
+    **PEERS,
+}
+
+
+def test_eager_steps_read_a_compact_cache_exactly(tiny):
+    """Compiled steps keep a bf16 model's CPU cache in bf16; whatever then runs eager (prefills, the compressors'
+    observations and views, the peers' drafts) reads it as the fp32 copies it otherwise holds: same tokens."""
+    engine = load(str(tiny), dtype="bfloat16", chat_template=False, compile="off")
+    cache = engine.session.cache
+    for name, settings in COMPACT_READERS.items():
+        engine.reset()
+        cache.store_as(torch.float32)
+        plain = engine.complete(LONG, max_tokens=40, **settings).token_ids
+        engine.reset()
+        cache.store_as(torch.bfloat16)
+        compact = engine.complete(LONG, max_tokens=40, **settings).token_ids
+        assert cache.keys.dtype == torch.bfloat16 and compact == plain, name
 
 
 def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):

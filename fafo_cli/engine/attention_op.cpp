@@ -6,6 +6,9 @@
 // multiplies all the query rows that share that KV head (GQA) with register-blocked vector code, and
 // a final pass merges the chunks' softmax partials (flash-decoding), so both cores stream the cache once.
 //
+// Keys and values are float32 or bfloat16 (a compact cache: half the bytes to stream, widened exactly on load);
+// queries and arithmetic are float32 either way, so both give bit-identical results for the same values.
+//
 // Portable C++ (GCC/Clang vector extensions): the compiler maps 16-float vectors to AVX-512, AVX2 or NEON.
 
 #include <ATen/ATen.h>
@@ -28,7 +31,17 @@ constexpr int64_t kRows = 4;     // query rows per register block
 constexpr int64_t kCols = 4;     // vectors per register block row
 constexpr int64_t kBlock = kCols * kLanes;
 
+typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16
+typedef uint32_t vu __attribute__((vector_size(64)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a float32: widening is a shift
+  vh half;
+  std::memcpy(&half, p, sizeof half);
+  const vu bits = __builtin_convertvector(half, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
@@ -78,15 +91,15 @@ inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i
 // The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
 // cached slot s when sees_all[r], or when sees_part[r] and visible[s]; it sees the step's own rows (the last
 // `rows` slots) through local[r].
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& all_in,
+template <typename T>  // the cache's element type
+at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& all_in,
                   const at::Tensor& part_in, const at::Tensor& visible_in, const at::Tensor& local_in,
                   double scale_in) {
   // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; sees_all, sees_part [rows]; visible [slots - rows];
   // local [rows, rows]; -> [rows, heads, dim]
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
-              v_in.scalar_type() == at::kFloat && all_in.scalar_type() == at::kBool &&
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && all_in.scalar_type() == at::kBool &&
               part_in.scalar_type() == at::kBool && visible_in.scalar_type() == at::kBool &&
-              local_in.scalar_type() == at::kBool, "fafo::attend: float32 and bool");
+              local_in.scalar_type() == at::kBool, "fafo::attend: float32 queries, bool visibility");
   const at::Tensor q = q_in.contiguous(), sees_all = all_in.contiguous(), sees_part = part_in.contiguous();
   const at::Tensor local = local_in.contiguous();
   const at::Tensor& visible = visible_in;  // a column of [cached, layers]: read in place, not copied per layer
@@ -102,8 +115,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const int64_t queries = rows * group, width = dim + 2;
   const float scale = static_cast<float>(scale_in);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
   const bool *row_all = sees_all.data_ptr<bool>(), *row_part = sees_part.data_ptr<bool>();
   const bool *vis = visible.data_ptr<bool>(), *loc = local.data_ptr<bool>();
   const int64_t vis_stride = visible.stride(0);
@@ -216,7 +229,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
           const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
           vf acc[kRows][kCols] = {};
           for (int64_t j = 0; j < n; ++j) {
-            const float* value = vp + (s0 + j) * vs + h * vh + d0;
+            const T* value = vp + (s0 + j) * vs + h * vh + d0;
             vf vv[kCols];
             for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
             for (int64_t i = 0; i < kRows; ++i) {
@@ -258,6 +271,15 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     }
   });
   return result;
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sees_all,
+                  const at::Tensor& sees_part, const at::Tensor& visible, const at::Tensor& local, double scale) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "fafo::attend: keys and values of one dtype");
+  if (k.scalar_type() == at::kBFloat16)
+    return attend_as<at::BFloat16>(q, k, v, sees_all, sees_part, visible, local, scale);
+  TORCH_CHECK(k.scalar_type() == at::kFloat, "fafo::attend: keys and values in float32 or bfloat16");
+  return attend_as<float>(q, k, v, sees_all, sees_part, visible, local, scale);
 }
 
 }  // namespace

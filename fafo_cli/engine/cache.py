@@ -7,6 +7,11 @@ block of memory (attention reads a view of it, never a copy). Rows of the step i
 For the block-sparse attention path the tensor can start with a leading region (`lead` slots per layer)
 where a compressor keeps C(kv): then C(kv) and the positions are one physically contiguous tensor, and a
 block mask lets the window rows read only the leading blocks. `keys`/`values` always address positions.
+
+Storage and reading may differ in dtype: on a CPU, attention computes in float32, and eager readers get
+float32 views (`read_dtype`), while compiled steps, whose kernel reads bfloat16 itself, keep a bfloat16 model's
+cache in bfloat16 (`store_as`): half the memory and half the bytes each step streams. Both hold the model's
+bfloat16 keys and values exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class KVCache:
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.max_slots = max_slots
         self.dtype, self.device = dtype, device
+        self.read_dtype = dtype  # what eager readers get (see `store_as`)
         self.length = 0  # committed positions
         self.lead = 0  # leading slots per layer before position 0 (block-sparse layout)
         self.keys = self.values = torch.empty(0)
@@ -61,6 +67,16 @@ class KVCache:
         if slots > self.lead or (slots == 0 and self.lead):
             self._allocate(self.capacity, slots)
 
+    def store_as(self, dtype: torch.dtype) -> None:
+        """Hold keys and values in `dtype` from now on (one copy now); readers keep getting `read_dtype`."""
+        if dtype != self.dtype:
+            self.dtype = dtype
+            self._allocate(self.capacity, self.lead)
+
+    def readable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Cached keys or values in the dtype attention computes in (a copy only while stored compact)."""
+        return tensor.to(self.read_dtype)
+
     def lead_buffers(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `slots` of the leading region (views: fetch them again after the cache grows)."""
         return self.storage_keys[:, :slots], self.storage_values[:, :slots]
@@ -70,7 +86,7 @@ class KVCache:
         end = self.length + keys.shape[0]
         self.keys[layer, self.length:end] = keys
         self.values[layer, self.length:end] = values
-        return self.keys[layer, :end], self.values[layer, :end]
+        return self.readable(self.keys[layer, :end]), self.readable(self.values[layer, :end])
 
     def commit(self, rows: int) -> None:
         self.length += rows

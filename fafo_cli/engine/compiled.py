@@ -18,7 +18,8 @@ rows), plus the step's own rows through `local`.
 On a CPU that call is our kernel (attention_op.cpp, via native.py), and bf16 GEMMs may use ours
 (bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic.
 New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
-eager path writes them.
+eager path writes them. A bfloat16 model's CPU cache is stored in bfloat16 while compiled steps serve
+(`stored_dtype`): the kernel widens it exactly, so results are unchanged and each step streams half the bytes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from . import bf16_gemm, native
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 3  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 4  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the bucket of its largest step, so it needs one package (FAFO's default 9 rows,
 # prompt lookup's 9 and Cacheback's 9 share the 12-row one). Padding rows see no cached position, so they cost
@@ -51,6 +52,17 @@ ROW_BUCKETS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # la
 
 def bucket(rows: int) -> int | None:
     return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+def uses_kernel(model: Model) -> bool:
+    """Whether the graph's attention is our CPU kernel (it needs head_dim in whole 16-float vectors)."""
+    return model.device.type == "cpu" and model.head_dim % 16 == 0
+
+
+def stored_dtype(model: Model) -> torch.dtype:
+    """The cache's dtype under compiled steps: our kernel reads a bf16 model's keys and values as they are,
+    where eager CPU attention wants fp32 copies (twice the bytes to stream per step)."""
+    return model.dtype if uses_kernel(model) and model.dtype == torch.bfloat16 else model.attention_dtype
 
 
 class CompileError(RuntimeError):
@@ -84,7 +96,7 @@ class _Step(torch.nn.Module):
         scaling = self.model.scaling
 
         def attend(layer: int, q, k, v):
-            if q.device.type == "cpu" and q.shape[-1] % 16 == 0:  # ours: [rows, heads, dim], [slots, kv_heads, dim]
+            if uses_kernel(self.model):  # ours: [rows, heads, dim], [slots, kv_heads, dim]
                 q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
                 return torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible[:, layer], local,
                                              scaling).transpose(0, 1)[None]
@@ -99,6 +111,7 @@ class _Step(torch.nn.Module):
 def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
     device, n_layers = model.device, len(model.layers)
     cache = model.new_cache(capacity, capacity)
+    cache.store_as(stored_dtype(model))
     return (torch.zeros(rows, dtype=torch.long, device=device), torch.arange(length, length + rows, device=device),
             torch.ones(rows, rows, dtype=torch.bool, device=device).tril(),
             torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, dtype=torch.bool, device=device),
@@ -230,6 +243,7 @@ class CompiledSteps:
         runner = self.runner(size)
         if runner is None:
             return None
+        cache.store_as(stored_dtype(self.model))  # once: the package was traced with it
         cache.reserve(length + size)
         visible = visible() if visible is not None else None
         local = local.contiguous()  # the package was traced with contiguous inputs
@@ -296,7 +310,6 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
     local, sees_all = mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool, device=device)
     sees_part = ~sees_all
     visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
-    keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
 
     def timed(run) -> float:
         times = []
@@ -308,5 +321,7 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
 
     with torch.inference_mode():
         eager = timed(lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling)))
+        cache.store_as(stored_dtype(model))  # each path with the cache it runs with
+        keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
         compiled = timed(lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values))
     return Timing(rows, eager, compiled)

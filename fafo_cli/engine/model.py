@@ -63,13 +63,14 @@ class Model:
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         # On CPU, torch's attention kernel is several times slower in bf16/fp16 than in fp32 once the context
-        # reaches ~1k tokens (measured: 545 vs 68 us per layer at 1k keys), so the CPU cache holds fp32 copies
-        # of the (exactly representable) half-precision keys and values. Elsewhere the cache matches the model.
-        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # reaches ~1k tokens (measured: 545 vs 68 us per layer at 1k keys), so CPU attention computes in fp32
+        # and the cache holds fp32 copies of the (exactly representable) half-precision keys and values
+        # (compiled steps store them compact: KVCache.store_as). Elsewhere both match the model.
+        self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
 
     def new_cache(self, initial_slots: int = 256, max_slots: int | None = None) -> KVCache:
         return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=max_slots or self.max_context,
-                       dtype=self.cache_dtype, device=self.device, initial_slots=initial_slots)
+                       dtype=self.attention_dtype, device=self.device, initial_slots=initial_slots)
 
     @torch.inference_mode()
     def shift_positions(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
@@ -104,7 +105,7 @@ class Model:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.write(i, k, v)
-            out = attend(i, q.to(self.cache_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
+            out = attend(i, q.to(self.attention_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
                          values.transpose(0, 1)[None])
             x = x + attn.o_proj(out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

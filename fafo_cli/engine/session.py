@@ -121,7 +121,7 @@ class Session:
 
 def _observed(attend, observe, cache, first: int):
     def wrapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        observe(layer, q[0], cache.keys[layer, :first + q.shape[2]], first)
+        observe(layer, q[0], cache.readable(cache.keys[layer, :first + q.shape[2]]), first)
         return attend(layer, q, k, v)
 
     return wrapped

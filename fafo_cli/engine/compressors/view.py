@@ -20,7 +20,8 @@ class SlotView:
         if cache.lead:  # block-sparse layout: C(kv) lives in the cache tensor's leading region
             cache.use_lead(self.total)
         else:
-            keys = torch.empty((n_layers, self.total, *cache.keys.shape[2:]), dtype=cache.dtype, device=cache.device)
+            keys = torch.empty((n_layers, self.total, *cache.keys.shape[2:]), dtype=cache.read_dtype,
+                               device=cache.device)
             self._own = keys, torch.empty_like(keys)
         self.positions = torch.full((n_layers, slots), -1, dtype=torch.long, device=cache.device)
         self.slots = slots
@@ -47,8 +48,8 @@ class SlotView:
 
     def put(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Store `positions` ([m], the same in every layer) in `slots` ([m])."""
-        self.keys[:, slots] = cache.keys[:, positions]
-        self.values[:, slots] = cache.values[:, positions]
+        self.keys[:, slots] = cache.readable(cache.keys[:, positions])
+        self.values[:, slots] = cache.readable(cache.values[:, positions])
         self.positions[:, slots] = positions
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
