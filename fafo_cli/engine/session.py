@@ -105,6 +105,8 @@ class Session:
                                    pad_to=pad_to)
             if logits is not None:
                 return logits if logit_rows is None else logits[logit_rows]
+        # eager steps read fp32: undo a compiled step's compact storage once, not a conversion per layer per step
+        self.cache.store_as(self.model.attention_dtype)
         return self.model.forward(ids_tensor, positions, self.cache, eager_attention(), logit_rows)
 
     def commit(self, ids: list[int]) -> None:
