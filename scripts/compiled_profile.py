@@ -47,6 +47,7 @@ def profile_step(runner, model, args) -> None:
     cache.keys.normal_()
     cache.values.normal_()
     cache.commit(context)
+    cache.store_as(compiled.stored_dtype(model))  # what the package was traced with
     sees_all = torch.arange(rows) < args.see_all
     sees_part = ~sees_all & (torch.arange(rows) < args.see_all + args.see_part)
     visible = torch.zeros(context, len(model.layers), dtype=torch.bool)

@@ -77,15 +77,15 @@ class FafoAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_verify, start = self.verify_rows, self.cache.length
         if self.observe is not None:  # query-aware compressors learn from the anchor row
-            self.observe(layer, q[0, :, 0], self.cache.readable(self.cache.keys[layer, :start]))
+            self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
         if not self.split:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.visible
         end = n + len(self.window_source)
-        view_k[n:end] = self.cache.keys[layer].index_select(0, self.window_source)  # converts a compact cache
-        view_v[n:end] = self.cache.values[layer].index_select(0, self.window_source)
+        torch.index_select(self.cache.keys[layer], 0, self.window_source, out=view_k[n:end])
+        torch.index_select(self.cache.values[layer], 0, self.window_source, out=view_v[n:end])
         if self.block_mask is not None:
             keys = self.cache.storage_keys[layer, :self.kv_length].transpose(0, 1)[None]
             values = self.cache.storage_values[layer, :self.kv_length].transpose(0, 1)[None]

@@ -106,6 +106,7 @@ class Session:
             if logits is not None:
                 return logits if logit_rows is None else logits[logit_rows]
         # eager steps read fp32: undo a compiled step's compact storage once, not a conversion per layer per step
+        # (so the step's attention, FafoAttention included, always finds the cache in fp32)
         self.cache.store_as(self.model.attention_dtype)
         return self.model.forward(ids_tensor, positions, self.cache, eager_attention(), logit_rows)
 
