@@ -186,7 +186,8 @@ def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_h
     """Our CPU attention kernel against torch's, on GQA groups, ragged chunks, rows that see every cached slot,
     rows that see a StreamingLLM view (sink and recent: their middle chunks skipped while other rows' are
     not), rows that see only the step's own rows (padding), chunks no row sees, with keys, values and the
-    visible positions as views into larger tensors (a layer's column of the per-layer selection)."""
+    visible positions as views into larger tensors (a layer's column of the per-layer selection); float32 and
+    bfloat16."""
     from fafo_cli.engine import native
 
     native.load(compiled_cache / "compiled")
@@ -206,11 +207,35 @@ def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_h
         enable_gqa=True)[0].transpose(0, 1)
     attended = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.3)
     torch.testing.assert_close(attended, expected, atol=2e-6, rtol=1e-5)
-    # a compact (bfloat16) cache gives exactly what float32 copies of the same values give
-    k16, v16 = (torch.randn(slots + 7, kv_heads, dim, generator=gen).bfloat16()[:slots] for _ in range(2))
-    compact = torch.ops.fafo.attend(q, k16, v16, sees_all, sees_part, visible, local, 0.3)
-    assert torch.equal(compact, torch.ops.fafo.attend(q, k16.float(), v16.float(), sees_all, sees_part, visible,
-                                                      local, 0.3))
+    # a bf16 model's step: bf16 queries and a compact (bf16) cache, against float32 copies of the same values
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    compact = torch.ops.fafo.attend(q16, k16, v16, sees_all, sees_part, visible, local, 0.3)
+    assert compact.dtype == torch.float32
+    torch.testing.assert_close(compact, torch.ops.fafo.attend(q16.float(), k16.float(), v16.float(), sees_all,
+                                                              sees_part, visible, local, 0.3), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 64])  # bf16 scores by pairs of dimensions where dim allows, widened where not
+def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, dtype, dim):
+    """What lossless decoding rests on: a row's result is bit for bit the same whatever rows follow it in the step
+    (a verify row computes exactly what a plain step computes for that token)."""
+    from fafo_cli.engine import native
+
+    native.load(compiled_cache / "compiled")
+    gen = torch.Generator().manual_seed(dim)
+    rows, cached, heads, kv_heads = 13, 290, 9, 3
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(cached + rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    sees_all = torch.arange(rows) % 3 == 0
+    sees_part = ~sees_all
+    visible = torch.rand(cached, generator=gen) < 0.3
+    local = torch.ones(rows, rows, dtype=torch.bool).tril()
+    whole = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.125)
+    for first in (1, 4, 9):
+        alone = torch.ops.fafo.attend(q[:first], k[:cached + first], v[:cached + first], sees_all[:first],
+                                      sees_part[:first], visible, local[:first, :first], 0.125)
+        assert torch.equal(alone, whole[:first])
 
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):

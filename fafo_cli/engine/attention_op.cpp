@@ -6,8 +6,12 @@
 // multiplies all the query rows that share that KV head (GQA) with register-blocked vector code, and
 // a final pass merges the chunks' softmax partials (flash-decoding), so both cores stream the cache once.
 //
-// Keys and values are float32 or bfloat16 (a compact cache: half the bytes to stream, widened exactly on load);
-// queries and arithmetic are float32 either way, so both give bit-identical results for the same values.
+// Queries, keys and values are all float32 or all bfloat16 (a bf16 model's compact cache: half the bytes to
+// stream). Softmax and the value sum run in float32. The scores of bf16 queries and keys use AVX512-BF16's
+// pair dot products where the CPU has them (products of two bf16 are exact in float32, so this only changes
+// the order of the additions; half the instructions of widening both), else both are widened exactly.
+// Each query's result depends only on its own inputs, never on the other rows of the step: a row verifying a
+// guess computes bit for bit what a plain step would for that token, which lossless decoding rests on.
 //
 // Portable C++ (GCC/Clang vector extensions): the compiler maps 16-float vectors to AVX-512, AVX2 or NEON.
 
@@ -16,9 +20,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cfloat>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -88,24 +97,50 @@ inline void transpose(vf* tile) {
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }
 inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i]; return s; }
 
+// acc[i][t] += the scores of query i with kBlock slots, from bf16 pairs: `keys` [dim / 2, kChunk] as above, a
+// query's pair p is word p of its bf16 row (found at the same offset as its float32 row `qrow[i]` in `qp`)
+inline void scores_by_pairs(vf (&acc)[kRows][kCols], const uint32_t* q2, const float* const* qrow, const float* qp,
+                            const float* keys, int64_t dim) {
+#if defined(__AVX512BF16__)
+  const uint32_t* query[kRows];
+  for (int64_t i = 0; i < kRows; ++i) query[i] = q2 + (qrow[i] - qp) / 2;
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    __m512bh kv[kCols];
+    for (int64_t t = 0; t < kCols; ++t) kv[t] = (__m512bh)_mm512_loadu_ps(&keys[p * kChunk + t * kLanes]);
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(query[i][p]));
+      for (int64_t t = 0; t < kCols; ++t) acc[i][t] = (vf)_mm512_dpbf16_ps((__m512)acc[i][t], b, kv[t]);
+    }
+  }
+#endif
+}
+
 // The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
 // cached slot s when sees_all[r], or when sees_part[r] and visible[s]; it sees the step's own rows (the last
 // `rows` slots) through local[r].
-template <typename T>  // the cache's element type
+template <typename T>  // the element type of queries, keys and values
 at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& all_in,
                   const at::Tensor& part_in, const at::Tensor& visible_in, const at::Tensor& local_in,
                   double scale_in) {
   // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; sees_all, sees_part [rows]; visible [slots - rows];
   // local [rows, rows]; -> [rows, heads, dim]
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && all_in.scalar_type() == at::kBool &&
-              part_in.scalar_type() == at::kBool && visible_in.scalar_type() == at::kBool &&
-              local_in.scalar_type() == at::kBool, "fafo::attend: float32 queries, bool visibility");
-  const at::Tensor q = q_in.contiguous(), sees_all = all_in.contiguous(), sees_part = part_in.contiguous();
+  TORCH_CHECK(all_in.scalar_type() == at::kBool && part_in.scalar_type() == at::kBool &&
+              visible_in.scalar_type() == at::kBool && local_in.scalar_type() == at::kBool,
+              "fafo::attend: bool visibility");
+  const int64_t dim = q_in.size(2);
+#if defined(__AVX512BF16__)
+  const bool pairs = std::is_same<T, at::BFloat16>::value && dim % (2 * kLanes) == 0;  // scores by bf16 pairs
+#else
+  const bool pairs = false;
+#endif
+  // float32 queries for the value sum (and for the scores where they are not taken by pairs): exact from bf16
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), sees_all = all_in.contiguous();
+  const at::Tensor q16 = pairs ? q_in.contiguous() : at::Tensor(), sees_part = part_in.contiguous();
   const at::Tensor local = local_in.contiguous();
   const at::Tensor& visible = visible_in;  // a column of [cached, layers]: read in place, not copied per layer
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t rows = q.size(0), heads = q.size(1);
   const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t cached = visible.size(0);
   TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_all.numel() == rows && sees_part.numel() == rows &&
@@ -115,6 +150,8 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const int64_t queries = rows * group, width = dim + 2;
   const float scale = static_cast<float>(scale_in);
   const float* qp = q.data_ptr<float>();
+  // bf16 queries as pairs of dimensions, one 32-bit word each
+  const uint32_t* q2 = pairs ? reinterpret_cast<const uint32_t*>(q16.data_ptr<at::BFloat16>()) : nullptr;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const bool *row_all = sees_all.data_ptr<bool>(), *row_part = sees_part.data_ptr<bool>();
@@ -144,12 +181,26 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   // round-robin, so the short last chunk does not leave one thread with all the full ones.
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> keys_t(dim * kChunk);  // this chunk's keys, transposed: [dim, slot]
+    // this chunk's keys, transposed: [dim, slot], or with pairs [dim / 2, slot] of two bf16 in each float's bits
+    std::vector<float> keys_t(dim * kChunk);
     std::vector<int64_t> active(queries);  // the queries whose rows see a slot of this chunk
     alignas(64) float probs[kRows][kChunk];
     for (int64_t lane = first; lane < last; ++lane)
     for (int64_t task = lane; task < tasks; task += threads) {
       const int64_t c = task / kv_heads, h = task % kv_heads, s0 = c * kChunk, n = std::min(kChunk, slots - s0);
+      // ask for this thread's next task's keys and values now, so they arrive while this one computes (a
+      // chunk reads a third of each slot's cache lines here: the hardware prefetcher alone falls behind)
+      if (task + threads < tasks) {
+        const int64_t next = task + threads, nh = next % kv_heads, ns0 = next / kv_heads * kChunk;
+        for (int64_t j = 0; j < std::min(kChunk, slots - ns0); ++j) {
+          const char* key = reinterpret_cast<const char*>(kp + (ns0 + j) * ks + nh * kh);
+          const char* value = reinterpret_cast<const char*>(vp + (ns0 + j) * vs + nh * vh);
+          for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) {
+            __builtin_prefetch(key + b);
+            __builtin_prefetch(value + b);
+          }
+        }
+      }
       int64_t n_active = 0;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < group; ++g) {
@@ -160,11 +211,16 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       if (n_active == 0) continue;
       // the last chunk may be short: work on whole register blocks past its end, masked out below
       const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
+      const int64_t columns = pairs ? dim / 2 : dim;  // transposed as 32-bit words: a float, or a bf16 pair
       for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
-        for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+        for (int64_t d0 = 0; d0 < columns; d0 += kLanes) {
           vf tile[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j)
-            tile[j] = j0 + j < n ? load(kp + (s0 + j0 + j) * ks + h * kh + d0) : vf{};
+          for (int64_t j = 0; j < kLanes; ++j) {
+            const T* key = kp + (s0 + j0 + j) * ks + h * kh;
+            if (j0 + j >= n) tile[j] = vf{};
+            else if (pairs) std::memcpy(&tile[j], key + 2 * d0, sizeof(vf));  // the bits, not widened
+            else tile[j] = load(key + d0);
+          }
           transpose(tile);
           for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
         }
@@ -183,12 +239,15 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         // scores = q . k * scale, kRows queries x kBlock slots at a time
         for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
           vf acc[kRows][kCols] = {};
-          for (int64_t d = 0; d < dim; ++d) {
-            vf kv[kCols];
-            for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
-            for (int64_t i = 0; i < kRows; ++i) {
-              const vf b = splat(qrow[i][d]);
-              for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
+          if (pairs) scores_by_pairs(acc, q2, qrow, qp, &keys_t[j0], dim);
+          else {
+            for (int64_t d = 0; d < dim; ++d) {
+              vf kv[kCols];
+              for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
+              for (int64_t i = 0; i < kRows; ++i) {
+                const vf b = splat(qrow[i][d]);
+                for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
+              }
             }
           }
           for (int64_t i = 0; i < kRows; ++i)
@@ -275,10 +334,11 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sees_all,
                   const at::Tensor& sees_part, const at::Tensor& visible, const at::Tensor& local, double scale) {
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "fafo::attend: keys and values of one dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "fafo::attend: queries, keys and values of one dtype");
   if (k.scalar_type() == at::kBFloat16)
     return attend_as<at::BFloat16>(q, k, v, sees_all, sees_part, visible, local, scale);
-  TORCH_CHECK(k.scalar_type() == at::kFloat, "fafo::attend: keys and values in float32 or bfloat16");
+  TORCH_CHECK(k.scalar_type() == at::kFloat, "fafo::attend: float32 or bfloat16");
   return attend_as<float>(q, k, v, sees_all, sees_part, visible, local, scale);
 }
 

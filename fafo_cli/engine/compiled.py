@@ -41,7 +41,7 @@ from . import bf16_gemm, native
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 4  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 5  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the bucket of its largest step, so it needs one package (FAFO's default 9 rows,
 # prompt lookup's 9 and Cacheback's 9 share the 12-row one). Padding rows see no cached position, so they cost
@@ -96,8 +96,8 @@ class _Step(torch.nn.Module):
         scaling = self.model.scaling
 
         def attend(layer: int, q, k, v):
-            if uses_kernel(self.model):  # ours: [rows, heads, dim], [slots, kv_heads, dim]
-                q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
+            if uses_kernel(self.model):  # ours: [rows, heads, dim], [slots, kv_heads, dim]; q in the cache's dtype
+                q, k, v = (x[0].transpose(0, 1) for x in (q.to(k.dtype), k, v))  # exact: a bf16 model's q is bf16
                 return torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible[:, layer], local,
                                              scaling).transpose(0, 1)[None]
             prefix = sees_all[:, None] | (sees_part[:, None] & visible[:, layer][None, :])

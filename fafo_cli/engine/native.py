@@ -27,7 +27,8 @@ def library_path(folder: Path) -> Path:
     return folder / f"fafo-ops-{key}.so"
 
 
-def _compile(path: Path) -> None:
+def compile_library(path: Path, source: Path = SOURCE) -> None:
+    """Compile `source` into the shared library `path` (atomically)."""
     from torch.utils import cpp_extension
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,7 +37,7 @@ def _compile(path: Path) -> None:
         with atomic_path(path) as partial:
             command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                       *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+                       *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(partial),
                        *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
@@ -54,11 +55,11 @@ def load(folder: Path) -> None:
         return
     path = library_path(folder)
     if not path.exists():
-        _compile(path)
+        compile_library(path)
     torch.ops.load_library(str(path))
 
     @torch.library.register_fake("fafo::attend")
-    def _(q, k, v, sees_all, sees_part, visible, local, scale):  # for tracing: the output has the queries' shape
-        return q.new_empty(q.shape)
+    def _(q, k, v, sees_all, sees_part, visible, local, scale):  # for tracing: the queries' shape, float32
+        return q.new_empty(q.shape, dtype=torch.float32)
 
     _loaded = True

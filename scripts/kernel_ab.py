@@ -1,0 +1,88 @@
+"""Our attention kernel at a git revision against the working tree's, side by side in one process (both
+libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
+calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), each layer's cache out of
+the processor's caches, one row (a plain step) and FAFO's default 12 rows (4 see the whole cache, 5 a
+256-position StreamingLLM view, 3 padding rows). Also prints how far the two results are apart.
+
+    python scripts/kernel_ab.py --base HEAD~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fafo_cli.engine import native
+
+SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 12, 4, 5), (1300, 12, 4, 5), (2250, 12, 4, 5)]
+
+
+def load_as(source: str, name: str, folder: Path):
+    """The kernel in `source`, registered as torch.ops.<name>.attend."""
+    renamed = source.replace("TORCH_LIBRARY(fafo,", f"TORCH_LIBRARY({name},")
+    renamed = renamed.replace("TORCH_LIBRARY_IMPL(fafo,", f"TORCH_LIBRARY_IMPL({name},")
+    (folder / f"{name}.cpp").write_text(renamed)
+    native.compile_library(folder / f"{name}.so", folder / f"{name}.cpp")
+    torch.ops.load_library(str(folder / f"{name}.so"))
+    return getattr(torch.ops, name).attend
+
+
+def query_dtype(op) -> torch.dtype:
+    """bfloat16 queries with a bf16 cache, or float32 ones as earlier kernels took."""
+    cache, rows = torch.zeros(2, 1, 16, dtype=torch.bfloat16), torch.ones(1, dtype=torch.bool)
+    try:
+        op(torch.zeros(1, 1, 16, dtype=torch.bfloat16), cache, cache, rows, ~rows, torch.ones(1, dtype=torch.bool),
+           torch.ones(1, 1, dtype=torch.bool), 1.0)
+        return torch.bfloat16
+    except RuntimeError:
+        return torch.float32
+
+
+def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, rounds: int, layers: int = 30) -> str:
+    heads, kv_heads, dim = 9, 3, 64
+    cached = slots - rows
+    keys = [torch.randn(slots, kv_heads, dim).bfloat16() for _ in range(layers)]
+    values = [torch.randn(slots, kv_heads, dim).bfloat16() for _ in range(layers)]
+    q = torch.randn(rows, heads, dim).bfloat16()
+    sees_all = torch.arange(rows) < see_all
+    sees_part = ~sees_all & (torch.arange(rows) < see_all + see_part)
+    visible = torch.zeros(cached, layers, dtype=torch.bool)
+    visible[:4] = visible[-252:] = True
+    local = torch.ones(rows, rows, dtype=torch.bool).tril()
+    queries = {name: q.to(query_dtype(op)) for name, op in ops.items()}  # converted before the clock starts
+    first = [op(queries[name], keys[0], values[0], sees_all, sees_part, visible[:, 0], local, 0.125) for name, op in ops.items()]
+    apart = (first[0] - first[1]).abs().max().item()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            start = time.perf_counter()
+            for layer in range(layers):
+                op(queries[name], keys[layer], values[layer], sees_all, sees_part, visible[:, layer], local, 0.125)
+            times[name].append(time.perf_counter() - start)
+    cells = "  ".join(f"{name} {statistics.median(t) * 1e3:6.2f} ms" for name, t in times.items())
+    return f"{rows:2d} rows after {cached:4d} cached: {cells}  (results apart by {apart:.1e})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    base = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/attention_op.cpp"], capture_output=True,
+                          text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        ops = {"base": load_as(base, "fafo_base", Path(folder)),
+               "tree": load_as(native.SOURCE.read_text(), "fafo_tree", Path(folder))}
+        print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}")
+        for shape in SHAPES:
+            print(compare(ops, *shape, rounds=args.rounds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
