@@ -298,5 +298,5 @@ def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(native.BuildError, match=r"^cannot run /nonexistent/c\+\+: [^\n]+$"):
-        native._compile(tmp_path / "ops.so")
+        native.compile_library(tmp_path / "ops.so")
     assert not list(tmp_path.iterdir())
