@@ -56,7 +56,8 @@ def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, round
     visible[:4] = visible[-252:] = True
     local = torch.ones(rows, rows, dtype=torch.bool).tril()
     queries = {name: q.to(query_dtype(op)) for name, op in ops.items()}  # converted before the clock starts
-    first = [op(queries[name], keys[0], values[0], sees_all, sees_part, visible[:, 0], local, 0.125) for name, op in ops.items()]
+    first = [op(queries[name], keys[0], values[0], sees_all, sees_part, visible[:, 0], local, 0.125)
+             for name, op in ops.items()]
     apart = (first[0] - first[1]).abs().max().item()
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(rounds):

@@ -19,7 +19,7 @@ On a CPU that call is our kernel (attention_op.cpp, via native.py), and bf16 GEM
 (bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic.
 New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
 eager path writes them. A bfloat16 model's CPU cache is stored in bfloat16 while compiled steps serve
-(`stored_dtype`): the kernel widens it exactly, so results are unchanged and each step streams half the bytes.
+(`stored_dtype`), with the queries in bf16 too (exact: a bf16 model's are): each step streams half the bytes.
 """
 
 from __future__ import annotations
