@@ -52,7 +52,8 @@ TrustRemoteCode = Annotated[Optional[bool], typer.Option("--trust-remote-code", 
                                                          "Python code to run.", show_default=False)]
 AllowPickle = Annotated[Optional[bool], typer.Option("--allow-pickle", help="Allow pickle (.bin) weights, "
                                                      "which can run code when loaded.", show_default=False)]
-Streams = Annotated[Optional[int], typer.Option("--streams", "-W", help="fafo: lookahead streams W.",
+Streams = Annotated[Optional[str], typer.Option("--streams", "-W", help="fafo: lookahead streams W, or auto "
+                                                "(1 where steps run compiled, else 2).",
                                                 show_default=False, rich_help_panel="FAFO")]
 Ngram = Annotated[Optional[int], typer.Option("--ngram", "-k", help="fafo: guess length k.", show_default=False,
                                               rich_help_panel="FAFO")]

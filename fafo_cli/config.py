@@ -40,6 +40,15 @@ def _budget(value: Any) -> int | float:
     raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {value})")
 
 
+def _streams(value: Any) -> int | str:
+    """W: an integer in 1..64 (from a flag, as text) or "auto"."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= 64:
+        return value
+    raise FafoError(f"config key 'streams' must be auto or an integer from 1 to 64 (got {value!r})")
+
+
 @dataclass(frozen=True)
 class Config:
     model: str | None = _opt(None, "hub id, local folder or .gguf file; empty: the embedded SmolLM2-135M-Instruct",
@@ -69,7 +78,8 @@ class Config:
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run")
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code")
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see README, "Choosing defaults".
-    streams: int = _opt(2, "fafo: lookahead window streams W (fumble rows per level)", low=1, high=64)
+    streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 1-64; auto: 1 where "
+                                      "the step runs compiled (its rows cost arithmetic), else 2", low=1, high=64)
     ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16)
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
                         low=0, high=64)
@@ -131,6 +141,8 @@ def _check(name: str, value: Any, spec) -> Any:
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
     if name == "budget":
         return _budget(value)
+    if name == "streams":
+        return _streams(value)
     if kind is bool:
         if not isinstance(value, bool):
             raise FafoError(f"config key '{name}' must be true or false (got {value!r})")

@@ -1,5 +1,5 @@
 """The compiled step (`compile`): float32 token ids identical to transformers' greedy generate with it on,
-built once and loaded from disk afterwards, padded row buckets, C(kv) as a mask, and eager fallbacks that
+built once and loaded from disk afterwards, steps padded to the decoder's largest, C(kv) as a mask, and eager fallbacks that
 say so in one line instead of failing."""
 
 from __future__ import annotations
@@ -55,17 +55,20 @@ def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
     assert not [n for n in engine.notices if "running eager" in n or "runs eager" in n]
 
 
-def test_one_package_per_row_bucket_built_once(compiled_engine, compiled_cache):
+def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine = compiled_engine
     engine.complete(SHORT, max_tokens=8, method="vanilla")
-    engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])  # (G + W)·k = (2 + 2)·3 = 12 rows: bucket 12
+    engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])  # 1 + G·k + W·k − 1 = 1 + 6 + 5 = 12 rows
+    engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 on compiled steps: 1 + 3 + 2 rows
+    engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
+    assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
-    assert {1, 12} <= built <= {1, 8, 12, 16}  # 8: prompt lookup (7 rows), 16: cacheback (13), if they ran
+    assert {1, 6, 12} <= built <= {1, 6, 7, 12, 13}  # 7: prompt lookup (1 + 6), 13: cacheback (1 + 12), if they ran
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
-    assert len(compiling) == len(built)  # one build per bucket, however many requests used it
+    assert len(compiling) == len(built)  # one build per size, however many requests used it
 
 
 def test_second_load_reads_the_packages(compiled_engine, tiny):

@@ -60,10 +60,21 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
     ("kernel: 4\n", "'kernel' must be odd"),
     ("compressor: lz4\n", "'compressor' must be one of none, stream, quest, snapkv, h2o"),
+    ("streams: 0\n", "'streams' must be auto or an integer from 1 to 64 \\(got 0\\)"),
+    ("streams: 65\n", "'streams' must be auto or an integer from 1 to 64"),
+    ("streams: wide\n", "'streams' must be auto or an integer from 1 to 64 \\(got 'wide'\\)"),
+    ("streams: true\n", "'streams' must be auto or an integer from 1 to 64"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):
         config_mod.load_file(write(tmp_path, text))
+
+
+def test_streams_auto_or_a_count(tmp_path):
+    assert config_mod.Config().streams == "auto"
+    assert config_mod.load_file(write(tmp_path, "streams: 3\n")).streams == 3
+    assert config_mod.build(streams="auto").streams == "auto"
+    assert config_mod.build(streams="2").streams == 2  # the flag's text
 
 
 def test_budget_tokens_or_fraction(tmp_path):

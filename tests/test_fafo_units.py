@@ -9,7 +9,7 @@ from fafo_cli import load
 from fafo_cli.engine.attention import FafoAttention, PrefixMasks
 from fafo_cli.engine.cache import KVCache
 from fafo_cli.engine.compressors import NoCompressor, StreamCompressor
-from fafo_cli.engine.fafo import step_layout
+from fafo_cli.engine.fafo import step_layout, window_streams
 from fafo_cli.engine.model import causal_attention
 from fafo_cli.engine.pool import NgramPool
 from fafo_cli.engine.tree import DraftTree
@@ -189,3 +189,20 @@ def test_fumble_rows_equal_a_forward_over_the_gathered_cache(tiny_models, compre
 
 def _stream_positions(length: int, budget: int, sink: int) -> list[int]:
     return list(range(sink)) + list(range(length - (budget - sink), length))
+
+
+class _Compiled:
+    """Stands in for CompiledSteps: which step sizes run compiled."""
+
+    def __init__(self, sizes: set[int]):
+        self.sizes = sizes
+
+    def serves(self, rows: int) -> bool:
+        return rows in self.sizes
+
+
+def test_auto_streams_follow_whether_the_step_runs_compiled():
+    assert window_streams("auto", 3, 1, None) == 2  # eager: rows cost little, W=2
+    assert window_streams("auto", 3, 1, _Compiled({6})) == 1  # the W=1 step, (1 + 1)·3 = 6 rows, runs compiled
+    assert window_streams("auto", 4, 2, _Compiled({6})) == 2  # (2 + 1)·4 = 12 rows: no package, eager
+    assert window_streams(3, 3, 1, _Compiled({6})) == 3  # a configured W is kept

@@ -20,7 +20,8 @@ import torch
 _REGISTERED = False
 # (rows, columns, depth) per register block: 12 rows x 32 columns keeps 24 accumulators, 2 weight vectors and
 # one activation pair in the 32 vector registers; inductor ranks blocks that divide the row count first, so a
-# 4-, 8- or 12-row step gets a block of its own height
+# 4-, 8- or 12-row step gets a block of its own height, and other heights up to 12 the 12-row block, whose
+# remainder kernel covers all their rows in one pass over the weights
 BLOCKINGS = ((12, 32, 2), (8, 32, 2), (4, 32, 2))
 
 _KERNEL = r"""

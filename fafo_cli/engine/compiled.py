@@ -5,12 +5,12 @@ Why ahead of time: eager PyTorch spends most of a small model's step outside ari
 generic matmul kernels that read bf16 weights at half the memory bandwidth). Inductor fuses the
 elementwise work and generates GEMM kernels specialised to the frozen weights; `torch.compile` does the
 same, but traces and re-generates them in every process (its disk cache skips packed weights), which costs
-minutes per start on a CPU. A package is built once per model, dtype, device and row bucket.
+minutes per start on a CPU. A package is built once per model, dtype, device and row count.
 
 Shapes: the cache length and capacity are dynamic dimensions (one graph for every step); the row count is
-static, in buckets (1, 4, 8, 12, ...): a decoder pads every step up to the bucket of its largest one, because
-kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4 vs 18
-ms, SmolLM2 bf16). A package is built on first need per bucket, so a decoder costs one build.
+static (exact up to 16 rows, then in buckets): a decoder pads every step up to the size of its largest one,
+because kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4
+vs 18 ms, SmolLM2 bf16). A package is built on first need per size, so a decoder costs one build.
 
 Each layer runs one masked attention call: a row sees all cached positions where `sees_all` is true, those its
 layer marks in `visible` where `sees_part` is (FAFO's fumble rows and C(kv)), none where neither is (padding
@@ -43,11 +43,12 @@ from .model import Model
 
 GRAPH_VERSION = 5  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-# A decoder pads every step to the bucket of its largest step, so it needs one package (FAFO's default 9 rows,
-# prompt lookup's 9 and Cacheback's 9 share the 12-row one). Padding rows see no cached position, so they cost
-# matrix rows but no attention. Exact sizes did not pay: a 9-row package ran slower than the 12-row one (31 vs
-# 25 ms after 1,300 cached tokens, SmolLM2 bf16; one build each).
-ROW_BUCKETS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
+# A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 9 rows,
+# prompt lookup's 9 and Cacheback's 9 share one). Padding rows see no cached position, but they cost matrix
+# arithmetic, which a many-row step on a CPU is bound by: an exact 9-row FAFO step took 23.2 ms where the
+# 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2 bf16, side by side). So small
+# steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
+ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
 def bucket(rows: int) -> int | None:
@@ -164,10 +165,10 @@ def identity(model: Model, source: str) -> str:
 
 
 class CompiledSteps:
-    """The compiled steps of one model: a package per row bucket, loaded from disk or built on first need.
+    """The compiled steps of one model: a package per row count, loaded from disk or built on first need.
 
     mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
-    were built (their record says so). Any failure prints one notice and leaves that bucket to eager.
+    were built (their record says so). Any failure prints one notice and leaves that size to eager.
     """
 
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None]):
@@ -187,6 +188,12 @@ class CompiledSteps:
 
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
+
+    def serves(self, rows: int) -> bool:
+        """Whether a decoder whose largest step has `rows` rows runs compiled (under "on" this builds the
+        package now rather than at the first step)."""
+        size = bucket(rows)
+        return size is not None and self.runner(size) is not None
 
     def runner(self, rows: int):
         """The loaded package for `rows` rows, building it when allowed; None: run eager."""

@@ -47,6 +47,13 @@ class Compressor(Protocol):
     # from the prefill's queries.
 
 
+def reads_queries(name: str) -> bool:
+    """Whether the compressor `name` learns from each step's queries (so its steps cannot run compiled)."""
+    classes = {"none": NoCompressor, "stream": StreamCompressor, "quest": QuestCompressor,
+               "snapkv": SnapKVCompressor, "h2o": H2OCompressor}
+    return getattr(classes[name], "needs_query", False)
+
+
 def make_compressor(settings, *, prompt_length: int, scale: float, tail_rows: int, max_commit: int) -> Compressor:
     """The compressor named in `settings` (FafoSettings), with its budget resolved in tokens."""
     name, budget = settings.compressor, settings.budget_tokens(prompt_length)
