@@ -1,6 +1,6 @@
 """The compiled step (`compile`): float32 token ids identical to transformers' greedy generate with it on,
-built once and loaded from disk afterwards, steps padded to the decoder's largest, C(kv) as a mask, and eager fallbacks that
-say so in one line instead of failing."""
+built once and loaded from disk afterwards, steps padded to the decoder's largest, C(kv) as a mask, and eager
+fallbacks that say so in one line instead of failing."""
 
 from __future__ import annotations
 
