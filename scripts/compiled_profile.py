@@ -39,7 +39,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         package = Path(folder) / "packages" / f"rows{rows}.pt2"
         compiled.build(model, rows, package)
-        profile_step(torch._inductor.aoti_load_package(str(package)), model, args)
+        profile_step(compiled.load_package(package), model, args)
 
 
 def profile_step(runner, model, args) -> None:
