@@ -40,13 +40,13 @@ def _budget(value: Any) -> int | float:
     raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {value})")
 
 
-def _streams(value: Any) -> int | str:
-    """W: an integer in 1..64 (from a flag, as text) or "auto"."""
+def _streams(value: Any, low: int, high: int) -> int | str:
+    """W: an integer in low..high (from a flag, as text) or "auto"."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= 64:
+    if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
         return value
-    raise FafoError(f"config key 'streams' must be auto or an integer from 1 to 64 (got {value!r})")
+    raise FafoError(f"config key 'streams' must be auto or an integer from {low} to {high} (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _check(name: str, value: Any, spec) -> Any:
     if name == "budget":
         return _budget(value)
     if name == "streams":
-        return _streams(value)
+        return _streams(value, meta["low"], meta["high"])
     if kind is bool:
         if not isinstance(value, bool):
             raise FafoError(f"config key '{name}' must be true or false (got {value!r})")

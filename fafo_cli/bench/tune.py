@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import config as config_mod
-from ..engine.compressors import reads_queries
-from ..engine.fafo import step_rows, window_streams
+from ..engine.fafo import compiled_for, step_rows, window_streams
 from ..engine.model import causal_attention
 from ..errors import FafoError
 from ..files import atomic_path
@@ -79,7 +78,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
 
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
                             lambda line: err_console.print(f"[dim]{line}[/]"))
-    compiled = None if reads_queries(config.compressor) else engine.session.compiled
+    compiled = compiled_for(engine.session.compiled, config.compressor)
     current = (window_streams(config.streams, config.ngram, config.guesses, compiled), config.ngram, config.guesses)
     settings = list(dict.fromkeys((current,) + CANDIDATES))
     greedy = {"temperature": 0.0, "compressor": config.compressor}

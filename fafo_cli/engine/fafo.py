@@ -36,6 +36,12 @@ def step_rows(streams: int, ngram: int, guesses: int) -> int:
     return (guesses + streams) * ngram
 
 
+def compiled_for(compiled: CompiledSteps | None, compressor: str) -> CompiledSteps | None:
+    """The compiled steps FAFO may use with `compressor`: none where it learns from each step's queries (the
+    compiled step has no per-layer hook to hand them out)."""
+    return None if reads_queries(compressor) else compiled
+
+
 def window_streams(streams: int | str, ngram: int, guesses: int, compiled: CompiledSteps | None) -> int:
     """W as configured; `auto` picks 1 where the step runs compiled and 2 where it runs eager. An eager CPU step
     is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and W=1
@@ -122,13 +128,12 @@ def step_layout(candidates: int, ngram: int, streams: int, levels: int,
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     settings = FafoSettings.from_config(request.config)
-    # The compiled step has no per-layer hook: compressors that learn from each step's queries run eager.
-    compiled = session.compiled is not None and not reads_queries(settings.compressor)
+    steps = compiled_for(session.compiled, settings.compressor)
+    compiled = steps is not None
     if session.compiled is not None and not compiled:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
-    settings = replace(settings, streams=window_streams(settings.streams, settings.ngram, settings.guesses,
-                                                        session.compiled if compiled else None))
+    settings = replace(settings, streams=window_streams(settings.streams, settings.ngram, settings.guesses, steps))
     sampling = request.sampling
     generator = sampling.generator(session.model.device)
     model, cache, k = session.model, session.cache, settings.ngram
