@@ -1,0 +1,80 @@
+"""Two ways of running a compiled step, side by side in one process (called alternately, median of the
+rounds), on FAFO-shaped inputs: the first 4 rows see the whole cache, the next 5 a StreamingLLM view (4 sink +
+252 recent positions), any further rows are padding. Uses the packages already built for the model (`fafo run
+--compile`, or `fafo bench --compile`); prints whether the compared rows' logits are equal.
+
+    python scripts/package_ab.py --rows 9 12      # FAFO's 9-row step: its exact package against the 12-row one
+    python scripts/package_ab.py --rows 1 --calls  # one package: our flat call against the package's own call
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fafo_cli import load
+from fafo_cli.engine import compiled
+
+
+def step_inputs(model, cache, rows: int, context: int) -> tuple:
+    sees_all = torch.arange(rows) < 4
+    sees_part = ~sees_all & (torch.arange(rows) < 9)
+    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
+    visible[:4] = visible[-252:] = True
+    return (torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
+            torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, sees_part, visible,
+            list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rows", type=int, nargs="+", required=True, help="one package, or two to compare")
+    parser.add_argument("--calls", action="store_true", help="compare the two ways of calling one package")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[300, 1300])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    engine = load(args.model, dtype=args.dtype, compile="on")  # on: always a CompiledSteps; nothing is built
+    model, folder = engine.model, engine.compiled.folder
+    compiled.load_kernels(model, folder.parent)
+    paths = {rows: folder / f"rows{rows}.pt2" for rows in args.rows}
+    for rows, path in paths.items():
+        if not path.exists():
+            raise SystemExit(f"no {rows}-row package in {folder}: build it first (fafo run --compile, ...)")
+    if args.calls:
+        path = paths[args.rows[0]]
+        runners = {"package call": torch._inductor.aoti_load_package(str(path)),
+                   "flat call": compiled.load_package(path)}
+        sizes = dict.fromkeys(runners, args.rows[0])
+    else:
+        runners = {f"{rows} rows": compiled.load_package(path) for rows, path in paths.items()}
+        sizes = dict(zip(runners, args.rows))
+    shared = min(sizes.values())  # the rows every runner computes
+    with torch.inference_mode():
+        for context in args.contexts:
+            cache = model.new_cache(context + max(sizes.values()), context + max(sizes.values()))
+            cache.keys.normal_(generator=torch.Generator().manual_seed(0))
+            cache.values.normal_(generator=torch.Generator().manual_seed(1))
+            cache.commit(context)
+            cache.store_as(compiled.stored_dtype(model))
+            inputs = {name: step_inputs(model, cache, sizes[name], context) for name in runners}
+            logits = [runners[name](*inputs[name])[:shared] for name in runners]
+            equal = all(torch.equal(logits[0], other) for other in logits[1:])
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            for _ in range(args.rounds):
+                for name, runner in runners.items():
+                    started = time.perf_counter()
+                    for _ in range(4):
+                        runner(*inputs[name])
+                    times[name].append((time.perf_counter() - started) / 4 * 1e3)
+            figures = ", ".join(f"{name} {statistics.median(t):.2f} ms" for name, t in times.items())
+            print(f"after {context} cached tokens: {figures} (median of {args.rounds}; logits of the first {shared} "
+                  f"rows {'equal' if equal else 'differ'})")
+
+
+if __name__ == "__main__":
+    main()
