@@ -52,7 +52,9 @@ def method_label(config) -> str:
 
 
 def _fumble(stats: Stats) -> str:
-    return "—" if stats.fumble_positions is None else f"{stats.fumble_positions:,} positions"
+    if stats.fumble_positions is None:
+        return "—"
+    return f"{stats.fumble_positions:,} positions" + ("" if stats.streams is None else f" · W={stats.streams}")
 
 
 def stats_panel(stats: Stats, title: str) -> Panel:

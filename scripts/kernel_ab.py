@@ -20,7 +20,7 @@ import torch
 
 from fafo_cli.engine import native
 
-SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 12, 4, 5), (1300, 12, 4, 5), (2250, 12, 4, 5)]
+SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2)]
 
 
 def load_as(source: str, name: str, folder: Path):

@@ -55,7 +55,7 @@ def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
     assert (settings["streams"], settings["ngram"], settings["guesses"], settings["prefix"]) == (3, 4, 2, 2)
     assert (settings["budget"], settings["sink"]) == (16, 2)
     assert stats["pool_keys"] > 0 and stats["pool_ngrams"] >= stats["pool_keys"] // 2
-    assert stats["drafted_tokens"] > 0 and stats["fumble_positions"] == 16
+    assert stats["drafted_tokens"] > 0 and stats["fumble_positions"] == 16 and stats["streams"] == 3
     assert stats["generated_tokens"] == 40 and stats["steps"] < 40  # guesses were accepted
     assert stats["tokens_per_step"] == 40 / stats["steps"]
     assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["drafted_tokens"]
@@ -208,7 +208,7 @@ def test_live_panel_renders_on_a_terminal(tiny):
             view.show(step)
     screen = buffer.getvalue()
     assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
-    assert "fumble rows see" in screen and "keys /" in screen  # fafo's pool and compressor figures
+    assert "fumble rows see" in screen and "keys /" in screen and "W=2" in screen  # pool, compressor, W (eager)
     assert "fafo · stream B=256 · 30 tokens" in screen  # the footer
 
 

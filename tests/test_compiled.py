@@ -59,8 +59,9 @@ def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine = compiled_engine
     engine.complete(SHORT, max_tokens=8, method="vanilla")
     engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])  # 1 + G·k + W·k − 1 = 1 + 6 + 5 = 12 rows
-    engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 on compiled steps: 1 + 3 + 2 rows
-    engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
+    auto = engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 on compiled steps: 1 + 3 + 2
+    quest = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
+    assert (auto.settings["streams"], auto.stats.streams, quest.stats.streams) == ("auto", 1, 2)
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}

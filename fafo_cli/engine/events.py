@@ -20,6 +20,7 @@ class Stats:
     pool_keys: int | None = None  # n-gram pool size (None: the method has no pool)
     pool_ngrams: int | None = None
     fumble_positions: int | None = None  # cache positions the fumble rows saw (the compressed budget in use)
+    streams: int | None = None  # FAFO's lookahead streams W in this request (`streams: auto` resolved)
     draft_passes: int | None = None  # forward passes spent drafting (a self-draft or a draft model; not in steps)
     draft_memory_mb: float | None = None  # device memory drafting holds beyond the model and its cache (second
     # caches, a draft model); also inside peak_memory_mb, which alone covers host-side n-gram tables

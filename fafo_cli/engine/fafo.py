@@ -134,6 +134,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
     settings = replace(settings, streams=window_streams(settings.streams, settings.ngram, settings.guesses, steps))
+    emitter.stats.streams = settings.streams
     sampling = request.sampling
     generator = sampling.generator(session.model.device)
     model, cache, k = session.model, session.cache, settings.ngram
