@@ -43,11 +43,12 @@ from .model import Model
 
 GRAPH_VERSION = 5  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-# A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 9 rows,
-# prompt lookup's 9 and Cacheback's 9 share one). Padding rows see no cached position, but they cost matrix
+# A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
+# compiled, 9 with W=2; prompt lookup's 9). Padding rows see no cached position, but they cost matrix
 # arithmetic, which a many-row step on a CPU is bound by: an exact 9-row FAFO step took 23.2 ms where the
 # 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2 bf16, side by side). So small
-# steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
+# steps get packages of their exact size; larger ones are bucketed to bound the number of builds. Not every
+# exact size wins (a 10-row package ran 25.5 ms where the 12-row one ran 22.5: inductor's GEMM choice).
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 

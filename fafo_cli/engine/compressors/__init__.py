@@ -47,11 +47,12 @@ class Compressor(Protocol):
     # from the prefill's queries.
 
 
+_CLASSES = {c.name: c for c in (NoCompressor, StreamCompressor, QuestCompressor, SnapKVCompressor, H2OCompressor)}
+
+
 def reads_queries(name: str) -> bool:
     """Whether the compressor `name` learns from each step's queries (so its steps cannot run compiled)."""
-    classes = {"none": NoCompressor, "stream": StreamCompressor, "quest": QuestCompressor,
-               "snapkv": SnapKVCompressor, "h2o": H2OCompressor}
-    return getattr(classes[name], "needs_query", False)
+    return getattr(_CLASSES[name], "needs_query", False)
 
 
 def make_compressor(settings, *, prompt_length: int, scale: float, tail_rows: int, max_commit: int) -> Compressor:
