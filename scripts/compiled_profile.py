@@ -1,8 +1,8 @@
 """Where a compiled step's time goes, kernel by kernel: builds a package with inductor's kernel profiling on
 (in a temporary folder, not the user's cache; minutes), times a FAFO-shaped step and prints torch.profiler's
-table. The default shape is FAFO's default step after a summarize-length prompt: 9 rows, of which 4 verify
-rows see the whole cache and 5 window rows a StreamingLLM view (4 sink + 252 recent positions); rows beyond
-those two groups (`--rows 12`: the previous versions' padded package) are padding.
+table. The default shape is FAFO's W=2 step after a summarize-length prompt: 9 rows, of which 4 verify rows
+see the whole cache and 5 window rows a StreamingLLM view (4 sink + 252 recent positions); rows beyond those
+two groups are padding. FAFO's compiled default (W=1) is `--rows 6 --see-part 2`.
 
     python scripts/compiled_profile.py --context 1300
 """
@@ -42,20 +42,33 @@ def main() -> None:
         profile_step(compiled.load_package(package), model, args)
 
 
+def filled_cache(model, context: int, capacity: int):
+    """A cache of `capacity` slots holding `context` random positions, stored as compiled steps store it."""
+    cache = model.new_cache(capacity, capacity)
+    cache.keys.normal_(generator=torch.Generator().manual_seed(0))
+    cache.values.normal_(generator=torch.Generator().manual_seed(1))
+    cache.commit(context)
+    cache.store_as(compiled.stored_dtype(model))  # what the packages were traced with
+    return cache
+
+
+def step_inputs(model, cache, rows: int, context: int, see_all: int = 4, see_part: int = 5,
+                recent: int = 252) -> tuple:
+    """A package's inputs for a FAFO-shaped step: `see_all` rows see the whole cache, the next `see_part` the
+    first 4 and the last `recent` positions, any further rows nothing (padding)."""
+    sees_all = torch.arange(rows) < see_all
+    sees_part = ~sees_all & (torch.arange(rows) < see_all + see_part)
+    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
+    visible[:4] = visible[-recent:] = True
+    return (torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
+            torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, sees_part, visible,
+            list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+
+
 def profile_step(runner, model, args) -> None:
     rows, context = args.rows, args.context
-    cache = model.new_cache(context + rows, context + rows)
-    cache.keys.normal_()
-    cache.values.normal_()
-    cache.commit(context)
-    cache.store_as(compiled.stored_dtype(model))  # what the package was traced with
-    sees_all = torch.arange(rows) < args.see_all
-    sees_part = ~sees_all & (torch.arange(rows) < args.see_all + args.see_part)
-    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
-    visible[:4] = visible[-args.recent:] = True
-    inputs = (torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
-              torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, sees_part, visible,
-              list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+    cache = filled_cache(model, context, context + rows)
+    inputs = step_inputs(model, cache, rows, context, args.see_all, args.see_part, args.recent)
     with torch.inference_mode():
         for _ in range(5):
             runner(*inputs)

@@ -18,15 +18,7 @@ import torch
 from fafo_cli import load
 from fafo_cli.engine import compiled
 
-
-def step_inputs(model, cache, rows: int, context: int) -> tuple:
-    sees_all = torch.arange(rows) < 4
-    sees_part = ~sees_all & (torch.arange(rows) < 9)
-    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
-    visible[:4] = visible[-252:] = True
-    return (torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
-            torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, sees_part, visible,
-            list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+from compiled_profile import filled_cache, step_inputs  # this folder: the same FAFO-shaped step
 
 
 def main() -> None:
@@ -56,11 +48,7 @@ def main() -> None:
     shared = min(sizes.values())  # the rows every runner computes
     with torch.inference_mode():
         for context in args.contexts:
-            cache = model.new_cache(context + max(sizes.values()), context + max(sizes.values()))
-            cache.keys.normal_(generator=torch.Generator().manual_seed(0))
-            cache.values.normal_(generator=torch.Generator().manual_seed(1))
-            cache.commit(context)
-            cache.store_as(compiled.stored_dtype(model))
+            cache = filled_cache(model, context, context + max(sizes.values()))
             inputs = {name: step_inputs(model, cache, sizes[name], context) for name in runners}
             logits = [runners[name](*inputs[name])[:shared] for name in runners]
             equal = all(torch.equal(logits[0], other) for other in logits[1:])
