@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -36,7 +36,7 @@ typedef int32_t vi __attribute__((vector_size(64)));
 typedef int8_t vb __attribute__((vector_size(16)));  // 16 bools of the mask
 constexpr int64_t kLanes = 16;
 constexpr int64_t kChunk = 64;   // cached slots per task
-constexpr int64_t kRows = 4;     // query rows per register block
+constexpr int64_t kRows = 6;     // most query rows per register block (6 x 4 accumulators + 4 operands)
 constexpr int64_t kCols = 4;     // vectors per register block row
 constexpr int64_t kBlock = kCols * kLanes;
 
@@ -44,15 +44,20 @@ typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16
 typedef uint32_t vu __attribute__((vector_size(64)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a float32: widening is a shift
+#if defined(__AVX512F__)
+  // one zero-extending load and a shift (GCC splits the generic conversion into 256-bit halves)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   vh half;
   std::memcpy(&half, p, sizeof half);
   const vu bits = __builtin_convertvector(half, vu) << 16;
   vf v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // not vf{} + x: that adds 0.0f first
 
 // exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
 inline vf exp_nonpositive(vf x) {
@@ -99,15 +104,16 @@ inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i
 
 // acc[i][t] += the scores of query i with kBlock slots, from bf16 pairs: `keys` [dim / 2, kChunk] as above, a
 // query's pair p is word p of its bf16 row (found at the same offset as its float32 row `qrow[i]` in `qp`)
-inline void scores_by_pairs(vf (&acc)[kRows][kCols], const uint32_t* q2, const float* const* qrow, const float* qp,
+template <int R>
+inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const float* const* qrow, const float* qp,
                             const float* keys, int64_t dim) {
 #if defined(__AVX512BF16__)
-  const uint32_t* query[kRows];
-  for (int64_t i = 0; i < kRows; ++i) query[i] = q2 + (qrow[i] - qp) / 2;
+  const uint32_t* query[R];
+  for (int64_t i = 0; i < R; ++i) query[i] = q2 + (qrow[i] - qp) / 2;
   for (int64_t p = 0; p < dim / 2; ++p) {
     __m512bh kv[kCols];
     for (int64_t t = 0; t < kCols; ++t) kv[t] = (__m512bh)_mm512_loadu_ps(&keys[p * kChunk + t * kLanes]);
-    for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t i = 0; i < R; ++i) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(query[i][p]));
       for (int64_t t = 0; t < kCols; ++t) acc[i][t] = (vf)_mm512_dpbf16_ps((__m512)acc[i][t], b, kv[t]);
     }
@@ -225,36 +231,37 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
         }
       }
-      for (int64_t q0 = 0; q0 < n_active; q0 += kRows) {
-        const int64_t nq = std::min(kRows, n_active - q0);
-        const float* qrow[kRows];
-        const int8_t* mrow[kRows];
-        float* part[kRows];  // this task's partial of each query
-        for (int64_t i = 0; i < kRows; ++i) {
-          const int64_t qi = active[q0 + std::min(i, nq - 1)], r = qi / group;  // spare lanes repeat the last query
+      // R queries at a time, R a compile-time block height (exact: no lanes spent on repeated queries)
+      auto query_block = [&](const int64_t q0, auto height) {
+        constexpr int R = decltype(height)::value;
+        const float* qrow[R];
+        const int8_t* mrow[R];
+        float* part[R];  // this task's partial of each query
+        for (int64_t i = 0; i < R; ++i) {
+          const int64_t qi = active[q0 + i], r = qi / group;
           part[i] = pp + ((h * chunks + c) * queries + qi) * width;
           qrow[i] = qp + (r * heads + h * group + qi % group) * dim;
           mrow[i] = mp + r * slots + s0;
         }
-        // scores = q . k * scale, kRows queries x kBlock slots at a time
+        // scores = q . k * scale, R queries x kBlock slots at a time
         for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
-          vf acc[kRows][kCols] = {};
-          if (pairs) scores_by_pairs(acc, q2, qrow, qp, &keys_t[j0], dim);
+          vf acc[R][kCols] = {};
+          if (pairs) scores_by_pairs<R>(acc, q2, qrow, qp, &keys_t[j0], dim);
           else {
             for (int64_t d = 0; d < dim; ++d) {
               vf kv[kCols];
               for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
-              for (int64_t i = 0; i < kRows; ++i) {
+              for (int64_t i = 0; i < R; ++i) {
                 const vf b = splat(qrow[i][d]);
                 for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
               }
             }
           }
-          for (int64_t i = 0; i < kRows; ++i)
+          for (int64_t i = 0; i < R; ++i)
             for (int64_t t = 0; t < kCols; ++t) store(&probs[i][j0 + t * kLanes], acc[i][t] * scale);
         }
         // softmax within the chunk; masked and padding slots get probability exactly 0
-        for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t i = 0; i < R; ++i) {
           float* pr = probs[i];
           vf vmax = splat(-FLT_MAX);
           for (int64_t j = 0; j < n_vec; j += kLanes) {
@@ -282,23 +289,32 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           part[i][0] = m;
           part[i][1] = hsum(vsum);
         }
-        for (int64_t i = nq; i < kRows; ++i) std::memset(probs[i], 0, sizeof probs[i]);
-        // output = probs . v, kRows queries x kBlock dims at a time
+        // output = probs . v, R queries x kBlock dims at a time
         for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
           const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
-          vf acc[kRows][kCols] = {};
+          vf acc[R][kCols] = {};
           for (int64_t j = 0; j < n; ++j) {
             const T* value = vp + (s0 + j) * vs + h * vh + d0;
             vf vv[kCols];
             for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
-            for (int64_t i = 0; i < kRows; ++i) {
+            for (int64_t i = 0; i < R; ++i) {
               const vf b = splat(probs[i][j]);
               for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * vv[t];
             }
           }
-          for (int64_t i = 0; i < nq; ++i) {
+          for (int64_t i = 0; i < R; ++i) {
             for (int64_t t = 0; t < nd; ++t) store(part[i] + 2 + d0 + t * kLanes, acc[i][t]);
           }
+        }
+      };
+      for (int64_t q0 = 0; q0 < n_active; q0 += kRows) {
+        switch (std::min(kRows, n_active - q0)) {
+          case 6: query_block(q0, std::integral_constant<int, 6>{}); break;
+          case 5: query_block(q0, std::integral_constant<int, 5>{}); break;
+          case 4: query_block(q0, std::integral_constant<int, 4>{}); break;
+          case 3: query_block(q0, std::integral_constant<int, 3>{}); break;
+          case 2: query_block(q0, std::integral_constant<int, 2>{}); break;
+          default: query_block(q0, std::integral_constant<int, 1>{}); break;
         }
       }
     }
