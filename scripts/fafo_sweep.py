@@ -7,7 +7,8 @@ supersede it for reporting.
     python scripts/fafo_sweep.py --tokens 256 --repeats 3 \
         --settings "W=2,k=4,G=2,P=2" "W=1,k=6,G=2,P=3" --prompts examples/rewrite.txt examples/prompt.txt
 
-`--compile` runs everything on compiled steps (building the packages it needs first).
+`--compile` runs everything on compiled steps (building the packages it needs first). `--suites chat,summarize`
+takes the bench's prompts (`--samples` per suite) instead of files.
 
 A setting is FAFO's short keys (W, k, G, P, B, C, S, N), `M=method` for another method, or any config key:
 "M=cacheback,cacheback_budget=24". `--markdown` prints the results as a table for the README.
@@ -20,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from fafo_cli import load
+from fafo_cli.bench import suites
 
 KEYS = {"W": "streams", "k": "ngram", "G": "guesses", "P": "prefix", "B": "budget", "C": "compressor",
         "S": "sink", "N": "pool_per_key", "M": "method"}
@@ -46,14 +48,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settings", nargs="+", required=True)
     parser.add_argument("--prompts", nargs="+", default=["examples/rewrite.txt", "examples/prompt.txt"])
+    parser.add_argument("--suites", default=None, help="the bench's prompts instead: e.g. chat,summarize")
+    parser.add_argument("--samples", type=int, default=3, help="prompts per suite, with --suites")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table per prompt")
     parser.add_argument("--compile", action="store_true", help="every run (vanilla too) on compiled steps")
     args = parser.parse_args()
 
     engine = load(args.model, dtype=args.dtype, compile="on" if args.compile else "off")
     runs = [("vanilla", dict(method="vanilla"))] + [(s, parse(s)) for s in args.settings]
-    for path in args.prompts:
-        prompt = Path(path).read_text()
+    if args.suites:
+        prompts = [(f"{s.suite} · {s.id}", list(s.messages)) for s in suites.collect(args.suites.split(","),
+                                                                                      args.samples, None)]
+    else:
+        prompts = [(path, Path(path).read_text()) for path in args.prompts]
+    for path, prompt in prompts:
         results: dict[str, list] = {name: [] for name, _ in runs}
         reference = None
         for _ in range(args.repeats):
