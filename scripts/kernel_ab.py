@@ -2,7 +2,9 @@
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
 calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer (30 MB
 after 1,300 tokens: about this CPU's L3), one row (a plain step) and FAFO's default 6 rows (4 see the whole cache, 2 a
-256-position StreamingLLM view). Also prints how far the two results are apart.
+256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a compiled step's matrix
+products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`) the caches stay in the
+L3, which flatters changes that rest on memory access. Also prints how far the two results are apart.
 
     python scripts/kernel_ab.py --base HEAD~1
 """
@@ -44,7 +46,8 @@ def query_dtype(op) -> torch.dtype:
         return torch.float32
 
 
-def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, rounds: int, layers: int = 30) -> str:
+def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, rounds: int, evict: torch.Tensor | None,
+            layers: int = 30) -> str:
     heads, kv_heads, dim = 9, 3, 64
     cached = slots - rows
     keys = [torch.randn(slots, kv_heads, dim).bfloat16() for _ in range(layers)]
@@ -62,10 +65,14 @@ def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, round
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(rounds):
         for name, op in ops.items():
-            start = time.perf_counter()
+            spent = 0.0
             for layer in range(layers):
+                if evict is not None:  # what a layer's matrix products read between two attention calls
+                    evict.sum()
+                start = time.perf_counter()
                 op(queries[name], keys[layer], values[layer], sees_all, sees_part, visible[:, layer], local, 0.125)
-            times[name].append(time.perf_counter() - start)
+                spent += time.perf_counter() - start
+            times[name].append(spent)
     cells = "  ".join(f"{name} {statistics.median(t) * 1e3:6.2f} ms" for name, t in times.items())
     return f"{rows:2d} rows after {cached:4d} cached: {cells}  (results apart by {apart:.1e})"
 
@@ -74,15 +81,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--evict-mb", type=float, default=9.0,
+                        help="megabytes read between two layers' calls, untimed (SmolLM2's weights per layer: 9), so "
+                             "each layer's cache comes from memory as inside a compiled step; 0: back to back")
     args = parser.parse_args()
+    evict = torch.ones(int(args.evict_mb * 2**20 / 4)) if args.evict_mb > 0 else None
     base = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/attention_op.cpp"], capture_output=True,
                           text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:
         ops = {"base": load_as(base, "fafo_base", Path(folder)),
                "tree": load_as(native.SOURCE.read_text(), "fafo_tree", Path(folder))}
-        print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}")
+        print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
+              f"{args.evict_mb:g} MB read between layers")
         for shape in SHAPES:
-            print(compare(ops, *shape, rounds=args.rounds), flush=True)
+            print(compare(ops, *shape, rounds=args.rounds, evict=evict), flush=True)
 
 
 if __name__ == "__main__":
