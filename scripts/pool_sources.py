@@ -16,6 +16,8 @@ from fafo_cli.bench import suites
 from fafo_cli.engine import fafo
 from fafo_cli.engine.pool import NgramPool
 
+from fafo_sweep import parse  # this folder: the same setting syntax
+
 
 class TextOnly(NgramPool):
     """The window's n-grams never enter the pool; the prompt's and the generated text's do."""
@@ -49,9 +51,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--settings", default="", help="FAFO config keys, e.g. streams=2,compressor=none")
+    parser.add_argument("--settings", default="", help="FAFO config keys or fafo_sweep's short keys, e.g. W=2,C=none")
     args = parser.parse_args()
-    settings = {k: int(v) if v.isdigit() else v for k, v in (p.split("=") for p in args.settings.split(",") if p)}
+    settings = parse(args.settings) if args.settings else {"method": "fafo"}
     engine = load(args.model, dtype=args.dtype, compile="on" if args.compile else "off")
     for suite in args.suites.split(","):
         samples = suites.collect([suite], args.samples, None)
@@ -60,7 +62,7 @@ def main() -> None:
             taus = []
             for sample in samples:
                 engine.reset()  # every request prefills from scratch: the same bf16 rounding for every pool
-                result = engine.complete(list(sample.messages), max_tokens=args.tokens, method="fafo", **settings)
+                result = engine.complete(list(sample.messages), max_tokens=args.tokens, **settings)
                 taus.append(result.stats.tokens_per_step)
             print(f"{suite:10s} {name:12s} τ " + " ".join(f"{t:.2f}" for t in taus)
                   + f"  mean {statistics.mean(taus):.2f}", flush=True)

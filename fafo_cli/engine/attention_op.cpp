@@ -307,6 +307,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           }
         }
       };
+      static_assert(kRows == 6, "the switch below names every block height up to kRows");
       for (int64_t q0 = 0; q0 < n_active; q0 += kRows) {
         switch (std::min(kRows, n_active - q0)) {
           case 6: query_block(q0, std::integral_constant<int, 6>{}); break;
