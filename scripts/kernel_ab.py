@@ -30,7 +30,7 @@ def load_as(source: str, name: str, folder: Path):
     renamed = source.replace("TORCH_LIBRARY(fafo,", f"TORCH_LIBRARY({name},")
     renamed = renamed.replace("TORCH_LIBRARY_IMPL(fafo,", f"TORCH_LIBRARY_IMPL({name},")
     (folder / f"{name}.cpp").write_text(renamed)
-    native.compile_library(folder / f"{name}.so", folder / f"{name}.cpp")
+    native.compile_library(folder / f"{name}.so", (folder / f"{name}.cpp",))
     torch.ops.load_library(str(folder / f"{name}.so"))
     return getattr(torch.ops, name).attend
 
@@ -90,7 +90,7 @@ def main() -> None:
                           text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:
         ops = {"base": load_as(base, "fafo_base", Path(folder)),
-               "tree": load_as(native.SOURCE.read_text(), "fafo_tree", Path(folder))}
+               "tree": load_as(native.SOURCES[0].read_text(), "fafo_tree", Path(folder))}
         print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
               f"{args.evict_mb:g} MB read between layers")
         for shape in SHAPES:

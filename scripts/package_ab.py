@@ -7,6 +7,7 @@ each step our attention kernel took.
     python scripts/package_ab.py --rows 9 12      # FAFO's 9-row step: its exact package against the 12-row one
     python scripts/package_ab.py --rows 1 --calls  # one package: our flat call against the package's own call
     python scripts/package_ab.py --rows 1 6        # a plain and FAFO's default step, and their attention's share
+    python scripts/package_ab.py --rows 6 --against ~/.cache/fafo/compiled/OLD  # packages of another build
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,8 @@ def main() -> None:
     parser.add_argument("--calls", action="store_true", help="compare the two ways of calling one package")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300, 1300])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--against", type=Path, help="a folder of packages of the same model to compare with, "
+                        "row count for row count (e.g. built before a change)")
     args = parser.parse_args()
     engine = load(args.model, dtype=args.dtype, compile="on")  # on: always a CompiledSteps; nothing is built
     model, folder = engine.model, engine.compiled.folder
@@ -44,6 +48,12 @@ def main() -> None:
         runners = {"package call": torch._inductor.aoti_load_package(str(path)),
                    "flat call": compiled.load_package(path)}
         sizes = dict.fromkeys(runners, args.rows[0])
+    elif args.against:
+        runners, sizes = {}, {}
+        for rows, path in paths.items():
+            for name, package in ((f"{rows} rows", path), (f"{rows} rows ({args.against.name})",
+                                                            args.against / path.name)):
+                runners[name], sizes[name] = compiled.load_package(package), rows
     else:
         runners = {f"{rows} rows": compiled.load_package(path) for rows, path in paths.items()}
         sizes = dict(zip(runners, args.rows))

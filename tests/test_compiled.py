@@ -304,3 +304,78 @@ def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(native.BuildError, match=r"^cannot run /nonexistent/c\+\+: [^\n]+$"):
         native.compile_library(tmp_path / "ops.so")
     assert not list(tmp_path.iterdir())
+
+
+def _quantized(kind: str, out_features: int, in_features: int, seed: int):
+    """A GGUF-quantized random matrix as the reader hands it to packing, and gguf's own dequantization of it."""
+    import types
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    weights = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    data = quants.quantize(weights, qtype)
+    tensor = types.SimpleNamespace(tensor_type=qtype, shape=(in_features, out_features), data=data)
+    return tensor, torch.from_numpy(quants.dequantize(data, qtype)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
+def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out_features, with_bias):
+    """A GGUF model's projections read its blocks in compiled steps: the kernel rebuilds exactly the bf16 weights
+    gguf's own dequantizer gives (bit for bit), multiplies them like a bf16 linear, and each row's result does
+    not depend on the other rows of the step (17: more rows than one AMX tile holds)."""
+    from fafo_cli.engine import native, packed
+
+    native.load(compiled_cache / "compiled")
+    if not torch.ops.fafo.packed_supported():
+        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
+    tensor, expected = _quantized(kind, out_features, 192, seed=out_features)
+    codes, d, m = packed._blocks(tensor)
+    weight = packed.pack(codes, d, m)
+    assert torch.equal(torch.ops.fafo.packed_weight(weight, out_features), expected)
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(17, 192).bfloat16()
+    y = packed.PackedLinear(weight, out_features, bias)(x[None])[0]
+    reference = torch.nn.functional.linear(x.double(), expected.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(y.double(), reference, atol=0.02, rtol=0.01)
+    for first in (1, 5, 6, 7, 16):
+        alone = torch.ops.fafo.packed_linear(x[:first].contiguous(), weight, out_features, bias)
+        assert torch.equal(alone, y[:first]), first
+    dense = torch.nn.Linear(192, out_features, bias=with_bias).bfloat16()
+    dense.weight.data = expected.clone()
+    dense.weight.data[3, 5] += 1.0  # a weight that differs from the file's: that matrix stays dense
+    assert packed._packed(tensor, dense) is None
+
+
+def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2):
+    """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
+    packed, q's and k's rows in the order transformers loaded them; a step through the packed modules picks the
+    same tokens, and the model's own modules are back afterwards."""
+    from fafo_cli.engine import native, packed
+
+    engine = load(None, dtype="bfloat16", compile="off")
+    native.load(compiled_cache / "compiled")
+    if not torch.ops.fafo.packed_supported():
+        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
+    model = engine.model
+    modules = packed.pack_model(model, packed.gguf_source(smollm2))
+    assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
+    ids = torch.tensor(engine.encode("Name three colours."))
+    positions = torch.arange(len(ids))
+
+    def logits() -> torch.Tensor:
+        from fafo_cli.engine.model import causal_attention, prefix_causal_mask
+
+        attend = causal_attention(prefix_causal_mask(0, len(ids), model.device), model.scaling)
+        return model.forward(ids, positions, model.new_cache(64), attend)
+
+    dense = logits()
+    with packed.swapped_in(model, modules):
+        assert model.lm_head is modules["lm_head"]
+        swapped = logits()
+    assert model.lm_head is model.hf.lm_head and not isinstance(model.layers[0].mlp.up_proj, packed.PackedLinear)
+    assert torch.equal(swapped.argmax(-1), dense.argmax(-1))
+    # bf16 activations round differently after other orders of addition, through 30 layers: close on average
+    assert (swapped - dense).abs().mean() < 0.05 * dense.abs().mean()

@@ -16,7 +16,8 @@ Each layer runs one masked attention call: a row sees all cached positions where
 layer marks in `visible` where `sees_part` is (FAFO's fumble rows and C(kv)), none where neither is (padding
 rows), plus the step's own rows through `local`.
 On a CPU that call is our kernel (attention_op.cpp, via native.py), and bf16 GEMMs may use ours
-(bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic.
+(bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic. A model from a
+.gguf file multiplies with its quantized blocks instead (packed.py), rebuilt exactly into its bf16 weights.
 New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
 eager path writes them. A bfloat16 model's CPU cache is stored in bfloat16 while compiled steps serve
 (`stored_dtype`), with the queries in bf16 too (exact: a bf16 model's are): each step streams half the bytes.
@@ -37,11 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from ..files import atomic_path, write_atomic
-from . import bf16_gemm, native
+from . import bf16_gemm, native, packed
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 5  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 6  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
 # compiled, 9 with W=2; prompt lookup's 9). Padding rows see no cached position, but they cost matrix
@@ -136,8 +137,9 @@ def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
             list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
 
 
-def build(model: Model, rows: int, path: Path) -> None:
-    """Trace, compile and package the `rows`-row step at `path` (atomically). Minutes on a CPU."""
+def build(model: Model, rows: int, path: Path, packed_modules: dict | None = None) -> None:
+    """Trace, compile and package the `rows`-row step at `path` (atomically). Minutes on a CPU.
+    `packed_modules` (packed.pack_model) replace the model's projections in the traced graph."""
     from torch.export import Dim
 
     length = Dim("length", min=MIN_LENGTH, max=model.max_context)
@@ -147,7 +149,8 @@ def build(model: Model, rows: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         load_kernels(model, path.parent.parent)
-        with torch.inference_mode(), warnings.catch_warnings(), atomic_path(path) as partial:
+        with (torch.inference_mode(), warnings.catch_warnings(), atomic_path(path) as partial,
+              packed.swapped_in(model, packed_modules or {})):
             warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
             exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
             # quiet: no autotuning tables on the user's terminal
@@ -173,10 +176,10 @@ def _first_line(error: Exception) -> str:
 
 
 def identity(model: Model, source: str) -> str:
-    """Names a model's packages: its source and config, dtype, device kind, the CPU's vector level (kernels
-    are generated for it), torch version, graph version."""
+    """Names a model's packages: its source and config, dtype, device kind, our kernels' version (with the
+    CPU's features, for which kernels are generated, and torch's version), graph version."""
     key = json.dumps([source, model.config.to_json_string(), str(model.dtype), model.device.type,
-                      torch.backends.cpu.get_cpu_capability(), torch.__version__, GRAPH_VERSION])
+                      native.version(), GRAPH_VERSION])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -187,8 +190,11 @@ class CompiledSteps:
     were built (their record says so). Any failure prints one notice and leaves that size to eager.
     """
 
-    def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None]):
+    def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
+                 gguf: Path | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
+        self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
+        self._packed: dict | None = None
         self._runners: dict[int, object | None] = {}
         self._layers: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
@@ -201,6 +207,19 @@ class CompiledSteps:
         if message not in self._said:
             self._said.add(message)
             self.notify(message)
+
+    def packed_modules(self) -> dict:
+        """The projections that run on packed GGUF blocks in this model's graphs (packed.py); read once."""
+        if self._packed is None:
+            self._packed = {}
+            load_kernels(self.model, self.folder.parent)
+            if self.gguf is not None and packed.supported(self.model):
+                try:
+                    self._packed = packed.pack_model(self.model, self.gguf)
+                except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
+                    self.notify_once(f"cannot read the packed weights of {self.gguf.name} ({_first_line(error)}); "
+                                     "compiling with bf16 weights")
+        return self._packed
 
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
@@ -235,7 +254,7 @@ class CompiledSteps:
         self.notify(f"compiling the {rows}-row step for this model once (minutes on a CPU; later runs load it)")
         started = time.perf_counter()
         try:
-            build(self.model, rows, package)
+            build(self.model, rows, package, self.packed_modules())
             runner = load_package(package)
             timing = measure(self.model, runner, rows)
             timing.build_s = time.perf_counter() - started

@@ -1,5 +1,6 @@
-"""Our C++ kernels (attention_op.cpp), compiled once per machine and torch version with the C++ compiler
-that compiled steps need anyway, cached next to the compiled packages, and loaded into torch as `fafo::` ops."""
+"""Our C++ kernels (attention_op.cpp, packed_linear.cpp), compiled once per machine and torch version with
+the C++ compiler that compiled steps need anyway, cached next to the compiled packages, and loaded into torch
+as `fafo::` ops."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from ..files import atomic_path
 
-SOURCE = Path(__file__).with_name("attention_op.cpp")
+SOURCES = (Path(__file__).with_name("attention_op.cpp"), Path(__file__).with_name("packed_linear.cpp"))
 _loaded = False
 
 
@@ -20,15 +21,31 @@ class BuildError(RuntimeError):
     """The C++ compiler failed or is missing."""
 
 
+def cpu_features() -> str:
+    """What code built with -march=native depends on: the CPU's vector level and, on Linux, its feature flags
+    (a cache folder may move to another machine of the same level that lacks, say, AVX512-BF16)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line.split(":", 1)[1].strip() for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()} {flags}"
+
+
+def version() -> str:
+    """Names a build of our kernels: their sources, torch's version and the CPU's features (the code is built for
+    this CPU). Compiled packages carry it too: they hold weights packed for packed_linear's layout."""
+    machine = f"{torch.__version__} {cpu_features()}"
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + machine.encode()).hexdigest()[:16]
+
+
 def library_path(folder: Path) -> Path:
-    """Named by the source, torch's version and the CPU's vector level (the code is built for this CPU)."""
-    machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
-    key = hashlib.sha256(SOURCE.read_bytes() + machine.encode()).hexdigest()[:16]
-    return folder / f"fafo-ops-{key}.so"
+    return folder / f"fafo-ops-{version()}.so"
 
 
-def compile_library(path: Path, source: Path = SOURCE) -> None:
-    """Compile `source` into the shared library `path` (atomically)."""
+def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compile `sources` into the shared library `path` (atomically)."""
     from torch.utils import cpp_extension
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +54,7 @@ def compile_library(path: Path, source: Path = SOURCE) -> None:
         with atomic_path(path) as partial:
             command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                       *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(partial),
+                       *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, sources), "-o", str(partial),
                        *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
@@ -49,7 +66,7 @@ def compile_library(path: Path, source: Path = SOURCE) -> None:
 
 
 def load(folder: Path) -> None:
-    """Make `torch.ops.fafo.attend` available, compiling the library into `folder` on first use."""
+    """Make the `torch.ops.fafo` ops available, compiling the library into `folder` on first use."""
     global _loaded
     if _loaded:
         return
@@ -61,5 +78,9 @@ def load(folder: Path) -> None:
     @torch.library.register_fake("fafo::attend")
     def _(q, k, v, sees_all, sees_part, visible, local, scale):  # for tracing: the queries' shape, float32
         return q.new_empty(q.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("fafo::packed_linear")
+    def _(x, packed, out_features, bias):
+        return x.new_empty(x.shape[0], out_features)
 
     _loaded = True

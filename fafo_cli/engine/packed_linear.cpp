@@ -1,0 +1,324 @@
+// fafo::packed_linear: y = x W^T where W is kept as a GGUF file's blocks (Q4_1 or Q8_0), on the CPU.
+//
+// Why: a decoding step on a CPU is bound by reading the weights. A GGUF model's bf16 weights are
+// bf16(d * q + m) per block of 32 (Q4_1: q a 4-bit code, d and m the block's scale and minimum) or bf16(d * q)
+// (Q8_0: q an int8), so 6 or 9 bits per weight rebuild all 16 exactly: a step reads a third or a half of
+// the bytes. d * q is exact in float32, so one FMA (or product) is the float32 value GGUF's own dequantizer
+// computes, and the conversion to bf16 rounds to nearest even as torch does. A Q4_1 block's 16 possible
+// values are computed once and looked up by code with one permute per 32 weights. The weights multiplied
+// are therefore exactly the model's; only the order of the additions is ours.
+//
+// Products: AMX tiles where the CPU has them (the rebuilt weights are stored as a 16 x 32 tile and multiplied
+// with all the step's rows at once), else AVX-512 pair dot products. Either way each output depends only on
+// its own input row: every row's sums run the same instructions in the same order whatever the number of
+// rows, so a verifying row computes bit for bit what a plain step would.
+//
+// Layout of a packed weight (uint8 [out / kTile, in / 64, kTile, entry bytes]): per tile of kTile weight rows
+// and per 64 columns (two blocks, A and B), one entry per row. Q4_1: 32 bytes of codes (byte i = A's code i |
+// B's code i << 4), then dA, mA, dB, mB as float32 (48 bytes). Q8_0: A's and B's 32 codes, dA, dB (72 bytes).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FAFO_PACKED 1
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;       // weight rows per task (an AMX tile's rows)
+constexpr int64_t kSub = 4;         // weight rows per AVX-512 register block: 4 accumulators per input row
+constexpr int64_t kRows = 6;        // input rows per AVX-512 register block (6 x 4 accumulators)
+constexpr int64_t kGroup = 64;      // columns per entry: two blocks
+constexpr int64_t kPrefetch = 8192;  // bytes ahead: the weights stream from memory (measured: 2.5x at 1 row)
+
+#if FAFO_PACKED
+
+// Each format rebuilds one weight row's 64 columns of an entry as two vectors of 32 bf16 (blocks A and B).
+struct Q4_1 {
+  static constexpr int64_t entry = 48;
+
+  // bf16(d * q + m) for q = 0..15, in both halves of a 32-entry table (the permute reads 5 index bits)
+  static __m512i values(const float* dm) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 v = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[1]));
+    return (__m512i)_mm512_cvtne2ps_pbh(v, v);
+  }
+
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
+    const float* dm = reinterpret_cast<const float*>(entry + 32);
+    a = _mm512_permutexvar_epi16(codes, values(dm));
+    b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values(dm + 2));
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t entry = 72;
+
+  static __m512i block(const uint8_t* codes, float d) {  // bf16(d * q) of 32 int8 codes, in order
+    auto half = [&](int at) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d));
+    };
+    return (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0));
+  }
+
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    const float* d = reinterpret_cast<const float*>(entry + 64);
+    a = block(entry, d[0]);
+    b = block(entry + 32, d[1]);
+  }
+};
+
+template <class F>
+inline void prefetch(const uint8_t* group) {
+  for (int64_t line = 0; line < kTile * F::entry; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetch + line), _MM_HINT_T0);
+}
+
+// Sums of a tile's kTile weight rows with `rows` input rows (AVX-512 pair dot products): sums[t * ld + r].
+template <class F, int rows>
+void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64_t groups, int sub, float* sums,
+                  int64_t ld) {
+  __m512 acc[rows][kSub];
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < kSub; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = tile + g * kTile * F::entry;
+    if (sub == 0) prefetch<F>(group);
+    for (int t = 0; t < kSub; ++t) {
+      __m512i a, b;
+      F::rebuild(group + (sub * kSub + t) * F::entry, a, b);
+      for (int r = 0; r < rows; ++r) {
+        const at::BFloat16* xr = x + r * ldx + g * kGroup;
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr), (__m512bh)a);
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr + 32), (__m512bh)b);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < kSub; ++t) sums[(sub * kSub + t) * ld + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+template <class F>
+void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t* tile, int64_t groups,
+                 float* sums) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+    for (int sub = 0; sub < kTile / kSub; ++sub) {
+      const at::BFloat16* xr = x + r0 * ldx;
+      float* out = sums + r0;
+      switch (std::min(kRows, rows - r0)) {  // compile-time heights keep the accumulators in registers
+        case 1: avx512_block<F, 1>(xr, ldx, tile, groups, sub, out, rows); break;
+        case 2: avx512_block<F, 2>(xr, ldx, tile, groups, sub, out, rows); break;
+        case 3: avx512_block<F, 3>(xr, ldx, tile, groups, sub, out, rows); break;
+        case 4: avx512_block<F, 4>(xr, ldx, tile, groups, sub, out, rows); break;
+        case 5: avx512_block<F, 5>(xr, ldx, tile, groups, sub, out, rows); break;
+        default: avx512_block<F, 6>(xr, ldx, tile, groups, sub, out, rows); break;
+      }
+    }
+}
+static_assert(kRows == 6, "avx512_tile covers heights 1..kRows");
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(FAFO_NO_AMX)
+#define FAFO_AMX 1
+
+// AMX: each group's two blocks are rebuilt into two 16 x 32 bf16 tiles (weight rows x columns) and multiplied
+// with the input rows, laid out in pairs of columns ([in / 2][rows][2]), into a 16 x rows float32 tile.
+bool amx_ready() {  // Linux hands out the tile registers on request, once per process
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t tile_rows[16] = {};
+};
+
+// The tiles amx_tile uses, for `rows` input rows: loaded once per thread and call (loading costs microseconds).
+void amx_configure(int64_t rows) {
+  TileConfig config;
+  const uint16_t width = static_cast<uint16_t>(rows * 4);
+  config.tile_rows[0] = 16, config.colsb[0] = width;                 // sums
+  config.tile_rows[1] = config.tile_rows[2] = 16;                    // weights, blocks A and B
+  config.colsb[1] = config.colsb[2] = 64;
+  config.tile_rows[3] = config.tile_rows[4] = 16;                    // inputs, blocks A and B
+  config.colsb[3] = config.colsb[4] = width;
+  _tile_loadconfig(&config);
+}
+
+// Sums of a tile's 16 weight rows with `rows` (<= 16) input rows in pairs (`pairs`: [in / 2][rows][2]),
+// under amx_configure(rows).
+template <class F>
+void amx_tile(const at::BFloat16* pairs, int64_t rows, const uint8_t* tile, int64_t groups, float* sums) {
+  const int64_t width = rows * 4;
+  alignas(64) at::BFloat16 weights[2][2][kTile][32];  // [buffer][block][row][column]: two groups in flight
+  _tile_zero(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = tile + g * kTile * F::entry;
+    prefetch<F>(group);
+    auto& w = weights[g & 1];
+    for (int t = 0; t < kTile; ++t) {
+      __m512i a, b;
+      F::rebuild(group + t * F::entry, a, b);
+      _mm512_store_si512(w[0][t], a);
+      _mm512_store_si512(w[1][t], b);
+    }
+    const at::BFloat16* x = pairs + g * kGroup * rows;
+    _tile_loadd(1, w[0], 64);
+    _tile_loadd(3, x, width);
+    _tile_loadd(2, w[1], 64);
+    _tile_loadd(4, x + 32 * rows, width);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+  }
+  _tile_stored(0, sums, width);
+}
+#endif
+
+#endif
+
+#if FAFO_PACKED
+template <class F>
+at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), in_features = x.size(1), tiles = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
+              "fafo::packed_linear: x and the packed weight do not fit");
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+#if FAFO_AMX
+  const bool amx = amx_ready();
+#else
+  const bool amx = false;
+#endif
+  // AMX takes up to 16 input rows at a time, their columns in pairs: [chunk][in / 2][rows][2]
+  constexpr int64_t kAmxRows = 16;
+  std::vector<at::BFloat16> pairs;
+  if (amx) {
+    pairs.resize(rows * in_features);
+    for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+      const int64_t height = std::min(kAmxRows, rows - r0);
+      at::BFloat16* chunk = pairs.data() + r0 * in_features;
+      for (int64_t r = 0; r < height; ++r)
+        for (int64_t k = 0; k < in_features; ++k)
+          chunk[(k / 2 * height + r) * 2 + k % 2] = xp[(r0 + r) * in_features + k];
+    }
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(kTile * rows);  // [weight row][input row]
+    int64_t configured = 0;  // the row count the tiles are configured for
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint8_t* weights = wp + tile * groups * kTile * F::entry;
+#if FAFO_AMX
+      if (amx) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+          const int64_t height = std::min(kAmxRows, rows - r0);
+          if (height != configured) amx_configure(configured = height);
+          alignas(64) float block[kTile * kAmxRows];
+          amx_tile<F>(pairs.data() + r0 * in_features, height, weights, groups, block);
+          for (int64_t t = 0; t < kTile; ++t)
+            for (int64_t r = 0; r < height; ++r) sums[t * rows + r0 + r] = block[t * height + r];
+        }
+      }
+#endif
+      if (!amx) avx512_tile<F>(xp, rows, in_features, weights, groups, sums.data());
+      for (int64_t t = 0; t < kTile && tile * kTile + t < out_features; ++t) {
+        const int64_t n = tile * kTile + t;
+        for (int64_t r = 0; r < rows; ++r)
+          yp[r * out_features + n] = at::BFloat16(sums[t * rows + r] + (bias_p ? bias_p[n] : 0.0f));
+      }
+    }
+#if FAFO_AMX
+    if (configured) _tile_release();
+#endif
+  });
+  return y;
+}
+
+template <class F>
+at::Tensor weight_as(const at::Tensor& packed, int64_t out_features) {
+  const int64_t tiles = packed.size(0), groups = packed.size(1);
+  at::Tensor w = at::empty({tiles * kTile, groups * kGroup}, at::TensorOptions().dtype(at::kBFloat16));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::BFloat16* out = w.data_ptr<at::BFloat16>();
+  for (int64_t tile = 0; tile < tiles; ++tile)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t t = 0; t < kTile; ++t) {
+        __m512i a, b;
+        F::rebuild(wp + ((tile * groups + g) * kTile + t) * F::entry, a, b);
+        at::BFloat16* row = out + (tile * kTile + t) * groups * kGroup + g * kGroup;
+        _mm512_storeu_si512(row, a);
+        _mm512_storeu_si512(row + 32, b);
+      }
+  return w.narrow(0, 0, out_features).clone();
+}
+#endif
+
+void check_packed(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(2) == kTile &&
+              (packed.size(3) == 48 || packed.size(3) == 72) && packed.is_contiguous(),
+              "fafo::packed_linear: not a packed weight");
+#if !FAFO_PACKED
+  TORCH_CHECK(false, "fafo::packed_linear needs a CPU with AVX512-BF16");
+#endif
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  check_packed(packed);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "fafo::packed_linear: x must be a contiguous bf16 [rows, in_features]");
+#if FAFO_PACKED
+  return packed.size(3) == Q4_1::entry ? linear_as<Q4_1>(x, packed, out_features, bias)
+                                       : linear_as<Q8_0>(x, packed, out_features, bias);
+#else
+  return at::Tensor();  // not reached: check_packed throws
+#endif
+}
+
+// The dense bf16 weight [out_features, in_features] a packed weight multiplies with, rebuilt by the same
+// code: packing checks it against the model's own weight, bit for bit.
+at::Tensor packed_weight(const at::Tensor& packed, int64_t out_features) {
+  check_packed(packed);
+#if FAFO_PACKED
+  return packed.size(3) == Q4_1::entry ? weight_as<Q4_1>(packed, out_features) : weight_as<Q8_0>(packed, out_features);
+#else
+  return at::Tensor();  // not reached: check_packed throws
+#endif
+}
+
+bool packed_supported() {
+#if FAFO_PACKED
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fafo, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_weight(Tensor packed, int out_features) -> Tensor");
+  m.def("packed_supported() -> bool", &packed_supported);  // built for a CPU with AVX512-BF16
+}
+
+TORCH_LIBRARY_IMPL(fafo, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_weight", &packed_weight);
+}
