@@ -128,6 +128,7 @@ void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t
 }
 static_assert(kRows == 6, "avx512_tile covers heights 1..kRows");
 
+// (built with -DFAFO_NO_AMX, an AMX CPU runs the AVX-512 path: how the README's AVX-512 figures were taken)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(FAFO_NO_AMX)
 #define FAFO_AMX 1
 
