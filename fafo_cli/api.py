@@ -22,7 +22,6 @@ import torch
 from . import config as config_mod
 from . import hub
 from .decoders import DECODERS
-from .engine import packed
 from .engine.compiled import CompiledSteps, identity
 from .engine.events import Result, Step
 from .engine.model import Model
@@ -91,7 +90,7 @@ class Engine:
         engine = cls(Model(hf_model), tokenizer, folder, config)
         if config.compile != "off":
             engine.compiled = CompiledSteps(engine.model, _compiled_folder(engine.model, folder), mode=config.compile,
-                                            notify=notify or _print_notice, gguf=packed.gguf_source(folder))
+                                            notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
         if config.draft_model is not None:
             if config.method != "triforce":

@@ -30,6 +30,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # What a causal LM needs from a repo: configs, tokenizer files, chat template, safetensors weights.
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name": ...}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -88,7 +89,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
     try:
         _write_gguf_as_hf(path, staging)
-        (staging / "fafo_source.json").write_text(json.dumps({"gguf": str(path.resolve()), "name": name or path.stem}))
+        (staging / SOURCE_MARKER).write_text(json.dumps({"gguf": str(path.resolve()), "name": name or path.stem}))
         try:
             os.rename(staging, target)  # atomic: the folder appears complete or not at all
         except OSError:
@@ -97,6 +98,15 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The .gguf file a converted model folder came from (convert_gguf records it), if it still exists."""
+    try:
+        path = Path(json.loads((folder / SOURCE_MARKER).read_text(encoding="utf-8"))["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
 
 
 @contextmanager
@@ -272,7 +282,7 @@ def cached_models() -> list[CachedModel]:
                                  latest.snapshot_path, "hub"))
     models = cache_dir() / "models"
     for folder in sorted(models.iterdir()) if models.is_dir() else ():
-        marker = folder / "fafo_source.json"
+        marker = folder / SOURCE_MARKER
         if folder.name.startswith(".partial-") or not marker.is_file():
             continue
         name = json.loads(marker.read_text()).get("name", folder.name)

@@ -2,7 +2,7 @@
 rounds), on FAFO-shaped inputs: the first 4 rows see the whole cache, the next 5 a StreamingLLM view (4 sink +
 252 recent positions), any further rows are padding. Uses the packages already built for the model (`fafo run
 --compile`, or `fafo bench --compile`); prints whether the compared rows' logits are equal and how much of
-each step our attention kernel took.
+each step our attention kernel and our packed GGUF matrices (packed_linear.cpp) took.
 
     python scripts/package_ab.py --rows 9 12      # FAFO's 9-row step: its exact package against the 12-row one
     python scripts/package_ab.py --rows 1 --calls  # one package: our flat call against the package's own call
@@ -71,20 +71,21 @@ def main() -> None:
                     for _ in range(4):
                         runner(*inputs[name])
                     times[name].append((time.perf_counter() - started) / 4 * 1e3)
-            kernel = {name: attention_ms(runner, inputs[name]) for name, runner in runners.items()}
-            figures = ", ".join(f"{name} {statistics.median(t):.2f} ms (attention kernel {kernel[name]:.2f})"
-                                for name, t in times.items())
+            kernels = {name: kernel_ms(runner, inputs[name]) for name, runner in runners.items()}
+            figures = ", ".join(f"{name} {statistics.median(t):.2f} ms (attention kernel "
+                                f"{kernels[name].get('fafo::attend', 0):.2f}, packed matrices "
+                                f"{kernels[name].get('fafo::packed_linear', 0):.2f})" for name, t in times.items())
             print(f"after {context} cached tokens: {figures} (median of {args.rounds}; logits of the first {shared} "
                   f"rows {'equal' if equal else 'differ'})")
 
 
-def attention_ms(runner, inputs, steps: int = 10) -> float:
-    """Milliseconds per step inside our attention kernel (fafo::attend, all layers), by torch.profiler: the
-    kernel's own time among the graph's matrix products, whose weights push the cache out of the L3."""
+def kernel_ms(runner, inputs, steps: int = 10) -> dict[str, float]:
+    """Milliseconds per step inside each of our kernels (fafo::attend, fafo::packed_linear; all layers), by
+    torch.profiler: their own time inside the graph, where the matrix weights push the cache out of the L3."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         for _ in range(steps):
             runner(*inputs)
-    return sum(e.self_cpu_time_total for e in profile.key_averages() if e.key == "fafo::attend") / steps / 1e3
+    return {e.key: e.self_cpu_time_total / steps / 1e3 for e in profile.key_averages() if e.key.startswith("fafo::")}
 
 
 if __name__ == "__main__":

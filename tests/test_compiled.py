@@ -349,19 +349,28 @@ def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out
     assert packed._packed(tensor, dense) is None
 
 
-def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2):
+def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, monkeypatch):
     """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
-    packed, q's and k's rows in the order transformers loaded them; a step through the packed modules picks the
-    same tokens, and the model's own modules are back afterwards."""
-    from fafo_cli.engine import native, packed
+    packed, q's and k's rows in the order transformers loaded them, and handed to the package build; a step
+    through the packed modules picks the same tokens, and the model's own modules are back afterwards."""
+    from fafo_cli.engine import compiled, native, packed
 
-    engine = load(None, dtype="bfloat16", compile="off")
     native.load(compiled_cache / "compiled")
     if not torch.ops.fafo.packed_supported():
         pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
+    built = []
+
+    def build(model, rows, path, packed_modules=None):  # what a build would trace, without the minutes
+        built.append(packed_modules)
+        raise compiled.CompileError("not built in this test")
+
+    monkeypatch.setattr(compiled, "build", build)
+    notices: list[str] = []
+    engine = load(None, dtype="bfloat16", compile="on", notify=notices.append)
     model = engine.model
-    modules = packed.pack_model(model, packed.gguf_source(smollm2))
+    modules = engine.compiled.packed_modules()
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
+    assert engine.compiled.runner(1) is None and built == [modules] and notices[-1].startswith("compilation failed")
     ids = torch.tensor(engine.encode("Name three colours."))
     positions = torch.arange(len(ids))
 

@@ -11,7 +11,6 @@ file, stays dense.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,15 +25,6 @@ LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "ffn_down": "mlp.down_proj"}
 HEAD_TENSORS = ("output.weight", "token_embd.weight")  # the vocabulary head's own, else the tied embedding
 TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per task) and kGroup; GGUF's block
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The .gguf file a converted model folder came from (hub.convert_gguf records it), if it still exists."""
-    try:
-        path = Path(json.loads((folder / "fafo_source.json").read_text(encoding="utf-8"))["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return path if path.is_file() else None
 
 
 def supported(model: Model) -> bool:
