@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-from fafo_cli import load
-from fafo_cli.engine import compiled
+from fafo_cli import hub, load
+from fafo_cli.engine import compiled, packed
 
 
 def main() -> None:
@@ -34,11 +34,14 @@ def main() -> None:
     args = parser.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     inductor_config.cpp.descriptive_names = "inductor_node"
-    model = load(args.model, dtype=args.dtype, method="vanilla").model
-    rows = args.rows
+    engine = load(args.model, dtype=args.dtype, method="vanilla")
+    model, rows, gguf = engine.model, args.rows, hub.gguf_source(engine.folder)
     with tempfile.TemporaryDirectory() as folder:
         package = Path(folder) / "packages" / f"rows{rows}.pt2"
-        compiled.build(model, rows, package)
+        compiled.load_kernels(model, Path(folder))
+        # as `fafo run --compile` builds it: a model from a .gguf file multiplies with its packed blocks
+        modules = packed.pack_model(model, gguf) if gguf is not None and packed.supported(model) else {}
+        compiled.build(model, rows, package, modules)
         profile_step(compiled.load_package(package), model, args)
 
 

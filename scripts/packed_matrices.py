@@ -1,16 +1,19 @@
 """The packed GGUF matrices alone (fafo::packed_linear, packed_linear.cpp): every matrix of the model that packs,
 called back to back as a compiled step calls them (its weights stream from memory), against the same matrices
-as dense bf16 in eager torch; median of the rounds. `--no-amx` builds the kernel without AMX (its AVX-512
-path) under its own op namespace, to compare the two on a CPU that has AMX.
+as dense bf16 in eager torch; median of the rounds, every variant timed alternately in each round. Each kernel
+runs the matrices both as the step calls them (a layer's q, k and v stacked into one call, gate and up into
+another) and one call per matrix. `--base REV` adds the kernel of a git revision, `--no-amx` the working tree's
+kernel built without AMX (its AVX-512 path), each under its own op namespace.
 
     python scripts/packed_matrices.py --rows 1 6 9
-    python scripts/packed_matrices.py --rows 1 6 9 --no-amx
+    python scripts/packed_matrices.py --rows 1 6 9 --base HEAD --no-amx
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -21,23 +24,26 @@ from fafo_cli import hub, load
 from fafo_cli.engine import native, packed
 
 
-def no_amx_op(folder: Path):
-    """packed_linear built with -DFAFO_NO_AMX, as torch.ops.fafo_noamx.packed_linear."""
-    source = native.SOURCES[1].read_text().replace("(fafo,", "(fafo_noamx,")
-    (folder / "noamx.cpp").write_text("#define FAFO_NO_AMX 1\n" + source)
-    native.compile_library(folder / "noamx.so", (folder / "noamx.cpp",))
-    torch.ops.load_library(str(folder / "noamx.so"))
-    return torch.ops.fafo_noamx.packed_linear.default
+def kernel_as(source: str, name: str, folder: Path, defines: str = ""):
+    """packed_linear from `source`, registered as torch.ops.<name>.packed_linear."""
+    (folder / f"{name}.cpp").write_text(defines + source.replace("(fafo,", f"({name},"))
+    native.compile_library(folder / f"{name}.so", (folder / f"{name}.cpp",))
+    torch.ops.load_library(str(folder / f"{name}.so"))
+    return getattr(torch.ops, name).packed_linear.default
 
 
-def median_ms(calls, rounds: int) -> float:
-    times = []
-    for _ in range(rounds + 2):
-        started = time.perf_counter()
-        for call in calls:
-            call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[2:]) * 1e3
+def one_per_matrix(modules: dict) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    """(packed, out_features, bias) of every matrix on its own: a stacked one's tiles and bias cut back apart."""
+    separate = []
+    for module in modules.values():
+        if isinstance(module, packed.FusedPart):
+            fused, first = module.fused, sum(module.fused.sizes[:module.index])
+            tiles = slice(first // packed.TILE, (first + module.out_features) // packed.TILE)
+            bias = None if fused.bias is None else fused.bias[first:first + module.out_features]
+            separate.append((fused.packed[tiles].contiguous(), module.out_features, bias))
+        else:
+            separate.append((module.packed, module.out_features, module.bias))
+    return separate
 
 
 def main() -> None:
@@ -45,7 +51,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf model (default: the embedded SmolLM2)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 6, 9])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--no-amx", action="store_true", help="the kernel's AVX-512 path instead of AMX")
+    parser.add_argument("--base", help="git revision whose kernel to time as well")
+    parser.add_argument("--no-amx", action="store_true", help="also the kernel's AVX-512 path instead of AMX")
     args = parser.parse_args()
     engine = load(args.model, dtype="bfloat16", compile="off")
     native.load(hub.cache_dir() / "compiled")
@@ -53,21 +60,39 @@ def main() -> None:
     if gguf is None or not packed.supported(engine.model):
         raise SystemExit("needs a model from a .gguf file, in bf16, on a CPU with AVX512-BF16")
     modules = packed.pack_model(engine.model, gguf)
+    stacked = [(m.packed, m.out_features, m.bias) for m in packed.kernels(modules)]
+    separate = one_per_matrix(modules)
     with tempfile.TemporaryDirectory() as folder:
-        op = no_amx_op(Path(folder)) if args.no_amx else torch.ops.fafo.packed_linear.default
-        print(f"{len(modules)} packed matrices ({'AVX-512' if args.no_amx else 'AMX where the CPU has it'}), "
-              f"median of {args.rounds}")
+        kernels = {"tree": torch.ops.fafo.packed_linear.default}
+        if args.base:
+            source = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/packed_linear.cpp"],
+                                    capture_output=True, text=True, check=True).stdout
+            kernels[args.base] = kernel_as(source, "fafo_base", Path(folder))
+        if args.no_amx:
+            kernels["tree, no AMX"] = kernel_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
+                                                "#define FAFO_NO_AMX 1\n")
+        print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
+              f"median of {args.rounds} rounds, ms for all of them")
         with torch.inference_mode():
             for rows in args.rows:
-                inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {m.packed.shape[1] * 64
-                                                                                  for m in modules.values()}}
-                dense, fast = [], []
-                for name, module in modules.items():
-                    x, linear = inputs[module.packed.shape[1] * 64], engine.model.hf.get_submodule(name)
-                    dense.append(lambda x=x, linear=linear: linear(x))
-                    fast.append(lambda x=x, m=module: op(x, m.packed, m.out_features, m.bias))
-                print(f"{rows:2d} rows: packed {median_ms(fast, args.rounds):.2f} ms, "
-                      f"dense bf16 (eager) {median_ms(dense, args.rounds):.2f} ms", flush=True)
+                inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {w.shape[1] * 64 for w, _, _ in separate}}
+                variants = {"dense bf16 (eager)": [lambda x=inputs[linear.in_features], linear=linear: linear(x)
+                                                   for linear in map(engine.model.hf.get_submodule, modules)]}
+                for name, op in kernels.items():
+                    for calls, matrices in (("stacked", stacked), ("one each", separate)):
+                        variants[f"{name}, {calls}"] = [
+                            lambda x=inputs[w.shape[1] * 64], w=w, n=n, b=b, op=op: op(x, w, n, b)
+                            for w, n, b in matrices]
+                times: dict[str, list[float]] = {name: [] for name in variants}
+                for round in range(args.rounds + 2):
+                    for name, calls in variants.items():
+                        started = time.perf_counter()
+                        for call in calls:
+                            call()
+                        if round >= 2:  # the first two warm up
+                            times[name].append(time.perf_counter() - started)
+                print(f"{rows:2d} rows: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f}"
+                                                      for name, t in times.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -349,6 +349,46 @@ def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out
     assert packed._packed(tensor, dense) is None
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
+    """A layer's q, k and v (gate and up) are stacked into one packed matrix: each part gives bit for bit what its
+    matrix gives alone, and parts called with the same input make one kernel call in the traced graph. Parts
+    that would leave padding rows between them, or mix bias and none, are not stacked."""
+    from fafo_cli.engine import native, packed
+
+    native.load(compiled_cache / "compiled")
+    if not torch.ops.fafo.packed_supported():
+        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
+
+    def part(out_features: int, seed: int, bias: bool = with_bias) -> packed.PackedLinear:
+        weight = packed.pack(*packed._blocks(_quantized("Q4_1", out_features, 192, seed)[0]))
+        return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
+
+    alone = [part(48, 1), part(32, 2), part(16, 3)]
+    fused = packed.FusedPackedLinear(alone)
+    parts = [fused.part(i) for i in range(3)]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = torch.nn.ModuleList(parts)
+
+        def forward(self, x):
+            return [p(x) for p in self.parts]
+
+    x = torch.randn(1, 6, 192).bfloat16()
+    for separate, stacked in zip(alone, Layer()(x)):
+        assert torch.equal(separate(x), stacked)
+    fused.forget()
+    graph = torch.export.export(Layer(), (x,), strict=False).graph
+    calls = [n for n in graph.nodes if n.target is torch.ops.fafo.packed_linear.default]
+    assert len(calls) == 1
+    assert packed.FusedPackedLinear.fits(alone)
+    assert not packed.FusedPackedLinear.fits([part(48, 1), part(37, 4)])
+    assert not packed.FusedPackedLinear.fits([part(48, 1), part(32, 2, bias=not with_bias)])
+    assert not packed.FusedPackedLinear.fits([part(48, 1), None])
+
+
 def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, monkeypatch):
     """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
     packed, q's and k's rows in the order transformers loaded them, and handed to the package build; a step
@@ -370,6 +410,7 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     model = engine.model
     modules = engine.compiled.packed_modules()
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
+    assert len(packed.kernels(modules)) == 4 * len(model.layers) + 1  # q, k, v in one call; gate and up in one
     assert engine.compiled.runner(1) is None and built == [modules] and notices[-1].startswith("compilation failed")
     ids = torch.tensor(engine.encode("Name three colours."))
     positions = torch.arange(len(ids))

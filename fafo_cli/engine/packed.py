@@ -24,6 +24,8 @@ LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 HEAD_TENSORS = ("output.weight", "token_embd.weight")  # the vocabulary head's own, else the tied embedding
+# a layer's matrices that read the same input: multiplied in one call (fewer calls, one pass over the input)
+SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per task) and kGroup; GGUF's block
 
 
@@ -46,6 +48,54 @@ class PackedLinear(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.ops.fafo.packed_linear(flat, self.packed, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class FusedPackedLinear(torch.nn.Module):
+    """Packed matrices that read the same input, stacked: one packed_linear call computes all their outputs.
+    Each part stands in for its own module (`part(i)`); calls with the same input tensor, as a layer makes them
+    for q, k and v, share the latest call. Every output row's sums are those its own matrix gives alone (the
+    kernel works tile by tile of 16 weight rows), so this changes no bit, only the number of calls."""
+
+    def __init__(self, parts: list[PackedLinear]):
+        super().__init__()
+        self.sizes = [p.out_features for p in parts]
+        self.out_features = sum(self.sizes)
+        self.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        biases = [p.bias for p in parts]
+        self.register_buffer("bias", None if biases[0] is None else torch.cat(biases))
+        self._latest: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (input, outputs)
+
+    @staticmethod
+    def fits(parts: list[PackedLinear | None]) -> bool:
+        """Whether these can be stacked: all packed alike, none padded (every size a whole number of tiles,
+        so no padding rows sit between two parts), all with a bias or none."""
+        return (all(p is not None for p in parts) and len({p.packed.shape[1:] for p in parts}) == 1
+                and all(p.out_features % TILE == 0 for p in parts) and len({p.bias is None for p in parts}) == 1)
+
+    def part(self, index: int) -> "FusedPart":
+        return FusedPart(self, index)
+
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._latest is None or self._latest[0] is not x:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            y = torch.ops.fafo.packed_linear(flat, self.packed, self.out_features, self.bias)
+            self._latest = (x, y.split(self.sizes, dim=-1))
+        return self._latest[1]
+
+    def forget(self) -> None:
+        self._latest = None  # holds traced tensors: dropped once the trace is done
+
+
+class FusedPart(torch.nn.Module):
+    """One matrix of a FusedPackedLinear, in its module's place."""
+
+    def __init__(self, fused: FusedPackedLinear, index: int):
+        super().__init__()
+        self.fused, self.index = fused, index
+        self.out_features = fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.outputs(x)[self.index].view(*x.shape[:-1], self.out_features)
 
 
 def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
@@ -122,9 +172,10 @@ def _packed(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     return PackedLinear(weight, linear.out_features, linear.bias)
 
 
-def pack_model(model: Model, gguf: Path) -> dict[str, PackedLinear]:
+def pack_model(model: Model, gguf: Path) -> dict[str, torch.nn.Module]:
     """The projections and the vocabulary head that can be packed exactly, by their module's name in the
-    transformers model ("model.layers.3.mlp.up_proj", "lm_head")."""
+    transformers model ("model.layers.3.mlp.up_proj", "lm_head"): PackedLinear, or FusedPart where a layer's
+    matrices that read the same input could be stacked."""
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
@@ -132,11 +183,26 @@ def pack_model(model: Model, gguf: Path) -> dict[str, PackedLinear]:
               for i in range(len(model.layers)) for name, module in LAYER_MODULES.items()}
     wanted["lm_head"] = next((tensors[name] for name in HEAD_TENSORS if name in tensors), None)
     packed = {name: _packed(tensor, model.hf.get_submodule(name)) for name, tensor in wanted.items()}
+    for i in range(len(model.layers)):
+        for group in SHARED_INPUT:
+            names = [f"model.layers.{i}.{module}" for module in group]
+            if FusedPackedLinear.fits([packed[name] for name in names]):
+                fused = FusedPackedLinear([packed[name] for name in names])
+                packed.update((name, fused.part(index)) for index, name in enumerate(names))
     return {name: module for name, module in packed.items() if module is not None}
 
 
+def kernels(modules: dict[str, torch.nn.Module]) -> list[PackedLinear | FusedPackedLinear]:
+    """The distinct packed_linear calls behind `modules` (a FusedPackedLinear once for all its parts)."""
+    distinct = {}
+    for module in modules.values():
+        module = module.fused if isinstance(module, FusedPart) else module
+        distinct[id(module)] = module
+    return list(distinct.values())
+
+
 @contextmanager
-def swapped_in(model: Model, modules: dict[str, PackedLinear]):
+def swapped_in(model: Model, modules: dict[str, torch.nn.Module]):
     """The transformers model's modules replaced by `modules` (for tracing), then put back. Model.forward
     holds the vocabulary head itself, so it is swapped there too."""
     originals = {name: model.hf.get_submodule(name) for name in modules}
@@ -150,3 +216,6 @@ def swapped_in(model: Model, modules: dict[str, PackedLinear]):
         for name, module in originals.items():
             model.hf.set_submodule(name, module)
         model.lm_head = head
+        for module in modules.values():
+            if isinstance(module, FusedPart):
+                module.fused.forget()

@@ -157,6 +157,30 @@ void amx_configure(int64_t rows) {
   _tile_loadconfig(&config);
 }
 
+// bf16 of 16 floats, rounded to nearest even exactly as at::BFloat16 does (a NaN becomes 0x7FC0)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// y[r][n0 .. n0 + 16) = bf16(sums[.][r] + bias) for the `height` input rows of a tile's sums ([16][height]);
+// the outputs past out_features (a last, padded tile) are not written
+void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0, int64_t out_features,
+                at::BFloat16* y) {
+  const int64_t valid = std::min(kTile, out_features - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(height)));
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();  // + 0 as the scalar path
+  for (int64_t r = 0; r < height; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_i32gather_ps(column, sums + r, 4), b);
+    _mm256_mask_storeu_epi16(y + r * out_features + n0, keep, to_bf16(sum));
+  }
+}
+
 // Sums of a tile's 16 weight rows with `rows` (<= 16) input rows in pairs (`pairs`: [in / 2][rows][2]),
 // under amx_configure(rows).
 template <class F>
@@ -209,37 +233,41 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 #endif
   // AMX takes up to 16 input rows at a time, their columns in pairs: [chunk][in / 2][rows][2]
   constexpr int64_t kAmxRows = 16;
+  // (one row is already in that layout)
   std::vector<at::BFloat16> pairs;
-  if (amx) {
+  if (amx && rows > 1) {
     pairs.resize(rows * in_features);
+    const int64_t words = in_features / 2;  // a pair of bf16 moves as one 32-bit word
+    const uint32_t* from = reinterpret_cast<const uint32_t*>(xp);
     for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
       const int64_t height = std::min(kAmxRows, rows - r0);
-      at::BFloat16* chunk = pairs.data() + r0 * in_features;
-      for (int64_t r = 0; r < height; ++r)
-        for (int64_t k = 0; k < in_features; ++k)
-          chunk[(k / 2 * height + r) * 2 + k % 2] = xp[(r0 + r) * in_features + k];
+      uint32_t* chunk = reinterpret_cast<uint32_t*>(pairs.data() + r0 * in_features);
+      for (int64_t k = 0; k < words; ++k)
+        for (int64_t r = 0; r < height; ++r) chunk[k * height + r] = from[(r0 + r) * words + k];
     }
   }
+  [[maybe_unused]] const at::BFloat16* laid_out = rows > 1 ? pairs.data() : xp;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(kTile * rows);  // [weight row][input row]
+    std::vector<float> sums(amx ? 0 : kTile * rows);  // the AVX-512 path's [weight row][input row]
     int64_t configured = 0;  // the row count the tiles are configured for
     for (int64_t tile = begin; tile < end; ++tile) {
       const uint8_t* weights = wp + tile * groups * kTile * F::entry;
+      const int64_t n0 = tile * kTile;  // this tile's first output
 #if FAFO_AMX
       if (amx) {
         for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
           const int64_t height = std::min(kAmxRows, rows - r0);
           if (height != configured) amx_configure(configured = height);
-          alignas(64) float block[kTile * kAmxRows];
-          amx_tile<F>(pairs.data() + r0 * in_features, height, weights, groups, block);
-          for (int64_t t = 0; t < kTile; ++t)
-            for (int64_t r = 0; r < height; ++r) sums[t * rows + r0 + r] = block[t * height + r];
+          alignas(64) float block[kTile * kAmxRows];  // [weight row][input row]
+          amx_tile<F>(laid_out + r0 * in_features, height, weights, groups, block);
+          store_rows(block, height, bias_p, n0, out_features, yp + r0 * out_features);
         }
+        continue;
       }
 #endif
-      if (!amx) avx512_tile<F>(xp, rows, in_features, weights, groups, sums.data());
-      for (int64_t t = 0; t < kTile && tile * kTile + t < out_features; ++t) {
-        const int64_t n = tile * kTile + t;
+      avx512_tile<F>(xp, rows, in_features, weights, groups, sums.data());
+      for (int64_t t = 0; t < kTile && n0 + t < out_features; ++t) {
+        const int64_t n = n0 + t;
         for (int64_t r = 0; r < rows; ++r)
           yp[r * out_features + n] = at::BFloat16(sums[t * rows + r] + (bias_p ? bias_p[n] : 0.0f));
       }
