@@ -103,13 +103,13 @@ inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = s
 inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i]; return s; }
 
 // acc[i][t] += the scores of query i with kBlock slots, from bf16 pairs: `keys` [dim / 2, kChunk] as above, a
-// query's pair p is word p of its bf16 row (found at the same offset as its float32 row `qrow[i]` in `qp`)
+// query's pair p is word p of its bf16 row, which starts `offset[i]` bf16 into `q2`
 template <int R>
-inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const float* const* qrow, const float* qp,
-                            const float* keys, int64_t dim) {
+inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64_t* offset, const float* keys,
+                            int64_t dim) {
 #if defined(__AVX512BF16__)
   const uint32_t* query[R];
-  for (int64_t i = 0; i < R; ++i) query[i] = q2 + (qrow[i] - qp) / 2;
+  for (int64_t i = 0; i < R; ++i) query[i] = q2 + offset[i] / 2;
   for (int64_t p = 0; p < dim / 2; ++p) {
     __m512bh kv[kCols];
     for (int64_t t = 0; t < kCols; ++t) kv[t] = (__m512bh)_mm512_loadu_ps(&keys[p * kChunk + t * kLanes]);
@@ -139,14 +139,15 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
 #else
   const bool pairs = false;
 #endif
-  // float32 queries for the value sum (and for the scores where they are not taken by pairs): exact from bf16
-  const at::Tensor q = q_in.to(at::kFloat).contiguous(), sees_all = all_in.contiguous();
+  // the queries as float32 for scores not taken by pairs (exact from bf16); by pairs, the bf16 ones as they are
+  const at::Tensor q = pairs ? at::Tensor() : q_in.to(at::kFloat).contiguous(), sees_all = all_in.contiguous();
   const at::Tensor q16 = pairs ? q_in.contiguous() : at::Tensor(), sees_part = part_in.contiguous();
   const at::Tensor local = local_in.contiguous();
   const at::Tensor& visible = visible_in;  // a column of [cached, layers]: read in place, not copied per layer
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
-  const int64_t rows = q.size(0), heads = q.size(1);
+  const int64_t rows = q_in.size(0), heads = q_in.size(1);
+  const at::TensorOptions floats = q_in.options().dtype(at::kFloat);
   const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t cached = visible.size(0);
   TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_all.numel() == rows && sees_part.numel() == rows &&
@@ -155,7 +156,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const int64_t chunks = (slots + kChunk - 1) / kChunk, tasks = kv_heads * chunks;
   const int64_t queries = rows * group, width = dim + 2;
   const float scale = static_cast<float>(scale_in);
-  const float* qp = q.data_ptr<float>();
+  const float* qp = pairs ? nullptr : q.data_ptr<float>();
   // bf16 queries as pairs of dimensions, one 32-bit word each
   const uint32_t* q2 = pairs ? reinterpret_cast<const uint32_t*>(q16.data_ptr<at::BFloat16>()) : nullptr;
   const T* kp = k.data_ptr<T>();
@@ -180,7 +181,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   }
   const int8_t* mp = mask.data();
   // per task and query: running max, sum of exponentials, unnormalised output
-  at::Tensor partial = at::empty({kv_heads, chunks, queries, width}, q.options());
+  at::Tensor partial = at::empty({kv_heads, chunks, queries, width}, floats);
   float* pp = partial.data_ptr<float>();
 
   // Tasks are chunk-major (the KV heads of one chunk share cache lines: [slot, kv_head, dim]) and dealt
@@ -234,25 +235,25 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       // R queries at a time, R a compile-time block height (exact: no lanes spent on repeated queries)
       auto query_block = [&](const int64_t q0, auto height) {
         constexpr int R = decltype(height)::value;
-        const float* qrow[R];
+        int64_t offset[R];  // where each query's row starts in q (float32) or q16
         const int8_t* mrow[R];
         float* part[R];  // this task's partial of each query
         for (int64_t i = 0; i < R; ++i) {
           const int64_t qi = active[q0 + i], r = qi / group;
           part[i] = pp + ((h * chunks + c) * queries + qi) * width;
-          qrow[i] = qp + (r * heads + h * group + qi % group) * dim;
+          offset[i] = (r * heads + h * group + qi % group) * dim;
           mrow[i] = mp + r * slots + s0;
         }
         // scores = q . k * scale, R queries x kBlock slots at a time
         for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
           vf acc[R][kCols] = {};
-          if (pairs) scores_by_pairs<R>(acc, q2, qrow, qp, &keys_t[j0], dim);
+          if (pairs) scores_by_pairs<R>(acc, q2, offset, &keys_t[j0], dim);
           else {
             for (int64_t d = 0; d < dim; ++d) {
               vf kv[kCols];
               for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
               for (int64_t i = 0; i < R; ++i) {
-                const vf b = splat(qrow[i][d]);
+                const vf b = splat(qp[offset[i] + d]);
                 for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
               }
             }
@@ -322,7 +323,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   });
 
   // merge the chunks of each (kv head, query)
-  at::Tensor result = at::empty({rows, heads, dim}, q.options());
+  at::Tensor result = at::empty({rows, heads, dim}, floats);
   float* rp = result.data_ptr<float>();
   at::parallel_for(0, kv_heads * queries, 16, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
