@@ -23,13 +23,7 @@ import torch
 from fafo_cli import hub, load
 from fafo_cli.engine import native, packed
 
-
-def kernel_as(source: str, name: str, folder: Path, defines: str = ""):
-    """packed_linear from `source`, registered as torch.ops.<name>.packed_linear."""
-    (folder / f"{name}.cpp").write_text(defines + source.replace("(fafo,", f"({name},"))
-    native.compile_library(folder / f"{name}.so", (folder / f"{name}.cpp",))
-    torch.ops.load_library(str(folder / f"{name}.so"))
-    return getattr(torch.ops, name).packed_linear.default
+from kernel_ab import load_as  # this folder: a kernel source built under its own op namespace
 
 
 def one_per_matrix(modules: dict) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -67,10 +61,10 @@ def main() -> None:
         if args.base:
             source = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/packed_linear.cpp"],
                                     capture_output=True, text=True, check=True).stdout
-            kernels[args.base] = kernel_as(source, "fafo_base", Path(folder))
+            kernels[args.base] = load_as(source, "fafo_base", Path(folder)).packed_linear.default
         if args.no_amx:
-            kernels["tree, no AMX"] = kernel_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
-                                                "#define FAFO_NO_AMX 1\n")
+            kernels["tree, no AMX"] = load_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
+                                              "#define FAFO_NO_AMX 1\n").packed_linear.default
         print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
               f"median of {args.rounds} rounds, ms for all of them")
         with torch.inference_mode():

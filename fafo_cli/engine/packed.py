@@ -35,6 +35,12 @@ def supported(model: Model) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_supported()
 
 
+def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times a packed weight (packed_linear takes two dimensions): [..., out_features]."""
+    y = torch.ops.fafo.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
 class PackedLinear(torch.nn.Module):
     """Stands in for an nn.Linear while a step is traced: same inputs, same outputs."""
 
@@ -45,9 +51,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch.ops.fafo.packed_linear(flat, self.packed, self.out_features, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _multiply(x, self.packed, self.out_features, self.bias)
 
 
 class FusedPackedLinear(torch.nn.Module):
@@ -77,9 +81,7 @@ class FusedPackedLinear(torch.nn.Module):
 
     def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._latest is None or self._latest[0] is not x:
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            y = torch.ops.fafo.packed_linear(flat, self.packed, self.out_features, self.bias)
-            self._latest = (x, y.split(self.sizes, dim=-1))
+            self._latest = (x, _multiply(x, self.packed, self.out_features, self.bias).split(self.sizes, dim=-1))
         return self._latest[1]
 
     def forget(self) -> None:
@@ -95,7 +97,7 @@ class FusedPart(torch.nn.Module):
         self.out_features = fused.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.outputs(x)[self.index].view(*x.shape[:-1], self.out_features)
+        return self.fused.outputs(x)[self.index]
 
 
 def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:

@@ -79,6 +79,30 @@ struct Q8_0 {
   }
 };
 
+// bf16 of 16 floats, rounded to nearest even exactly as at::BFloat16 does (a NaN becomes 0x7FC0)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// y[r][n0 .. n0 + 16) = bf16(sums[.][r] + bias) for the `height` input rows of a tile's sums ([16][height], as
+// both paths leave them); the outputs past out_features (a last, padded tile) are not written
+void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0, int64_t out_features,
+                at::BFloat16* y) {
+  const int64_t valid = std::min(kTile, out_features - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(height)));
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < height; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_i32gather_ps(column, sums + r, 4), b);
+    _mm256_mask_storeu_epi16(y + r * out_features + n0, keep, to_bf16(sum));
+  }
+}
+
 template <class F>
 inline void prefetch(const uint8_t* group) {
   for (int64_t line = 0; line < kTile * F::entry; line += 64)
@@ -155,30 +179,6 @@ void amx_configure(int64_t rows) {
   config.tile_rows[3] = config.tile_rows[4] = 16;                    // inputs, blocks A and B
   config.colsb[3] = config.colsb[4] = width;
   _tile_loadconfig(&config);
-}
-
-// bf16 of 16 floats, rounded to nearest even exactly as at::BFloat16 does (a NaN becomes 0x7FC0)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
-// y[r][n0 .. n0 + 16) = bf16(sums[.][r] + bias) for the `height` input rows of a tile's sums ([16][height]);
-// the outputs past out_features (a last, padded tile) are not written
-void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0, int64_t out_features,
-                at::BFloat16* y) {
-  const int64_t valid = std::min(kTile, out_features - n0);
-  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(height)));
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();  // + 0 as the scalar path
-  for (int64_t r = 0; r < height; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_i32gather_ps(column, sums + r, 4), b);
-    _mm256_mask_storeu_epi16(y + r * out_features + n0, keep, to_bf16(sum));
-  }
 }
 
 // Sums of a tile's 16 weight rows with `rows` (<= 16) input rows in pairs (`pairs`: [in / 2][rows][2]),
@@ -266,11 +266,7 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
       }
 #endif
       avx512_tile<F>(xp, rows, in_features, weights, groups, sums.data());
-      for (int64_t t = 0; t < kTile && n0 + t < out_features; ++t) {
-        const int64_t n = n0 + t;
-        for (int64_t r = 0; r < rows; ++r)
-          yp[r * out_features + n] = at::BFloat16(sums[t * rows + r] + (bias_p ? bias_p[n] : 0.0f));
-      }
+      store_rows(sums.data(), rows, bias_p, n0, out_features, yp);
     }
 #if FAFO_AMX
     if (configured) _tile_release();
