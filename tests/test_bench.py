@@ -118,6 +118,28 @@ def test_exactness_column_catches_a_corrupted_method(tiny, tmp_path, monkeypatch
     assert "prompt-lookup on chat-science: token 5" in text and "NOT a near-tie" in text
 
 
+def test_compiled_rows_are_checked_against_compiled_vanilla(tiny):
+    """Compiled rows run compiled vanilla's kernels, so their tokens are compared with its tokens (where a
+    compiled step rounds as eager does not, compiled vanilla's own text may differ from eager vanilla's)."""
+    from fafo_cli import load
+    from fafo_cli.bench.command import _divergences
+    from fafo_cli.bench.runner import Row, Run
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
+    eager, compiled = [5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12, 13]
+    rows = {name: Row(name, method, (), flag) for name, method, flag in (
+        ("vanilla", "vanilla", False), ("vanilla+compiled", "vanilla", True), ("fafo-stream", "fafo", False),
+        ("fafo-stream+compiled", "fafo", True))}
+    tokens = {"vanilla": eager, "vanilla+compiled": compiled, "fafo-stream": eager, "fafo-stream+compiled": compiled}
+    runs = [Run(rows[name], sample, 0, tokens[name], 1.0, 6, 1.0, 0, 0, 0.0) for name in rows]
+    found, _ = _divergences(engine, runs)
+    assert found[("fafo-stream", "hello")] is None and found[("fafo-stream+compiled", "hello")] is None
+    assert found[("vanilla+compiled", "hello")].position == 3
+    runs[3] = Run(rows["fafo-stream+compiled"], sample, 0, eager, 1.0, 6, 1.0, 0, 0, 0.0)
+    assert _divergences(engine, runs)[0][("fafo-stream+compiled", "hello")].position == 3
+
+
 def test_rounding_noise_is_zero_in_float32(tiny):
     from fafo_cli import load
     from fafo_cli.bench.exactness import rounding_noise

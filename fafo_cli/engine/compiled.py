@@ -42,7 +42,7 @@ from . import bf16_gemm, native, packed
 from .cache import KVCache
 from .model import Model
 
-GRAPH_VERSION = 6  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 7  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
 # compiled, 9 with W=2; prompt lookup's 9). Padding rows see no cached position, but they cost matrix
@@ -153,9 +153,12 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
               packed.swapped_in(model, packed_modules or {})):
             warnings.simplefilter("ignore")  # torch's own deprecation notices, not the user's business
             exported = torch.export.export(_Step(model), _example(model, rows), dynamic_shapes=shapes, strict=False)
-            # quiet: no autotuning tables on the user's terminal
+            # Quiet: no autotuning tables on the user's terminal. emulate_precision_casts: round to bf16 wherever
+            # the model's code does, as eager does. Without it SmolLM2's 1-row and 6-row packages gave a token
+            # different logits, so compiled FAFO parted from compiled plain decoding at near-ties; with it each
+            # row is bit for bit the eager step's with the same kernels, whatever the row count (no slower).
             options = {"freezing": True, "autotune_num_choices_displayed": 0,
-                       "max_autotune_report_choices_stats": False}
+                       "max_autotune_report_choices_stats": False, "emulate_precision_casts": True}
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights (measured: 2-3x)
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
