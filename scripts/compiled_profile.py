@@ -1,6 +1,6 @@
 """Where a compiled step's time goes, kernel by kernel: builds a package with inductor's kernel profiling on
-(in a temporary folder, not the user's cache; minutes), times a FAFO-shaped step and prints torch.profiler's
-table. The default shape is FAFO's W=2 step after a summarize-length prompt: 9 rows, of which 4 verify rows
+(in a temporary folder, not the user's cache; our kernel library is the cached one `fafo run` uses; minutes),
+times a FAFO-shaped step and prints torch.profiler's table. The default shape is FAFO's W=2 step after a summarize-length prompt: 9 rows, of which 4 verify rows
 see the whole cache and 5 window rows a StreamingLLM view (4 sink + 252 recent positions); rows beyond those
 two groups are padding. FAFO's compiled default (W=1) is `--rows 6 --see-part 2`.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-from fafo_cli import hub, load
-from fafo_cli.engine import compiled, packed
+from fafo_cli import load
+from fafo_cli.engine import compiled
 
 
 def main() -> None:
@@ -34,14 +34,12 @@ def main() -> None:
     args = parser.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     inductor_config.cpp.descriptive_names = "inductor_node"
-    engine = load(args.model, dtype=args.dtype, method="vanilla")
-    model, rows, gguf = engine.model, args.rows, hub.gguf_source(engine.folder)
+    engine = load(args.model, dtype=args.dtype, method="vanilla", compile="on")  # on: nothing is built yet
+    model, rows = engine.model, args.rows
     with tempfile.TemporaryDirectory() as folder:
         package = Path(folder) / "packages" / f"rows{rows}.pt2"
-        compiled.load_kernels(model, Path(folder))
         # as `fafo run --compile` builds it: a model from a .gguf file multiplies with its packed blocks
-        modules = packed.pack_model(model, gguf) if gguf is not None and packed.supported(model) else {}
-        compiled.build(model, rows, package, modules)
+        compiled.build(model, rows, package, engine.compiled.packed_modules())
         profile_step(compiled.load_package(package), model, args)
 
 
