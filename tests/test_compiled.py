@@ -186,12 +186,13 @@ def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, mon
 @pytest.mark.parametrize("rows, slots, heads, kv_heads, dim, any_sees_all", [
     (1, 5, 4, 2, 16, True), (3, 130, 4, 4, 32, True), (13, 300, 9, 3, 64, True), (13, 300, 9, 3, 64, False),
     (40, 129, 8, 1, 16, True)])
-def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_heads, dim, any_sees_all):
+def test_attention_kernel_matches_torch(compiled_cache, vector_attend, rows, slots, heads, kv_heads, dim,
+                                        any_sees_all):
     """Our CPU attention kernel against torch's, on GQA groups, ragged chunks, rows that see every cached slot,
     rows that see a StreamingLLM view (sink and recent: their middle chunks skipped while other rows' are
     not), rows that see only the step's own rows (padding), chunks no row sees, with keys, values and the
     visible positions as views into larger tensors (a layer's column of the per-layer selection); float32 and
-    bfloat16."""
+    bfloat16, the latter also built without its AMX path (as CPUs without AMX run it)."""
     from fafo_cli.engine import native
 
     native.load(compiled_cache / "compiled")
@@ -211,17 +212,54 @@ def test_attention_kernel_matches_torch(compiled_cache, rows, slots, heads, kv_h
         enable_gqa=True)[0].transpose(0, 1)
     attended = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.3)
     torch.testing.assert_close(attended, expected, atol=2e-6, rtol=1e-5)
-    # a bf16 model's step: bf16 queries and a compact (bf16) cache, against float32 copies of the same values
+    # a bf16 model's step: bf16 queries and a compact (bf16) cache, against the same values in float64; on AMX
+    # the value sum takes the probabilities rounded to bf16 (as a bf16 attention does), elsewhere as they are
     q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
     compact = torch.ops.fafo.attend(q16, k16, v16, sees_all, sees_part, visible, local, 0.3)
     assert compact.dtype == torch.float32
-    torch.testing.assert_close(compact, torch.ops.fafo.attend(q16.float(), k16.float(), v16.float(), sees_all,
-                                                              sees_part, visible, local, 0.3), atol=2e-6, rtol=1e-5)
+    exact, rounded = (_attention_reference(q16, k16, v16, mask, 0.3, rounding) for rounding in (False, True))
+    apart = min((compact.double() - exact).abs().max().item(), (compact.double() - rounded).abs().max().item())
+    assert apart < 5e-5, apart
+    vector = vector_attend(q16, k16, v16, sees_all, sees_part, visible, local, 0.3)
+    assert (vector.double() - exact).abs().max().item() < 5e-5
+
+
+@pytest.fixture(scope="module")
+def vector_attend(tmp_path_factory):
+    """fafo::attend built without its AMX path, as CPUs without AMX run it, under its own op namespace."""
+    from fafo_cli.engine import native
+
+    folder = tmp_path_factory.mktemp("vector-attend")
+    source = folder / "attention_op.cpp"
+    source.write_text("#define FAFO_NO_AMX 1\n" + native.SOURCES[0].read_text().replace("(fafo,", "(fafo_vector,"))
+    native.compile_library(folder / "vector.so", (source,))
+    torch.ops.load_library(str(folder / "vector.so"))
+    return torch.ops.fafo_vector.attend
+
+
+def _attention_reference(q, k, v, mask, scale, round_probabilities, chunk=64):
+    """Masked GQA attention in float64 ([rows, heads, dim]), summed per `chunk` cached slots as the kernel does
+    (flash decoding); with `round_probabilities`, each chunk's value sum takes its probabilities, relative to the
+    chunk's own maximum, rounded to bf16, while the normaliser takes them as they are."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (torch.einsum("rhd,shd->hrs", q, k) * scale).masked_fill(~mask, float("-inf"))
+    parts = []
+    for start in range(0, scores.shape[-1], chunk):
+        part = scores[..., start:start + chunk]
+        top = part.amax(-1, keepdim=True).clamp(min=-1e300)  # a chunk a row sees nothing of adds nothing
+        probs = torch.exp(part - top)
+        weights = probs.float().bfloat16().double() if round_probabilities else probs
+        parts.append((top, torch.einsum("hrs,shd->hrd", weights, v[start:start + chunk]), probs.sum(-1, keepdim=True)))
+    top = torch.stack([t for t, _, _ in parts]).amax(0)
+    total = sum(sums * torch.exp(t - top) for t, _, sums in parts)
+    out = sum(values * torch.exp(t - top) for t, values, _ in parts)
+    return (out / total).transpose(0, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64])  # bf16 scores by pairs of dimensions where dim allows, widened where not
-def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, dtype, dim):
+def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vector_attend, dtype, dim):
     """What lossless decoding rests on: a row's result is bit for bit the same whatever rows follow it in the step
     (a verify row computes exactly what a plain step computes for that token)."""
     from fafo_cli.engine import native
@@ -235,11 +273,12 @@ def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, dtype
     sees_part = ~sees_all
     visible = torch.rand(cached, generator=gen) < 0.3
     local = torch.ones(rows, rows, dtype=torch.bool).tril()
-    whole = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.125)
-    for first in (1, 4, 9):
-        alone = torch.ops.fafo.attend(q[:first], k[:cached + first], v[:cached + first], sees_all[:first],
-                                      sees_part[:first], visible, local[:first, :first], 0.125)
-        assert torch.equal(alone, whole[:first])
+    for attend in (torch.ops.fafo.attend, vector_attend):  # with AMX where the CPU has it, and without
+        whole = attend(q, k, v, sees_all, sees_part, visible, local, 0.125)
+        for first in (1, 4, 9):
+            alone = attend(q[:first], k[:cached + first], v[:cached + first], sees_all[:first], sees_part[:first],
+                           visible, local[:first, :first], 0.125)
+            assert torch.equal(alone, whole[:first])
 
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):

@@ -22,7 +22,7 @@ from ..engine.events import Step
 from ..engine.model import causal_attention
 from ..engine.cache import KVCache
 from ..engine.model import Model
-from ..engine.sampling import Sampling, draw, next_token, target_probs
+from ..engine.sampling import Sampling, argmax_ids, draw, next_token, target_probs
 from ..engine.session import Emitter, Request, Session
 from ..engine.tree import DraftTree
 from ..engine.verify import accept_greedy, accept_sampling, accept_speculative
@@ -94,7 +94,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         logits = session.run(rows, tree.offsets(model.device), local, lambda: tree_attention(start, local),
                              pad_to=1 + drafter.max_rows)
         if sampling.greedy:
-            path, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
+            path, emitted = accept_greedy(tree, argmax_ids(logits))
         elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j
             emitted = check_chain(logits, tree.tokens, draft.q, sampling, generator)
             path = list(range(len(emitted) - 1))
@@ -141,5 +141,5 @@ def check_chain(logits: torch.Tensor, tokens: list[int], q: list[torch.Tensor] |
     """Emitted tokens for a chain verified by `logits` (row j: the target after the anchor and j tokens):
     greedy agreement, or speculative sampling against the draft distributions `q`."""
     if sampling.greedy:
-        return accept_greedy(DraftTree.chains([tokens]), logits.argmax(-1).tolist())[1]
+        return accept_greedy(DraftTree.chains([tokens]), argmax_ids(logits))[1]
     return accept_speculative(tokens, lambda j: target_probs(logits[j], sampling), q, generator)

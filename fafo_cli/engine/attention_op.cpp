@@ -7,7 +7,10 @@
 // a final pass merges the chunks' softmax partials (flash-decoding), so both cores stream the cache once.
 //
 // Queries, keys and values are all float32 or all bfloat16 (a bf16 model's compact cache: half the bytes to
-// stream). Softmax and the value sum run in float32. The scores of bf16 queries and keys use AVX512-BF16's
+// stream). Softmax and the sums run in float32. With bf16 on a CPU with AMX, the scores and the value sums are
+// tile products (a FAFO step's dozen verify queries per KV head cost what a plain step's three do; vector code
+// spent a cycle per query and slot on multiply-adds) and the value sum takes each probability rounded to bf16,
+// as bf16 attention on any hardware does. Without AMX, the scores of bf16 queries and keys use AVX512-BF16's
 // pair dot products where the CPU has them (products of two bf16 are exact in float32, so this only changes
 // the order of the additions; half the instructions of widening both), else both are widened exactly.
 // Each query's result depends only on its own inputs, never on the other rows of the step: a row verifying a
@@ -27,6 +30,11 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(FAFO_NO_AMX)
+#define FAFO_ATTEND_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -121,6 +129,183 @@ inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64
 #endif
 }
 
+#if FAFO_ATTEND_AMX
+// AMX (bf16 queries, keys and values): per task and block of 16 queries, the scores come out of tiles with the
+// slots as rows (keys are the left operand, read straight from the cache: nothing is laid out for them), so the
+// softmax runs down the slots with one query per lane; the probabilities, rounded to bf16 (as a bf16 attention's
+// value product takes them), multiply the values in pairs of slots. Each query's sums run the same tile and vector
+// instructions whatever the other queries are, so a verify row still computes what a plain step would.
+bool amx_ready() {  // Linux hands out the tile registers on request, once per process
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t tile_rows[16] = {};
+};
+
+// tiles 0-3: sums (scores of 16 slots, or outputs of 16 dimensions); 4, 6, 7: left operands; 5: right operand
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.tile_rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+constexpr int64_t kBlockQueries = 16;  // queries per block: a tile's columns
+
+// What every task of one call reads.
+struct AmxCall {
+  const at::BFloat16 *keys, *values;
+  int64_t key_stride, key_head, value_stride, value_head, dim, slots, cached, rows, group, queries, chunks;
+  const uint32_t* query_pairs;  // [kv_heads][dim / 2][blocks * 16]: each query's dimensions in pairs, one word each
+  int64_t padded;               // blocks * 16
+  const uint16_t *all_bits, *part_bits, *local_bits;  // per block: queries that see all, C(kv); [block][rows]: own
+  const bool* visible;
+  int64_t visible_stride;
+  const char* sees;  // [chunks][rows]
+  float scale;
+  float* partial;  // [kv_heads, chunks, queries, 2 + dim]
+};
+
+// A thread's scratch space.
+struct AmxScratch {
+  std::vector<at::BFloat16> value_pairs;  // [dim / 16][32 pairs][16 dims x 2 slots], see pair_values
+  std::vector<at::BFloat16> short_keys;   // a short last group's 16 key rows, zero-padded: [16][dim]
+  std::vector<float> outputs;             // [16 queries][dim], dimensions in pair_values' order
+  alignas(64) float scores[kChunk][kBlockQueries];  // [slot][query]: scores, then probabilities
+  alignas(64) at::BFloat16 probs[2][kBlockQueries][32];  // [half of the chunk][query][slot]
+  explicit AmxScratch(int64_t dim) : value_pairs(dim * 2 * kChunk), short_keys(16 * dim), outputs(16 * dim) {}
+};
+
+// The chunk's values for the right operand of probs . values: per 16 dimensions, 32 rows (pairs of slots 2m, 2m + 1)
+// of 16 (dimension, both slots) pairs. AVX-512's unpack interleaves within 128-bit lanes, so of 32 dimensions
+// [32g, 32g + 32), tile 2g's column 4L + i is dimension 32g + 8L + i and tile 2g + 1's is 32g + 8L + 4 + i (i, L < 4).
+// Slots past `n` are zeros.
+void pair_values(at::BFloat16* out, const at::BFloat16* values, int64_t stride, int64_t n, int64_t dim) {
+  for (int64_t m = 0; m < kChunk / 2; ++m) {
+    for (int64_t g = 0; g < dim / 32; ++g) {
+      const at::BFloat16* a = values + 2 * m * stride + 32 * g;
+      const __m512i x = 2 * m < n ? _mm512_loadu_si512(a) : _mm512_setzero_si512();
+      const __m512i y = 2 * m + 1 < n ? _mm512_loadu_si512(a + stride) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + ((2 * g) * 32 + m) * 32, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(out + ((2 * g + 1) * 32 + m) * 32, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// One chunk `c` of KV head `h` for the queries of block `b`, whose rows see some slot of it.
+void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& scratch) {
+  const int64_t s0 = c * kChunk, n = std::min(kChunk, a.slots - s0), dim = a.dim;
+  const int64_t groups = (n + 15) / 16, halves = (n + 31) / 32;
+  // scores: tile s holds slots 16s .. 16s + 15 (rows) by the block's queries (columns)
+  auto key_rows = [&](int64_t s, int64_t half, const void** base, int64_t* stride) {
+    if (16 * s + 16 <= n) {
+      *base = a.keys + (s0 + 16 * s) * a.key_stride + h * a.key_head + 32 * half;
+      *stride = a.key_stride * 2;
+    } else {  // the short last group: its rows past n would read past the cache
+      *base = scratch.short_keys.data() + 32 * half;
+      *stride = dim * 2;
+    }
+  };
+  if (16 * groups > n) {
+    const int64_t s = groups - 1;
+    std::fill(scratch.short_keys.begin(), scratch.short_keys.end(), at::BFloat16(0.0f));
+    for (int64_t j = 16 * s; j < n; ++j)
+      std::memcpy(scratch.short_keys.data() + (j - 16 * s) * dim, a.keys + (s0 + j) * a.key_stride + h * a.key_head,
+                  dim * 2);
+  }
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const uint32_t* queries = a.query_pairs + h * (dim / 2) * a.padded + b * kBlockQueries;
+  for (int64_t half = 0; half < dim / 32; ++half) {
+    _tile_loadd(5, queries + 16 * half * a.padded, a.padded * 4);
+    const void* base;
+    int64_t stride;
+#define FAFO_SCORES(T) if (T < groups) { key_rows(T, half, &base, &stride); _tile_loadd(4, base, stride); _tile_dpbf16ps(T, 4, 5); }
+    FAFO_SCORES(0) FAFO_SCORES(1) FAFO_SCORES(2) FAFO_SCORES(3)
+#undef FAFO_SCORES
+  }
+  float* scores = &scratch.scores[0][0];
+  if (groups > 0) _tile_stored(0, scores, 64);
+  if (groups > 1) _tile_stored(1, scores + 16 * 16, 64);
+  if (groups > 2) _tile_stored(2, scores + 32 * 16, 64);
+  if (groups > 3) _tile_stored(3, scores + 48 * 16, 64);
+
+  // softmax down the slots, one query per lane; masked and padding slots get probability exactly 0
+  uint16_t bits[kChunk];
+  const uint16_t all = a.all_bits[b], part = a.part_bits[b];
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = s0 + j;
+    bits[j] = slot < a.cached ? (all | (a.visible[slot * a.visible_stride] ? part : 0))
+                              : a.local_bits[b * a.rows + slot - a.cached];
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  __m512 top = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x = _mm512_mul_ps(_mm512_load_ps(scores + 16 * j), scale);
+    _mm512_store_ps(scores + 16 * j, x);
+    top = _mm512_mask_max_ps(top, bits[j], top, x);
+  }
+  vf total = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const vf e = exp_nonpositive(load(scores + 16 * j) - (vf)top);
+    const vf kept = (vf)_mm512_maskz_mov_ps(bits[j], (__m512)e);
+    total += kept;
+    store(scores + 16 * j, kept);
+  }
+  for (int64_t j = n; j < 32 * halves; ++j) store(scores + 16 * j, vf{});
+  // probabilities as the left operand: [query][slot] in bf16, 32 slots per tile
+  for (int64_t half = 0; half < halves; ++half) {
+    vf low[kLanes], high[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      low[i] = load(scores + 16 * (32 * half + i));
+      high[i] = load(scores + 16 * (32 * half + 16 + i));
+    }
+    transpose(low);
+    transpose(high);
+    for (int64_t q = 0; q < kBlockQueries; ++q)
+      _mm512_store_si512(scratch.probs[half][q], (__m512i)_mm512_cvtne2ps_pbh((__m512)high[q], (__m512)low[q]));
+  }
+  // outputs = probs . values: tile t holds the block's queries (rows) by 16 dimensions (columns)
+  const at::BFloat16* pairs = scratch.value_pairs.data();
+  float* outputs = scratch.outputs.data();
+  _tile_loadd(6, scratch.probs[0], 64);
+  if (halves > 1) _tile_loadd(7, scratch.probs[1], 64);
+  for (int64_t t0 = 0; t0 < dim / 16; t0 += 4) {
+#define FAFO_VALUES(T)                                                        \
+    if (t0 + T < dim / 16) {                                                  \
+      _tile_zero(T);                                                          \
+      _tile_loadd(5, pairs + (t0 + T) * 32 * 32, 64);                         \
+      _tile_dpbf16ps(T, 6, 5);                                                \
+      if (halves > 1) {                                                       \
+        _tile_loadd(5, pairs + ((t0 + T) * 32 + 16) * 32, 64);                \
+        _tile_dpbf16ps(T, 7, 5);                                              \
+      }                                                                       \
+      _tile_stored(T, outputs + (t0 + T) * 16, dim * 4);                      \
+    }
+    FAFO_VALUES(0) FAFO_VALUES(1) FAFO_VALUES(2) FAFO_VALUES(3)
+#undef FAFO_VALUES
+  }
+  // each query's partial, its dimensions back in order (see pair_values)
+  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) float tops[kLanes], totals[kLanes];
+  _mm512_store_ps(tops, top);
+  store(totals, total);
+  for (int64_t l = 0; l < kBlockQueries && b * kBlockQueries + l < a.queries; ++l) {
+    float* out = a.partial + ((h * a.chunks + c) * a.queries + b * kBlockQueries + l) * (dim + 2);
+    out[0] = tops[l];
+    out[1] = totals[l];
+    for (int64_t g = 0; g < dim / 32; ++g) {
+      const __m512 x = _mm512_loadu_ps(outputs + l * dim + 32 * g), y = _mm512_loadu_ps(outputs + l * dim + 32 * g + 16);
+      _mm512_storeu_ps(out + 2 + 32 * g, _mm512_permutex2var_ps(x, lower, y));
+      _mm512_storeu_ps(out + 2 + 32 * g + 16, _mm512_permutex2var_ps(x, upper, y));
+    }
+  }
+}
+#endif
+
 // The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
 // cached slot s when sees_all[r], or when sees_part[r] and visible[s]; it sees the step's own rows (the last
 // `rows` slots) through local[r].
@@ -187,6 +372,69 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   // Tasks are chunk-major (the KV heads of one chunk share cache lines: [slot, kv_head, dim]) and dealt
   // round-robin, so the short last chunk does not leave one thread with all the full ones.
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  // ask for a thread's next task's keys and values while it computes this one (a chunk reads a third of each
+  // slot's cache lines here: the hardware prefetcher alone falls behind)
+  auto prefetch = [&](int64_t next) {
+    if (next >= tasks) return;
+    const int64_t nh = next % kv_heads, ns0 = next / kv_heads * kChunk;
+    for (int64_t j = 0; j < std::min(kChunk, slots - ns0); ++j) {
+      const char* key = reinterpret_cast<const char*>(kp + (ns0 + j) * ks + nh * kh);
+      const char* value = reinterpret_cast<const char*>(vp + (ns0 + j) * vs + nh * vh);
+      for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) {
+        __builtin_prefetch(key + b);
+        __builtin_prefetch(value + b);
+      }
+    }
+  };
+#if FAFO_ATTEND_AMX
+  if (pairs && amx_ready()) {
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      const int64_t blocks = (queries + kBlockQueries - 1) / kBlockQueries, padded = blocks * kBlockQueries;
+      std::vector<uint32_t> query_pairs(kv_heads * dim / 2 * padded, 0);
+      std::vector<uint16_t> all_bits(blocks, 0), part_bits(blocks, 0), local_bits(blocks * rows, 0);
+      for (int64_t qi = 0; qi < queries; ++qi) {
+        const int64_t r = qi / group, b = qi / kBlockQueries;
+        const uint16_t bit = uint16_t(1u << (qi % kBlockQueries));
+        if (row_all[r]) all_bits[b] |= bit;
+        else if (row_part[r]) part_bits[b] |= bit;
+        for (int64_t i = 0; i < rows; ++i)
+          if (loc[r * rows + i]) local_bits[b * rows + i] |= bit;
+        for (int64_t h = 0; h < kv_heads; ++h)
+          for (int64_t p = 0; p < dim / 2; ++p)
+            query_pairs[(h * dim / 2 + p) * padded + qi] = q2[(r * heads + h * group + qi % group) * dim / 2 + p];
+      }
+      const AmxCall call{kp, vp, ks, kh, vs, vh, dim, slots, cached, rows, group, queries, chunks, query_pairs.data(),
+                         padded, all_bits.data(), part_bits.data(), local_bits.data(), vis, vis_stride, sees.data(),
+                         scale, pp};
+      at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+        configure_tiles();  // per thread and call: packed_linear configures the tiles its own way
+        AmxScratch scratch(dim);
+        for (int64_t lane = first; lane < last; ++lane)
+        for (int64_t task = lane; task < tasks; task += threads) {
+          const int64_t c = task / kv_heads, h = task % kv_heads;
+          prefetch(task + threads);
+          bool values_ready = false;
+          for (int64_t b = 0; b < blocks; ++b) {
+            bool seen = false;
+            for (int64_t qi = b * kBlockQueries; qi < std::min(queries, (b + 1) * kBlockQueries); ++qi)
+              seen = seen || sees[c * rows + qi / group];
+            if (!seen) {  // sums 0: nothing visible
+              for (int64_t qi = b * kBlockQueries; qi < std::min(queries, (b + 1) * kBlockQueries); ++qi)
+                pp[((h * chunks + c) * queries + qi) * width + 1] = 0.0f;
+              continue;
+            }
+            if (!values_ready) {
+              pair_values(scratch.value_pairs.data(), vp + c * kChunk * vs + h * vh, vs,
+                          std::min(kChunk, slots - c * kChunk), dim);
+              values_ready = true;
+            }
+            amx_block(call, c, h, b, scratch);
+          }
+        }
+      });
+    }
+  } else
+#endif
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     // this chunk's keys, transposed: [dim, slot], or with pairs [dim / 2, slot] of two bf16 in each float's bits
     std::vector<float> keys_t(dim * kChunk);
@@ -195,19 +443,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     for (int64_t lane = first; lane < last; ++lane)
     for (int64_t task = lane; task < tasks; task += threads) {
       const int64_t c = task / kv_heads, h = task % kv_heads, s0 = c * kChunk, n = std::min(kChunk, slots - s0);
-      // ask for this thread's next task's keys and values now, so they arrive while this one computes (a
-      // chunk reads a third of each slot's cache lines here: the hardware prefetcher alone falls behind)
-      if (task + threads < tasks) {
-        const int64_t next = task + threads, nh = next % kv_heads, ns0 = next / kv_heads * kChunk;
-        for (int64_t j = 0; j < std::min(kChunk, slots - ns0); ++j) {
-          const char* key = reinterpret_cast<const char*>(kp + (ns0 + j) * ks + nh * kh);
-          const char* value = reinterpret_cast<const char*>(vp + (ns0 + j) * vs + nh * vh);
-          for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) {
-            __builtin_prefetch(key + b);
-            __builtin_prefetch(value + b);
-          }
-        }
-      }
+      prefetch(task + threads);
       int64_t n_active = 0;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < group; ++g) {

@@ -22,7 +22,7 @@ from .events import Step
 from .model import causal_attention
 from .pool import NgramPool
 from .session import Emitter, Request, Session
-from .sampling import next_token, target_probs
+from .sampling import argmax_ids, next_token, target_probs
 from .tree import DraftTree
 from .verify import accept_greedy, accept_sampling
 from .window import LookaheadWindow, window_layout
@@ -180,7 +180,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                                       flex=flex),
                 sees_all=layout.sees_all, visible=lambda: compressor.visible_mask(cache),
                 logit_rows=layout.logit_rows, allow_compiled=compiled, pad_to=settings.max_rows)
-            argmax = logits.argmax(-1).tolist()
+            argmax = argmax_ids(logits)
             tree = DraftTree.chains(candidates)  # node i is row 1 + i: the verify rows' layout
             if sampling.greedy:
                 path, emitted = accept_greedy(tree, argmax[:layout.verify_rows])
