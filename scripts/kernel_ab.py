@@ -25,14 +25,6 @@ from fafo_cli.engine import native
 SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2)]
 
 
-def load_as(source: str, name: str, folder: Path, defines: str = ""):
-    """The kernels in `source` (compiled after `defines`), registered as torch.ops.<name> instead of fafo."""
-    (folder / f"{name}.cpp").write_text(defines + source.replace("(fafo,", f"({name},"))
-    native.compile_library(folder / f"{name}.so", (folder / f"{name}.cpp",))
-    torch.ops.load_library(str(folder / f"{name}.so"))
-    return getattr(torch.ops, name)
-
-
 def query_dtype(op) -> torch.dtype:
     """bfloat16 queries with a bf16 cache, or float32 ones as earlier kernels took."""
     cache, rows = torch.zeros(2, 1, 16, dtype=torch.bfloat16), torch.ones(1, dtype=torch.bool)
@@ -87,8 +79,8 @@ def main() -> None:
     base = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/attention_op.cpp"], capture_output=True,
                           text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:
-        ops = {"base": load_as(base, "fafo_base", Path(folder)).attend,
-               "tree": load_as(native.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}
+        ops = {"base": native.load_as(base, "fafo_base", Path(folder)).attend,
+               "tree": native.load_as(native.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}
         print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
               f"{args.evict_mb:g} MB read between layers")
         for shape in SHAPES:

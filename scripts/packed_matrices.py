@@ -23,7 +23,6 @@ import torch
 from fafo_cli import hub, load
 from fafo_cli.engine import native, packed
 
-from kernel_ab import load_as  # this folder: a kernel source built under its own op namespace
 
 
 def one_per_matrix(modules: dict) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -61,9 +60,9 @@ def main() -> None:
         if args.base:
             source = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/packed_linear.cpp"],
                                     capture_output=True, text=True, check=True).stdout
-            kernels[args.base] = load_as(source, "fafo_base", Path(folder)).packed_linear.default
+            kernels[args.base] = native.load_as(source, "fafo_base", Path(folder)).packed_linear.default
         if args.no_amx:
-            kernels["tree, no AMX"] = load_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
+            kernels["tree, no AMX"] = native.load_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
                                               "#define FAFO_NO_AMX 1\n").packed_linear.default
         print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
               f"median of {args.rounds} rounds, ms for all of them")

@@ -229,12 +229,8 @@ def vector_attend(tmp_path_factory):
     """fafo::attend built without its AMX path, as CPUs without AMX run it, under its own op namespace."""
     from fafo_cli.engine import native
 
-    folder = tmp_path_factory.mktemp("vector-attend")
-    source = folder / "attention_op.cpp"
-    source.write_text("#define FAFO_NO_AMX 1\n" + native.SOURCES[0].read_text().replace("(fafo,", "(fafo_vector,"))
-    native.compile_library(folder / "vector.so", (source,))
-    torch.ops.load_library(str(folder / "vector.so"))
-    return torch.ops.fafo_vector.attend
+    return native.load_as(native.SOURCES[0].read_text(), "fafo_vector", tmp_path_factory.mktemp("vector-attend"),
+                          "#define FAFO_NO_AMX 1\n").attend
 
 
 def _attention_reference(q, k, v, mask, scale, round_probabilities, chunk=64):

@@ -33,8 +33,7 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(FAFO_NO_AMX)
 #define FAFO_ATTEND_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace {
@@ -135,20 +134,9 @@ inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64
 // softmax runs down the slots with one query per lane; the probabilities, rounded to bf16 (as a bf16 attention's
 // value product takes them), multiply the values in pairs of slots. Each query's sums run the same tile and vector
 // instructions whatever the other queries are, so a verify row still computes what a plain step would.
-bool amx_ready() {  // Linux hands out the tile registers on request, once per process
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t tile_rows[16] = {};
-};
-
 // tiles 0-3: sums (scores of 16 slots, or outputs of 16 dimensions); 4, 6, 7: left operands; 5: right operand
 void configure_tiles() {
-  TileConfig config;
+  fafo_amx::TileConfig config;
   for (int t = 0; t < 8; ++t) config.tile_rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
@@ -387,7 +375,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     }
   };
 #if FAFO_ATTEND_AMX
-  if (pairs && amx_ready()) {
+  if (pairs && fafo_amx::ready()) {
     if constexpr (std::is_same<T, at::BFloat16>::value) {
       const int64_t blocks = (queries + kBlockQueries - 1) / kBlockQueries, padded = blocks * kBlockQueries;
       std::vector<uint32_t> query_pairs(kv_heads * dim / 2 * padded, 0);

@@ -14,6 +14,7 @@ import torch
 from ..files import atomic_path
 
 SOURCES = (Path(__file__).with_name("attention_op.cpp"), Path(__file__).with_name("packed_linear.cpp"))
+HEADERS = (Path(__file__).with_name("amx.h"),)  # what the sources include from this folder
 _loaded = False
 
 
@@ -37,7 +38,8 @@ def version() -> str:
     """Names a build of our kernels: their sources, torch's version and the CPU's features (the code is built for
     this CPU). Compiled packages carry it too: they hold weights packed for packed_linear's layout."""
     machine = f"{torch.__version__} {cpu_features()}"
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + machine.encode()).hexdigest()[:16]
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return hashlib.sha256(code + machine.encode()).hexdigest()[:16]
 
 
 def library_path(folder: Path) -> Path:
@@ -54,7 +56,8 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
         with atomic_path(path) as partial:
             command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                       *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, sources), "-o", str(partial),
+                       f"-I{HEADERS[0].parent}", *(f"-I{p}" for p in cpp_extension.include_paths()),
+                       *map(str, sources), "-o", str(partial),
                        *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
@@ -63,6 +66,16 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
                 raise BuildError(f"{compiler} failed: {reason}")
     except OSError as error:
         raise BuildError(f"cannot run {compiler}: {error.strerror}") from None
+
+
+def load_as(source: str, namespace: str, folder: Path, defines: str = ""):
+    """The kernels in `source` (compiled in `folder` after `defines`), registered as torch.ops.<namespace>
+    instead of fafo: another revision or build of a kernel beside ours, for comparisons and tests."""
+    path = folder / f"{namespace}.cpp"
+    path.write_text(defines + source.replace("(fafo,", f"({namespace},"))
+    compile_library(folder / f"{namespace}.so", (path,))
+    torch.ops.load_library(str(folder / f"{namespace}.so"))
+    return getattr(torch.ops, namespace)
 
 
 def load(folder: Path) -> None:

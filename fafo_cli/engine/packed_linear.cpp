@@ -27,8 +27,6 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define FAFO_PACKED 1
 #endif
 
@@ -155,23 +153,13 @@ static_assert(kRows == 6, "avx512_tile covers heights 1..kRows");
 // (built with -DFAFO_NO_AMX, an AMX CPU runs the AVX-512 path: how the README's AVX-512 figures were taken)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(FAFO_NO_AMX)
 #define FAFO_AMX 1
+#include "amx.h"
 
 // AMX: each group's two blocks are rebuilt into two 16 x 32 bf16 tiles (weight rows x columns) and multiplied
 // with the input rows, laid out in pairs of columns ([in / 2][rows][2]), into a 16 x rows float32 tile.
-bool amx_ready() {  // Linux hands out the tile registers on request, once per process
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t tile_rows[16] = {};
-};
-
 // The tiles amx_tile uses, for `rows` input rows: loaded once per thread and call (loading costs microseconds).
 void amx_configure(int64_t rows) {
-  TileConfig config;
+  fafo_amx::TileConfig config;
   const uint16_t width = static_cast<uint16_t>(rows * 4);
   config.tile_rows[0] = 16, config.colsb[0] = width;                 // sums
   config.tile_rows[1] = config.tile_rows[2] = 16;                    // weights, blocks A and B
@@ -227,7 +215,7 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 #if FAFO_AMX
-  const bool amx = amx_ready();
+  const bool amx = fafo_amx::ready();
 #else
   const bool amx = false;
 #endif
