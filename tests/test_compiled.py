@@ -154,6 +154,22 @@ def test_visible_mask_is_the_compressors_selection(tiny):
         assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)
 
 
+def test_rope_table_is_what_eager_steps_compute(tiny):
+    """The packages' table of rotary factors holds, for any rows, exactly what an eager step computes for them."""
+    from fafo_cli.engine.compiled import rope_table
+
+    engine = load(str(tiny), dtype="bfloat16", chat_template=False, compile="off")
+    model = engine.model
+    cos, sin = rope_table(model)
+    assert cos.shape == (model.max_context, 1, model.head_dim) and cos.dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 6, 9):
+        for _ in range(20):
+            positions = torch.randint(0, model.max_context - rows, (1,), generator=generator) + torch.arange(rows)
+            step_cos, step_sin = model.rotation(positions)
+            assert torch.equal(cos[positions], step_cos) and torch.equal(sin[positions], step_sin)
+
+
 def test_bench_runs_eager_and_compiled_side_by_side(compiled_engine, tiny, tmp_path, capsys):
     compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # built: the bench only loads
     out = tmp_path / "bench.json"

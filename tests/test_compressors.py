@@ -16,6 +16,7 @@ from fafo_cli.engine.compressors.h2o import H2OCompressor
 from fafo_cli.engine.compressors.quest import QuestCompressor, page_bounds
 from fafo_cli.engine.compressors.scores import attention_weights
 from fafo_cli.engine.compressors.snapkv import SnapKVCompressor
+from fafo_cli.engine.compressors.stream import StreamCompressor
 
 from .conftest import hf_greedy
 
@@ -114,6 +115,47 @@ def test_h2o_keeps_heavy_hitters_plus_recent():
         mass += attention_weights(q_anchor[layer][:, None], cache.keys[layer, :90], 0.3)
         expected = sorted(torch.topk(mass[:80], 30).indices.tolist()) + list(range(80, 90))
         assert h2o.selected_positions(cache, layer) == expected
+
+
+@pytest.mark.parametrize("name", ["stream", "snapkv", "quest"])
+def test_view_reads_and_mask_follow_the_selection(name):
+    """The slot view copies keys and values only when read, and keeps its [positions, layers] mask: both agree
+    with the selection, through ring wrap-around, refreshes and the cache being reallocated under it."""
+    cache = filled_cache(60)
+    compressor = {"stream": lambda: StreamCompressor(budget=24, sink=4, tail_rows=4),
+                  "snapkv": lambda: SnapKVCompressor(budget=40, window=8, kernel=3, prompt_length=60, scale=0.5,
+                                                     tail_rows=4),
+                  "quest": lambda: QuestCompressor(budget=32, page_size=8, refresh=4, tail_rows=4, max_commit=3)}[name]()
+    q = torch.randn(LAYERS, HEADS, 60, DIM)
+    for layer in range(LAYERS):  # what query-aware compressors learn from
+        if hasattr(compressor, "observe_prefill"):
+            compressor.observe_prefill(layer, q[layer], cache.keys[layer, :60], 0)
+        if name == "quest":
+            compressor.observe(layer, q[layer, :, -1], cache.keys[layer, :60])
+    compressor.rebuild(cache)
+    assert compressor.active
+    length = 60
+    for step in range(40):
+        count = 1 + step % 3
+        if step == 20:
+            cache.reserve(cache.capacity + 1)  # reallocated: the view must follow the new tensors
+        rows = torch.randn(LAYERS, count, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, rows[layer], -rows[layer])
+        cache.commit(count)
+        compressor.committed(cache, length, count)
+        length += count
+        compressor.prepare(cache)
+        if step % 7:  # a compiled step reads only the mask; every 7th step reads the view as well
+            continue
+        view, mask = compressor.slots, compressor.visible_mask(cache)
+        assert mask.shape == (length, LAYERS)
+        for layer in range(LAYERS):
+            assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(cache, layer)
+            keys, values = compressor.view(layer)
+            positions = view.positions[layer, :view.size]
+            assert torch.equal(keys[:view.size], cache.keys[layer, positions])
+            assert torch.equal(values[:view.size], cache.values[layer, positions])
 
 
 def test_attention_weights_match_a_direct_softmax():

@@ -82,18 +82,26 @@ class Model:
         cos, sin = (cos[0, :, None] / scale).to(keys.dtype), (sin[0, :, None] / scale).to(keys.dtype)
         return keys * cos + _rotate_half(keys) * sin
 
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary factors cos, sin [rows, 1, dim] (broadcast over heads) of `positions`, by the model's module."""
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=positions.device), positions[None])
+        return cos[0, :, None], sin[0, :, None]
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend: Attention,
-                logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Run `ids` (1-D) at `positions` against `cache`; return logits [rows, vocab] (float32).
+                logit_rows: torch.Tensor | slice | None = None, *,
+                rotation: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                as_float: bool = True) -> torch.Tensor:
+        """Run `ids` (1-D) at `positions` against `cache`; return logits [rows, vocab] (float32, or the model's
+        dtype if not `as_float`).
 
         The rows' keys and values are written after the committed prefix but not committed.
         `logit_rows` limits the (large) vocabulary projection to the rows the caller will read.
+        `rotation` computes the rotary factors in place of `self.rotation`.
         """
         rows = ids.shape[0]
         x = self.embed(ids[None])
-        cos, sin = self.rotary(x, positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim], broadcast over heads
+        cos, sin = (rotation or self.rotation)(positions)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)[0]
@@ -112,7 +120,8 @@ class Model:
         x = self.norm(x)[0]
         if logit_rows is not None:
             x = x[logit_rows]
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits.float() if as_float else logits
 
 
 def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:

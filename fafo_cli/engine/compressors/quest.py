@@ -98,6 +98,5 @@ class QuestCompressor(ViewCompressor):
                 self.active = True
                 self._select(cache)
             return
-        slots = torch.arange(self.slots.size, self.slots.size + count, device=cache.device)
-        self.slots.put(cache, slots, torch.arange(start, start + count, device=cache.device))
+        self.slots.put(list(range(self.slots.size, self.slots.size + count)), list(range(start, start + count)))
         self.slots.size += count

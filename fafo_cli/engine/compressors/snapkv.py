@@ -89,6 +89,6 @@ class SnapKVCompressor(ViewCompressor):
             if cache.length > self.budget:  # the answer outgrew the budget: fall back to the ring alone
                 self.rebuild(cache)
             return
-        positions = torch.arange(start, start + count, device=cache.device)
-        self.slots.put(cache, self.prefix + (positions - self.prefilled) % self.ring, positions)
+        positions = list(range(start, start + count))
+        self.slots.put([self.prefix + (p - self.prefilled) % self.ring for p in positions], positions)
         self.slots.size = self.prefix + min(self.ring, cache.length - self.prefilled)

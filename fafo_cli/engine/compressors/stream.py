@@ -18,24 +18,22 @@ class StreamCompressor(ViewCompressor):
     def __init__(self, *, budget: int, sink: int, tail_rows: int):
         self.budget, self.sink, self.tail_rows = budget, min(sink, budget - 1), tail_rows
 
-    def _ring(self, positions: torch.Tensor) -> torch.Tensor:
-        return torch.where(positions < self.sink, positions,
-                           self.sink + (positions - self.sink) % (self.budget - self.sink))
+    def _ring(self, position: int) -> int:
+        """The slot that holds `position`."""
+        return position if position < self.sink else self.sink + (position - self.sink) % (self.budget - self.sink)
 
     def rebuild(self, cache: KVCache) -> None:
         self.active = cache.length > self.budget
         if not self.active:
             return
         slots = self._slots(cache, self.budget)
-        device = cache.device
-        positions = torch.cat([torch.arange(self.sink, device=device),
-                               torch.arange(cache.length - (self.budget - self.sink), cache.length, device=device)])
-        slots.fill(cache, positions[torch.argsort(self._ring(positions))])  # slot s holds ring position s
+        positions = [*range(self.sink), *range(cache.length - (self.budget - self.sink), cache.length)]
+        slots.fill(cache, torch.tensor(sorted(positions, key=self._ring), device=cache.device))  # slot s: ring slot s
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:
             if cache.length > self.budget:
                 self.rebuild(cache)
             return
-        positions = torch.arange(start, start + count, device=cache.device)
-        self.slots.put(cache, self._ring(positions), positions)
+        positions = list(range(start, start + count))
+        self.slots.put([self._ring(p) for p in positions], positions)

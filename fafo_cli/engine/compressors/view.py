@@ -1,8 +1,13 @@
 """SlotView: the per-layer contiguous copy of C(kv) that every compressor maintains.
 
 Slots hold cached positions in any order (attention does not care). A compressor replaces the whole
-selection with one gather (`fill`), or updates single slots as tokens are committed (`put`). After the
-`size` selected slots there is room for the step's anchor and window rows (the attention puts them there).
+selection (`fill`), or updates single slots as tokens are committed (`put`). After the `size` selected slots
+there is room for the step's anchor and window rows (the attention puts them there).
+
+Both only record positions: keys and values are copied when a layer's view is next read (`layer`), and a
+[positions, layers] mask of the selection is kept up to date. A compiled step reads only that mask (its
+kernel masks the cache itself), so it never pays for the copies (0.2 ms of a 6-row step per committed token
+batch) nor for rebuilding the mask (0.1 ms).
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ class SlotView:
         self.slots = slots
         self.size = 0
         self._layers = torch.arange(n_layers, device=cache.device)[:, None]
+        self._stale: set[int] = set()  # slots whose keys and values are not copied yet
+        # mask[p, layer]: position p is selected in that layer. One row more than positions: unused slots hold
+        # position -1, whose updates land in that last row, which no reader sees.
+        self._mask = torch.zeros(cache.capacity + 1, n_layers, dtype=torch.bool, device=cache.device)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -41,18 +50,42 @@ class SlotView:
         if positions.dim() == 1:
             positions = positions.expand(self._layers.shape[0], -1)
         n = positions.shape[1]
-        self.keys[:, :n] = cache.keys[self._layers, positions]
-        self.values[:, :n] = cache.values[self._layers, positions]
         self.positions[:, :n] = positions
+        self.positions[:, n:] = -1
         self.size = n
+        self._stale = set(range(n))
+        self._grow_mask()
+        self._mask.zero_()
+        self._mask[positions, self._layers] = True
 
-    def put(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store `positions` ([m], the same in every layer) in `slots` ([m])."""
-        self.keys[:, slots] = cache.readable(cache.keys[:, positions])
-        self.values[:, slots] = cache.readable(cache.values[:, positions])
-        self.positions[:, slots] = positions
+    def put(self, slots: list[int], positions: list[int]) -> None:
+        """Store `positions` (the same in every layer) in `slots`."""
+        both = torch.tensor([slots, positions], device=self.positions.device)
+        self._grow_mask()
+        self._mask[self.positions[:, both[0]], self._layers] = False
+        self.positions[:, both[0]] = both[1]
+        self._mask[both[1]] = True
+        self._stale.update(slots)
+
+    def _grow_mask(self) -> None:
+        """Room for every position the cache can hold (its last row stays the spare one)."""
+        rows = self.cache.capacity + 1
+        if self._mask.shape[0] < rows:
+            grown = torch.zeros(rows, self._mask.shape[1], dtype=torch.bool, device=self._mask.device)
+            grown[:self._mask.shape[0] - 1] = self._mask[:-1]
+            self._mask = grown
+
+    def mask(self, length: int) -> torch.Tensor:
+        """[length, layers]: which of the first `length` positions each layer selects (a view: read it now)."""
+        return self._mask[:length]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stale:  # every layer's at once: one gather per step, not one per layer
+            slots = torch.tensor(sorted(self._stale), device=self.positions.device)
+            positions = self.positions[:, slots]
+            self.keys[:, slots] = self.cache.readable(self.cache.keys[self._layers, positions])
+            self.values[:, slots] = self.cache.readable(self.cache.values[self._layers, positions])
+            self._stale.clear()
         return self.keys[layer], self.values[layer]
 
     def selected(self, layer: int) -> list[int]:
@@ -83,12 +116,7 @@ class ViewCompressor:
         return self.slots.size if self.active else cache.length
 
     def visible_mask(self, cache: KVCache) -> torch.Tensor | None:
-        if not self.active:
-            return None
-        slots = self.slots
-        mask = torch.zeros(slots.positions.shape[0], cache.length, dtype=torch.bool, device=cache.device)
-        mask.scatter_(1, slots.positions[:, :slots.size], True)
-        return mask.T.contiguous()
+        return self.slots.mask(cache.length) if self.active else None
 
     def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
         """C(kv) as sorted positions (for tests and inspection)."""
