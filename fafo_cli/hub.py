@@ -100,13 +100,20 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     return target
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The .gguf file a converted model folder came from (convert_gguf records it), if it still exists."""
+def source_record(folder: Path) -> dict:
+    """What convert_gguf recorded in a converted model's folder; {} where that is missing or unreadable."""
     try:
-        path = Path(json.loads((folder / SOURCE_MARKER).read_text(encoding="utf-8"))["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return path if path.is_file() else None
+        record = json.loads((folder / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The .gguf file a converted model folder came from, if it still exists."""
+    source = source_record(folder).get("gguf")
+    path = Path(source) if isinstance(source, str) else None
+    return path if path is not None and path.is_file() else None
 
 
 @contextmanager
@@ -285,7 +292,8 @@ def cached_models() -> list[CachedModel]:
         marker = folder / SOURCE_MARKER
         if folder.name.startswith(".partial-") or not marker.is_file():
             continue
-        name = json.loads(marker.read_text()).get("name", folder.name)
+        name = source_record(folder).get("name")
+        name = name if isinstance(name, str) and name else folder.name  # a damaged record: the folder's name
         found.append(CachedModel(name, _folder_size(folder),
                                  datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc), folder, "gguf"))
     return sorted(found, key=lambda m: m.name.lower())

@@ -189,6 +189,11 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
     assert [(m.name, m.source) for m in hub.cached_models()] == [("Tiny", "gguf")]
+    assert hub.gguf_source(folder) == gguf.resolve()
+    for damaged in ("{not json", "[1, 2]", '{"name": 7, "gguf": null}', "\udcff"):
+        (folder / hub.SOURCE_MARKER).write_text(damaged, encoding="utf-8", errors="surrogateescape")
+        assert [(m.name, m.source) for m in hub.cached_models()] == [(folder.name, "gguf")], damaged
+        assert hub.gguf_source(folder) is None
 
 
 def test_missing_embedded_package_is_explained(monkeypatch):
