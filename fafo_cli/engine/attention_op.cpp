@@ -145,14 +145,13 @@ constexpr int64_t kBlockQueries = 16;  // queries per block: a tile's columns
 
 // What every task of one call reads.
 struct AmxCall {
-  const at::BFloat16 *keys, *values;
-  int64_t key_stride, key_head, value_stride, value_head, dim, slots, cached, rows, group, queries, chunks;
+  const at::BFloat16* keys;
+  int64_t key_stride, key_head, dim, slots, cached, rows, queries, chunks;
   const uint32_t* query_pairs;  // [kv_heads][dim / 2][blocks * 16]: each query's dimensions in pairs, one word each
   int64_t padded;               // blocks * 16
   const uint16_t *all_bits, *part_bits, *local_bits;  // per block: queries that see all, C(kv); [block][rows]: own
   const bool* visible;
   int64_t visible_stride;
-  const char* sees;  // [chunks][rows]
   float scale;
   float* partial;  // [kv_heads, chunks, queries, 2 + dim]
 };
@@ -391,9 +390,8 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           for (int64_t p = 0; p < dim / 2; ++p)
             query_pairs[(h * dim / 2 + p) * padded + qi] = q2[(r * heads + h * group + qi % group) * dim / 2 + p];
       }
-      const AmxCall call{kp, vp, ks, kh, vs, vh, dim, slots, cached, rows, group, queries, chunks, query_pairs.data(),
-                         padded, all_bits.data(), part_bits.data(), local_bits.data(), vis, vis_stride, sees.data(),
-                         scale, pp};
+      const AmxCall call{kp, ks, kh, dim, slots, cached, rows, queries, chunks, query_pairs.data(), padded,
+                         all_bits.data(), part_bits.data(), local_bits.data(), vis, vis_stride, scale, pp};
       at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
         configure_tiles();  // per thread and call: packed_linear configures the tiles its own way
         AmxScratch scratch(dim);

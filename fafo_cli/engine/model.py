@@ -76,10 +76,9 @@ class Model:
     def shift_positions(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Cached keys ([slots, kv_heads, dim], rotary applied) moved `delta` positions earlier: a rotary
         rotation by -delta composes with the one applied, as StreamingLLM's renumbering within a cache needs."""
-        x = keys.to(self.dtype)[None]
-        cos, sin = self.rotary(x, torch.full((1, 1), -delta, device=keys.device))
+        cos, sin = self.rotation(torch.full((1,), -delta, device=keys.device))
         scale = getattr(self.rotary, "attention_scaling", 1.0) or 1.0  # applied once already, not again
-        cos, sin = (cos[0, :, None] / scale).to(keys.dtype), (sin[0, :, None] / scale).to(keys.dtype)
+        cos, sin = (cos / scale).to(keys.dtype), (sin / scale).to(keys.dtype)
         return keys * cos + _rotate_half(keys) * sin
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ class H2OCompressor(ViewCompressor):
     def rebuild(self, cache: KVCache) -> None:
         self.active = cache.length > self.budget
         if self.active:
-            self._slots(cache, self.budget).fill(cache, self.select(cache))
+            self._slots(cache, self.budget).fill(self.select(cache))
 
     prepare = rebuild  # every step: the recent window slides and the masses change
 

@@ -83,7 +83,7 @@ class QuestCompressor(ViewCompressor):
         offsets = torch.arange(ps, device=cache.device)
         positions = (chosen[:, :-1, None] * ps + offsets).flatten(1)
         newest = torch.arange((pages - 1) * ps, length, device=cache.device).expand(len(chosen), -1)
-        self._slots(cache, self.budget + self.max_commit).fill(cache, torch.cat([positions, newest], dim=1))
+        self._slots(cache, self.budget + self.max_commit).fill(torch.cat([positions, newest], dim=1))
         self.refreshed_at = length
 
     def prepare(self, cache: KVCache) -> None:

@@ -81,7 +81,7 @@ class SnapKVCompressor(ViewCompressor):
         self.prefilled = cache.length
         if not self.active:
             return
-        self._slots(cache, self.budget).fill(cache, self.select_prompt(cache))
+        self._slots(cache, self.budget).fill(self.select_prompt(cache))
         self.prefix = self.slots.size
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:

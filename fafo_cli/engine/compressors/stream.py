@@ -28,7 +28,7 @@ class StreamCompressor(ViewCompressor):
             return
         slots = self._slots(cache, self.budget)
         positions = [*range(self.sink), *range(cache.length - (self.budget - self.sink), cache.length)]
-        slots.fill(cache, torch.tensor(sorted(positions, key=self._ring), device=cache.device))  # slot s: ring slot s
+        slots.fill(torch.tensor(sorted(positions, key=self._ring), device=cache.device))  # slot s: ring slot s
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         if not self.active:

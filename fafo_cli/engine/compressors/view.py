@@ -45,7 +45,7 @@ class SlotView:
     def values(self) -> torch.Tensor:
         return self._own[1] if self._own else self.cache.lead_buffers(self.total)[1]
 
-    def fill(self, cache: KVCache, positions: torch.Tensor) -> None:
+    def fill(self, positions: torch.Tensor) -> None:
         """Select `positions` ([layers, n] or [n] for every layer), replacing the whole view."""
         if positions.dim() == 1:
             positions = positions.expand(self._layers.shape[0], -1)
