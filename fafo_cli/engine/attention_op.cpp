@@ -7,12 +7,12 @@
 // a final pass merges the chunks' softmax partials (flash-decoding), so both cores stream the cache once.
 //
 // Queries, keys and values are all float32 or all bfloat16 (a bf16 model's compact cache: half the bytes to
-// stream). Softmax and the sums run in float32. With bf16 on a CPU with AMX, the scores and the value sums are
-// tile products (a FAFO step's dozen verify queries per KV head cost what a plain step's three do; vector code
-// spent a cycle per query and slot on multiply-adds) and the value sum takes each probability rounded to bf16,
-// as bf16 attention on any hardware does. Without AMX, the scores of bf16 queries and keys use AVX512-BF16's
-// pair dot products where the CPU has them (products of two bf16 are exact in float32, so this only changes
-// the order of the additions; half the instructions of widening both), else both are widened exactly.
+// stream). Softmax and the sums run in float32. With bf16, the value sum takes each probability rounded to bf16,
+// as bf16 attention on any hardware does, wherever the products run on bf16 pairs: on a CPU with AMX, the scores
+// and the value sums are tile products (a FAFO step's dozen verify queries per KV head cost what a plain step's
+// three do; vector code spent a cycle per query and slot on multiply-adds); without AMX, AVX512-BF16's pair dot
+// products (the scores by pairs of dimensions, the value sums by pairs of slots: half the instructions of widening
+// both; products of two bf16 are exact in float32). Elsewhere both are widened exactly.
 // Each query's result depends only on its own inputs, never on the other rows of the step: a row verifying a
 // guess computes bit for bit what a plain step would for that token, which lossless decoding rests on.
 //
@@ -128,6 +128,19 @@ inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// Value sums by bf16 pairs of slots (2m, 2m + 1) take each 32 dimensions of the two slots' values unpacked into two
+// vectors of 16 (dimension, both slots) pairs. AVX-512's unpack interleaves within 128-bit lanes, so of dimensions
+// [32g, 32g + 32), vector 2g's lane 4L + i is dimension 32g + 8L + i and vector 2g + 1's is 32g + 8L + 4 + i
+// (i, L < 4). unpair stores two such vectors' sums (x: 2g, y: 2g + 1) as dimensions 32g .. 32g + 31, in order.
+inline void unpair(float* out, __m512 x, __m512 y) {
+  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(x, lower, y));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(x, upper, y));
+}
+#endif
+
 #if FAFO_ATTEND_AMX
 // AMX (bf16 queries, keys and values): per task and block of 16 queries, the scores come out of tiles with the
 // slots as rows (keys are the left operand, read straight from the cache: nothing is laid out for them), so the
@@ -167,8 +180,7 @@ struct AmxScratch {
 };
 
 // The chunk's values for the right operand of probs . values: per 16 dimensions, 32 rows (pairs of slots 2m, 2m + 1)
-// of 16 (dimension, both slots) pairs. AVX-512's unpack interleaves within 128-bit lanes, so of 32 dimensions
-// [32g, 32g + 32), tile 2g's column 4L + i is dimension 32g + 8L + i and tile 2g + 1's is 32g + 8L + 4 + i (i, L < 4).
+// of 16 (dimension, both slots) pairs, in unpair's order (tile t holds what vector t does there).
 // Slots past `n` are zeros.
 void pair_values(at::BFloat16* out, const at::BFloat16* values, int64_t stride, int64_t n, int64_t dim) {
   for (int64_t m = 0; m < kChunk / 2; ++m) {
@@ -275,8 +287,6 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
 #undef FAFO_VALUES
   }
   // each query's partial, its dimensions back in order (see pair_values)
-  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   alignas(64) float tops[kLanes], totals[kLanes];
   _mm512_store_ps(tops, top);
   store(totals, total);
@@ -284,11 +294,8 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
     float* out = a.partial + ((h * a.chunks + c) * a.queries + b * kBlockQueries + l) * (dim + 2);
     out[0] = tops[l];
     out[1] = totals[l];
-    for (int64_t g = 0; g < dim / 32; ++g) {
-      const __m512 x = _mm512_loadu_ps(outputs + l * dim + 32 * g), y = _mm512_loadu_ps(outputs + l * dim + 32 * g + 16);
-      _mm512_storeu_ps(out + 2 + 32 * g, _mm512_permutex2var_ps(x, lower, y));
-      _mm512_storeu_ps(out + 2 + 32 * g + 16, _mm512_permutex2var_ps(x, upper, y));
-    }
+    for (int64_t g = 0; g < dim / 32; ++g)
+      unpair(out + 2 + 32 * g, _mm512_loadu_ps(outputs + l * dim + 32 * g), _mm512_loadu_ps(outputs + l * dim + 32 * g + 16));
   }
 }
 #endif
@@ -425,6 +432,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     std::vector<float> keys_t(dim * kChunk);
     std::vector<int64_t> active(queries);  // the queries whose rows see a slot of this chunk
     alignas(64) float probs[kRows][kChunk];
+    alignas(64) at::BFloat16 probs16[kRows][kChunk];  // with pairs: the probabilities rounded to bf16
     for (int64_t c = first; c < last; ++c)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t s0 = c * kChunk, n = std::min(kChunk, slots - s0);
@@ -511,6 +519,45 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           part[i][0] = m;
           part[i][1] = hsum(vsum);
         }
+#if defined(__AVX512BF16__)
+        // bf16: output = probs . v by pair dot products over pairs of slots, the probabilities rounded to bf16 as
+        // the AMX path (and any bf16 attention) takes them: half the instructions of widening every value
+        if (pairs) {
+          const uint32_t* prob_pairs[R];
+          for (int64_t i = 0; i < R; ++i) {
+            for (int64_t j = 0; j < n_vec; j += kLanes)
+              _mm256_store_si256(reinterpret_cast<__m256i*>(&probs16[i][j]),
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&probs[i][j])));
+            prob_pairs[i] = reinterpret_cast<const uint32_t*>(probs16[i]);
+          }
+          // kCols vectors of 16 dimensions in unpair's order: the unpacked halves of 32 dimensions of two slots
+          for (int64_t t0 = 0; t0 < dim / kLanes; t0 += kCols) {
+            __m512 acc[R][kCols];
+            for (int64_t i = 0; i < R; ++i)
+              for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_setzero_ps();
+            const int64_t nt = std::min(kCols, dim / kLanes - t0);  // dim is a multiple of 32: nt is even
+            const T* values = vp + s0 * vs + h * vh + t0 * kLanes;
+            for (int64_t m = 0; m < (n + 1) / 2; ++m) {
+              __m512bh vv[kCols];
+              const T* first = values + 2 * m * vs;
+              for (int64_t t = 0; t < kCols; t += 2) {
+                if (t >= nt) { vv[t] = vv[t + 1] = (__m512bh)_mm512_setzero_si512(); continue; }
+                const __m512i x = _mm512_loadu_si512(first + t * kLanes);
+                const __m512i y = 2 * m + 1 < n ? _mm512_loadu_si512(first + vs + t * kLanes) : _mm512_setzero_si512();
+                vv[t] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                vv[t + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+              }
+              for (int64_t i = 0; i < R; ++i) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[i][m]));
+                for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], b, vv[t]);
+              }
+            }
+            for (int64_t i = 0; i < R; ++i)
+              for (int64_t t = 0; t < nt; t += 2) unpair(part[i] + 2 + (t0 + t) * kLanes, acc[i][t], acc[i][t + 1]);
+          }
+          return;
+        }
+#endif
         // output = probs . v, R queries x kBlock dims at a time
         for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
           const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
