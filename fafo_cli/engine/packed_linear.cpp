@@ -101,10 +101,12 @@ void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0
   }
 }
 
-template <class F>
+// Ask for the group kPrefetch bytes past `group`: into L2 on the AVX-512 path (locality 2; AMD Zen 4, SmolLM2's 211
+// matrices for 1 / 6 rows: 7.1 / 12.2 ms into L1, 6.2 / 10.2 into L2), into L1 on the AMX path (3: as measured on
+// its CPU)
+template <class F, int locality>
 inline void prefetch(const uint8_t* group) {
-  for (int64_t line = 0; line < kTile * F::entry; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetch + line), _MM_HINT_T0);
+  for (int64_t line = 0; line < kTile * F::entry; line += 64) __builtin_prefetch(group + kPrefetch + line, 0, locality);
 }
 
 // Sums of a tile's kTile weight rows with `rows` input rows (AVX-512 pair dot products): sums[t * ld + r].
@@ -116,7 +118,7 @@ void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64
     for (int t = 0; t < kSub; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = tile + g * kTile * F::entry;
-    if (sub == 0) prefetch<F>(group);
+    if (sub == 0) prefetch<F, 2>(group);
     for (int t = 0; t < kSub; ++t) {
       __m512i a, b;
       F::rebuild(group + (sub * kSub + t) * F::entry, a, b);
@@ -178,7 +180,7 @@ void amx_tile(const at::BFloat16* pairs, int64_t rows, const uint8_t* tile, int6
   _tile_zero(0);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = tile + g * kTile * F::entry;
-    prefetch<F>(group);
+    prefetch<F, 3>(group);
     auto& w = weights[g & 1];
     for (int t = 0; t < kTile; ++t) {
       __m512i a, b;
