@@ -1,6 +1,6 @@
 """The compiled step (`compile`): float32 token ids identical to transformers' greedy generate with it on,
-built once and loaded from disk afterwards, steps padded to the decoder's largest, C(kv) as a mask, and eager
-fallbacks that say so in one line instead of failing."""
+built once and loaded from disk afterwards, steps padded to the decoder's largest (or to a smaller size that
+measured cheaper), C(kv) as a mask, and eager fallbacks that say so in one line instead of failing."""
 
 from __future__ import annotations
 
@@ -58,14 +58,16 @@ def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
 def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine = compiled_engine
     engine.complete(SHORT, max_tokens=8, method="vanilla")
-    engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])  # 1 + G·k + W·k − 1 = 1 + 6 + 5 = 12 rows
-    auto = engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 on compiled steps: 1 + 3 + 2
+    # 1 + G·k + W·k − 1 = 1 + 6 + 5 = 12 rows, or W·k = 6 without candidates
+    engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])
+    auto = engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 compiled: 1 + 3 + 2 (or 3)
     quest = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
     assert (auto.settings["streams"], auto.stats.streams, quest.stats.streams) == ("auto", 1, 2)
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
-    assert {1, 6, 12} <= built <= {1, 6, 7, 12, 13}  # 7: prompt lookup (1 + 6), 13: cacheback (1 + 12), if they ran
+    # 3: FAFO's steps without candidates, 7: prompt lookup (1 + 6), 13: cacheback (1 + 12), if they ran
+    assert {1, 6, 12} <= built <= {1, 3, 6, 7, 12, 13}
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
@@ -95,6 +97,62 @@ def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_
             assert (engine.compiled.calls > 0) == used
     finally:
         record.write_text(json.dumps(original))
+
+
+def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_engine, monkeypatch):
+    """A decoder names the sizes it pads to (FAFO: its steps without candidates, and its largest); a step runs in the
+    smallest that holds it where that package runs at least 10% faster than the largest's (the two timed side by
+    side, once), else in the largest, and a package found not worth it is let go (loaded again if another decoder's
+    largest step needs it)."""
+    from fafo_cli.engine import compiled
+
+    steps = compiled_engine.compiled
+    timed: list[tuple[int, ...]] = []
+    ms = {3: 5.0, 6: 10.0}
+
+    def side_by_side(model, runners):
+        timed.append(tuple(runners))
+        return {rows: ms[rows] for rows in runners}
+
+    monkeypatch.setattr(compiled, "side_by_side", side_by_side)
+    runners, cheaper = dict(steps._runners), dict(steps._cheaper)
+    try:
+        steps._runners.update({3: object(), 6: object()})
+        steps._cheaper.clear()
+        assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4, 6, 7)] == [3, 3, 6, 6, 7]
+        assert timed == [(3, 6)]  # once
+        ms[3] = 9.5  # not 10% faster
+        steps._cheaper.clear()
+        assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4)] == [6, 6, 6]
+        assert 3 not in steps._runners
+        assert steps.size_for(300, (3, 6)) is None  # past the largest bucket: eager
+    finally:
+        steps._runners.clear(), steps._cheaper.clear()
+        steps._runners.update(runners), steps._cheaper.update(cheaper)
+
+
+def test_fafo_steps_in_two_packages_match_transformers(compiled_engine, tiny, monkeypatch):
+    """FAFO with its steps without candidates in the smaller package (timed faster) and the others in the largest:
+    still transformers' greedy tokens, on a prompt longer than the compressed budget."""
+    from fafo_cli.engine import compiled
+
+    monkeypatch.setattr(compiled, "side_by_side", lambda model, runners: {rows: float(rows) for rows in runners})
+    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1)  # 3 rows without candidates, 6 with
+    notices: list[str] = []
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    result = engine.complete(LONG, max_tokens=TOKENS, **settings)
+    assert not [n for n in notices if "running eager" in n or "runs eager" in n]
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
+    assert set(engine.compiled.calls_by_size) == {3, 6}
+    assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1
+
+
+def test_side_by_side_times_each_package(compiled_engine):
+    from fafo_cli.engine import compiled
+
+    steps = compiled_engine.compiled
+    ms = compiled.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
+    assert set(ms) == {1, 6} and all(value > 0 for value in ms.values())
 
 
 def test_auto_never_builds(compiled_cache, tiny_models):

@@ -92,7 +92,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         cache.reserve(start + len(rows))
         local = tree.local_mask(model.device)
         logits = session.run(rows, tree.offsets(model.device), local, lambda: tree_attention(start, local),
-                             pad_to=1 + drafter.max_rows)
+                             sizes=(1 + drafter.max_rows,))
         if sampling.greedy:
             path, emitted = accept_greedy(tree, argmax_ids(logits))
         elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j

@@ -45,11 +45,13 @@ from .model import Model
 GRAPH_VERSION = 8  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
-# compiled, 9 with W=2; prompt lookup's 9). Padding rows see no cached position, but they cost matrix
-# arithmetic, which a many-row step on a CPU is bound by: an exact 9-row FAFO step took 23.2 ms where the
-# 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2 bf16, side by side). So small
-# steps get packages of their exact size; larger ones are bucketed to bound the number of builds. Not every
-# exact size wins (a 10-row package ran 25.5 ms where the 12-row one ran 22.5: inductor's GEMM choice).
+# compiled, 9 with W=2; prompt lookup's 9), or to the smallest of a few sizes it names where that package measured
+# cheaper (FAFO: its steps without candidates, 3 rows by default; CompiledSteps.size_for). Padding rows see no
+# cached position, but they cost matrix arithmetic, which a many-row step on a CPU is bound by: an exact 9-row
+# FAFO step took 23.2 ms where the 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2
+# bf16, side by side). So small steps get packages of their exact size; larger ones are bucketed to bound the
+# number of builds. Not every exact size wins (a 10-row package ran 25.5 ms where the 12-row one ran 22.5:
+# inductor's GEMM choice).
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -226,7 +228,9 @@ class CompiledSteps:
         self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
         self._all_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
         self._no_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._cheaper: dict[tuple[int, int], bool] = {}  # (size, larger): whether steps pad to size (size_for)
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
+        self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
 
     def notify_once(self, message: str) -> None:
@@ -262,6 +266,31 @@ class CompiledSteps:
             self._runners[rows] = self._load(rows)
         return self._runners[rows]
 
+    def size_for(self, rows: int, sizes: tuple[int, ...]) -> int | None:
+        """The package a `rows`-row step runs in, for a decoder whose steps have at most max(sizes) rows: the bucket of
+        the smallest of `sizes` that holds it where that package runs at least 10% faster than the largest's, timed
+        side by side when first needed (extra rows cost arithmetic on CPUs without AMX, next to nothing with it; timed
+        apart, at their builds, the VM's drift hid the difference), else the largest's."""
+        largest = bucket(max(*sizes, rows))
+        if largest is None:
+            return None
+        for size in sorted({bucket(s) for s in sizes if s >= rows} - {largest, None}):
+            if self.runner(largest) is None:
+                break
+            if (size, largest) not in self._cheaper:
+                small, ms = self.runner(size), {}
+                if small is not None:
+                    try:
+                        ms = side_by_side(self.model, {size: small, largest: self.runner(largest)})
+                    except Exception:  # noqa: BLE001 - a package that fails here fails at its steps too: pad
+                        pass
+                cheaper = self._cheaper[size, largest] = bool(ms) and ms[size] < 0.9 * ms[largest]
+                if not cheaper:  # not worth its memory; loaded again if it is some decoder's largest step
+                    self._runners.pop(size, None)
+            if self._cheaper[size, largest]:
+                return size
+        return largest
+
     def _load(self, rows: int):
         package, record = self.paths(rows)
         if package.exists() and record.exists():
@@ -295,17 +324,17 @@ class CompiledSteps:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, local: torch.Tensor, *,
                  sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
-                 pad_to: int = 1) -> torch.Tensor | None:
+                 sizes: tuple[int, ...] = (1,)) -> torch.Tensor | None:
         """Logits [rows, vocab] in the model's dtype of `ids` at `positions`, written after the committed prefix
-        of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to the
-        bucket of `pad_to` (the decoder's largest step) at least.
+        of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to a
+        package of `sizes`, the step sizes the decoder pads to (see size_for).
 
         `local` [rows, rows]: which of this step's rows each row sees. Cached positions: every row sees all of
         them unless `sees_all` [rows] is false for it; such a row sees those `visible()` [length, layers] marks
         (None: all; a callable, so that eager steps never build it).
         """
         rows, length, device = ids.shape[0], cache.length, self.model.device
-        size = bucket(max(rows, pad_to))
+        size = self.size_for(rows, sizes)
         if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
             return None
         runner = self.runner(size)
@@ -339,6 +368,7 @@ class CompiledSteps:
             self._runners[size] = None
             return None
         self.calls += 1
+        self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         self.seconds += time.perf_counter() - started
         return logits[:rows]
 
@@ -365,31 +395,58 @@ class Timing:
             return None
 
 
-def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 8) -> Timing:
-    """Median time of a `rows`-row step after `context` cached positions, eager and compiled."""
-    from .model import causal_attention, prefix_causal_mask
+def _step_inputs(model: Model, rows: int, context: int):
+    """A `rows`-row step after `context` cached positions: ids, positions, the eager mask and the compiled step's
+    visibility pieces (every row sees the whole cache)."""
+    from .model import prefix_causal_mask
 
     device = model.device
-    cache = model.new_cache(context + rows, context + rows)
-    cache.commit(context)
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.arange(context, context + rows, device=device)
     mask = prefix_causal_mask(context, rows, device)
-    local, sees_all = mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool, device=device)
-    sees_part = ~sees_all
+    sees_all = torch.ones(rows, dtype=torch.bool, device=device)
     visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
+    return ids, positions, mask, mask[:, context:].contiguous(), sees_all, ~sees_all, visible
 
-    def timed(run) -> float:
-        times = []
-        for _ in range(repeats + 2):
+
+def _median_ms(runs: dict, repeats: int) -> dict:
+    """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift hits all alike."""
+    times: dict = {name: [] for name in runs}
+    for _ in range(repeats + 2):
+        for name, run in runs.items():
             start = time.perf_counter()
             run()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:]) * 1e3
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
 
+
+def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 8) -> Timing:
+    """Median time of a `rows`-row step after `context` cached positions, eager and compiled."""
+    from .model import causal_attention
+
+    cache = model.new_cache(context + rows, context + rows)
+    cache.commit(context)
+    ids, positions, mask, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
     with torch.inference_mode():
-        eager = timed(lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling)))
+        eager = _median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
+                           repeats)[0]
         cache.store_as(stored_dtype(model))  # each path with the cache it runs with
         keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
-        compiled = timed(lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values))
+        compiled = _median_ms({0: lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values)},
+                              repeats)[0]
     return Timing(rows, eager, compiled)
+
+
+def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int = 8) -> dict[int, float]:
+    """Median ms of a step in each package of `runners` ({rows: runner}), called in turn after `context` positions."""
+    cache = model.new_cache(context + max(runners), context + max(runners))
+    cache.commit(context)
+    cache.store_as(stored_dtype(model))
+    keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
+    runs = {}
+    for rows, runner in runners.items():
+        ids, positions, _, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
+        runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_all, sees_part, visible):
+                      runner(*args, keys, values))
+    with torch.inference_mode():
+        return _median_ms(runs, repeats)

@@ -90,21 +90,23 @@ class Session:
 
     def run(self, ids: list[int], offsets: torch.Tensor, local: torch.Tensor, eager_attention: Callable[[], Attention],
             *, sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
-            logit_rows: torch.Tensor | None = None, allow_compiled: bool = True, pad_to: int = 1) -> torch.Tensor:
+            logit_rows: torch.Tensor | None = None, allow_compiled: bool = True,
+            sizes: tuple[int, ...] = (1,)) -> torch.Tensor:
         """One decoding step: `ids` at the committed length + `offsets`, written after the committed prefix.
 
         The compiled step runs it when one serves this many rows; else the eager forward pass with the
         attention `eager_attention()` builds. Both express the same visibility: `local` [rows, rows] among
         the step's rows; cached positions all visible, except for rows where `sees_all` is false, which see
         what `visible()` [length, layers] marks (the eager attention must agree; called only when compiled).
-        `pad_to`: the decoder's largest step, so that every step runs the same compiled graph. Returns logits
+        `sizes`: the step sizes the decoder pads to (its largest step, so that every step runs the same compiled
+        graph, and smaller ones it has often; CompiledSteps.size_for). Returns logits
         [rows or logit_rows, vocab].
         """
         device = self.model.device
         ids_tensor, positions = torch.tensor(ids, device=device), self.cache.length + offsets
         if self.compiled is not None and allow_compiled:
             logits = self.compiled(ids_tensor, positions, self.cache, local, sees_all=sees_all, visible=visible,
-                                   pad_to=pad_to)
+                                   sizes=sizes)
             if logits is not None:  # in the model's dtype
                 return (logits if logit_rows is None else logits[logit_rows]).float()
         # eager steps read fp32: undo a compiled step's compact storage once, not a conversion per layer per step
