@@ -22,11 +22,12 @@ import torch
 from . import config as config_mod
 from . import hub
 from .decoders import DECODERS
-from .engine.compiled import CompiledSteps, identity
-from .engine.events import Result, Step
-from .engine.model import Model
-from .engine.sampling import Sampling
-from .engine.session import Emitter, Request, Session
+from .compiled.steps import CompiledSteps
+from .compiled.build import identity
+from .runtime.events import Result, Step
+from .runtime.model import Model
+from .runtime.sampling import Sampling
+from .runtime.session import Emitter, Request, Session
 from .errors import FafoError
 
 Prompt = str | Sequence[dict]

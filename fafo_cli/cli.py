@@ -368,7 +368,7 @@ def cacheback_build_table(
     trust_remote_code: TrustRemoteCode = None,
 ) -> None:
     """Build a frozen Cacheback table from text files, for --cacheback-table."""
-    from .engine.ngram_table import build_table, read_corpus, tokenizer_fingerprint
+    from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
 
     settings = config_mod.resolve(config, **_config_flags(locals()))
     texts = read_corpus(files)  # every file checked before the tokenizer loads

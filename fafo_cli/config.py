@@ -86,6 +86,8 @@ class Config:
     prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8)
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
+    seed_pool: bool = _opt(True, "fafo: also feed the pool the prompt's and the output's own n-grams (ours, beyond "
+                                 "the paper, whose pool holds only the window's guesses)")
     compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see", choices=COMPRESSORS)
     budget: int | float = _opt(256, "fafo: compressed budget B: tokens (>= 1) or a fraction of the prompt "
                                     "(e.g. 0.1)")

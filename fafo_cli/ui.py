@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .engine.events import Stats, Step
+from .runtime.events import Stats, Step
 
 REFRESH_PER_SECOND = 8
 

@@ -19,7 +19,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from fafo_cli import load
-from fafo_cli.engine import compiled
+from fafo_cli.compiled import build as compiled
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fafo_cli.engine import native
+from fafo_cli.compiled.kernels import loader
 
 SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2)]
 
@@ -79,8 +79,8 @@ def main() -> None:
     base = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/attention_op.cpp"], capture_output=True,
                           text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:
-        ops = {"base": native.load_as(base, "fafo_base", Path(folder)).attend,
-               "tree": native.load_as(native.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}
+        ops = {"base": loader.load_as(base, "fafo_base", Path(folder)).attend,
+               "tree": loader.load_as(loader.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}
         print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
               f"{args.evict_mb:g} MB read between layers")
         for shape in SHAPES:

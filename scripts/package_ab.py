@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fafo_cli import load
-from fafo_cli.engine import compiled
+from fafo_cli.compiled import build as compiled
 
 from compiled_profile import filled_cache, step_inputs  # this folder: the same FAFO-shaped step
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from fafo_cli import hub, load
-from fafo_cli.engine import native, packed
+from fafo_cli.compiled.kernels import loader
+from fafo_cli.compiled import packed
 
 
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--no-amx", action="store_true", help="also the kernel's AVX-512 path instead of AMX")
     args = parser.parse_args()
     engine = load(args.model, dtype="bfloat16", compile="off")
-    native.load(hub.cache_dir() / "compiled")
+    loader.load(hub.cache_dir() / "compiled")
     gguf = hub.gguf_source(engine.folder)
     if gguf is None or not packed.supported(engine.model):
         raise SystemExit("needs a model from a .gguf file, in bf16, on a CPU with AVX512-BF16")
@@ -60,9 +61,9 @@ def main() -> None:
         if args.base:
             source = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/packed_linear.cpp"],
                                     capture_output=True, text=True, check=True).stdout
-            kernels[args.base] = native.load_as(source, "fafo_base", Path(folder)).packed_linear.default
+            kernels[args.base] = loader.load_as(source, "fafo_base", Path(folder)).packed_linear.default
         if args.no_amx:
-            kernels["tree, no AMX"] = native.load_as(native.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
+            kernels["tree, no AMX"] = loader.load_as(loader.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
                                               "#define FAFO_NO_AMX 1\n").packed_linear.default
         print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
               f"median of {args.rounds} rounds, ms for all of them")

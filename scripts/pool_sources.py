@@ -13,8 +13,8 @@ import statistics
 
 from fafo_cli import load
 from fafo_cli.bench import suites
-from fafo_cli.engine import fafo
-from fafo_cli.engine.pool import NgramPool
+from fafo_cli.decoders.fafo import step as fafo
+from fafo_cli.decoders.fafo.pool import NgramPool
 
 from fafo_sweep import parse  # this folder: the same setting syntax
 

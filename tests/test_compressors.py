@@ -11,12 +11,12 @@ import torch
 
 from fafo_cli import load
 from fafo_cli.config import COMPRESSORS
-from fafo_cli.engine.cache import KVCache
-from fafo_cli.engine.compressors.h2o import H2OCompressor
-from fafo_cli.engine.compressors.quest import QuestCompressor, page_bounds
-from fafo_cli.engine.compressors.scores import attention_weights
-from fafo_cli.engine.compressors.snapkv import SnapKVCompressor
-from fafo_cli.engine.compressors.stream import StreamCompressor
+from fafo_cli.runtime.cache import KVCache
+from fafo_cli.decoders.fafo.compressors.h2o import H2OCompressor
+from fafo_cli.decoders.fafo.compressors.quest import QuestCompressor, page_bounds
+from fafo_cli.decoders.fafo.compressors.scores import attention_weights
+from fafo_cli.decoders.fafo.compressors.snapkv import SnapKVCompressor
+from fafo_cli.decoders.fafo.compressors.stream import StreamCompressor
 
 from .conftest import hf_greedy
 
@@ -232,10 +232,11 @@ def test_block_sparse_path_equals_split_path(tiny_models, compressor):
 
 
 def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
-    from fafo_cli.engine.attention import BlockSparseMasks, FafoAttention, PrefixMasks, flex_attention_kernel
-    from fafo_cli.engine.compressors import StreamCompressor
-    from fafo_cli.engine.fafo import step_layout
-    from fafo_cli.engine.window import LookaheadWindow
+    from fafo_cli.decoders.fafo.attention import BlockSparseMasks, FafoAttention, flex_attention_kernel
+    from fafo_cli.runtime.masks import PrefixMasks
+    from fafo_cli.decoders.fafo.compressors import StreamCompressor
+    from fafo_cli.decoders.fafo.step import step_layout
+    from fafo_cli.decoders.fafo.window import LookaheadWindow
 
     outputs = []
     for block in (False, True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fafo_cli import load
-from fafo_cli.engine import session as session_mod
+from fafo_cli.runtime import session as session_mod
 from fafo_cli.errors import FafoError
 
 from .conftest import VARIANTS, build_tiny_model, hf_greedy

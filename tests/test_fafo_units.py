@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from fafo_cli import load
-from fafo_cli.engine.attention import FafoAttention, PrefixMasks
-from fafo_cli.engine.cache import KVCache
-from fafo_cli.engine.compressors import NoCompressor, StreamCompressor
-from fafo_cli.engine.fafo import step_layout, window_streams
-from fafo_cli.engine.model import causal_attention
-from fafo_cli.engine.pool import NgramPool
-from fafo_cli.engine.tree import DraftTree
-from fafo_cli.engine.verify import accept_greedy
-from fafo_cli.engine.window import LookaheadWindow, window_layout
+from fafo_cli.decoders.fafo.attention import FafoAttention
+from fafo_cli.runtime.masks import PrefixMasks
+from fafo_cli.runtime.cache import KVCache
+from fafo_cli.decoders.fafo.compressors import NoCompressor, StreamCompressor
+from fafo_cli.decoders.fafo.step import step_layout, window_streams
+from fafo_cli.runtime.model import causal_attention
+from fafo_cli.decoders.fafo.pool import NgramPool
+from fafo_cli.decoders.tree import DraftTree
+from fafo_cli.decoders.verify import accept_greedy
+from fafo_cli.decoders.fafo.window import LookaheadWindow, window_layout
 
 
 def test_window_layout_hand_checked():

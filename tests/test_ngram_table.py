@@ -9,8 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fafo_cli.engine.ngram_table import (FollowerTable, FrozenTable, build_table, read_corpus,
-                                         tokenizer_fingerprint)
+from fafo_cli.decoders.ngram_table import FollowerTable, FrozenTable, build_table, read_corpus, tokenizer_fingerprint
 from fafo_cli.errors import FafoError
 
 
@@ -333,7 +332,7 @@ def test_load_fingerprint_mismatch(tmp_path):
 
 
 def test_load_unreadable(tmp_path, monkeypatch):
-    import fafo_cli.engine.ngram_table as module
+    import fafo_cli.decoders.ngram_table as module
 
     path = tmp_path / "t.safetensors"
     sample_table().freeze().save(path, "fp")

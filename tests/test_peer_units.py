@@ -9,7 +9,7 @@ import torch
 
 from fafo_cli.decoders.cacheback import Cacheback
 from fafo_cli.decoders.prompt_lookup import PromptLookup
-from fafo_cli.engine.retrieval import chunk_scores, gather_positions, select_positions
+from fafo_cli.decoders.retrieval import chunk_scores, gather_positions, select_positions
 
 
 def test_chunk_scores_equal_a_brute_force_reference():
@@ -45,7 +45,7 @@ def test_selection_keeps_first_chunk_top_chunks_and_the_tail():
 def test_streaming_draft_model_keeps_sink_and_recent_positions_renumbered(tiny):
     from fafo_cli import load
     from fafo_cli.decoders.triforce import SINK, StreamingDraftModel
-    from fafo_cli.engine.model import causal_attention, prefix_causal_mask
+    from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
     engine = load(str(tiny), dtype="float32", chat_template=False)
     draft = StreamingDraftModel(engine.model, size=24, target_vocab=engine.model.vocab_size)

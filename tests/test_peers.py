@@ -187,7 +187,7 @@ def test_cacheback_frozen_table_built_by_the_cli_is_used(tmp_path, tiny, capsys)
 
 
 def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsys):
-    from fafo_cli.engine.ngram_table import build_table
+    from fafo_cli.decoders.ngram_table import build_table
 
     build_table([[1, 2, 3, 4]], 1, 3, 4).save(tmp_path / "table.bin", "0123456789abcdef")
     prompt = tmp_path / "prompt.txt"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fafo_cli.engine.cache import KVCache
-from fafo_cli.engine.quant import (QuantizedKV, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys,
-                                   quantize_values, unpack_nibbles)
+from fafo_cli.runtime.cache import KVCache
+from fafo_cli.decoders.quantiser import QuantizedKV, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys, quantize_values, unpack_nibbles
 
 CPU = torch.device("cpu")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fafo_cli import load
-from fafo_cli.engine.sampling import Sampling, target_probs
-from fafo_cli.engine.tree import ROOT, DraftTree
-from fafo_cli.engine.verify import accept_greedy, accept_sampling, accept_speculative
+from fafo_cli.runtime.sampling import Sampling, target_probs
+from fafo_cli.decoders.tree import ROOT, DraftTree
+from fafo_cli.decoders.verify import accept_greedy, accept_sampling, accept_speculative
 
 # A tiny "model" over 4 tokens: the first token's distribution, and the second's given the first.
 FIRST = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -152,8 +152,8 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
     from fafo_cli.decoders.cacheback import Cacheback
     from fafo_cli.decoders.prompt_lookup import PromptLookup
     from fafo_cli.decoders.speculative import Draft
-    from fafo_cli.engine.pool import NgramPool
-    from fafo_cli.engine.tree import DraftTree
+    from fafo_cli.decoders.fafo.pool import NgramPool
+    from fafo_cli.decoders.tree import DraftTree
 
     def tree(text, chains):
         tree = DraftTree()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fafo_cli.engine.cache import KVCache
-from fafo_cli.engine.detok import Detokenizer
-from fafo_cli.engine.model import prefix_causal_mask
-from fafo_cli.engine.sampling import Sampling, next_token, target_probs
+from fafo_cli.runtime.cache import KVCache
+from fafo_cli.runtime.detok import Detokenizer
+from fafo_cli.runtime.model import prefix_causal_mask
+from fafo_cli.runtime.sampling import Sampling, next_token, target_probs
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9),

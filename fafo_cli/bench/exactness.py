@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.model import causal_attention, prefix_causal_mask
+from ..runtime.model import causal_attention, prefix_causal_mask
 
 CALIBRATION_ROWS = 9  # rows per pass when measuring the rounding noise (FAFO's default step)
 MARGIN = 1.25  # the noise measured on one text, widened a little for others

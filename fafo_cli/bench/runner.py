@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from ..engine.memory import PeakMemory
-from ..engine.sampling import Sampling
+from ..runtime.memory import PeakMemory
+from ..runtime.sampling import Sampling
 from .suites import Sample
 
 # transformers' own decoding on the same weights; 10 lookup tokens is the value its documentation uses

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from .. import config as config_mod
-from ..engine.fafo import compiled_for, step_rows, window_streams
-from ..engine.model import causal_attention
+from ..decoders.fafo.step import compiled_for, step_rows, window_streams
+from ..runtime.model import causal_attention
 from ..errors import FafoError
 from ..files import atomic_path
 from . import suites

@@ -1,6 +1,6 @@
 """Decoding methods behind one interface: generate(session, request, emitter) -> Iterator[Step]."""
 
-from ..engine import fafo
+from .fafo import step as fafo
 from . import cacheback, lookahead, prompt_lookup, quantspec, triforce, vanilla
 
 DECODERS = {

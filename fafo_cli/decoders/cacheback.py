@@ -14,10 +14,10 @@ import os
 from functools import lru_cache
 from typing import Iterator
 
-from ..engine.events import Step
-from ..engine.ngram_table import FollowerTable, FrozenTable, tokenizer_fingerprint
-from ..engine.session import Emitter, Request, Session
-from ..engine.tree import ROOT, DraftTree
+from ..runtime.events import Step
+from .ngram_table import FollowerTable, FrozenTable, tokenizer_fingerprint
+from ..runtime.session import Emitter, Request, Session
+from .tree import ROOT, DraftTree
 from ..errors import FafoError
 from . import speculative
 from .speculative import Draft

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterator
 
-from ..engine import fafo
-from ..engine.events import Step
-from ..engine.session import Emitter, Request, Session
+from .fafo import step as fafo
+from ..runtime.events import Step
+from ..runtime.session import Emitter, Request, Session
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:

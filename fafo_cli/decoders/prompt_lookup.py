@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..engine.events import Step
-from ..engine.session import Emitter, Request, Session
-from ..engine.tree import DraftTree
+from ..runtime.events import Step
+from ..runtime.session import Emitter, Request, Session
+from .tree import DraftTree
 from . import speculative
 from .speculative import Draft
 

@@ -14,9 +14,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..engine.events import Step
-from ..engine.quant import QuantizedKV
-from ..engine.session import Emitter, Request, Session
+from ..runtime.events import Step
+from .quantiser import QuantizedKV
+from ..runtime.session import Emitter, Request, Session
 from ..errors import FafoError
 from . import speculative
 from .speculative import Draft, draft_chain

@@ -17,15 +17,15 @@ from typing import Iterator, Protocol
 
 import torch
 
-from ..engine.attention import PrefixMasks
-from ..engine.events import Step
-from ..engine.model import causal_attention
-from ..engine.cache import KVCache
-from ..engine.model import Model
-from ..engine.sampling import Sampling, argmax_ids, draw, next_token, target_probs
-from ..engine.session import Emitter, Request, Session
-from ..engine.tree import DraftTree
-from ..engine.verify import accept_greedy, accept_sampling, accept_speculative
+from ..runtime.masks import PrefixMasks
+from ..runtime.events import Step
+from ..runtime.model import causal_attention
+from ..runtime.cache import KVCache
+from ..runtime.model import Model
+from ..runtime.sampling import Sampling, argmax_ids, draw, next_token, target_probs
+from ..runtime.session import Emitter, Request, Session
+from .tree import DraftTree
+from .verify import accept_greedy, accept_sampling, accept_speculative
 
 
 @dataclass

@@ -15,11 +15,11 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..engine.events import Step
-from ..engine.model import Model, causal_attention, prefix_causal_mask
-from ..engine.retrieval import gather_positions, select_positions
-from ..engine.sampling import Sampling, draw, target_probs
-from ..engine.session import PREFILL_CHUNK, Emitter, Request, Session
+from ..runtime.events import Step
+from ..runtime.model import Model, causal_attention, prefix_causal_mask
+from .retrieval import gather_positions, select_positions
+from ..runtime.sampling import Sampling, draw, target_probs
+from ..runtime.session import PREFILL_CHUNK, Emitter, Request, Session
 from . import speculative
 from .speculative import Draft, check_chain, draft_chain
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..engine.events import Step
-from ..engine.sampling import next_token
-from ..engine.session import Emitter, Request, Session
+from ..runtime.events import Step
+from ..runtime.sampling import next_token
+from ..runtime.session import Emitter, Request, Session
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 from .h2o import H2OCompressor
 from .none import NoCompressor
 from .quest import QuestCompressor

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model import Model
+from ..runtime.model import Model
 
 # GGUF tensor name (per block) -> the decoder layer's module
 LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

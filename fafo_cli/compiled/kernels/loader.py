@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_path
+from ...files import atomic_path
 
 SOURCES = (Path(__file__).with_name("attention_op.cpp"), Path(__file__).with_name("packed_linear.cpp"))
 HEADERS = (Path(__file__).with_name("amx.h"),)  # what the sources include from this folder

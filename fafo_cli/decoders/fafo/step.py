@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from ..config import MIN_BUDGET
-from .attention import KV_BLOCK, BlockSparseMasks, FafoAttention, PrefixMasks, flex_attention_kernel
+from ...config import MIN_BUDGET
+from .attention import KV_BLOCK, BlockSparseMasks, FafoAttention, flex_attention_kernel
+from ...runtime.masks import PrefixMasks
 from .compressors import make_compressor, reads_queries
-from .events import Step
-from .model import causal_attention
+from ...runtime.events import Step
+from ...runtime.model import causal_attention
 from .pool import NgramPool
-from .session import Emitter, Request, Session
-from .sampling import argmax_ids, next_token, target_probs
-from .tree import DraftTree
-from .verify import accept_greedy, accept_sampling
+from ...runtime.session import Emitter, Request, Session
+from ...runtime.sampling import argmax_ids, next_token, target_probs
+from ..tree import DraftTree
+from ..verify import accept_greedy, accept_sampling
 from .window import LookaheadWindow, window_layout
 
 if TYPE_CHECKING:
-    from .compiled import CompiledSteps
+    from ...compiled.steps import CompiledSteps
 
 
 def step_rows(streams: int, ngram: int, guesses: int) -> int:
@@ -58,6 +59,7 @@ class FafoSettings:
     guesses: int  # G
     prefix: int  # P
     pool_per_key: int
+    seed_pool: bool
     compressor: str
     budget: int | float  # B: tokens, or a fraction of the prompt
     sink: int  # stream
@@ -160,11 +162,12 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     # The pool follows the conversation: a request that continues the previous one (a chat turn: it extends
     # that whole prompt) keeps what earlier turns taught it. A re-run or a branch starts a new pool, so the
     # same prompt and seed always meet the same guesses and give the same sample.
-    pool_key = ("pool", k, settings.prefix, settings.pool_per_key)
+    pool_key = ("pool", k, settings.prefix, settings.pool_per_key, settings.seed_pool)
     carried = session.carry.get(pool_key)
     continues = carried is not None and reused >= carried[1]
     pool = carried[0] if continues else NgramPool(k, settings.prefix, settings.pool_per_key)
-    pool.add_text(text, new=len(text) - reused if continues else None)
+    if settings.seed_pool:
+        pool.add_text(text, new=len(text) - reused if continues else None)
     session.carry.clear()
     session.carry[pool_key] = (pool, len(request.prompt_ids))
     window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
@@ -204,7 +207,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         session.ids.extend([anchor] + emitted[:-1])
         compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
-        pool.add_text(text, new=len(emitted))
+        if settings.seed_pool:
+            pool.add_text(text, new=len(emitted))
         emitter.stats.pool_keys, emitter.stats.pool_ngrams = pool.keys, pool.ngrams
         step = emitter.emit(emitted, drafted=len(candidates) * k, accepted=len(path))
         yield step

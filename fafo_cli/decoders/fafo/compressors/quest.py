@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 from .view import ViewCompressor
 
 

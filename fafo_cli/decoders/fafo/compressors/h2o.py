@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 from .scores import attention_weights
 from .snapkv import ObservationScores
 from .view import ViewCompressor

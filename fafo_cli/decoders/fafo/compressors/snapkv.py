@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 from .scores import attention_weights
 from .view import ViewCompressor
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 from .view import ViewCompressor
 
 

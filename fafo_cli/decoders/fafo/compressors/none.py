@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 
 
 class NoCompressor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ....runtime.cache import KVCache
 
 
 class SlotView:

@@ -14,34 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache
+from ...runtime.cache import KVCache
+from ...runtime.masks import PrefixMasks
 
 if TYPE_CHECKING:
-    from .fafo import StepLayout
+    from .step import StepLayout
 
-
-class PrefixMasks:
-    """Boolean masks [rows, prefix + local]: prefix columns all visible, then a local block.
-
-    One buffer per use; each call only restores the columns the previous local block covered and writes
-    the new one, so the cost per step is the local block, not the prefix.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._buffers: dict[tuple[str, int], tuple[torch.Tensor, int, int]] = {}
-
-    def get(self, use: str, prefix: int, local: torch.Tensor) -> torch.Tensor:
-        rows, cols = local.shape
-        end = prefix + cols
-        buffer, dirty_start, dirty_end = self._buffers.get((use, rows), (None, 0, 0))
-        if buffer is None or buffer.shape[1] < end:
-            buffer = torch.ones(rows, max(2 * end, 256), dtype=torch.bool, device=self.device)
-        else:
-            buffer[:, dirty_start:dirty_end] = True
-        buffer[:, prefix:end] = local
-        self._buffers[(use, rows)] = (buffer, prefix, end)
-        return buffer[:, :end]
 
 
 class FafoAttention:
@@ -99,12 +77,21 @@ class FafoAttention:
         return torch.cat([verify, fumble], dim=2)
 
 
+
 BUCKET = 256  # positions per length bucket: one BlockMask serves every step whose rows end in the bucket
+
+
+
 Q_BLOCK = 128  # FlexAttention's default block sizes
+
+
+
 KV_BLOCK = 128
 
 
+
 _BLOCK_MASKS: dict[torch.device, "BlockSparseMasks"] = {}
+
 
 
 class BlockSparseMasks:
@@ -174,6 +161,7 @@ class BlockSparseMasks:
             return torch.where(q < n_verify, verify_ok, window_ok)
 
         return mask_mod
+
 
 
 def flex_attention_kernel(device: torch.device):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .compiled import CompiledSteps
+from ..compiled.steps import CompiledSteps
 from .detok import Detokenizer
 from .events import Stats, Step
 from .memory import PeakMemory

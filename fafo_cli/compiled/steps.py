@@ -1,0 +1,198 @@
+"""The compiled steps of one model: one package per row count, loaded from disk or built on first need, and the
+dispatch of a decoding step to the package that serves it (padding rows up to its size)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..runtime.cache import KVCache
+from ..runtime.model import Model
+from .build import MIN_LENGTH, CompileError, _first_line, build, load_kernels, load_package, stored_dtype
+from .timing import Timing, measure, side_by_side
+from . import packed
+
+
+
+
+
+# A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
+# compiled, 9 with W=2; prompt lookup's 9), or to the smallest of a few sizes it names where that package measured
+# cheaper (FAFO: its steps without candidates, 3 rows by default; CompiledSteps.size_for). Padding rows see no
+# cached position, but they cost matrix arithmetic, which a many-row step on a CPU is bound by: an exact 9-row
+# FAFO step took 23.2 ms where the 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2
+# bf16, side by side). So small steps get packages of their exact size; larger ones are bucketed to bound the
+# number of builds. Not every exact size wins (a 10-row package ran 25.5 ms where the 12-row one ran 22.5:
+# inductor's GEMM choice).
+ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
+
+
+
+def bucket(rows: int) -> int | None:
+    return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+
+class CompiledSteps:
+    """The compiled steps of one model: a package per row count, loaded from disk or built on first need.
+
+    mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
+    were built (their record says so). Any failure prints one notice and leaves that size to eager.
+    """
+
+    def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
+                 gguf: Path | None = None):
+        self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
+        self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
+        self._packed: dict | None = None
+        self._runners: dict[int, object | None] = {}
+        self._layers: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
+        self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
+        self._all_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._no_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._cheaper: dict[tuple[int, int], bool] = {}  # (size, larger): whether steps pad to size (size_for)
+        self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
+        self.calls_by_size: dict[int, int] = {}
+        self._said: set[str] = set()
+
+    def notify_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.notify(message)
+
+    def packed_modules(self) -> dict:
+        """The projections that run on packed GGUF blocks in this model's graphs (packed.py); read once."""
+        if self._packed is None:
+            self._packed = {}
+            load_kernels(self.model, self.folder.parent)
+            if self.gguf is not None and packed.supported(self.model):
+                try:
+                    self._packed = packed.pack_model(self.model, self.gguf)
+                except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
+                    self.notify_once(f"cannot read the packed weights of {self.gguf.name} ({_first_line(error)}); "
+                                     "compiling with bf16 weights")
+        return self._packed
+
+    def paths(self, rows: int) -> tuple[Path, Path]:
+        return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
+
+    def serves(self, rows: int) -> bool:
+        """Whether a decoder whose largest step has `rows` rows runs compiled (under "on" this builds the
+        package now rather than at the first step)."""
+        size = bucket(rows)
+        return size is not None and self.runner(size) is not None
+
+    def runner(self, rows: int):
+        """The loaded package for `rows` rows, building it when allowed; None: run eager."""
+        if rows not in self._runners:
+            self._runners[rows] = self._load(rows)
+        return self._runners[rows]
+
+    def size_for(self, rows: int, sizes: tuple[int, ...]) -> int | None:
+        """The package a `rows`-row step runs in, for a decoder whose steps have at most max(sizes) rows: the bucket of
+        the smallest of `sizes` that holds it where that package runs at least 10% faster than the largest's, timed
+        side by side when first needed (extra rows cost arithmetic on CPUs without AMX, next to nothing with it; timed
+        apart, at their builds, the VM's drift hid the difference), else the largest's."""
+        largest = bucket(max(*sizes, rows))
+        if largest is None:
+            return None
+        for size in sorted({bucket(s) for s in sizes if s >= rows} - {largest, None}):
+            if self.runner(largest) is None:
+                break
+            if (size, largest) not in self._cheaper:
+                small, ms = self.runner(size), {}
+                if small is not None:
+                    try:
+                        ms = side_by_side(self.model, {size: small, largest: self.runner(largest)})
+                    except Exception:  # noqa: BLE001 - a package that fails here fails at its steps too: pad
+                        pass
+                cheaper = self._cheaper[size, largest] = bool(ms) and ms[size] < 0.9 * ms[largest]
+                if not cheaper:  # not worth its memory; loaded again if it is some decoder's largest step
+                    self._runners.pop(size, None)
+            if self._cheaper[size, largest]:
+                return size
+        return largest
+
+    def _load(self, rows: int):
+        package, record = self.paths(rows)
+        if package.exists() and record.exists():
+            timing = Timing.read(record)
+            if self.mode == "auto" and timing is not None and not timing.pays_off:
+                return None
+            try:
+                load_kernels(self.model, self.folder.parent)
+                return load_package(package)
+            except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
+                if self.mode == "auto":
+                    self.notify(f"compiled step unusable ({_first_line(error)}); running eager")
+                    return None
+        if self.mode != "on":
+            return None
+        self.notify(f"compiling the {rows}-row step for this model once (minutes on a CPU; later runs load it)")
+        started = time.perf_counter()
+        try:
+            build(self.model, rows, package, self.packed_modules())
+            runner = load_package(package)
+            timing = measure(self.model, runner, rows)
+            timing.build_s = time.perf_counter() - started
+            timing.write(record)
+        except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
+            reason = error if isinstance(error, CompileError) else _first_line(error)
+            self.notify(f"compilation failed, running eager: {reason}")
+            return None
+        self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
+                    f"(eager {timing.eager_ms:.1f} ms)")
+        return runner
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, local: torch.Tensor, *,
+                 sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
+                 sizes: tuple[int, ...] = (1,)) -> torch.Tensor | None:
+        """Logits [rows, vocab] in the model's dtype of `ids` at `positions`, written after the committed prefix
+        of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to a
+        package of `sizes`, the step sizes the decoder pads to (see size_for).
+
+        `local` [rows, rows]: which of this step's rows each row sees. Cached positions: every row sees all of
+        them unless `sees_all` [rows] is false for it; such a row sees those `visible()` [length, layers] marks
+        (None: all; a callable, so that eager steps never build it).
+        """
+        rows, length, device = ids.shape[0], cache.length, self.model.device
+        size = self.size_for(rows, sizes)
+        if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
+            return None
+        runner = self.runner(size)
+        if runner is None:
+            return None
+        cache.store_as(stored_dtype(self.model))  # once: the package was traced with it
+        cache.reserve(length + size)
+        visible = visible() if visible is not None else None
+        local = local.contiguous()  # the package was traced with contiguous inputs
+        sees_all = self._all_rows[:rows] if sees_all is None else sees_all
+        sees_part = ~sees_all
+        if size > rows:  # padding rows: token 0 at the anchor's position, seeing only themselves
+            pad = size - rows
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions[:1].expand(pad)])
+            padded = torch.eye(size, dtype=torch.bool, device=device)
+            padded[:rows, :rows] = local
+            local = padded
+            sees_all, sees_part = (torch.cat([part, self._no_rows[:pad]]) for part in (sees_all, sees_part))
+        if self._everything.shape[0] < cache.capacity:
+            self._everything = torch.ones(cache.capacity, len(self.model.layers), dtype=torch.bool, device=device)
+        storage = (cache.keys.data_ptr(), cache.capacity)
+        if self._layers is None or self._layers[0] != storage:
+            self._layers = (storage, list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+        started = time.perf_counter()
+        try:
+            visible = self._everything[:length] if visible is None else visible
+            logits = runner(ids, positions, local, sees_all, sees_part, visible, self._layers[1], self._layers[2])
+        except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
+            self.notify(f"compiled step failed, running eager: {_first_line(error)}")
+            self._runners[size] = None
+            return None
+        self.calls += 1
+        self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
+        self.seconds += time.perf_counter() - started
+        return logits[:rows]

@@ -1,0 +1,94 @@
+"""Timing compiled steps: against eager when a package is built, and packages against each other, side by side."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..files import write_atomic
+from ..runtime.model import Model, causal_attention, prefix_causal_mask
+from .build import stored_dtype
+
+
+@dataclass
+class Timing:
+    rows: int
+    eager_ms: float
+    compiled_ms: float
+    build_s: float = 0.0
+
+    @property
+    def pays_off(self) -> bool:
+        return self.compiled_ms < self.eager_ms
+
+    def write(self, path: Path) -> None:
+        write_atomic(path, json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, path: Path) -> "Timing | None":
+        try:
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+
+def _step_inputs(model: Model, rows: int, context: int):
+    """A `rows`-row step after `context` cached positions: ids, positions, the eager mask and the compiled step's
+    visibility pieces (every row sees the whole cache)."""
+    device = model.device
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    positions = torch.arange(context, context + rows, device=device)
+    mask = prefix_causal_mask(context, rows, device)
+    sees_all = torch.ones(rows, dtype=torch.bool, device=device)
+    visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
+    return ids, positions, mask, mask[:, context:].contiguous(), sees_all, ~sees_all, visible
+
+
+
+def _median_ms(runs: dict, repeats: int) -> dict:
+    """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift hits all alike."""
+    times: dict = {name: [] for name in runs}
+    for _ in range(repeats + 2):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+
+
+
+def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 8) -> Timing:
+    """Median time of a `rows`-row step after `context` cached positions, eager and compiled."""
+    cache = model.new_cache(context + rows, context + rows)
+    cache.commit(context)
+    ids, positions, mask, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
+    with torch.inference_mode():
+        eager = _median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
+                           repeats)[0]
+        cache.store_as(stored_dtype(model))  # each path with the cache it runs with
+        keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
+        compiled = _median_ms({0: lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values)},
+                              repeats)[0]
+    return Timing(rows, eager, compiled)
+
+
+
+def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int = 8) -> dict[int, float]:
+    """Median ms of a step in each package of `runners` ({rows: runner}), called in turn after `context` positions."""
+    cache = model.new_cache(context + max(runners), context + max(runners))
+    cache.commit(context)
+    cache.store_as(stored_dtype(model))
+    keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
+    runs = {}
+    for rows, runner in runners.items():
+        ids, positions, _, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
+        runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_all, sees_part, visible):
+                      runner(*args, keys, values))
+    with torch.inference_mode():
+        return _median_ms(runs, repeats)
