@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from . import __version__
 from . import config as config_mod
@@ -22,92 +25,46 @@ app.add_typer(config_app, name="config")
 cacheback_app = typer.Typer(no_args_is_help=True, help="Cacheback's frozen n-gram tables.")
 app.add_typer(cacheback_app, name="cacheback")
 
-# Options shared by `run` and `chat`. None means "not given": the config file's value stands.
-ModelArg = Annotated[Optional[str], typer.Argument(
-    help="Hub id (org/name), local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-    show_default=False)]
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config file.", show_default=False)]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Most tokens to generate.",
-                                                  show_default=False)]
-Temperature = Annotated[Optional[float], typer.Option(help="0 = greedy; above 0 samples.", show_default=False)]
-TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", show_default=False)]
-TopK = Annotated[Optional[int], typer.Option("--top-k", help="Sample among the k likeliest (0 = off).",
-                                             show_default=False)]
-MinP = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below min_p × the likeliest (0 = off).",
-                                               show_default=False)]
-Seed = Annotated[Optional[int], typer.Option(help="Random seed for sampling.", show_default=False)]
-Dtype = Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16 | float16", show_default=False)]
-Device = Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | mps", show_default=False)]
-Compile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Compiled decoding steps: built "
-                                                 "once per model (minutes on a CPU), then loaded from disk. "
-                                                 "Default (config 'auto'): those already built and faster.",
-                                                 show_default=False)]
-Method = Annotated[Optional[str], typer.Option(help=f"Decoding method: {' | '.join(config_mod.METHODS)}",
-                                               show_default=False)]
-System = Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)]
-ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template",
-                                                      help="Wrap the prompt in the model's chat template.",
-                                                      show_default=False)]
-TrustRemoteCode = Annotated[Optional[bool], typer.Option("--trust-remote-code", help="Allow a model repo's own "
-                                                         "Python code to run.", show_default=False)]
-AllowPickle = Annotated[Optional[bool], typer.Option("--allow-pickle", help="Allow pickle (.bin) weights, "
-                                                     "which can run code when loaded.", show_default=False)]
-Streams = Annotated[Optional[str], typer.Option("--streams", "-W", help="fafo: lookahead streams W, or auto "
-                                                "(1 where steps run compiled, else 2).",
-                                                show_default=False, rich_help_panel="FAFO")]
-Ngram = Annotated[Optional[int], typer.Option("--ngram", "-k", help="fafo: guess length k.", show_default=False,
-                                              rich_help_panel="FAFO")]
-Guesses = Annotated[Optional[int], typer.Option("--guesses", "-G", help="fafo: candidates verified per step G.",
-                                                show_default=False, rich_help_panel="FAFO")]
-Prefix = Annotated[Optional[int], typer.Option("--prefix", "-P", help="fafo: longest pool key P.",
-                                               show_default=False, rich_help_panel="FAFO")]
-PoolPerKey = Annotated[Optional[int], typer.Option("--pool-per-key", help="fafo: n-grams kept per pool key.",
-                                                   show_default=False, rich_help_panel="FAFO")]
-Compressor = Annotated[Optional[str], typer.Option(help=f"fafo: {' | '.join(config_mod.COMPRESSORS)}",
-                                                   show_default=False, rich_help_panel="FAFO")]
-Budget = Annotated[Optional[float], typer.Option("--budget", "-B", help="fafo: compressed budget B: tokens, or a "
-                                                 "fraction of the prompt (0.1).", show_default=False,
-                                                 rich_help_panel="FAFO")]
-Sink = Annotated[Optional[int], typer.Option(help="stream: first positions always kept.", show_default=False,
-                                             rich_help_panel="FAFO")]
-PageSize = Annotated[Optional[int], typer.Option(help="quest: tokens per page.", show_default=False,
-                                                 rich_help_panel="FAFO")]
-Refresh = Annotated[Optional[int], typer.Option(help="quest: re-select pages every N new tokens.",
-                                                show_default=False, rich_help_panel="FAFO")]
-Window = Annotated[Optional[int], typer.Option(help="snapkv/h2o: prompt queries observed at prefill.",
-                                               show_default=False, rich_help_panel="FAFO")]
-Kernel = Annotated[Optional[int], typer.Option(help="snapkv: score smoothing width (odd).", show_default=False,
-                                               rich_help_panel="FAFO")]
-Attention = Annotated[Optional[str], typer.Option(help="fafo: split | block (FlexAttention) | auto.",
-                                                  show_default=False, rich_help_panel="FAFO")]
-Recent = Annotated[Optional[int], typer.Option(help="h2o: recent positions always kept.", show_default=False,
-                                               rich_help_panel="FAFO")]
 
 
+def config_options(command: str):
+    """Give a Typer command one option per config key it offers (declared once, in config.Config), placed where
+    its keyword-only `flags` parameter stands; the command receives them as `flags`: key -> value, None where
+    not given (the config files' value stands)."""
+    offered = config_mod.flags(command)
 
-def _peer(flag: str, kind: type, help: str, panel: str):
-    return Annotated[Optional[kind], typer.Option(flag, help=help, show_default=False, rich_help_panel=panel)]
+    def decorate(function):
+        signature = inspect.signature(function, eval_str=True)
+        own = list(signature.parameters.values())
+        names = [parameter.name for parameter in own]
+        clash = {flag.key for flag in offered} & set(names)
+        if clash:
+            raise TypeError(f"{function.__name__} declares config keys of its own: {', '.join(sorted(clash))}")
+        generated = [inspect.Parameter(flag.key, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                       annotation=_typer_parameter(flag)) for flag in offered]
+        where = names.index("flags")
+        parameters = own[:where] + generated + own[where + 1:]
+
+        @functools.wraps(function)
+        def with_config_options(**arguments):
+            given = {flag.key: flag.value(arguments.pop(flag.key)) for flag in offered}
+            return function(**arguments, flags=given)
+
+        with_config_options.__signature__ = signature.replace(parameters=parameters)
+        with_config_options.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+        return with_config_options
+
+    return decorate
 
 
-LookaheadStreams = _peer("--lookahead-streams", int, "Window streams W.", "Lookahead")
-LookaheadNgram = _peer("--lookahead-ngram", int, "Guess length (N - 1).", "Lookahead")
-LookaheadGuesses = _peer("--lookahead-guesses", int, "Candidates verified per step G.", "Lookahead")
-LookupNgram = _peer("--lookup-ngram", int, "Longest text ending looked up in the context.", "Prompt lookup")
-LookupTokens = _peer("--lookup-tokens", int, "Tokens drafted after a match.", "Prompt lookup")
-CachebackLeader = _peer("--cacheback-leader", int, "Leader length LL.", "Cacheback")
-CachebackFollower = _peer("--cacheback-follower", int, "Follower length FL.", "Cacheback")
-CachebackFollowers = _peer("--cacheback-followers", int, "Followers kept per leader FC.", "Cacheback")
-CachebackLeaders = _peer("--cacheback-leaders", int, "Leaders kept in the dynamic table.", "Cacheback")
-CachebackBudget = _peer("--cacheback-budget", int, "Draft tokens per step (tree nodes).", "Cacheback")
-CachebackTable = _peer("--cacheback-table", str, "Frozen table file (fafo cacheback build-table).", "Cacheback")
-TriforceChunk = _peer("--triforce-chunk", int, "Tokens per retrieval chunk.", "TriForce")
-TriforceBudget = _peer("--triforce-budget", int, "Retrieval cache size in tokens.", "TriForce")
-TriforceGamma1 = _peer("--triforce-gamma1", int, "Draft model tokens per middle-level check.", "TriForce")
-TriforceGamma2 = _peer("--triforce-gamma2", int, "Middle-level tokens per full-model check.", "TriForce")
-TriforceDraftCache = _peer("--triforce-draft-cache", int, "Draft model's StreamingLLM cache size.", "TriForce")
-DraftModel = _peer("--draft-model", str, "Tiny draft model sharing the tokenizer.", "TriForce")
-QuantspecGamma = _peer("--quantspec-gamma", int, "Tokens drafted per step.", "QuantSpec")
-QuantspecGroup = _peer("--quantspec-group", int, "Quantisation group size.", "QuantSpec")
+def _typer_parameter(flag: config_mod.Flag):
+    help = escape(flag.help)  # "[auto | cpu]" would otherwise be read as Rich markup
+    if not flag.declarations:
+        return Annotated[Optional[flag.kind], typer.Argument(help=help, show_default=False)]
+    return Annotated[Optional[flag.kind], typer.Option(*flag.declarations, help=help, show_default=False,
+                                                       rich_help_panel=flag.section)]
+
 
 def _version(value: bool) -> None:
     if value:
@@ -119,15 +76,6 @@ def _version(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Show the version and exit.")] = False) -> None:
     """Lossless fast decoding for local LLMs (FAFO)."""
-
-
-def _config_flags(arguments: dict) -> dict:
-    """The command's arguments that are config keys (None: not given, the file's value stands)."""
-    keys = config_mod.Config().to_dict()
-    flags = {k: v for k, v in arguments.items() if k in keys}
-    if isinstance(flags.get("compile"), bool):  # --compile / --no-compile
-        flags["compile"] = "on" if flags["compile"] else "off"
-    return flags
 
 
 def _read_prompt(source: str) -> str:
@@ -162,29 +110,12 @@ def _load(config: config_mod.Config, err_console):
 
 
 @app.command()
+@config_options("run")
 def run(
-    model: ModelArg = None,
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt file, or - for standard input.",
                                         show_default=False)] = ...,
-    config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
-    seed: Seed = None,
-    dtype: Dtype = None, device: Device = None, compile: Compile = None, system: System = None,
-    chat_template: ChatTemplate = None,
-    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
-    streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
-    pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
-    page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
-    recent: Recent = None, attention: Attention = None,
-    lookahead_streams: LookaheadStreams = None, lookahead_ngram: LookaheadNgram = None,
-    lookahead_guesses: LookaheadGuesses = None, lookup_ngram: LookupNgram = None, lookup_tokens: LookupTokens = None,
-    cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
-    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
-    cacheback_budget: CachebackBudget = None, cacheback_table: CachebackTable = None,
-    triforce_chunk: TriforceChunk = None, triforce_budget: TriforceBudget = None,
-    triforce_gamma1: TriforceGamma1 = None, triforce_gamma2: TriforceGamma2 = None,
-    triforce_draft_cache: TriforceDraftCache = None, draft_model: DraftModel = None,
-    quantspec_gamma: QuantspecGamma = None, quantspec_group: QuantspecGroup = None,
+    config: ConfigOpt = None,
+    *, flags: dict,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
@@ -195,7 +126,7 @@ def run(
     from .ui import StreamView, consoles, method_label
 
     text = _read_prompt(prompt)
-    settings = config_mod.resolve(config, **_config_flags(locals()))
+    settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     engine = _load(settings, err)
     if as_json:
@@ -210,39 +141,21 @@ def run(
 
 
 @app.command()
-def chat(
-    model: ModelArg = None, config: ConfigOpt = None, method: Method = None, max_tokens: MaxTokens = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
-    seed: Seed = None,
-    dtype: Dtype = None, device: Device = None, compile: Compile = None, system: System = None,
-    chat_template: ChatTemplate = None,
-    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
-    streams: Streams = None, ngram: Ngram = None, guesses: Guesses = None, prefix: Prefix = None,
-    pool_per_key: PoolPerKey = None, compressor: Compressor = None, budget: Budget = None, sink: Sink = None,
-    page_size: PageSize = None, refresh: Refresh = None, window: Window = None, kernel: Kernel = None,
-    recent: Recent = None, attention: Attention = None,
-    lookahead_streams: LookaheadStreams = None, lookahead_ngram: LookaheadNgram = None,
-    lookahead_guesses: LookaheadGuesses = None, lookup_ngram: LookupNgram = None, lookup_tokens: LookupTokens = None,
-    cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
-    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
-    cacheback_budget: CachebackBudget = None, cacheback_table: CachebackTable = None,
-    triforce_chunk: TriforceChunk = None, triforce_budget: TriforceBudget = None,
-    triforce_gamma1: TriforceGamma1 = None, triforce_gamma2: TriforceGamma2 = None,
-    triforce_draft_cache: TriforceDraftCache = None, draft_model: DraftModel = None,
-    quantspec_gamma: QuantspecGamma = None, quantspec_group: QuantspecGroup = None,
-) -> None:
+@config_options("chat")
+def chat(config: ConfigOpt = None, *, flags: dict) -> None:
     """Multi-turn chat with the same live panel. /help lists the commands."""
     from .chat import Repl
     from .ui import consoles
 
-    settings = config_mod.resolve(config, **_config_flags(locals()))
+    settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     Repl(_load(settings, err), out, err).run()
 
 
 @app.command()
+@config_options("bench")
 def bench(
-    model: ModelArg = None, config: ConfigOpt = None,
+    config: ConfigOpt = None,
     suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit "
                                                   "(default: all).", show_default=False)] = None,
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: all). vanilla always "
@@ -257,7 +170,7 @@ def bench(
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
                                                min=0.0)] = 0.0,
-    dtype: Dtype = None, device: Device = None, compile: Compile = None,
+    *, flags: dict,
     external: Annotated[bool, typer.Option("--external/--no-external", help="Time transformers' generate and "
                                            "its prompt lookup too.")] = True,
     verify: Annotated[bool, typer.Option("--verify", help="Re-run the greedy rows in float32 and require "
@@ -272,14 +185,13 @@ def bench(
                                                      show_default=False)] = None,
     tune: Annotated[bool, typer.Option("--tune", help="Measure this machine and write the best FAFO settings "
                                        "into the user config.")] = False,
-    trust_remote_code: TrustRemoteCode = None, allow_pickle: AllowPickle = None,
 ) -> None:
     """FAFO against plain decoding, the peer methods and transformers, side by side."""
     from .bench import command
     from .bench.suites import parse_suites
     from .ui import consoles
 
-    settings = config_mod.resolve(config, **_config_flags({k: v for k, v in locals().items() if k != "temperature"}))
+    settings = config_mod.resolve(config, **flags)
     options = command.BenchOptions(
         suites=parse_suites(suites),
         methods=command.parse_list("--methods", methods, config_mod.METHODS, list(config_mod.METHODS)),
@@ -296,13 +208,15 @@ def bench(
 
 
 @app.command()
+@config_options("pull")
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct.", show_default=False)],
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.", show_default=False)] = None,
-    allow_pickle: AllowPickle = None,
+    *, flags: dict,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the path.")] = False,
 ) -> None:
     """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
+    allow_pickle = flags["allow_pickle"]
     folder = hub.pull(model, revision=revision, allow_pickle=bool(allow_pickle), quiet=quiet)
     hub.check_folder(folder, allow_pickle=bool(allow_pickle), trust_remote_code=True)
     print(folder)
@@ -333,9 +247,12 @@ def list_models(
 
 
 @config_app.command("show")
-def config_show() -> None:
+def config_show(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference of every key instead "
+                                           "(docs/configuration.md).")] = False,
+) -> None:
     """Print the documented default configuration (a valid YAML file)."""
-    print(config_mod.default_yaml(), end="")
+    print(config_mod.reference_markdown() if markdown else config_mod.default_yaml(), end="")
 
 
 @config_app.command("path")
@@ -356,6 +273,7 @@ def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite a
 
 
 @cacheback_app.command("build-table")
+@config_options("cacheback build-table")
 def cacheback_build_table(
     files: Annotated[list[str], typer.Argument(help="Text files to learn from.", show_default=False)],
     out: Annotated[str, typer.Option("--out", "-o", help="Table file to write (e.g. table.bin).",
@@ -363,14 +281,13 @@ def cacheback_build_table(
     model: Annotated[Optional[str], typer.Option(help="Model whose tokenizer encodes the text (default: the "
                                                  "config's model, else the embedded SmolLM2).",
                                                  show_default=False)] = None,
-    config: ConfigOpt = None, cacheback_leader: CachebackLeader = None, cacheback_follower: CachebackFollower = None,
-    cacheback_followers: CachebackFollowers = None, cacheback_leaders: CachebackLeaders = None,
-    trust_remote_code: TrustRemoteCode = None,
+    config: ConfigOpt = None,
+    *, flags: dict,
 ) -> None:
     """Build a frozen Cacheback table from text files, for --cacheback-table."""
     from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
 
-    settings = config_mod.resolve(config, **_config_flags(locals()))
+    settings = config_mod.resolve(config, model=model, **flags)
     texts = read_corpus(files)  # every file checked before the tokenizer loads
     folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
     from transformers import AutoTokenizer

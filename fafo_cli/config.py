@@ -1,7 +1,9 @@
 """One typed configuration: defaults < user config file < `--config FILE` < command-line flags.
 
-Each field's metadata (help, allowed values, range) is the single source for validation messages and for
-the documented default file that `fafo config show` prints.
+Each key is declared once, as a field of `Config` whose metadata (see `_opt`) holds its help, allowed values,
+range, flag and the commands that offer it. Everything else reads that declaration: validation and its
+messages, the commands' options (`flags`, turned into Typer options by the CLI), the documented default file
+that `fafo config show` prints and the reference page docs/configuration.md (`reference_markdown`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,25 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 COMPILE = ("auto", "on", "off")
 
 
-def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False):
-    return field(default=default, metadata=dict(help=help, choices=choices, low=low, high=high,
-                                                low_open=low_open, nullable=nullable))
+# The commands that generate text offer every key as a flag (a later `serve` joins them here); a key's `also`
+# names the other commands that offer it.
+GENERATE = ("run", "chat")
+
+# The option panel (and reference section) of a key whose help starts with a method's name ("fafo: ...").
+SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt lookup", "cacheback": "Cacheback",
+            "triforce": "TriForce", "quantspec": "QuantSpec"}
+
+
+def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False, allowed=None,
+         flag=None, short=None, switch=None, argument=False, also=()):
+    """A key's declaration. Validation: `choices`, `low`/`high` (`low_open`: low itself excluded), `nullable`
+    (may be empty); `allowed` describes the values of a key with a rule of its own (budget, streams).
+    Command line: `flag` (default: --the-key-name, and --no-the-key-name for a bool), `short` alias, `switch`
+    (a bool flag setting the key to switch[0] or switch[1]), `argument` (the commands' positional argument
+    instead of a flag), `also` (commands besides GENERATE that offer it)."""
+    return field(default=default, metadata=dict(help=help, choices=choices, low=low, high=high, low_open=low_open,
+                                                nullable=nullable, allowed=allowed, flag=flag, short=short,
+                                                switch=switch, argument=argument, also=also))
 
 
 def _budget(value: Any) -> int | float:
@@ -51,16 +69,19 @@ def _streams(value: Any, low: int, high: int) -> int | str:
 
 @dataclass(frozen=True)
 class Config:
-    model: str | None = _opt(None, "hub id, local folder or .gguf file; empty: the embedded SmolLM2-135M-Instruct",
-                             nullable=True)
-    method: str = _opt("fafo", "decoding method", choices=METHODS)
+    model: str | None = _opt(None, "hub id (org/name), local folder or .gguf file; empty: the embedded "
+                                   "SmolLM2-135M-Instruct", nullable=True, argument=True, also=("bench",))
+    method: str = _opt("fafo", "decoding method: fafo, vanilla (plain decoding, one token per step) or a peer "
+                               "method", choices=METHODS)
     dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
-                      choices=DTYPES)
-    device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
-    compile: str = _opt("auto", "compiled decoding steps (built once per model, then loaded from disk): on builds "
-                               "them when missing; auto uses those that measured faster than eager; off",
-                        choices=COMPILE)
-    max_tokens: int = _opt(512, "most tokens generated per answer", low=1)
+                      choices=DTYPES, also=("bench",))
+    device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES,
+                       also=("bench",))
+    compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
+                                "disk: on builds them when missing, auto uses those already built that measured "
+                                "faster than eager, off uses none", choices=COMPILE,
+                        flag="--compile/--no-compile", switch=("on", "off"), also=("bench",))
+    max_tokens: int = _opt(512, "most tokens generated per answer", low=1, short="-n")
     # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
     temperature: float | None = _opt(None, "0 = greedy; above 0 samples (empty: the model's default)", low=0.0,
                                      high=100.0, nullable=True)
@@ -75,22 +96,29 @@ class Config:
                             nullable=True, low=0)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
-    trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run")
-    allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code")
+    # The two opt-ins are off unless asked for, so they have no --no- form.
+    trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run", flag="--trust-remote-code",
+                                   also=("bench", "cacheback build-table"))
+    allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code",
+                              flag="--allow-pickle", also=("bench", "pull"))
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see README, "Choosing defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 1-64; auto: 1 where "
-                                      "the step runs compiled (its rows cost arithmetic), else 2", low=1, high=64)
-    ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16)
+                                      "the step runs compiled (its rows cost arithmetic), else 2", low=1, high=64,
+                              allowed="auto or 1-64", short="-W")
+    ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16, short="-k")
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
-                        low=0, high=64)
-    prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8)
+                        low=0, high=64, short="-G")
+    prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8, short="-P")
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
     seed_pool: bool = _opt(True, "fafo: also feed the pool the prompt's and the output's own n-grams (ours, beyond "
                                  "the paper, whose pool holds only the window's guesses)")
-    compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see", choices=COMPRESSORS)
+    compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see: none (the whole cache), "
+                                     "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
+                                     "end attends to), h2o (heavy hitters + recent)", choices=COMPRESSORS)
     budget: int | float = _opt(256, "fafo: compressed budget B: tokens (>= 1) or a fraction of the prompt "
-                                    "(e.g. 0.1)")
+                                    "(e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
+                               short="-B")
     sink: int = _opt(4, "fafo stream: first positions always kept (< budget)", low=0)
     page_size: int = _opt(16, "fafo quest: tokens per page", low=1, high=4096)
     refresh: int = _opt(16, "fafo quest: re-select pages every this many new tokens", low=1)
@@ -108,17 +136,20 @@ class Config:
     lookup_ngram: int = _opt(3, "prompt-lookup: longest ending of the text looked up in the context", low=1,
                              high=16)
     lookup_tokens: int = _opt(8, "prompt-lookup: tokens drafted after a match", low=1, high=256)
-    cacheback_leader: int = _opt(1, "cacheback: leader length LL (tokens a lookup is keyed by)", low=1, high=8)
-    cacheback_follower: int = _opt(3, "cacheback: follower length FL (tokens per table entry)", low=1, high=16)
+    cacheback_leader: int = _opt(1, "cacheback: leader length LL (tokens a lookup is keyed by)", low=1, high=8,
+                                 also=("cacheback build-table",))
+    cacheback_follower: int = _opt(3, "cacheback: follower length FL (tokens per table entry)", low=1, high=16,
+                                   also=("cacheback build-table",))
     cacheback_followers: int = _opt(4, "cacheback: followers kept per leader FC (least recently used dropped)",
-                                     low=1, high=256)
-    cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table", low=1)
+                                     low=1, high=256, also=("cacheback build-table",))
+    cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table", low=1,
+                                  also=("cacheback build-table",))
     cacheback_budget: int = _opt(8, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
     cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
                                              "looked up after the dynamic one", nullable=True)
     triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
     triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens (first chunk, top chunks, last "
-                                     "partial chunk)", low=2)
+                                     "partial chunk; at least two chunks)", low=2)
     triforce_gamma1: int = _opt(2, "triforce: tokens the draft model proposes per middle-level check", low=1,
                                 high=32)
     triforce_gamma2: int = _opt(2, "triforce: tokens the middle level drafts per full-model check", low=1, high=32)
@@ -251,16 +282,145 @@ def resolve(config_file: str | None, **flags: Any) -> Config:
     return build(config, **flags)
 
 
+def describe(spec) -> str:
+    """A key's help with its choices, as `fafo config show` comments it."""
+    meta = spec.metadata
+    return meta["help"] + (f" [{' | '.join(meta['choices'])}]" if meta["choices"] else "")
+
+
 def default_yaml() -> str:
     """The documented default config file."""
     lines = ["# fafo-cli configuration. Command-line flags override these values.",
              f"# Location read when --config is not given: {user_config_path()}", ""]
     for spec in fields(Config):
-        meta = spec.metadata
-        help = meta["help"]
-        if meta["choices"]:
-            help += f" [{' | '.join(meta['choices'])}]"
-        lines.append(f"# {help}")
+        lines.append(f"# {describe(spec)}")
         value = spec.default if spec.default is not MISSING else None
         lines.append(yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip())
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one key appears on a command line, read from its declaration."""
+    key: str
+    declarations: tuple[str, ...]  # e.g. ("--max-tokens", "-n"); empty for the positional argument
+    kind: type  # what the command line parses: str, int, float or bool
+    help: str
+    section: str | None  # the options panel; None: the general options
+    switch: tuple[str, str] | None  # a bool flag that sets the key to switch[0] (given) or switch[1] (--no-)
+
+    def value(self, parsed: Any) -> Any:
+        """The key's value for what the command line parsed (None: not given, the files' value stands)."""
+        if parsed is None or self.switch is None:
+            return parsed
+        return self.switch[0] if parsed else self.switch[1]
+
+
+def commands(spec) -> tuple[str, ...]:
+    """The commands that offer a key on their command line."""
+    return GENERATE + spec.metadata["also"]
+
+
+def flags(command: str) -> list[Flag]:
+    """The keys `command` offers on its command line, in declaration order."""
+    return [_flag(spec) for spec in fields(Config) if command in commands(spec)]
+
+
+def section(spec) -> str | None:
+    """The method a key belongs to, by its help's first word ("fafo stream: ..."); None for the general keys."""
+    return SECTIONS.get(spec.metadata["help"].split(":")[0].split()[0])
+
+
+def _command_line_type(spec) -> type:
+    """The widest of the annotation's types: a flag's text must reach the checks ("int | str": "auto" or 3)."""
+    if spec.metadata["switch"]:
+        return bool
+    names = {name.strip() for name in spec.type.split("|")} - {"None"}
+    return next(kind for kind in (str, float, int, bool) if kind.__name__ in names)
+
+
+def _flag(spec) -> Flag:
+    meta = spec.metadata
+    kind = _command_line_type(spec)
+    declarations: tuple[str, ...] = ()
+    if not meta["argument"]:
+        name = spec.name.replace("_", "-")
+        long = meta["flag"] or (f"--{name}/--no-{name}" if kind is bool else f"--{name}")
+        declarations = (long, meta["short"]) if meta["short"] else (long,)
+    if meta["switch"]:  # the flag's two sides stand for the key's choices (not giving it: the files' value)
+        sides = zip(declarations[0].split("/"), meta["switch"])
+        help = f"{meta['help']} ({', '.join(f'{side}: {value}' for side, value in sides)})"
+    else:
+        help = describe(spec)
+    return Flag(spec.name, declarations, kind, help, section(spec), meta["switch"])
+
+
+def _flag_text(flag: Flag) -> str:
+    if not flag.declarations:
+        return f"argument `{flag.key.upper()}`"
+    return ", ".join(" / ".join(f"`{d}`" for d in declaration.split("/")) for declaration in flag.declarations)
+
+
+def _type_text(spec) -> str:
+    names = [name.strip() for name in spec.type.split("|") if name.strip() != "None"]
+    return " or ".join(names) + (", or empty" if spec.metadata["nullable"] else "")
+
+
+def _allowed_text(spec) -> str:
+    meta = spec.metadata
+    low, high = meta["low"], meta["high"]
+    if meta["allowed"]:
+        return meta["allowed"]
+    if meta["choices"]:
+        return ", ".join(f"`{choice}`" for choice in meta["choices"])
+    if low is None:
+        return ""
+    if high is None:
+        return f"> {low}" if meta["low_open"] else f">= {low}"
+    return f"> {low} and <= {high}" if meta["low_open"] else f"{low}-{high}"
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "empty"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every key with its flag, type, default, allowed values and help."""
+    everywhere = " and ".join(f"`fafo {command}`" for command in GENERATE)
+    others = sorted({command for spec in fields(Config) for command in spec.metadata["also"]})
+    lines = [
+        "# Configuration", "",
+        "<!-- Generated from fafo_cli/config.py by `fafo config show --markdown`: edit the declarations there. -->",
+        "",
+        "Every setting is a key of one typed configuration, `Config` in `fafo_cli/config.py`, which declares each "
+        "key's help, type, default, allowed values and flag once; the commands' `--help`, the checks on files and "
+        "flags, `fafo config show` and this page are all read from there.", "",
+        "## Where values come from", "",
+        "Later sources win: **defaults < user config file < `--config FILE` < flags**. The user config file is "
+        "`~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config path` "
+        "prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
+        "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
+        "the key allows is an error that names the key.", "",
+        f"{everywhere} take every key on their command line; the other commands take these:", "",
+    ]
+    for command in others:
+        offered = ", ".join(f"`{flag.key}`" for flag in flags(command))
+        lines.append(f"- `fafo {command}`: {offered}")
+    lines.append("")
+    titles = [None, *SECTIONS.values()]
+    methods = {title: method for method, title in SECTIONS.items()}
+    for title in titles:
+        heading = f"{title} (`--method {methods[title]}`)" if title else "General"
+        lines += [f"## {heading}", "", "| key | flag | type | default | allowed | meaning |",
+                  "|---|---|---|---|---|---|"]
+        for spec in fields(Config):
+            if section(spec) == title:
+                flag = _flag(spec)
+                lines.append(f"| `{spec.name}` | {_flag_text(flag)} | {_type_text(spec)} | "
+                             f"{_default_text(spec.default)} | {_allowed_text(spec)} | {spec.metadata['help']} |")
+        lines.append("")
+    least = "; ".join(f"{name}: {rule(Config())[0]}" for name, rule in MIN_BUDGET.items())
+    lines += [f"`budget`, when in tokens, must hold what the compressor always keeps, at least: {least}.", ""]
+    return "\n".join(lines)

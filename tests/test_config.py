@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
 import pytest
 import yaml
 
@@ -90,3 +94,75 @@ def test_missing_and_unreadable_files(tmp_path):
         config_mod.load_file(tmp_path / "nope.yaml")
     with pytest.raises(FafoError, match="cannot read config file"):
         config_mod.load_file(tmp_path)  # a folder
+
+
+def test_reference_page_is_generated_from_config():
+    page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert page.read_text() == config_mod.reference_markdown(), \
+        "regenerate it: fafo config show --markdown > docs/configuration.md"
+
+
+@pytest.fixture(scope="module")
+def commands():
+    import typer
+
+    from fafo_cli import cli
+
+    return typer.main.get_command(cli.app).commands
+
+
+def _sample(spec) -> Any:
+    """A valid value of the key other than its default, as Config holds it."""
+    if spec.metadata["switch"]:
+        candidates = list(spec.metadata["switch"])
+    elif spec.metadata["choices"]:
+        candidates = list(spec.metadata["choices"])
+    else:
+        by_type = {"int": [3, 5, 2, 9, 17, 1, 0], "float": [0.5], "str": ["some text"], "bool": [False, True]}
+        candidates = [value for name in spec.type.split(" | ") if name != "None" for value in by_type[name]]
+    for value in candidates:
+        try:
+            if value != spec.default and config_mod.build(**{spec.name: value}):
+                return value
+        except FafoError:
+            continue
+    raise AssertionError(f"no valid sample value for {spec.name}")
+
+
+def _spellings(flag, value) -> list[list[str]]:
+    """Every way to give `value` on the command line: each alias, each side of an on/off pair."""
+    if not flag.declarations:
+        return [[str(value)]]
+    if flag.kind is bool:
+        on, _, off = flag.declarations[0].partition("/")
+        is_on = value == flag.switch[0] if flag.switch else value
+        return [[on if is_on else off]]
+    return [[declaration, str(value)] for declaration in flag.declarations]
+
+
+@pytest.mark.parametrize("command", config_mod.GENERATE)
+@pytest.mark.parametrize("spec", fields(Config), ids=lambda spec: spec.name)
+def test_every_key_is_a_flag_that_reaches_the_config(commands, command, spec):
+    """Every key is offered by the commands that generate (none is held back), and what its flag parses
+    becomes the key's value."""
+    offered = {flag.key: flag for flag in config_mod.flags(command)}
+    assert spec.name in offered
+    flag = offered[spec.name]
+    value = _sample(spec)
+    for argv in _spellings(flag, value):
+        required = ["--prompt", "prompt.txt"] if command == "run" else []
+        parsed = commands[command].make_context(command, [*required, *argv]).params
+        given = {key: offered[key].value(parsed[key]) for key in offered}
+        assert getattr(config_mod.build(**given), spec.name) == value, argv
+        assert config_mod.build(**{k: v for k, v in given.items() if k != spec.name}) == Config()
+
+
+def test_flag_spellings():
+    run = {flag.key: flag for flag in config_mod.flags("run")}
+    shorts = {"max_tokens": "-n", "streams": "-W", "ngram": "-k", "guesses": "-G", "prefix": "-P", "budget": "-B"}
+    assert {key: flag.declarations[1] for key, flag in run.items() if len(flag.declarations) > 1} == shorts
+    assert run["compile"].declarations == ("--compile/--no-compile",)
+    assert (run["compile"].value(True), run["compile"].value(False), run["compile"].value(None)) == ("on", "off", None)
+    assert run["seed_pool"].declarations == ("--seed-pool/--no-seed-pool",)
+    assert run["trust_remote_code"].declarations == ("--trust-remote-code",)  # an opt-in: no --no- form
+    assert run["model"].declarations == ()  # the positional argument
