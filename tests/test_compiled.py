@@ -5,7 +5,6 @@ measured cheaper), C(kv) as a mask, and eager fallbacks that say so in one line 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -195,7 +194,7 @@ def test_cli_compile_flag(compiled_engine, tiny, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["settings"]["compile"] == "off"
 
 
-def test_visible_mask_is_the_compressors_selection(tiny):
+def test_view_mask_is_the_compressors_selection(tiny):
     """The compiled step's C(kv) mask marks exactly the positions the eager split attention copies."""
     from fafo_cli.decoders.fafo.compressors.stream import StreamCompressor
 
@@ -204,7 +203,7 @@ def test_visible_mask_is_the_compressors_selection(tiny):
     session.prefill(engine.encode(LONG), reserve=16)
     compressor = StreamCompressor(budget=40, sink=4, tail_rows=8)
     compressor.rebuild(session.cache)
-    mask = compressor.visible_mask(session.cache)
+    mask = compressor.view_mask(session.cache)
     assert mask.shape == (session.cache.length, len(engine.model.layers))
     for layer in range(mask.shape[1]):
         assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)

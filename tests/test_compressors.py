@@ -58,7 +58,7 @@ def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
         top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:4]) + [pages - 1]  # 5 pages kept
         expected = [pos for p in top for pos in range(p * 8, min(100, (p + 1) * 8))]
         assert quest.selected_positions(cache, layer) == expected
-        view_keys = quest.view(layer)[0][:quest.visible(cache)]
+        view_keys = quest.view(layer)[0][:quest.view_size(cache)]
         assert sorted(view_keys[:, 0, 0].tolist()) == sorted(cache.keys[layer, expected, 0, 0].tolist())
     # new tokens are appended until the refresh is due, and page bounds follow them
     extra = torch.randn(LAYERS, 3, KV, DIM)
@@ -96,7 +96,7 @@ def test_snapkv_keeps_pooled_top_scores_plus_window():
         cache.commit(1)
         snap.committed(cache, start, 1)
     assert snap.selected_positions(cache)[-16:] == list(range(124, 140))
-    assert snap.visible(cache) == 64
+    assert snap.view_size(cache) == 64
 
 
 def test_h2o_keeps_heavy_hitters_plus_recent():
@@ -148,7 +148,7 @@ def test_view_reads_and_mask_follow_the_selection(name):
         compressor.prepare(cache)
         if step % 7:  # a compiled step reads only the mask; every 7th step reads the view as well
             continue
-        view, mask = compressor.slots, compressor.visible_mask(cache)
+        view, mask = compressor.slots, compressor.view_mask(cache)
         assert mask.shape == (length, LAYERS)
         for layer in range(LAYERS):
             assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(cache, layer)
@@ -232,11 +232,10 @@ def test_block_sparse_path_equals_split_path(tiny_models, compressor):
 
 
 def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
-    from fafo_cli.decoders.fafo.attention import BlockSparseMasks, FafoAttention, flex_attention_kernel
-    from fafo_cli.runtime.masks import PrefixMasks
+    from fafo_cli.decoders.fafo.attention import BlockSparseMasks, CompressedView, flex_attention_kernel
     from fafo_cli.decoders.fafo.compressors import StreamCompressor
-    from fafo_cli.decoders.fafo.step import step_layout
     from fafo_cli.decoders.fafo.window import LookaheadWindow
+    from fafo_cli.runtime.rows import draft_step
 
     outputs = []
     for block in (False, True):
@@ -249,11 +248,12 @@ def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
         compressor.rebuild(session.cache)
         window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)
         window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
-        layout = step_layout(2, 3, 3, 3)
-        rows = [prompt[-1], 5, 6, 7, 8, 9, 10] + window.tokens()
-        attend = FafoAttention(session.cache, compressor, model.scaling, PrefixMasks(model.device), layout,
-                               block_masks=BlockSparseMasks.for_device(model.device) if block else None,
-                               flex=flex_attention_kernel(model.device) if block else None)
+        view = CompressedView(session.cache, compressor, model.scaling,
+                              block_masks=BlockSparseMasks.for_device(model.device) if block else None,
+                              flex=flex_attention_kernel(model.device) if block else None)
+        step = draft_step(prompt[-1], [5, 6, 7, 8, 9, 10], [-1, 0, 1, -1, 3, 4], model.device,
+                          view_tokens=window.tokens(), view_rows=window.layout.rows, view=view)
         start = session.cache.length
-        outputs.append(model.forward(torch.tensor(rows), start + layout.offsets, session.cache, attend))
+        outputs.append(model.forward(torch.tensor(step.ids), start + step.layout.offsets, session.cache,
+                                     view.attention(step.layout)))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)

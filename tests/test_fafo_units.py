@@ -6,22 +6,23 @@ import pytest
 import torch
 
 from fafo_cli import load
-from fafo_cli.decoders.fafo.attention import FafoAttention
-from fafo_cli.runtime.masks import PrefixMasks
-from fafo_cli.runtime.cache import KVCache
+from fafo_cli.decoders.fafo.attention import CompressedView
 from fafo_cli.decoders.fafo.compressors import NoCompressor, StreamCompressor
-from fafo_cli.decoders.fafo.step import step_layout, window_streams
-from fafo_cli.runtime.model import causal_attention
 from fafo_cli.decoders.fafo.pool import NgramPool
+from fafo_cli.decoders.fafo.step import window_streams
+from fafo_cli.decoders.fafo.window import LookaheadWindow, window_layout
 from fafo_cli.decoders.tree import DraftTree
 from fafo_cli.decoders.verify import accept_greedy
-from fafo_cli.decoders.fafo.window import LookaheadWindow, window_layout
+from fafo_cli.runtime.cache import KVCache
+from fafo_cli.runtime.model import causal_attention
+from fafo_cli.runtime.rows import draft_step
 
 
 def test_window_layout_hand_checked():
     # W=3 streams, 3 levels. Rows: (0,1) (0,2) | (1,0) (1,1) (1,2) | (2,0) (2,1) (2,2)
     layout = window_layout(3, 3)
-    assert layout.offsets == (1, 2, 1, 2, 3, 2, 3, 4)  # level + column
+    rows = layout.rows
+    assert rows.offsets == (1, 2, 1, 2, 3, 2, 3, 4)  # level + column
     expected = [  # columns: anchor, then the 8 rows
         [1, 1, 0, 0, 0, 0, 0, 0, 0],  # (0,1): anchor, itself
         [1, 1, 1, 0, 0, 0, 0, 0, 0],  # (0,2): anchor, (0,1), itself
@@ -32,11 +33,11 @@ def test_window_layout_hand_checked():
         [1, 1, 0, 0, 1, 0, 0, 1, 0],  # (2,1): anchor, (0,1), (1,1), itself
         [1, 1, 1, 0, 0, 1, 0, 0, 1],  # (2,2): anchor, (0,1), (0,2), (1,2), itself
     ]
-    assert layout.local_mask.int().tolist() == expected
-    assert layout.predictors == (5, 6, 7)
-    # Each row's visible tokens occupy positions t..t+offset without gaps (the staircase).
-    for r, offset in enumerate(layout.offsets):
-        seen = [0] + [layout.offsets[c - 1] for c in range(1, 9) if expected[r][c]]
+    assert rows.local.int().tolist() == expected
+    assert layout.predictors == (5, 6, 7) and rows.read == (5, 6, 7)
+    # The tokens each row sees occupy positions t..t+offset without gaps (the staircase).
+    for r, offset in enumerate(rows.offsets):
+        seen = [0] + [rows.offsets[c - 1] for c in range(1, 9) if expected[r][c]]
         assert sorted(seen) == list(range(offset + 1))
     # One level filled: the anchor predicts column 0, the level-0 rows the others.
     assert window_layout(3, 1).predictors == (-1, 0, 1)
@@ -106,7 +107,8 @@ def test_tree_mask_and_positions_for_a_hand_drawn_tree():
     tree.add_chain([7, 3])  # merged: shares a
     tree.add_chain([4, 5])
     assert tree.tokens == [7, 8, 9, 3, 4, 5] and tree.parents == [-1, 0, 1, 0, -1, 4]
-    assert tree.offsets(torch.device("cpu")).tolist() == [0, 1, 2, 3, 2, 1, 2]
+    layout = draft_step(0, tree.tokens, tree.parents, torch.device("cpu")).layout
+    assert layout.offsets.tolist() == [0, 1, 2, 3, 2, 1, 2]
     expected = torch.tensor([
         # anchor a  b  c  d  e  f
         [1, 0, 0, 0, 0, 0, 0],  # anchor
@@ -117,7 +119,7 @@ def test_tree_mask_and_positions_for_a_hand_drawn_tree():
         [1, 0, 0, 0, 0, 1, 0],  # e
         [1, 0, 0, 0, 0, 1, 1],  # f
     ], dtype=torch.bool)
-    assert torch.equal(tree.local_mask(torch.device("cpu")), expected)
+    assert torch.equal(layout.local, expected) and layout.sees_cache is None and layout.logit_rows is None
     # the model says 7 after the anchor, 3 after a, 0 after d: path a-d, bonus 0
     assert accept_greedy(tree, [7, 3, 0, 0, 0, 0, 0]) == ([0, 3], [7, 3, 0])
     assert accept_greedy(tree, [4, 0, 0, 0, 0, 5, 6]) == ([4, 5], [4, 5, 6])
@@ -141,10 +143,10 @@ def test_stream_selection_is_sink_plus_recent():
         assert compressor.selected_positions(cache) == expected
         view = compressor.view(1)
         if cache.length <= 8:
-            assert view is None and compressor.visible(cache) == cache.length
+            assert view is None and compressor.view_size(cache) == cache.length
         else:
             keys = sorted(int(k) for k in view[0][:8, 0, 0])
-            assert keys == expected and compressor.visible(cache) == 8
+            assert keys == expected and compressor.view_size(cache) == 8
             assert sorted(int(-v) for v in view[1][:8, 0, 0]) == expected
 
 
@@ -163,29 +165,46 @@ def test_fumble_rows_equal_a_forward_over_the_gathered_cache(tiny_models, compre
     candidates = [(5, 6, 7), (8, 9, 10)]
     window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)
     window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
-    layout = step_layout(len(candidates), 3, 3, 3)
-    rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
-    attend = FafoAttention(cache, compressor, model.scaling, PrefixMasks(model.device), layout)
-    logits = model.forward(torch.tensor(rows), start + layout.offsets, cache, attend)
-    fafo_window = logits[layout.verify_rows:]
+    tree = DraftTree.chains(candidates)
+    step = draft_step(anchor, tree.tokens, tree.parents, model.device, view_tokens=window.tokens(),
+                      view_rows=window.layout.rows, view=CompressedView(cache, compressor, model.scaling))
+    layout = step.layout
+    attend = step.view.attention(layout)
+    logits = model.forward(torch.tensor(step.ids), start + layout.offsets, cache, attend)
+    fafo_verify, fafo_window = logits[:layout.verify_rows], logits[layout.verify_rows:]
 
-    # Reference: the anchor committed by a plain step, then C(kv) + anchor gathered into a fresh cache.
+    # The verify rows saw the whole cache: they equal the same rows run with plain tree attention over it.
+    verify_mask = torch.cat([torch.ones(layout.verify_rows, start, dtype=torch.bool), layout.verify_local], dim=1)
+    verify_ids = torch.tensor(step.ids[:layout.verify_rows])
+    whole = model.forward(verify_ids, start + layout.offsets[:layout.verify_rows], cache,
+                          causal_attention(verify_mask, model.scaling))
+    torch.testing.assert_close(fafo_verify, whole, atol=2e-4, rtol=1e-4)
+
+    # Reference for the window rows: the anchor committed by a plain step, then C(kv) + anchor gathered into a
+    # fresh cache.
     session.step(anchor)
     selected = list(range(start)) if compressor_name == "none" else _stream_positions(start, 24, 4)
     keep = torch.tensor(selected + [start])
-    gathered = model.new_cache(initial_slots=len(keep) + len(rows))
+    gathered = model.new_cache(initial_slots=len(keep) + len(step.ids))
     gathered.keys[:, :len(keep)] = cache.keys[:, keep]
     gathered.values[:, :len(keep)] = cache.values[:, keep]
     gathered.commit(len(keep))
-    local = layout.window_local[:, 1:]
+    local = layout.view_local[:, 1:]
     mask = torch.cat([torch.ones(local.shape[0], len(keep), dtype=torch.bool), local], dim=1)
     window_offsets = layout.offsets[layout.verify_rows:]
     expected = model.forward(torch.tensor(window.tokens()), start + window_offsets, gathered,
                              causal_attention(mask, model.scaling))
     torch.testing.assert_close(fafo_window, expected, atol=2e-4, rtol=1e-4)
-    # and the verify rows really saw more: a compressed view changes the anchor's logits
     if compressor_name == "stream":
+        # and with a compressed view the verify rows saw more than the window rows: run over the gathered view
+        # (the anchor's slot included), they would give other logits
         assert len(selected) < start
+        gathered.truncate(len(keep) - 1)
+        seen_by_window = model.forward(verify_ids, start + layout.offsets[:layout.verify_rows], gathered,
+                                       causal_attention(torch.cat([torch.ones(layout.verify_rows, len(keep) - 1,
+                                                                              dtype=torch.bool),
+                                                                   layout.verify_local], dim=1), model.scaling))
+        assert not torch.allclose(fafo_verify, seen_by_window, atol=1e-3)
 
 
 def _stream_positions(length: int, budget: int, sink: int) -> list[int]:

@@ -78,8 +78,7 @@ def _divergences(engine, runs: list[Run]) -> tuple[dict[tuple[str, str], exactne
     a plain step does (packed GGUF steps: tested). Compiled vanilla itself and every eager row: eager vanilla."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
     compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
-    # the noise differs from text to text (measured: 0.38 on a chat answer, 0.75 on a math answer): take the
-    # largest over every prompt's vanilla answer
+    # the noise differs from text to text: take the largest over every prompt's vanilla answer
     tolerance = max(exactness.rounding_noise(engine, engine.encode(list(r.sample.messages)), r.token_ids)
                     for r in reference.values())
     found: dict[tuple[str, str], exactness.Divergence | None] = {}

@@ -9,16 +9,16 @@ minutes per start on a CPU. A package is built once per model, dtype, device and
 
 Shapes: the cache length and capacity are dynamic dimensions (one graph for every step); the row count is
 static (exact up to 16 rows, then in buckets): a decoder pads every step up to the size of its largest one,
-because kernels generated for a fixed row count run twice as fast as dynamic ones at one row (measured: 9.4
-vs 18 ms, SmolLM2 bf16). A package is built on first need per size, so a decoder costs one build.
+because kernels generated for a fixed row count run much faster than dynamic ones (docs/compiled-steps.md). A
+package is built on first need per size, so a decoder costs one build.
 
-Each layer runs one masked attention call: a row sees all cached positions where `sees_all` is true, those its
-layer marks in `visible` where `sees_part` is (FAFO's fumble rows and C(kv)), none where neither is (padding
+Each layer runs one masked attention call: a row sees all cached positions where `sees_cache` is true, those its
+layer marks in `view_mask` where `sees_view` is (FAFO's fumble rows and C(kv)), none where neither is (padding
 rows), plus the step's own rows through `local`.
 On a CPU that call is our kernel (attention_op.cpp, via kernels/loader.py), and bf16 GEMMs may use ours
 (bf16_gemm.py): torch's own spend most of a decoding step's attention time outside arithmetic. A model from a
 .gguf file multiplies with its quantized blocks instead (packed.py), rebuilt exactly into its bf16 weights.
-New keys and values are written in place after the `visible.shape[0]` committed positions, exactly as the
+New keys and values are written in place after the `view_mask.shape[0]` committed positions, exactly as the
 eager path writes them. A bfloat16 model's CPU cache is stored in bfloat16 while compiled steps serve
 (`stored_dtype`), with the queries in bf16 too (exact: a bf16 model's are): each step streams half the bytes.
 """
@@ -44,27 +44,24 @@ MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token pro
 GRAPH_VERSION = 8  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 
 
-
 def load_package(path: Path) -> Callable:
     """A package as a function of the step's inputs. Calling the loaded package directly re-reads its input
-    and output specs (JSON) and walks the argument tree on every call: 0.2-0.4 ms of a 9-11 ms plain step here. The flat
-    call below passes the same tensors in the same order (ids ... visible, then the layers' keys and values)."""
+    and output specs (JSON) and walks the argument tree on every call, a visible share of a small step. The flat
+    call below passes the same tensors in the same order (ids ... view_mask, then the layers' keys and values)."""
     package = torch._inductor.aoti_load_package(str(path))
-    loader = getattr(package, "loader", None)
-    if not hasattr(loader, "boxed_run"):  # another torch: its own call path
+    aoti = getattr(package, "loader", None)
+    if not hasattr(aoti, "boxed_run"):  # another torch: its own call path
         return package
 
-    def run(ids, positions, local, sees_all, sees_part, visible, keys, values):
-        return loader.boxed_run([ids, positions, local, sees_all, sees_part, visible, *keys, *values])[0]
+    def run(ids, positions, local, sees_cache, sees_view, view_mask, keys, values):
+        return aoti.boxed_run([ids, positions, local, sees_cache, sees_view, view_mask, *keys, *values])[0]
 
     return run
-
 
 
 def uses_kernel(model: Model) -> bool:
     """Whether the graph's attention is our CPU kernel (it needs head_dim in whole 16-float vectors)."""
     return model.device.type == "cpu" and model.head_dim % 16 == 0
-
 
 
 def stored_dtype(model: Model) -> torch.dtype:
@@ -73,10 +70,8 @@ def stored_dtype(model: Model) -> torch.dtype:
     return model.dtype if uses_kernel(model) and model.dtype == torch.bfloat16 else model.attention_dtype
 
 
-
 class CompileError(RuntimeError):
     """Compilation is impossible here (no compiler, an unsupported op, ...): the caller runs eager."""
-
 
 
 class _LayerCache:
@@ -94,17 +89,14 @@ class _LayerCache:
         return keys[:self.end], values[:self.end]
 
 
-
 # Rotary variants whose factors depend on the position alone (the dynamic ones rescale with the sequence length).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
 
 
 def rope_table(model: Model) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_context, 1, dim] of every position, by the model's own module (what eager steps compute for
     their rows, bit for bit: tested)."""
     return model.rotation(torch.arange(model.max_context, device=model.device))
-
 
 
 class _Step(torch.nn.Module):
@@ -116,33 +108,32 @@ class _Step(torch.nn.Module):
         self.hf = model.hf  # registered, so the weights are the graph's (frozen) parameters
         # Every position's rotary factors, computed once by the model's own module and frozen into the package: a
         # step gathers its rows' where the graph would compute cos and sin again in each layer's fused kernel
-        # (inductor inlines them there; 9 us of a 6-row step per layer). 2 MB for SmolLM2's 8,192 positions.
+        # (inductor inlines them there).
         self.rope_table = getattr(model.rotary, "rope_type", None) in STATIC_ROPE
         if self.rope_table:
             cos, sin = rope_table(model)
             self.register_buffer("rope_cos", cos)
             self.register_buffer("rope_sin", sin)
 
-    def forward(self, ids, positions, local, sees_all, sees_part, visible, keys, values):
+    def forward(self, ids, positions, local, sees_cache, sees_view, view_mask, keys, values):
         scaling = self.model.scaling
 
         def attend(layer: int, q, k, v):
             if uses_kernel(self.model):  # ours: [rows, heads, dim], [slots, kv_heads, dim]; q in the cache's dtype
                 q, k, v = (x[0].transpose(0, 1) for x in (q.to(k.dtype), k, v))  # exact: a bf16 model's q is bf16
-                return torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible[:, layer], local,
+                return torch.ops.fafo.attend(q, k, v, sees_cache, sees_view, view_mask[:, layer], local,
                                              scaling).transpose(0, 1)[None]
-            prefix = sees_all[:, None] | (sees_part[:, None] & visible[:, layer][None, :])
+            prefix = sees_cache[:, None] | (sees_view[:, None] & view_mask[:, layer][None, :])
             mask = torch.cat([prefix, local], dim=1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
         def rotation(positions):
             return self.rope_cos[positions], self.rope_sin[positions]
 
-        cache = _LayerCache(keys, values, visible.shape[0], ids.shape[0])
-        # logits in the model's dtype: converting them in the graph cost 0.25 ms of a 6-row step, on the host 0.05
+        cache = _LayerCache(keys, values, view_mask.shape[0], ids.shape[0])
+        # logits in the model's dtype: converting them in the graph costs more than on the host
         return self.model.forward(ids, positions, cache, attend, rotation=rotation if self.rope_table else None,
                                   as_float=False)
-
 
 
 def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
@@ -154,7 +145,6 @@ def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
             torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, dtype=torch.bool, device=device),
             torch.ones(length, n_layers, dtype=torch.bool, device=device),
             list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
-
 
 
 def build(model: Model, rows: int, path: Path, packed_modules: dict | None = None) -> None:
@@ -179,13 +169,12 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
             # row is bit for bit the eager step's with the same kernels, whatever the row count (no slower).
             options = {"freezing": True, "autotune_num_choices_displayed": 0,
                        "max_autotune_report_choices_stats": False, "emulate_precision_casts": True}
-            if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights (measured: 2-3x)
+            if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
     except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
         raise CompileError(_first_line(error)) from error
-
 
 
 def load_kernels(model: Model, folder: Path) -> None:
@@ -194,11 +183,9 @@ def load_kernels(model: Model, folder: Path) -> None:
         loader.load(folder)
 
 
-
 def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-
 
 
 def identity(model: Model, source: str) -> str:

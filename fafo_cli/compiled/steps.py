@@ -11,29 +11,21 @@ import torch
 
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
+from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, _first_line, build, load_kernels, load_package, stored_dtype
 from .timing import Timing, measure, side_by_side
 from . import packed
 
 
-
-
-
-# A decoder pads every step to the size of its largest step, so it needs one package (FAFO's default 6 rows
-# compiled, 9 with W=2; prompt lookup's 9), or to the smallest of a few sizes it names where that package measured
-# cheaper (FAFO: its steps without candidates, 3 rows by default; CompiledSteps.size_for). Padding rows see no
-# cached position, but they cost matrix arithmetic, which a many-row step on a CPU is bound by: an exact 9-row
-# FAFO step took 23.2 ms where the 12-row bucket took 26.6 (1,300 cached tokens; 20.6 vs 24.4 after 300; SmolLM2
-# bf16, side by side). So small steps get packages of their exact size; larger ones are bucketed to bound the
-# number of builds. Not every exact size wins (a 10-row package ran 25.5 ms where the 12-row one ran 22.5:
-# inductor's GEMM choice).
+# A decoder pads every step to the size of its largest step, so it needs one package, or to the smallest of a few
+# sizes it names where that package measured cheaper (CompiledSteps.size_for). Padding rows see no cached position
+# but cost matrix arithmetic, which a many-row step on a CPU is bound by, so small steps get packages of their exact
+# size; larger ones are bucketed to bound the number of builds (docs/compiled-steps.md has the measurements).
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
-
 
 
 def bucket(rows: int) -> int | None:
     return next((b for b in ROW_BUCKETS if b >= rows), None)
-
 
 
 class CompiledSteps:
@@ -49,10 +41,11 @@ class CompiledSteps:
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._runners: dict[int, object | None] = {}
-        self._layers: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
-        self._everything = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
-        self._all_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
-        self._no_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
+        # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
+        self._whole_cache = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
+        self._true_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._false_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
         self._cheaper: dict[tuple[int, int], bool] = {}  # (size, larger): whether steps pad to size (size_for)
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
@@ -147,19 +140,18 @@ class CompiledSteps:
                     f"(eager {timing.eager_ms:.1f} ms)")
         return runner
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, local: torch.Tensor, *,
-                 sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
-                 sizes: tuple[int, ...] = (1,)) -> torch.Tensor | None:
-        """Logits [rows, vocab] in the model's dtype of `ids` at `positions`, written after the committed prefix
-        of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to a
-        package of `sizes`, the step sizes the decoder pads to (see size_for).
+    def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """Logits [rows, vocab] in the model's dtype of the step's `ids` at `positions`, written after the committed
+        prefix of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to
+        a package of `step.sizes` (see size_for).
 
-        `local` [rows, rows]: which of this step's rows each row sees. Cached positions: every row sees all of
-        them unless `sees_all` [rows] is false for it; such a row sees those `visible()` [length, layers] marks
-        (None: all; a callable, so that eager steps never build it).
+        The package's one masked attention call per layer takes, per row, whether it sees every cached position
+        (`sees_cache`) or the positions of its layer the view mask marks (`sees_view`), and `local` among the step's
+        rows; padding rows see neither, only themselves.
         """
+        layout = step.layout
         rows, length, device = ids.shape[0], cache.length, self.model.device
-        size = self.size_for(rows, sizes)
+        size = self.size_for(rows, step.sizes)
         if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
             return None
         runner = self.runner(size)
@@ -167,10 +159,10 @@ class CompiledSteps:
             return None
         cache.store_as(stored_dtype(self.model))  # once: the package was traced with it
         cache.reserve(length + size)
-        visible = visible() if visible is not None else None
-        local = local.contiguous()  # the package was traced with contiguous inputs
-        sees_all = self._all_rows[:rows] if sees_all is None else sees_all
-        sees_part = ~sees_all
+        view_mask = step.view.view_mask() if step.view is not None else None
+        local = layout.local
+        sees_cache = self._true_rows[:rows] if layout.sees_cache is None else layout.sees_cache
+        sees_view = ~sees_cache
         if size > rows:  # padding rows: token 0 at the anchor's position, seeing only themselves
             pad = size - rows
             ids = torch.cat([ids, ids.new_zeros(pad)])
@@ -178,16 +170,17 @@ class CompiledSteps:
             padded = torch.eye(size, dtype=torch.bool, device=device)
             padded[:rows, :rows] = local
             local = padded
-            sees_all, sees_part = (torch.cat([part, self._no_rows[:pad]]) for part in (sees_all, sees_part))
-        if self._everything.shape[0] < cache.capacity:
-            self._everything = torch.ones(cache.capacity, len(self.model.layers), dtype=torch.bool, device=device)
+            sees_cache, sees_view = (torch.cat([part, self._false_rows[:pad]]) for part in (sees_cache, sees_view))
+        if view_mask is None:  # no view: a mask of every cached position in every layer
+            if self._whole_cache.shape[0] < cache.capacity:
+                self._whole_cache = torch.ones(cache.capacity, len(self.model.layers), dtype=torch.bool, device=device)
+            view_mask = self._whole_cache[:length]
         storage = (cache.keys.data_ptr(), cache.capacity)
-        if self._layers is None or self._layers[0] != storage:
-            self._layers = (storage, list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+        if self._layer_views is None or self._layer_views[0] != storage:
+            self._layer_views = (storage, list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
         started = time.perf_counter()
         try:
-            visible = self._everything[:length] if visible is None else visible
-            logits = runner(ids, positions, local, sees_all, sees_part, visible, self._layers[1], self._layers[2])
+            logits = runner(ids, positions, local, sees_cache, sees_view, view_mask, self._layer_views[1], self._layer_views[2])
         except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
             self.notify(f"compiled step failed, running eager: {_first_line(error)}")
             self._runners[size] = None

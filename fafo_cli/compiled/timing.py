@@ -37,7 +37,6 @@ class Timing:
             return None
 
 
-
 def _step_inputs(model: Model, rows: int, context: int):
     """A `rows`-row step after `context` cached positions: ids, positions, the eager mask and the compiled step's
     visibility pieces (every row sees the whole cache)."""
@@ -45,10 +44,9 @@ def _step_inputs(model: Model, rows: int, context: int):
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.arange(context, context + rows, device=device)
     mask = prefix_causal_mask(context, rows, device)
-    sees_all = torch.ones(rows, dtype=torch.bool, device=device)
-    visible = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
-    return ids, positions, mask, mask[:, context:].contiguous(), sees_all, ~sees_all, visible
-
+    sees_cache = torch.ones(rows, dtype=torch.bool, device=device)
+    view_mask = torch.ones(context, len(model.layers), dtype=torch.bool, device=device)
+    return ids, positions, mask, mask[:, context:].contiguous(), sees_cache, ~sees_cache, view_mask
 
 
 def _median_ms(runs: dict, repeats: int) -> dict:
@@ -62,21 +60,19 @@ def _median_ms(runs: dict, repeats: int) -> dict:
     return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
 
 
-
 def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 8) -> Timing:
     """Median time of a `rows`-row step after `context` cached positions, eager and compiled."""
     cache = model.new_cache(context + rows, context + rows)
     cache.commit(context)
-    ids, positions, mask, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
+    ids, positions, mask, local, sees_cache, sees_view, view_mask = _step_inputs(model, rows, context)
     with torch.inference_mode():
         eager = _median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
                            repeats)[0]
         cache.store_as(stored_dtype(model))  # each path with the cache it runs with
         keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
-        compiled = _median_ms({0: lambda: runner(ids, positions, local, sees_all, sees_part, visible, keys, values)},
+        compiled = _median_ms({0: lambda: runner(ids, positions, local, sees_cache, sees_view, view_mask, keys, values)},
                               repeats)[0]
     return Timing(rows, eager, compiled)
-
 
 
 def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int = 8) -> dict[int, float]:
@@ -87,8 +83,8 @@ def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int =
     keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
     runs = {}
     for rows, runner in runners.items():
-        ids, positions, _, local, sees_all, sees_part, visible = _step_inputs(model, rows, context)
-        runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_all, sees_part, visible):
+        ids, positions, _, local, sees_cache, sees_view, view_mask = _step_inputs(model, rows, context)
+        runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_cache, sees_view, view_mask):
                       runner(*args, keys, values))
     with torch.inference_mode():
         return _median_ms(runs, repeats)

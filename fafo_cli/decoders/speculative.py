@@ -17,9 +17,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from ..runtime.masks import PrefixMasks
 from ..runtime.events import Step
-from ..runtime.model import causal_attention
+from ..runtime.rows import draft_step
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.sampling import Sampling, argmax_ids, draw, next_token, target_probs
@@ -70,16 +69,6 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     stats = emitter.stats
     stats.draft_memory_mb = drafter.nbytes() / 2**20
     stats.draft_passes = 0 if drafter.runs_model else None
-    masks = PrefixMasks(model.device)
-    # one eager mask buffer for every tree size: the local block placed in the largest, then sliced back
-    largest = torch.zeros(1 + drafter.max_rows, 1 + drafter.max_rows, dtype=torch.bool, device=model.device)
-
-    def tree_attention(start: int, local: torch.Tensor):
-        n = len(local)
-        largest.zero_()
-        largest[:n, :n] = local
-        return causal_attention(masks.get("tree", start, largest)[:n, :start + n], model.scaling)
-
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -88,11 +77,9 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         tree = draft.tree
         if drafter.runs_model:
             stats.draft_passes += draft.passes
-        rows = [anchor] + tree.tokens
-        cache.reserve(start + len(rows))
-        local = tree.local_mask(model.device)
-        logits = session.run(rows, tree.offsets(model.device), local, lambda: tree_attention(start, local),
-                             sizes=(1 + drafter.max_rows,))
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=(1 + drafter.max_rows,))
+        cache.reserve(start + len(rows.ids))
+        logits = session.run(rows)
         if sampling.greedy:
             path, emitted = accept_greedy(tree, argmax_ids(logits))
         elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j
@@ -100,8 +87,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
             path = list(range(len(emitted) - 1))
         else:
             path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
-        cache.commit_rows([0] + [1 + node for node in path])
-        session.ids.extend([anchor] + emitted[:-1])
+        session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         text.extend(emitted)
         drafter.accepted(text, len(emitted))
         stats.draft_memory_mb = drafter.nbytes() / 2**20

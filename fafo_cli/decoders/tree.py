@@ -2,7 +2,8 @@
 
 Node i is row 1 + i of the step (row 0 is the anchor, the root). Parents come before their children, so a
 path's rows are increasing, which is the order `KVCache.commit_rows` needs. Each row sees the cache, the
-anchor and its own ancestors (tree attention); its position is the anchor's plus its depth. A chain of
+anchor and its own ancestors (tree attention); its position is the anchor's plus its depth (runtime.rows lays
+the step out). A chain of
 guesses (prompt lookup, a self-draft) is a tree with one branch; FAFO's candidates are several chains.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 
 ROOT = -1  # the parent of first-level nodes: the anchor
 
@@ -64,19 +64,3 @@ class DraftTree:
         """Children of any of `nodes` (ROOT allowed), in node order."""
         wanted = set(nodes)
         return [i for i, p in enumerate(self.parents) if p in wanted]
-
-    def offsets(self, device: torch.device) -> torch.Tensor:
-        """Positions relative to the anchor, anchor row included."""
-        return torch.tensor([0] + self.depths, device=device)
-
-    def local_mask(self, device: torch.device) -> torch.Tensor:
-        """[1 + n, 1 + n] boolean: each row sees the anchor, its ancestors and itself."""
-        n = len(self.tokens)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, parent in enumerate(self.parents):
-            row = i + 1
-            if parent != ROOT:
-                mask[row] = mask[parent + 1]
-            mask[row, row] = True
-        return mask.to(device)

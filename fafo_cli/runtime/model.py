@@ -63,7 +63,7 @@ class Model:
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         # On CPU, torch's attention kernel is several times slower in bf16/fp16 than in fp32 once the context
-        # reaches ~1k tokens (measured: 545 vs 68 us per layer at 1k keys), so CPU attention computes in fp32
+        # reaches ~1k tokens, so CPU attention computes in fp32
         # and the cache holds fp32 copies of the (exactly representable) half-precision keys and values
         # (compiled steps store them compact: KVCache.store_as). Elsewhere both match the model.
         self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 
-from ..compiled.steps import CompiledSteps
+from .cache import KVCache
 from .detok import Detokenizer
 from .events import Stats, Step
 from .memory import PeakMemory
-from .model import Attention, Model, causal_attention, prefix_causal_mask
+from .masks import PrefixMasks, prefix_attention
+from .model import Model, causal_attention, prefix_causal_mask
+from .rows import StepRows, plain_step
 from .sampling import Sampling
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
 MEMORY_EVERY_S = 0.1  # peak memory is sampled at most this often (and at the last step): a read of /proc per step
-# cost 0.05 ms of a 10 ms step
+# is a measurable share of a compiled step
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,20 @@ class Request:
     config: Any = None  # the request's Config: method-specific settings for the decoder
 
 
+class CompiledStepRunner(Protocol):
+    """Compiled steps as the session uses them (compiled.steps.CompiledSteps): it never imports them."""
+
+    def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] in the model's dtype; None when no compiled step serves it."""
+
+    def serves(self, rows: int) -> bool:
+        """Whether a decoder whose largest step has `rows` rows runs compiled."""
+
+    def notify_once(self, message: str) -> None:
+        """Tell the user `message`, once per process."""
+
+
 class Session:
     def __init__(self, model: Model, tokenizer=None):
         self.model = model
@@ -43,9 +59,8 @@ class Session:
         self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
         self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
-        self.compiled: CompiledSteps | None = None  # the model's compiled steps (`compile` on/auto)
-        self._one = (torch.zeros(1, dtype=torch.long, device=model.device),
-                     torch.ones(1, 1, dtype=torch.bool, device=model.device))  # a plain step's offsets and mask
+        self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
+        self._masks = PrefixMasks(model.device)  # eager steps' masks
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -88,41 +103,39 @@ class Session:
         rows = slice(-1, None) if last_only else None
         return self.model.forward(torch.tensor(ids, device=device), positions, self.cache, attend, rows)
 
-    def run(self, ids: list[int], offsets: torch.Tensor, local: torch.Tensor, eager_attention: Callable[[], Attention],
-            *, sees_all: torch.Tensor | None = None, visible: Callable[[], torch.Tensor | None] | None = None,
-            logit_rows: torch.Tensor | None = None, allow_compiled: bool = True,
-            sizes: tuple[int, ...] = (1,)) -> torch.Tensor:
-        """One decoding step: `ids` at the committed length + `offsets`, written after the committed prefix.
-
-        The compiled step runs it when one serves this many rows; else the eager forward pass with the
-        attention `eager_attention()` builds. Both express the same visibility: `local` [rows, rows] among
-        the step's rows; cached positions all visible, except for rows where `sees_all` is false, which see
-        what `visible()` [length, layers] marks (the eager attention must agree; called only when compiled).
-        `sizes`: the step sizes the decoder pads to (its largest step, so that every step runs the same compiled
-        graph, and smaller ones it has often; CompiledSteps.size_for). Returns logits
-        [rows or logit_rows, vocab].
-        """
-        device = self.model.device
-        ids_tensor, positions = torch.tensor(ids, device=device), self.cache.length + offsets
-        if self.compiled is not None and allow_compiled:
-            logits = self.compiled(ids_tensor, positions, self.cache, local, sees_all=sees_all, visible=visible,
-                                   sizes=sizes)
+    def run(self, step: StepRows) -> torch.Tensor:
+        """Run one decoding step, its rows written after the committed prefix (not committed); return the float32
+        logits of the rows `step.layout.logit_rows` names (all when None). A compiled step runs it where one serves
+        this many rows; else the eager forward pass."""
+        layout = step.layout
+        ids, positions = torch.tensor(step.ids, device=self.model.device), self.cache.length + layout.offsets
+        if self.compiled is not None and step.compiled:
+            logits = self.compiled(step, ids, positions, self.cache)
             if logits is not None:  # in the model's dtype
-                return (logits if logit_rows is None else logits[logit_rows]).float()
+                return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
         # eager steps read fp32: undo a compiled step's compact storage once, not a conversion per layer per step
-        # (so the step's attention, FafoAttention included, always finds the cache in fp32)
+        # (so the step's attention, FAFO's included, always finds the cache in fp32)
         self.cache.store_as(self.model.attention_dtype)
-        return self.model.forward(ids_tensor, positions, self.cache, eager_attention(), logit_rows)
+        attention = (step.view.attention(layout) if step.view is not None
+                     else prefix_attention(self._masks, self.cache.length, layout, self.model.scaling))
+        return self.model.forward(ids, positions, self.cache, attention, layout.logit_rows)
+
+    def accept(self, step: StepRows, rows: list[int]) -> None:
+        """Commit these rows of the step just run (increasing; row 0 is the anchor): their keys and values, computed
+        in that very pass, join the cache, and their tokens the committed ids."""
+        self.cache.commit_rows(rows)
+        self.ids.extend(step.ids[row] for row in rows)
 
     def commit(self, ids: list[int]) -> None:
+        """Commit the rows of a forward pass of `ids` (a prefill chunk)."""
         self.cache.commit(len(ids))
         self.ids.extend(ids)
 
     def step(self, token: int) -> torch.Tensor:
         """Plain decoding: process one token, commit it, return the next token's logits."""
-        offsets, local = self._one
-        logits = self.run([token], offsets, local, lambda: causal_attention(None, self.model.scaling))
-        self.commit([token])
+        step = plain_step(token, self.model.device)
+        logits = self.run(step)
+        self.accept(step, [0])
         return logits[-1]
 
 
@@ -182,8 +195,7 @@ class Emitter:
         stats.decode_s = now - self.first_token_at
         if self.finish_reason or now - self._memory_at >= MEMORY_EVERY_S:
             stats.peak_memory_mb, self._memory_at = self.memory.sample(), now
-        visible = [t for t in kept if t not in self.request.stop_ids]
-        text = self.detok.add(visible)
+        text = self.detok.add([t for t in kept if t not in self.request.stop_ids])  # stop tokens are not shown
         if self.finish_reason:
             text += self.detok.flush()
         return Step(tuple(kept), text, replace(stats), accepted, self.finish_reason)

@@ -2,8 +2,8 @@
 
 Inductor ships bf16 micro-kernels for AMX only; elsewhere it widens bf16 to fp32 and multiplies with fp32
 FMAs. One `vdpbf16ps` does the work of two FMAs (a pair of bf16 products summed into fp32), and a step
-carrying many rows (FAFO's verify and fumble rows) is compute-bound on a CPU: SmolLM2's MLP weights times
-12 rows took 4.6 ms instead of 7.5 (1 row: 3.3, bound by memory either way). Weights are packed in pairs
+carrying many rows (FAFO's verify and fumble rows) is compute-bound on a CPU, so it pays there (one row is
+bound by memory either way; docs/compiled-steps.md). Weights are packed in pairs
 along K (inductor's VNNI2 layout, done once when the graph is frozen). Registering it changes inductor's
 choices for this whole process, which only ever gains a faster candidate.
 

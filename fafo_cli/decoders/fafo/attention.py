@@ -9,48 +9,57 @@ placed after an all-visible prefix in a reused buffer, never rebuilt from scratc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from ...runtime.cache import KVCache
 from ...runtime.masks import PrefixMasks
+from ...runtime.rows import RowLayout
 
-if TYPE_CHECKING:
-    from .step import StepLayout
 
+class CompressedView:
+    """C(kv) as a step's window rows see it (runtime.rows.CacheView): the compiled step's per-layer mask, or the
+    eager split (or block-sparse) attention."""
+
+    def __init__(self, cache: KVCache, compressor, scaling: float, *, block_masks: "BlockSparseMasks | None" = None,
+                 flex=None):
+        self.cache, self.compressor, self.scaling = cache, compressor, scaling
+        self.block_masks, self.flex = block_masks, flex
+        self.masks = PrefixMasks(cache.device)
+
+    def view_mask(self) -> torch.Tensor | None:
+        return self.compressor.view_mask(self.cache)
+
+    def attention(self, layout: RowLayout) -> "FafoAttention":
+        return FafoAttention(self, layout)
 
 
 class FafoAttention:
-    """Callable handed to Model.forward for one step (see module docstring)."""
+    """The attention of one FAFO step, handed to Model.forward (see the module docstring)."""
 
-    def __init__(self, cache: KVCache, compressor, scaling: float, masks: PrefixMasks, layout: "StepLayout", *,
-                 block_masks: "BlockSparseMasks | None" = None, flex=None):
-        self.cache, self.compressor, self.scaling = cache, compressor, scaling
-        self.flex = flex
+    def __init__(self, view: CompressedView, layout: RowLayout):
+        cache, compressor = view.cache, view.compressor
+        self.cache, self.compressor, self.scaling, self.flex = cache, compressor, view.scaling, view.flex
         self.verify_rows = verify_rows = layout.verify_rows
         length = cache.length
         self.split = compressor.view(0) is not None
         self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
-            self.visible = compressor.visible(cache)
+            self.view_size = compressor.view_size(cache)
             # the anchor's and the window rows' slots in the cache, copied after the view in each layer
-            window = layout.window_local.shape[0]
             start = length + verify_rows
-            self.window_source = torch.cat([torch.tensor([length]), torch.arange(start, start + window)]).to(
-                cache.device)
-            if block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
+            self.window_source = torch.cat([torch.tensor([length]),
+                                            torch.arange(start, start + layout.rows - verify_rows)]).to(cache.device)
+            if view.block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
                 self.kv_length = cache.lead + cache.capacity
-                self.block_mask = block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,
-                                                  visible=self.visible, verify_local=layout.verify_local,
-                                                  window_local_padded=layout.window_local_padded)
+                self.block_mask = view.block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,
+                                                       view_size=self.view_size, layout=layout)
             else:
                 self.block_mask = None
-                self.verify_mask = masks.get("verify", length, layout.verify_local)
-                self.window_mask = masks.get("window", self.visible, layout.window_local)
+                self.verify_mask = view.masks.get("verify", length, layout.verify_local)
+                self.window_mask = view.masks.get("window", self.view_size, layout.view_local)
         else:
-            self.mask = masks.get("all", length, layout.combined_local)
+            self.mask = view.masks.get("all", length, layout.local)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_verify, start = self.verify_rows, self.cache.length
@@ -60,7 +69,7 @@ class FafoAttention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
-        n = self.visible
+        n = self.view_size
         end = n + len(self.window_source)
         torch.index_select(self.cache.keys[layer], 0, self.window_source, out=view_k[n:end])
         torch.index_select(self.cache.values[layer], 0, self.window_source, out=view_v[n:end])
@@ -77,21 +86,12 @@ class FafoAttention:
         return torch.cat([verify, fumble], dim=2)
 
 
-
 BUCKET = 256  # positions per length bucket: one BlockMask serves every step whose rows end in the bucket
-
-
-
 Q_BLOCK = 128  # FlexAttention's default block sizes
-
-
-
 KV_BLOCK = 128
 
 
-
 _BLOCK_MASKS: dict[torch.device, "BlockSparseMasks"] = {}
-
 
 
 class BlockSparseMasks:
@@ -104,8 +104,9 @@ class BlockSparseMasks:
     """
 
     def __init__(self, device: torch.device):
+        # the live length and view size, read by the mask functions: updated in place each step
         self.length = torch.zeros((), dtype=torch.long, device=device)
-        self.visible = torch.zeros((), dtype=torch.long, device=device)
+        self.view_size = torch.zeros((), dtype=torch.long, device=device)
         self.device = device
         self._masks: dict[tuple, object] = {}
 
@@ -117,16 +118,15 @@ class BlockSparseMasks:
             _BLOCK_MASKS[device] = cls(device)
         return _BLOCK_MASKS[device]
 
-    def get(self, *, lead: int, kv_length: int, length: int, visible: int, verify_local: torch.Tensor,
-            window_local_padded: torch.Tensor):
+    def get(self, *, lead: int, kv_length: int, length: int, view_size: int, layout: RowLayout):
         from torch.nn.attention.flex_attention import BlockMask
 
         self.length.fill_(length)
-        self.visible.fill_(visible)
-        n_verify, n_window = verify_local.shape[0], window_local_padded.shape[0] - 1
-        rows = n_verify + n_window
+        self.view_size.fill_(view_size)
+        n_verify, rows = layout.verify_rows, layout.rows
+        n_window = rows - n_verify
         bucket = min(kv_length - lead, -(-(length + n_verify) // BUCKET) * BUCKET)
-        key = (lead, kv_length, bucket, id(verify_local), id(window_local_padded))
+        key = (lead, kv_length, bucket, id(layout))
         if key not in self._masks:
             q_blocks = -(-rows // Q_BLOCK)
             lead_blocks = list(range(lead // KV_BLOCK))
@@ -140,28 +140,34 @@ class BlockSparseMasks:
             for j, blocks in enumerate(lists):
                 indices[0, 0, j, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             counts = torch.tensor([[[len(b) for b in lists]]], dtype=torch.int32)
-            self._masks[key] = BlockMask.from_kv_blocks(
+            mask = BlockMask.from_kv_blocks(
                 counts.to(self.device), indices.to(self.device), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
-                mask_mod=self._mask_mod(lead, verify_local, window_local_padded), seq_lengths=(rows, kv_length))
-        return self._masks[key]
+                mask_mod=self._mask_mod(lead, layout), seq_lengths=(rows, kv_length))
+            self._masks[key] = (mask, layout)  # the layout stays alive, so its id names it
+        return self._masks[key][0]
 
-    def _mask_mod(self, lead: int, verify_local: torch.Tensor, window_local: torch.Tensor):
-        # window_local has one extra, all-hidden row, so the indexing below is valid even with no window rows
-        n_verify, n_window = verify_local.shape[0], window_local.shape[0] - 1
-        length, visible = self.length, self.visible
+    def _mask_mod(self, lead: int, layout: RowLayout):
+        verify_local = layout.verify_local
+        # the window's local mask with one extra, all-hidden row, so the indexing below is valid even with no window
+        # rows; the mask function keeps it alive as long as the block mask
+        view_local = layout.view_local
+        n_verify, n_window = layout.verify_rows, 0 if view_local is None else view_local.shape[0]
+        window_local = torch.zeros(n_window + 1, n_window + 1, dtype=torch.bool, device=verify_local.device)
+        if view_local is not None:
+            window_local[:n_window] = view_local
+        length, view_size = self.length, self.view_size
 
         def mask_mod(b, h, q, kv):
             position = kv - lead
             local = position - length
             verify_ok = (position >= 0) & ((position < length) | (
                 (local >= 0) & (local < n_verify) & verify_local[q.clamp(0, n_verify - 1), local.clamp(0, n_verify - 1)]))
-            tail = kv - visible
-            window_ok = (kv < visible) | ((tail >= 0) & (tail <= n_window) & window_local[
+            tail = kv - view_size
+            window_ok = (kv < view_size) | ((tail >= 0) & (tail <= n_window) & window_local[
                 (q - n_verify).clamp(0, n_window), tail.clamp(0, n_window)])
             return torch.where(q < n_verify, verify_ok, window_ok)
 
         return mask_mod
-
 
 
 def flex_attention_kernel(device: torch.device):

@@ -1,5 +1,5 @@
 """FAFO decoding: one forward pass per step that verifies guesses on the full cache ("Find Out") and makes
-new ones from a compressed view of it ("Fumble Around"). See ../shared/design/fafo.md.
+new ones from a compressed view of it ("Fumble Around"). See docs/how-it-works.md.
 
 Step rows: [anchor x_t] + G candidates of k tokens from the pool + the lookahead window. Verify rows decide
 what is emitted (the longest candidate prefix that greedy decoding agrees with, plus one bonus token), so
@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
-from typing import TYPE_CHECKING, Iterator
-
-import torch
+from typing import Iterator
 
 from ...config import MIN_BUDGET
-from .attention import KV_BLOCK, BlockSparseMasks, FafoAttention, flex_attention_kernel
-from ...runtime.masks import PrefixMasks
-from .compressors import make_compressor, reads_queries
 from ...runtime.events import Step
-from ...runtime.model import causal_attention
-from .pool import NgramPool
-from ...runtime.session import Emitter, Request, Session
+from ...runtime.rows import draft_step, plain_step
 from ...runtime.sampling import argmax_ids, next_token, target_probs
+from ...runtime.session import CompiledStepRunner, Emitter, Request, Session
 from ..tree import DraftTree
 from ..verify import accept_greedy, accept_sampling
-from .window import LookaheadWindow, window_layout
-
-if TYPE_CHECKING:
-    from ...compiled.steps import CompiledSteps
+from .attention import KV_BLOCK, BlockSparseMasks, CompressedView, flex_attention_kernel
+from .compressors import make_compressor, reads_queries
+from .pool import NgramPool
+from .window import LookaheadWindow
 
 
 def step_rows(streams: int, ngram: int, guesses: int) -> int:
@@ -37,16 +30,16 @@ def step_rows(streams: int, ngram: int, guesses: int) -> int:
     return (guesses + streams) * ngram
 
 
-def compiled_for(compiled: CompiledSteps | None, compressor: str) -> CompiledSteps | None:
+def compiled_for(compiled: CompiledStepRunner | None, compressor: str) -> CompiledStepRunner | None:
     """The compiled steps FAFO may use with `compressor`: none where it learns from each step's queries (the
     compiled step has no per-layer hook to hand them out)."""
     return None if reads_queries(compressor) else compiled
 
 
-def window_streams(streams: int | str, ngram: int, guesses: int, compiled: CompiledSteps | None) -> int:
+def window_streams(streams: int | str, ngram: int, guesses: int, compiled: CompiledStepRunner | None) -> int:
     """W as configured; `auto` picks 1 where the step runs compiled and 2 where it runs eager. An eager CPU step
-    is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and W=1
-    measured 1.64x (chat) and 1.74x (summarize) compiled plain decoding against 0.87x and 1.29x for W=2."""
+    is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and there
+    W=1 measured clearly faster than W=2 (docs/benchmarks.md)."""
     if streams != "auto":
         return streams
     return 1 if compiled is not None and compiled.serves(step_rows(1, ngram, guesses)) else 2
@@ -76,8 +69,8 @@ class FafoSettings:
 
     @property
     def step_sizes(self) -> tuple[int, ...]:
-        """A step's rows with no candidate from the pool (the anchor and the window: 28-43% of SmolLM2's steps on the
-        bench's chat prompts, 11-13% on summarize), and with all G."""
+        """A step's rows with no candidate from the pool (the anchor and the window: frequent on free prose, where the
+        pool often has nothing to offer), and with all G."""
         return step_rows(self.streams, self.ngram, 0), self.max_rows
 
     def budget_tokens(self, prompt_length: int) -> int:
@@ -90,48 +83,6 @@ class FafoSettings:
     @classmethod
     def from_config(cls, config) -> "FafoSettings":
         return cls(*(getattr(config, f.name) for f in fields(cls)))
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    verify_rows: int
-    offsets: torch.Tensor  # positions relative to the anchor, all rows
-    verify_local: torch.Tensor  # [verify, verify]
-    window_local: torch.Tensor  # [window, 1 + window]
-    window_local_padded: torch.Tensor  # [window + 1, 1 + window]: an all-hidden last row (block-sparse indexing)
-    combined_local: torch.Tensor  # [rows, rows]
-    logit_rows: torch.Tensor  # rows whose logits are read: all verify rows, then the window's predictors
-    sees_all: torch.Tensor  # [rows]: verify rows see the whole cache, window rows only C(kv)
-    predictors: tuple[int, ...]  # per stream, index into the logits read (0 = the anchor)
-
-
-@lru_cache(maxsize=256)
-def step_layout(candidates: int, ngram: int, streams: int, levels: int,
-                device: torch.device = torch.device("cpu")) -> StepLayout:
-    """Everything about a step's rows that depends only on its shape: built once per shape and device (the
-    tensors live for the process, which FlexAttention's mask functions rely on)."""
-    window = window_layout(streams, levels)
-    n_verify = 1 + candidates * ngram
-    n_window = len(window.offsets)
-    verify_local = torch.zeros(n_verify, n_verify, dtype=torch.bool)
-    verify_local[:, 0] = True
-    for c in range(candidates):
-        first = 1 + c * ngram
-        block = torch.tril(torch.ones(ngram, ngram, dtype=torch.bool))
-        verify_local[first:first + ngram, first:first + ngram] = block
-    combined = torch.zeros(n_verify + n_window, n_verify + n_window, dtype=torch.bool)
-    combined[:n_verify, :n_verify] = verify_local
-    combined[n_verify:, 0] = True
-    combined[n_verify:, n_verify:] = window.local_mask[:, 1:]
-    offsets = [0] + [1 + j for _ in range(candidates) for j in range(ngram)] + list(window.offsets)
-    window_rows = sorted({p for p in window.predictors if p >= 0})
-    logit_rows = list(range(n_verify)) + [n_verify + p for p in window_rows]
-    predictors = tuple(0 if p < 0 else n_verify + window_rows.index(p) for p in window.predictors)
-    padded = torch.cat([window.local_mask, torch.zeros(1, n_window + 1, dtype=torch.bool)])
-    return StepLayout(n_verify, torch.tensor(offsets, device=device), verify_local.to(device),
-                      window.local_mask.to(device), padded.to(device), combined.to(device),
-                      torch.tensor(logit_rows, device=device),
-                      (torch.arange(n_verify + n_window) < n_verify).to(device), predictors)
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
@@ -148,14 +99,15 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     model, cache, k = session.model, session.cache, settings.ngram
     block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
     cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
-    block_masks = BlockSparseMasks.for_device(model.device) if block else None
-    flex = flex_attention_kernel(model.device) if block else None
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=settings.streams * k, max_commit=k + 1)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
                                      observe=getattr(compressor, "observe_prefill", None))
     compressor.rebuild(cache)
     emitter.prefilled(reused)
+    view = CompressedView(cache, compressor, model.scaling,
+                          block_masks=BlockSparseMasks.for_device(model.device) if block else None,
+                          flex=flex_attention_kernel(model.device) if block else None)
 
     anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
@@ -171,40 +123,34 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     session.carry.clear()
     session.carry[pool_key] = (pool, len(request.prompt_ids))
     window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
-    masks = PrefixMasks(model.device)
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
         start = cache.length
         compressor.prepare(cache)
-        emitter.stats.fumble_positions = compressor.visible(cache)
+        emitter.stats.fumble_positions = compressor.view_size(cache)
         candidates = pool.lookup(text, settings.guesses)
-        layout = step_layout(len(candidates), k, settings.streams, len(window.levels), model.device)
-        rows = [anchor] + [t for c in candidates for t in c] + window.tokens()
-        if start + len(rows) <= model.max_context:
-            cache.reserve(start + len(rows))
-            logits = session.run(
-                rows, layout.offsets, layout.combined_local,
-                lambda: FafoAttention(cache, compressor, model.scaling, masks, layout, block_masks=block_masks,
-                                      flex=flex),
-                sees_all=layout.sees_all, visible=lambda: compressor.visible_mask(cache),
-                logit_rows=layout.logit_rows, allow_compiled=compiled, sizes=settings.step_sizes)
+        tree = DraftTree.chains(candidates)  # node i is row 1 + i
+        shape = window.layout
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=settings.step_sizes,
+                          view_tokens=window.tokens(), view_rows=shape.rows, view=view, compiled=compiled)
+        if start + len(rows.ids) <= model.max_context:
+            cache.reserve(start + len(rows.ids))
+            logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
             argmax = argmax_ids(logits)
-            tree = DraftTree.chains(candidates)  # node i is row 1 + i: the verify rows' layout
+            n_verify = rows.layout.verify_rows
             if sampling.greedy:
-                path, emitted = accept_greedy(tree, argmax[:layout.verify_rows])
+                path, emitted = accept_greedy(tree, argmax[:n_verify])
             else:
                 path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
             # the window itself stays greedy: it only proposes guesses
-            for before, ngram in window.advance(anchor, [argmax[p] for p in layout.predictors]):
+            predicted = [argmax[0 if p < 0 else n_verify + shape.rows.read.index(p)] for p in shape.predictors]
+            for before, ngram in window.advance(anchor, predicted):
                 pool.add(before, ngram)
-        else:  # the context's last few positions: no room for guesses, a plain step
-            candidates, path = [], []
-            emitted = [next_token(session.forward([anchor], causal_attention(None, model.scaling))[-1], sampling,
-                                  generator)]
-        # Commit the anchor's and the accepted guesses' keys and values, computed in this very pass.
-        cache.commit_rows([0] + [1 + node for node in path])
-        session.ids.extend([anchor] + emitted[:-1])
+        else:  # the context's last few positions: no room for guesses, a plain eager step
+            candidates, path, rows = [], [], replace(plain_step(anchor, model.device), compiled=False)
+            emitted = [next_token(session.run(rows)[-1], sampling, generator)]
+        session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
         if settings.seed_pool:

@@ -16,13 +16,13 @@ from typing import Sequence
 
 import torch
 
+from ...runtime.rows import ViewRows
 from .pool import NGram
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: one per shape (window_layout's cache)
 class WindowLayout:
-    offsets: tuple[int, ...]  # row -> position relative to the anchor
-    local_mask: torch.Tensor  # [rows, 1 + rows]: column 0 is the anchor, then the window rows
+    rows: ViewRows  # the window's rows as the step sees them; read: the predictor rows, in order
     predictors: tuple[int, ...]  # per column, the window row whose argmax is the next level's token; -1: anchor
 
 
@@ -40,7 +40,8 @@ def window_layout(streams: int, levels: int) -> WindowLayout:
             mask[r, 1 + row[(l, col)]] = True
     last = levels - 1
     predictors = tuple(-1 if (last == 0 and i == 0) else row[(last, i)] for i in range(streams))
-    return WindowLayout(tuple(l + i for l, i in cells), mask, predictors)
+    read = tuple(sorted({p for p in predictors if p >= 0}))
+    return WindowLayout(ViewRows(tuple(l + i for l, i in cells), mask, read), predictors)
 
 
 class LookaheadWindow:

@@ -34,12 +34,12 @@ class Compressor(Protocol):
         """Positions start..start+count-1 were just committed to the cache."""
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(keys, values) [slots, kv_heads, dim] holding C(kv) in their first `visible` slots, or None."""
+        """(keys, values) [slots, kv_heads, dim] holding C(kv) in their first `view_size()` slots, or None."""
 
-    def visible(self, cache: KVCache) -> int:
+    def view_size(self, cache: KVCache) -> int:
         """How many cache positions the fumble rows see (the same in every layer)."""
 
-    def visible_mask(self, cache: KVCache) -> torch.Tensor | None:
+    def view_mask(self, cache: KVCache) -> torch.Tensor | None:
         """C(kv) as booleans [length, layers] (the compiled step's one masked attention call), or None."""
 
     # Optional: `needs_query = True` and observe(layer, anchor_query [heads, dim], cached_keys) to learn from

@@ -20,8 +20,8 @@ class NoCompressor:
     def view(self, layer: int) -> None:
         return None
 
-    def visible(self, cache: KVCache) -> int:
+    def view_size(self, cache: KVCache) -> int:
         return cache.length
 
-    def visible_mask(self, cache: KVCache) -> None:
+    def view_mask(self, cache: KVCache) -> None:
         return None

@@ -6,8 +6,8 @@ there is room for the step's anchor and window rows (the attention puts them the
 
 Both only record positions: keys and values are copied when a layer's view is next read (`layer`), and a
 [positions, layers] mask of the selection is kept up to date. A compiled step reads only that mask (its
-kernel masks the cache itself), so it never pays for the copies (0.2 ms of a 6-row step per committed token
-batch) nor for rebuilding the mask (0.1 ms).
+kernel masks the cache itself), so it never pays for the copies nor for rebuilding the mask, both a visible
+share of a small compiled step.
 """
 
 from __future__ import annotations
@@ -21,71 +21,71 @@ class SlotView:
     def __init__(self, cache: KVCache, slots: int, tail_rows: int):
         n_layers = cache.keys.shape[0]
         self.cache, self.total = cache, slots + tail_rows
-        self._own: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._own_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         if cache.lead:  # block-sparse layout: C(kv) lives in the cache tensor's leading region
             cache.use_lead(self.total)
         else:
             keys = torch.empty((n_layers, self.total, *cache.keys.shape[2:]), dtype=cache.read_dtype,
                                device=cache.device)
-            self._own = keys, torch.empty_like(keys)
+            self._own_buffers = keys, torch.empty_like(keys)
         self.positions = torch.full((n_layers, slots), -1, dtype=torch.long, device=cache.device)
         self.slots = slots
         self.size = 0
-        self._layers = torch.arange(n_layers, device=cache.device)[:, None]
-        self._stale: set[int] = set()  # slots whose keys and values are not copied yet
+        self._layer_index = torch.arange(n_layers, device=cache.device)[:, None]
+        self._uncopied: set[int] = set()  # slots whose keys and values are not copied yet
         # mask[p, layer]: position p is selected in that layer. One row more than positions: unused slots hold
         # position -1, whose updates land in that last row, which no reader sees.
-        self._mask = torch.zeros(cache.capacity + 1, n_layers, dtype=torch.bool, device=cache.device)
+        self._selected = torch.zeros(cache.capacity + 1, n_layers, dtype=torch.bool, device=cache.device)
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._own[0] if self._own else self.cache.lead_buffers(self.total)[0]
+        return self._own_buffers[0] if self._own_buffers else self.cache.lead_buffers(self.total)[0]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._own[1] if self._own else self.cache.lead_buffers(self.total)[1]
+        return self._own_buffers[1] if self._own_buffers else self.cache.lead_buffers(self.total)[1]
 
     def fill(self, positions: torch.Tensor) -> None:
         """Select `positions` ([layers, n] or [n] for every layer), replacing the whole view."""
         if positions.dim() == 1:
-            positions = positions.expand(self._layers.shape[0], -1)
+            positions = positions.expand(self._layer_index.shape[0], -1)
         n = positions.shape[1]
         self.positions[:, :n] = positions
         self.positions[:, n:] = -1
         self.size = n
-        self._stale = set(range(n))
+        self._uncopied = set(range(n))
         self._grow_mask()
-        self._mask.zero_()
-        self._mask[positions, self._layers] = True
+        self._selected.zero_()
+        self._selected[positions, self._layer_index] = True
 
     def put(self, slots: list[int], positions: list[int]) -> None:
         """Store `positions` (the same in every layer) in `slots`."""
         both = torch.tensor([slots, positions], device=self.positions.device)
         self._grow_mask()
-        self._mask[self.positions[:, both[0]], self._layers] = False
+        self._selected[self.positions[:, both[0]], self._layer_index] = False
         self.positions[:, both[0]] = both[1]
-        self._mask[both[1]] = True
-        self._stale.update(slots)
+        self._selected[both[1]] = True
+        self._uncopied.update(slots)
 
     def _grow_mask(self) -> None:
         """Room for every position the cache can hold (its last row stays the spare one)."""
         rows = self.cache.capacity + 1
-        if self._mask.shape[0] < rows:
-            grown = torch.zeros(rows, self._mask.shape[1], dtype=torch.bool, device=self._mask.device)
-            grown[:self._mask.shape[0] - 1] = self._mask[:-1]
-            self._mask = grown
+        if self._selected.shape[0] < rows:
+            grown = torch.zeros(rows, self._selected.shape[1], dtype=torch.bool, device=self._selected.device)
+            grown[:self._selected.shape[0] - 1] = self._selected[:-1]
+            self._selected = grown
 
     def mask(self, length: int) -> torch.Tensor:
         """[length, layers]: which of the first `length` positions each layer selects (a view: read it now)."""
-        return self._mask[:length]
+        return self._selected[:length]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._stale:  # every layer's at once: one gather per step, not one per layer
-            slots = torch.tensor(sorted(self._stale), device=self.positions.device)
+        if self._uncopied:  # every layer's at once: one gather per step, not one per layer
+            slots = torch.tensor(sorted(self._uncopied), device=self.positions.device)
             positions = self.positions[:, slots]
-            self.keys[:, slots] = self.cache.readable(self.cache.keys[self._layers, positions])
-            self.values[:, slots] = self.cache.readable(self.cache.values[self._layers, positions])
-            self._stale.clear()
+            self.keys[:, slots] = self.cache.readable(self.cache.keys[self._layer_index, positions])
+            self.values[:, slots] = self.cache.readable(self.cache.values[self._layer_index, positions])
+            self._uncopied.clear()
         return self.keys[layer], self.values[layer]
 
     def selected(self, layer: int) -> list[int]:
@@ -112,10 +112,10 @@ class ViewCompressor:
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.slots.layer(layer) if self.active else None
 
-    def visible(self, cache: KVCache) -> int:
+    def view_size(self, cache: KVCache) -> int:
         return self.slots.size if self.active else cache.length
 
-    def visible_mask(self, cache: KVCache) -> torch.Tensor | None:
+    def view_mask(self, cache: KVCache) -> torch.Tensor | None:
         return self.slots.mask(cache.length) if self.active else None
 
     def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
