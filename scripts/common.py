@@ -92,7 +92,7 @@ def prompts(args: argparse.Namespace) -> list[suites.Sample]:
 
 
 def ms_per_step(stats) -> float:
-    """Milliseconds per decoding step (the first, which follows the prefill, is not in decode_s)."""
+    """Milliseconds per decoding step: decode_s runs from the first step's token to the last's, steps - 1 steps."""
     return stats.decode_s / max(1, stats.steps - 1) * 1e3
 
 
