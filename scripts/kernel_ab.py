@@ -2,9 +2,10 @@
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
 calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
 (30 MB in all after 1,300 tokens: the size of a CPU's L3), one row (a plain step) and FAFO's default 6 rows (4 see
-the whole cache, 2 a 256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a compiled step's matrix
-products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`) the caches stay in the
-L3, which flatters changes that rest on memory access. Also prints how far the two results are apart.
+the whole cache, 2 a 256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a
+compiled step's matrix products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`)
+the caches stay in the L3, which flatters changes that rest on memory access. Also prints how far the two results
+are apart.
 
     python scripts/kernel_ab.py --base HEAD~1
 """
