@@ -1,15 +1,15 @@
 """Where a compiled step's time goes, kernel by kernel: builds a package with inductor's kernel profiling on
 (in a temporary folder, not the user's cache; our kernel library is the cached one `fafo run` uses; minutes),
-times a FAFO-shaped step and prints torch.profiler's table. The default shape is FAFO's W=2 step after a summarize-length prompt: 9 rows, of which 4 verify rows
-see the whole cache and 5 window rows a StreamingLLM view (4 sink + 252 recent positions); rows beyond those
-two groups are padding. FAFO's compiled default (W=1) is `--rows 6 --see-part 2`.
+times a FAFO-shaped step and prints torch.profiler's table. The default shape is FAFO's W=2 step after a
+summarize-length prompt: 9 rows, of which 4 verify rows see the whole cache and 5 window rows a StreamingLLM view
+(4 sink + 252 recent positions); rows beyond those two groups are padding. FAFO's compiled default (W=1) is
+`--rows 6 --see-part 2`.
 
     python scripts/compiled_profile.py --context 1300
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -18,58 +18,34 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-from fafo_cli import load
 from fafo_cli.compiled import build as compiled
+
+import common
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = common.parser(__doc__, "model", "dtype")
     parser.add_argument("--context", type=int, default=1300)
     parser.add_argument("--rows", type=int, default=9)
     parser.add_argument("--see-all", type=int, default=4, help="rows that see the whole cache")
     parser.add_argument("--see-part", type=int, default=5, help="rows that see the sink and recent positions")
     parser.add_argument("--recent", type=int, default=252)
     args = parser.parse_args()
-    inductor_config.cpp.enable_kernel_profile = True
-    inductor_config.cpp.descriptive_names = "inductor_node"
-    engine = load(args.model, dtype=args.dtype, method="vanilla", compile="on")  # on: nothing is built yet
+    engine = common.load_engine(args, method="vanilla", compile="on")  # on: a CompiledSteps; nothing is built yet
     model, rows = engine.model, args.rows
     with tempfile.TemporaryDirectory() as folder:
         package = Path(folder) / "packages" / f"rows{rows}.pt2"
-        # as `fafo run --compile` builds it: a model from a .gguf file multiplies with its packed blocks
-        compiled.build(model, rows, package, engine.compiled.packed_modules())
+        # as `fafo run --compile` builds it (a model from a .gguf file multiplies with its packed blocks), with each
+        # generated kernel named after its graph node and timed on its own
+        with inductor_config.patch({"cpp.enable_kernel_profile": True, "cpp.descriptive_names": "inductor_node"}):
+            compiled.build(model, rows, package, engine.compiled.packed_modules())
         profile_step(compiled.load_package(package), model, args)
-
-
-def filled_cache(model, context: int, capacity: int):
-    """A cache of `capacity` slots holding `context` random positions, stored as compiled steps store it."""
-    cache = model.new_cache(capacity, capacity)
-    cache.keys.normal_(generator=torch.Generator().manual_seed(0))
-    cache.values.normal_(generator=torch.Generator().manual_seed(1))
-    cache.commit(context)
-    cache.store_as(compiled.stored_dtype(model))  # what the packages were traced with
-    return cache
-
-
-def step_inputs(model, cache, rows: int, context: int, see_all: int = 4, see_part: int = 5,
-                recent: int = 252) -> tuple:
-    """A package's inputs for a FAFO-shaped step: `see_all` rows see the whole cache, the next `see_part` the
-    first 4 and the last `recent` positions, any further rows nothing (padding)."""
-    sees_all = torch.arange(rows) < see_all
-    sees_part = ~sees_all & (torch.arange(rows) < see_all + see_part)
-    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
-    visible[:4] = visible[-recent:] = True
-    return (torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
-            torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, sees_part, visible,
-            list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
 
 
 def profile_step(runner, model, args) -> None:
     rows, context = args.rows, args.context
-    cache = filled_cache(model, context, context + rows)
-    inputs = step_inputs(model, cache, rows, context, args.see_all, args.see_part, args.recent)
+    cache = common.filled_cache(model, context, context + rows)
+    inputs = common.step_inputs(model, cache, rows, context, args.see_all, args.see_part, recent=args.recent)
     with torch.inference_mode():
         for _ in range(5):
             runner(*inputs)

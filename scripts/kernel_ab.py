@@ -1,19 +1,18 @@
 """Our attention kernel at a git revision against the working tree's, side by side in one process (both
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
-calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer (30 MB
-after 1,300 tokens: about this CPU's L3), one row (a plain step) and FAFO's default 6 rows (4 see the whole cache, 2 a
-256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a compiled step's matrix
-products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`) the caches stay in the
-L3, which flatters changes that rest on memory access. Also prints how far the two results are apart.
+calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
+(30 MB in all after 1,300 tokens: the size of a CPU's L3), one row (a plain step) and FAFO's default 6 rows (4 see
+the whole cache, 2 a 256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a
+compiled step's matrix products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`)
+the caches stay in the L3, which flatters changes that rest on memory access. Also prints how far the two results
+are apart.
 
     python scripts/kernel_ab.py --base HEAD~1
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 
 from fafo_cli.compiled.kernels import loader
+
+import common
 
 SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2)]
 
@@ -68,7 +69,7 @@ def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, round
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = common.parser(__doc__)
     parser.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--evict-mb", type=float, default=9.0,
@@ -76,8 +77,7 @@ def main() -> None:
                              "each layer's cache comes from memory as inside a compiled step; 0: back to back")
     args = parser.parse_args()
     evict = torch.ones(int(args.evict_mb * 2**20 / 4)) if args.evict_mb > 0 else None
-    base = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/attention_op.cpp"], capture_output=True,
-                          text=True, check=True).stdout
+    base = common.kernel_source(args.base, "attention_op.cpp")
     with tempfile.TemporaryDirectory() as folder:
         ops = {"base": loader.load_as(base, "fafo_base", Path(folder)).attend,
                "tree": loader.load_as(loader.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}

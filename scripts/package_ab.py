@@ -12,23 +12,19 @@ each step our attention kernel and our packed GGUF matrices (packed_linear.cpp) 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from fafo_cli import load
 from fafo_cli.compiled import build as compiled
 
-from compiled_profile import filled_cache, step_inputs  # this folder: the same FAFO-shaped step
+import common
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = common.parser(__doc__, "model", "dtype")
     parser.add_argument("--rows", type=int, nargs="+", required=True, help="one package, or two to compare")
     parser.add_argument("--calls", action="store_true", help="compare the two ways of calling one package")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300, 1300])
@@ -36,7 +32,7 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="a folder of packages of the same model to compare with, "
                         "row count for row count (e.g. built before a change)")
     args = parser.parse_args()
-    engine = load(args.model, dtype=args.dtype, compile="on")  # on: always a CompiledSteps; nothing is built
+    engine = common.load_engine(args, compile="on")  # on: always a CompiledSteps; nothing is built
     model, folder = engine.model, engine.compiled.folder
     compiled.load_kernels(model, folder.parent)
     paths = {rows: folder / f"rows{rows}.pt2" for rows in args.rows}
@@ -60,8 +56,8 @@ def main() -> None:
     shared = min(sizes.values())  # the rows every runner computes
     with torch.inference_mode():
         for context in args.contexts:
-            cache = filled_cache(model, context, context + max(sizes.values()))
-            inputs = {name: step_inputs(model, cache, sizes[name], context) for name in runners}
+            cache = common.filled_cache(model, context, context + max(sizes.values()))
+            inputs = {name: common.step_inputs(model, cache, sizes[name], context) for name in runners}
             logits = [runners[name](*inputs[name])[:shared] for name in runners]
             equal = all(torch.equal(logits[0], other) for other in logits[1:])
             times: dict[str, list[float]] = {name: [] for name in runners}

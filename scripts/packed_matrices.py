@@ -11,19 +11,18 @@ kernel built without AMX (its AVX-512 path), each under its own op namespace.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from fafo_cli import hub, load
-from fafo_cli.compiled.kernels import loader
+from fafo_cli import hub
 from fafo_cli.compiled import packed
+from fafo_cli.compiled.kernels import loader
 
+import common
 
 
 def one_per_matrix(modules: dict) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -41,14 +40,13 @@ def one_per_matrix(modules: dict) -> list[tuple[torch.Tensor, int, torch.Tensor 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="a .gguf model (default: the embedded SmolLM2)")
+    parser = common.parser(__doc__, "model")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 6, 9])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--base", help="git revision whose kernel to time as well")
     parser.add_argument("--no-amx", action="store_true", help="also the kernel's AVX-512 path instead of AMX")
     args = parser.parse_args()
-    engine = load(args.model, dtype="bfloat16", compile="off")
+    engine = common.load_engine(args, dtype="bfloat16")  # the weights the packed blocks rebuild exactly
     loader.load(hub.cache_dir() / "compiled")
     gguf = hub.gguf_source(engine.folder)
     if gguf is None or not packed.supported(engine.model):
@@ -59,17 +57,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         kernels = {"tree": torch.ops.fafo.packed_linear.default}
         if args.base:
-            source = subprocess.run(["git", "show", f"{args.base}:fafo_cli/engine/packed_linear.cpp"],
-                                    capture_output=True, text=True, check=True).stdout
+            source = common.kernel_source(args.base, "packed_linear.cpp")
             kernels[args.base] = loader.load_as(source, "fafo_base", Path(folder)).packed_linear.default
         if args.no_amx:
             kernels["tree, no AMX"] = loader.load_as(loader.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
-                                              "#define FAFO_NO_AMX 1\n").packed_linear.default
+                                                     "#define FAFO_NO_AMX 1\n").packed_linear.default
         print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
               f"median of {args.rounds} rounds, ms for all of them")
         with torch.inference_mode():
             for rows in args.rows:
-                inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {w.shape[1] * 64 for w, _, _ in separate}}
+                widths = {w.shape[1] * 64 for w, _, _ in separate}
+                inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in widths}
                 variants = {"dense bf16 (eager)": [lambda x=inputs[linear.in_features], linear=linear: linear(x)
                                                    for linear in map(engine.model.hf.get_submodule, modules)]}
                 for name, op in kernels.items():

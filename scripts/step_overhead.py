@@ -1,42 +1,41 @@
 """Where a compiled step's time goes: inside the compiled model call, and everything else the decoder does per
-step (pool lookups, mask and position assembly, KV commit, acceptance, statistics, detokenization).
+step (pool lookups, mask and position assembly, KV commit, acceptance, statistics, detokenization). Builds the
+packages it needs that are missing (minutes each; `fafo run --compile` builds FAFO's).
 
-    python scripts/step_overhead.py --tokens 256            # needs the compiled packages (fafo run --compile)
+    python scripts/step_overhead.py --tokens 256 --settings M=vanilla M=fafo M=prompt-lookup
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from fafo_cli import load
-from fafo_cli.bench import suites
+import common
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default="vanilla,fafo,prompt-lookup")
+    parser = common.parser(__doc__, "model", "dtype", "tokens", "repeats", "suites", "samples", "prompts",
+                           "settings", suites="chat,summarize", samples=1,
+                           settings=["M=vanilla", "M=fafo", "M=prompt-lookup"])
     args = parser.parse_args()
-    engine = load(args.model, dtype=args.dtype, compile="on")
-    samples = [s for s in suites.collect(["chat", "summarize"], 1, None)]
-    for method in args.methods.split(","):
+    engine = common.load_engine(args, compile="on")
+    samples = common.prompts(args)
+    for spec in args.settings:
+        settings = common.parse_setting(spec)
+        # untimed: loads the packages this setting runs in (building those missing), which its first step would do
+        engine.complete(list(samples[0].messages), max_tokens=args.tokens, temperature=0.0, **settings)
         for sample in samples:
             totals, inside = [], []
             for _ in range(args.repeats):
                 engine.reset()
                 calls, seconds = engine.compiled.calls, engine.compiled.seconds
-                stats = engine.complete(list(sample.messages), max_tokens=args.tokens, method=method,
-                                        temperature=0.0).stats
+                stats = engine.complete(list(sample.messages), max_tokens=args.tokens, temperature=0.0,
+                                        **settings).stats
                 steps = engine.compiled.calls - calls
-                totals.append(stats.decode_s / (stats.steps - 1) * 1e3)
+                totals.append(common.ms_per_step(stats))
                 inside.append((engine.compiled.seconds - seconds) / max(steps, 1) * 1e3)
             total, model = statistics.median(totals), statistics.median(inside)
-            print(f"{method:14s} {sample.suite:10s} step {total:6.2f} ms = model {model:6.2f} ms + "
-                  f"rest {total - model:5.2f} ms ({(total - model) / total:.0%})")
+            print(f"{spec:16s} {sample.suite:10s} step {total:6.2f} ms = model {model:6.2f} ms + "
+                  f"rest {total - model:5.2f} ms ({(total - model) / total:.0%})", flush=True)
 
 
 if __name__ == "__main__":

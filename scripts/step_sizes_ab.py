@@ -1,45 +1,42 @@
 """FAFO's compiled steps without candidates in their own smaller package against padded to the full step's, side by
 side in one process (alternating, median of the repeats per prompt): tokens/s and ms per step. The same tokens
-either way (checked). Needs the packages (fafo run --compile, or fafo bench --compile).
+either way (checked). Uses the packages already built for the model (fafo run --compile, or fafo bench --compile);
+where one is missing that step runs eager.
 
     python scripts/step_sizes_ab.py --suites chat,summarize --repeats 3
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from fafo_cli import load
-from fafo_cli.bench import suites
+import common
 
-SIZES = (3, 6)  # FAFO's default compiled steps (W=1, k=3, G=1): without candidates, and full
+VARIANTS = {"padded": "never", "own size": "always"}  # CompiledSteps' own_sizes, instead of its timed choice
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--suites", default="chat,summarize")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = common.parser(__doc__, "model", "dtype", "tokens", "repeats", "suites", "samples", "prompts",
+                           "settings", suites="chat,summarize")
     args = parser.parse_args()
-    engine = load(args.model, dtype="bfloat16", compile="auto")
-    steps = engine.compiled
-    for sample in suites.collect(args.suites.split(","), 3, None):
-        runs: dict[str, list[tuple[float, float]]] = {"padded": [], "own size": []}
-        tokens = {}
-        for _ in range(args.repeats):
-            for name in runs:
-                steps._cheaper[SIZES] = name == "own size"  # CompiledSteps.size_for's decision, set
-                engine.reset()
-                result = engine.complete(list(sample.messages), max_tokens=args.tokens, method="fafo", temperature=0.0)
-                stats = result.stats
-                tokens.setdefault(name, result.token_ids)
-                runs[name].append((stats.tokens_per_s, stats.decode_s / (stats.steps - 1) * 1e3))
-        same = tokens["padded"] == tokens["own size"]
-        print(f"{sample.suite:10s} {sample.id:14s} " + "  ".join(
-            f"{name}: {statistics.median(t for t, _ in r):6.1f} tok/s {statistics.median(m for _, m in r):5.2f} ms"
-            for name, r in runs.items()) + f"  same tokens: {same}")
+    engine = common.load_engine(args, compile="auto")
+    for spec in args.settings:
+        settings = common.parse_setting(spec)
+        for sample in common.prompts(args):
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
+            tokens = {}
+            for _ in range(args.repeats):
+                for name, own_sizes in VARIANTS.items():
+                    engine.compiled.own_sizes = own_sizes
+                    engine.reset()
+                    result = engine.complete(list(sample.messages), max_tokens=args.tokens, temperature=0.0,
+                                             **settings)
+                    tokens.setdefault(name, result.token_ids)
+                    runs[name].append((result.stats.tokens_per_s, common.ms_per_step(result.stats)))
+            same = tokens["padded"] == tokens["own size"]
+            print(f"{spec:12s} {sample.suite:10s} {sample.id:14s} " + "  ".join(
+                f"{name}: {statistics.median(t for t, _ in r):6.1f} tok/s {statistics.median(m for _, m in r):5.2f} ms"
+                for name, r in runs.items()) + f"  same tokens: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,20 @@ class CompiledSteps:
 
     mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
     were built (their record says so). Any failure prints one notice and leaves that size to eager.
+
+    own_sizes: whether a step smaller than its decoder's largest runs in a package of its own size (size_for):
+    "measure" where that package times faster, "always" or "never" (for side-by-side measurements, which may
+    change it between requests).
     """
 
+    OWN_SIZES = ("measure", "always", "never")
+
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
-                 gguf: Path | None = None):
+                 gguf: Path | None = None, own_sizes: str = "measure"):
+        if own_sizes not in self.OWN_SIZES:
+            raise ValueError(f"own_sizes must be one of {', '.join(self.OWN_SIZES)}, not {own_sizes!r}")
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
+        self.own_sizes = own_sizes
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._runners: dict[int, object | None] = {}
@@ -88,13 +97,16 @@ class CompiledSteps:
         """The package a `rows`-row step runs in, for a decoder whose steps have at most max(sizes) rows: the bucket of
         the smallest of `sizes` that holds it where that package runs at least 10% faster than the largest's, timed
         side by side when first needed (extra rows cost arithmetic on CPUs without AMX, next to nothing with it; timed
-        apart, at their builds, the VM's drift hid the difference), else the largest's."""
+        apart, at their builds, the VM's drift hid the difference), else the largest's. `own_sizes` "always" or
+        "never" skips the timing."""
         largest = bucket(max(*sizes, rows))
-        if largest is None:
-            return None
+        if largest is None or self.own_sizes == "never":
+            return largest
         for size in sorted({bucket(s) for s in sizes if s >= rows} - {largest, None}):
             if self.runner(largest) is None:
                 break
+            if self.own_sizes == "always":
+                return size
             if (size, largest) not in self._cheaper:
                 small, ms = self.runner(size), {}
                 if small is not None:
