@@ -101,7 +101,7 @@ def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_engine, monkey
     smallest that holds it where that package runs at least 10% faster than the largest's (the two timed side by
     side, once), else in the largest, and a package found not worth it is let go (loaded again if another decoder's
     largest step needs it)."""
-    from fafo_cli.compiled import build as compiled
+    from fafo_cli.compiled import steps as compiled
 
     steps = compiled_engine.compiled
     timed: list[tuple[int, ...]] = []
@@ -131,7 +131,7 @@ def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_engine, monkey
 def test_fafo_steps_in_two_packages_match_transformers(compiled_engine, tiny, monkeypatch):
     """FAFO with its steps without candidates in the smaller package (timed faster) and the others in the largest:
     still transformers' greedy tokens, on a prompt longer than the compressed budget."""
-    from fafo_cli.compiled import build as compiled
+    from fafo_cli.compiled import steps as compiled
 
     monkeypatch.setattr(compiled, "side_by_side", lambda model, runners: {rows: float(rows) for rows in runners})
     settings = dict(METHODS["fafo-stream"], streams=1, guesses=1)  # 3 rows without candidates, 6 with
@@ -145,7 +145,7 @@ def test_fafo_steps_in_two_packages_match_transformers(compiled_engine, tiny, mo
 
 
 def test_side_by_side_times_each_package(compiled_engine):
-    from fafo_cli.compiled import build as compiled
+    from fafo_cli.compiled import timing as compiled
 
     steps = compiled_engine.compiled
     ms = compiled.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
@@ -239,7 +239,7 @@ def test_bench_runs_eager_and_compiled_side_by_side(compiled_engine, tiny, tmp_p
 
 
 def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, monkeypatch):
-    from fafo_cli.compiled import build as compiled
+    from fafo_cli.compiled import timing as compiled
 
     def no_space(self, path):
         raise OSError(28, "No space left on device")
@@ -502,7 +502,7 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
     packed, q's and k's rows in the order transformers loaded them, and handed to the package build; a step
     through the packed modules picks the same tokens, and the model's own modules are back afterwards."""
-    from fafo_cli.compiled import build as compiled, packed
+    from fafo_cli.compiled import packed, steps as compiled
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
