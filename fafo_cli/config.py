@@ -101,7 +101,7 @@ class Config:
                                    also=("bench", "cacheback build-table"))
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code",
                               flag="--allow-pickle", also=("bench", "pull"))
-    # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see README, "Choosing defaults".
+    # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 1-64; auto: 1 where "
                                       "the step runs compiled (its rows cost arithmetic), else 2", low=1, high=64,
                               allowed="auto or 1-64", short="-W")
@@ -129,7 +129,7 @@ class Config:
                                   "or block (one FlexAttention call with a block mask); auto: block on CUDA",
                           choices=ATTENTION)
 
-    # Peer methods (see ../shared/design/peers.md); defaults measured like FAFO's (README, "Peer methods").
+    # Peer methods (see docs/peers.md); defaults measured like FAFO's (docs/benchmarks.md).
     lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)
     lookahead_ngram: int = _opt(3, "lookahead: guess length (N - 1)", low=2, high=16)
     lookahead_guesses: int = _opt(1, "lookahead: candidates verified per step G", low=0, high=64)
