@@ -163,8 +163,8 @@ struct AmxCall {
   const uint32_t* query_pairs;  // [kv_heads][dim / 2][blocks * 16]: each query's dimensions in pairs, one word each
   int64_t padded;               // blocks * 16
   const uint16_t *all_bits, *part_bits, *local_bits;  // per block: queries that see all, C(kv); [block][rows]: own
-  const bool* visible;
-  int64_t visible_stride;
+  const bool* view_mask;
+  int64_t view_mask_stride;
   float scale;
   float* partial;  // [kv_heads, chunks, queries, 2 + dim]
 };
@@ -236,7 +236,7 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
   const uint16_t all = a.all_bits[b], part = a.part_bits[b];
   for (int64_t j = 0; j < n; ++j) {
     const int64_t slot = s0 + j;
-    bits[j] = slot < a.cached ? (all | (a.visible[slot * a.visible_stride] ? part : 0))
+    bits[j] = slot < a.cached ? (all | (a.view_mask[slot * a.view_mask_stride] ? part : 0))
                               : a.local_bits[b * a.rows + slot - a.cached];
   }
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -301,16 +301,16 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
 #endif
 
 // The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
-// cached slot s when sees_all[r], or when sees_part[r] and visible[s]; it sees the step's own rows (the last
+// cached slot s when sees_cache[r], or when sees_view[r] and view_mask[s]; it sees the step's own rows (the last
 // `rows` slots) through local[r].
 template <typename T>  // the element type of queries, keys and values
 at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& all_in,
-                  const at::Tensor& part_in, const at::Tensor& visible_in, const at::Tensor& local_in,
+                  const at::Tensor& part_in, const at::Tensor& view_mask_in, const at::Tensor& local_in,
                   double scale_in) {
-  // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; sees_all, sees_part [rows]; visible [slots - rows];
+  // q [rows, heads, dim]; k, v [slots, kv_heads, dim]; sees_cache, sees_view [rows]; view_mask [slots - rows];
   // local [rows, rows]; -> [rows, heads, dim]
   TORCH_CHECK(all_in.scalar_type() == at::kBool && part_in.scalar_type() == at::kBool &&
-              visible_in.scalar_type() == at::kBool && local_in.scalar_type() == at::kBool,
+              view_mask_in.scalar_type() == at::kBool && local_in.scalar_type() == at::kBool,
               "fafo::attend: bool visibility");
   const int64_t dim = q_in.size(2);
 #if defined(__AVX512BF16__)
@@ -319,17 +319,17 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const bool pairs = false;
 #endif
   // the queries as float32 for scores not taken by pairs (exact from bf16); by pairs, the bf16 ones as they are
-  const at::Tensor q = pairs ? at::Tensor() : q_in.to(at::kFloat).contiguous(), sees_all = all_in.contiguous();
-  const at::Tensor q16 = pairs ? q_in.contiguous() : at::Tensor(), sees_part = part_in.contiguous();
+  const at::Tensor q = pairs ? at::Tensor() : q_in.to(at::kFloat).contiguous(), sees_cache = all_in.contiguous();
+  const at::Tensor q16 = pairs ? q_in.contiguous() : at::Tensor(), sees_view = part_in.contiguous();
   const at::Tensor local = local_in.contiguous();
-  const at::Tensor& visible = visible_in;  // a column of [cached, layers]: read in place, not copied per layer
+  const at::Tensor& view_mask = view_mask_in;  // a column of [cached, layers]: read in place, not copied per layer
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
   const int64_t rows = q_in.size(0), heads = q_in.size(1);
   const at::TensorOptions floats = q_in.options().dtype(at::kFloat);
   const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
-  const int64_t cached = visible.size(0);
-  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_all.numel() == rows && sees_part.numel() == rows &&
+  const int64_t cached = view_mask.size(0);
+  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_cache.numel() == rows && sees_view.numel() == rows &&
               cached + rows == slots && local.size(0) == rows && local.size(1) == rows,
               "fafo::attend: unsupported shapes");
   const int64_t chunks = (slots + kChunk - 1) / kChunk;
@@ -340,11 +340,11 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const uint32_t* q2 = pairs ? reinterpret_cast<const uint32_t*>(q16.data_ptr<at::BFloat16>()) : nullptr;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  const bool *row_all = sees_all.data_ptr<bool>(), *row_part = sees_part.data_ptr<bool>();
-  const bool *vis = visible.data_ptr<bool>(), *loc = local.data_ptr<bool>();
-  const int64_t vis_stride = visible.stride(0);
+  const bool *row_all = sees_cache.data_ptr<bool>(), *row_part = sees_view.data_ptr<bool>();
+  const bool *vis = view_mask.data_ptr<bool>(), *loc = local.data_ptr<bool>();
+  const int64_t vis_stride = view_mask.stride(0);
   const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
-  // The whole mask [rows, slots] (a row's cached part is all, `visible` or nothing), and
+  // The whole mask [rows, slots] (a row's cached part is all, `view_mask` or nothing), and
   // which rows see anything of each chunk [chunks, rows]. A decoding step mixes rows that see the whole cache
   // with rows that see a small part of it (FAFO's fumble rows) or none (padding rows): those skip most chunks.
   std::vector<int8_t> mask(rows * slots);
@@ -495,15 +495,15 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           float* pr = probs[i];
           vf vmax = splat(-FLT_MAX);
           for (int64_t j = 0; j < n_vec; j += kLanes) {
-            vi visible;
+            vi seen;
             if (j + kLanes <= n) {
               vb bytes;
               std::memcpy(&bytes, mrow[i] + j, sizeof bytes);
-              visible = __builtin_convertvector(bytes, vi) != 0;
+              seen = __builtin_convertvector(bytes, vi) != 0;
             } else {
-              for (int l = 0; l < kLanes; ++l) visible[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
+              for (int l = 0; l < kLanes; ++l) seen[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
             }
-            const vf x = visible ? load(pr + j) : splat(-FLT_MAX);
+            const vf x = seen ? load(pr + j) : splat(-FLT_MAX);
             store(pr + j, x);
             vmax = x > vmax ? x : vmax;
           }
@@ -606,7 +606,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       float total = 0.0f;
       for (int64_t c = 0; c < chunks; ++c) {
         const float* part = pp + ((h * chunks + c) * queries + qi) * width;
-        if (part[1] == 0.0f) continue;  // nothing visible in this chunk
+        if (part[1] == 0.0f) continue;  // nothing view_mask in this chunk
         const float w = std::exp(part[0] - m);
         total += part[1] * w;
         for (int64_t d = 0; d < dim; d += kLanes) store(out + d, load(out + d) + load(part + 2 + d) * w);
@@ -618,20 +618,20 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   return result;
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sees_all,
-                  const at::Tensor& sees_part, const at::Tensor& visible, const at::Tensor& local, double scale) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sees_cache,
+                  const at::Tensor& sees_view, const at::Tensor& view_mask, const at::Tensor& local, double scale) {
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
               "fafo::attend: queries, keys and values of one dtype");
   if (k.scalar_type() == at::kBFloat16)
-    return attend_as<at::BFloat16>(q, k, v, sees_all, sees_part, visible, local, scale);
+    return attend_as<at::BFloat16>(q, k, v, sees_cache, sees_view, view_mask, local, scale);
   TORCH_CHECK(k.scalar_type() == at::kFloat, "fafo::attend: float32 or bfloat16");
-  return attend_as<float>(q, k, v, sees_all, sees_part, visible, local, scale);
+  return attend_as<float>(q, k, v, sees_cache, sees_view, view_mask, local, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fafo, m) {
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor sees_all, Tensor sees_part, Tensor visible, Tensor local, "
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor sees_cache, Tensor sees_view, Tensor view_mask, Tensor local, "
         "float scale) -> Tensor");
 }
 

@@ -89,7 +89,7 @@ def load(folder: Path) -> None:
     torch.ops.load_library(str(path))
 
     @torch.library.register_fake("fafo::attend")
-    def _(q, k, v, sees_all, sees_part, visible, local, scale):  # for tracing: the queries' shape, float32
+    def _(q, k, v, sees_cache, sees_view, view_mask, local, scale):  # for tracing: the queries' shape, float32
         return q.new_empty(q.shape, dtype=torch.float32)
 
     @torch.library.register_fake("fafo::packed_linear")
