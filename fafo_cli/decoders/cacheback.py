@@ -1,7 +1,7 @@
 """Cacheback: draft a tree from LRU n-gram tables, verify it with tree attention in one pass.
 
 The dynamic table (leader = last `cacheback_leader` tokens -> up to `cacheback_followers` followers of
-`cacheback_follower` tokens, both levels LRU; `engine.ngram_table`) is seeded with the prompt and learns
+`cacheback_follower` tokens, both levels LRU; `ngram_table.py`) is seeded with the prompt and learns
 the text as it is accepted; an optional frozen table built offline from a corpus is consulted after it.
 The tree grows level by level: every node of the frontier is extended by the followers of its path's last
 tokens, as whole chunks, merged where they share a prefix. Each level spends at most half of the budget

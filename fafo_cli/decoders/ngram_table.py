@@ -1,7 +1,8 @@
 """Cacheback's n-gram tables: a leader (the last LL tokens) maps to at most FC followers (the next FL tokens).
 
 Both levels are LRU. Reading a leader refreshes it; a follower is refreshed only when it is inserted again,
-so the followers' order records what the text did most recently, not what the drafter happened to read.
+so the followers' order records what the text did most recently, not what the drafter happened to read
+(the two-level LRU table is FAFO's pool's too: `decoders/ngrams.py`).
 A FollowerTable learns online; a FrozenTable is its read-only snapshot, built offline from a corpus and
 stored as one safetensors file tied to the tokenizer that produced its token ids. Host memory only.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -18,29 +18,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as serialize
 
+from fafo_cli.decoders.ngrams import LruTable, Tokens
 from fafo_cli.errors import FafoError
 from fafo_cli.files import write_atomic
-
-Tokens = tuple[int, ...]
 
 FORMAT = "fafo-cacheback-table"
 VERSION = "1"
 
 
-class _Sizes:
-    _table: dict
-    _entries: int
-
-    @property
-    def leaders(self) -> int:
-        return len(self._table)
-
-    @property
-    def entries(self) -> int:
-        return self._entries
-
-
-class FollowerTable(_Sizes):
+class FollowerTable:
     def __init__(self, leader: int, follower: int, followers: int, max_leaders: int = 1_000_000):
         for name, value in (("leader length", leader), ("follower length", follower),
                             ("followers per leader", followers), ("max leaders", max_leaders)):
@@ -48,9 +34,15 @@ class FollowerTable(_Sizes):
                 raise FafoError(f"cacheback {name} must be at least 1, got {value}")
         self.leader_length, self.follower_length = leader, follower
         self.followers, self.max_leaders = followers, max_leaders
-        # Oldest first at both levels: popitem(last=False) evicts, move_to_end refreshes.
-        self._table: OrderedDict[Tokens, OrderedDict[Tokens, None]] = OrderedDict()
-        self._entries = 0
+        self._table = LruTable(followers, max_leaders)
+
+    @property
+    def leaders(self) -> int:
+        return len(self._table)
+
+    @property
+    def entries(self) -> int:
+        return self._table.entries
 
     def insert(self, leader: Sequence[int], follower: Sequence[int]) -> None:
         """Store `follower` under `leader`, refreshing both (inserting a known pair only refreshes it)."""
@@ -58,35 +50,11 @@ class FollowerTable(_Sizes):
         if len(leader) != self.leader_length or len(follower) != self.follower_length:
             raise ValueError(f"expected a {self.leader_length}-token leader and a {self.follower_length}-token "
                              f"follower, got {len(leader)} and {len(follower)}")
-        self._insert(leader, follower)
-
-    def _insert(self, leader: Tokens, follower: Tokens) -> None:
-        table = self._table
-        found = table.get(leader)
-        if found is None:
-            found = table[leader] = OrderedDict()
-            if len(table) > self.max_leaders:
-                _, evicted = table.popitem(last=False)
-                self._entries -= len(evicted)
-        else:
-            table.move_to_end(leader)
-        if follower in found:
-            found.move_to_end(follower)
-            return
-        found[follower] = None
-        self._entries += 1
-        if len(found) > self.followers:
-            found.popitem(last=False)
-            self._entries -= 1
+        self._table.insert(leader, follower)
 
     def lookup(self, leader: Sequence[int]) -> list[Tokens]:
         """The followers of `leader`, most recent first; refreshes the leader but not its followers."""
-        leader = tuple(leader)
-        found = self._table.get(leader)
-        if found is None:
-            return []
-        self._table.move_to_end(leader)
-        return list(reversed(found))
+        return list(self._table.read(tuple(leader), refresh=True))
 
     def add_text(self, tokens: Sequence[int], new: int | None = None) -> None:
         """Insert every (leader, follower) window of `tokens` in text order, so later occurrences end up
@@ -94,23 +62,26 @@ class FollowerTable(_Sizes):
         ll, fl = self.leader_length, self.follower_length
         first = ll if new is None else max(ll, len(tokens) - new - fl + 1)  # only the tail is read
         tokens = tuple(tokens[max(0, first - ll):])  # tuple slices are tuples: no per-window conversion
-        insert = self._insert
+        insert = self._table.insert
         for i in range(ll, len(tokens) - fl + 1):
             insert(tokens[i - ll:i], tokens[i:i + fl])
 
     def freeze(self) -> FrozenTable:
         """A read-only snapshot: same leaders, same followers in the same order."""
-        return FrozenTable(self.leader_length, self.follower_length,
-                           {leader: list(reversed(found)) for leader, found in self._table.items()})
+        return FrozenTable(self.leader_length, self.follower_length, self._table.snapshot())
 
 
-class FrozenTable(_Sizes):
+class FrozenTable:
     """Read-only leader -> followers (most recent first); lookups have no LRU effects."""
 
     def __init__(self, leader_length: int, follower_length: int, table: dict[Tokens, list[Tokens]]):
         self.leader_length, self.follower_length = leader_length, follower_length
         self._table = table
-        self._entries = sum(len(found) for found in table.values())
+        self.entries = sum(len(found) for found in table.values())
+
+    @property
+    def leaders(self) -> int:
+        return len(self._table)
 
     def lookup(self, leader: Sequence[int]) -> list[Tokens]:
         return list(self._table.get(tuple(leader), ()))  # a copy: callers cannot edit the table

@@ -2,66 +2,62 @@
 
 Keys are tuples of 1..P tokens. An n-gram is stored under every suffix of its preceding tokens, each key
 holding at most `per_key` n-grams in LRU order (re-inserting refreshes). The number of keys is bounded
-too (least recently used key evicted), so a long chat cannot grow the pool without limit. Host memory only.
+too (least recently used key evicted), so a long chat cannot grow the pool without limit. A lookup leaves
+the LRU order as it is. Host memory only; the two-level LRU table is Cacheback's too (`decoders/ngrams.py`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
-NGram = tuple[int, ...]
+from ..ngrams import LruTable, Tokens
+
+NGram = Tokens
 
 
 class NgramPool:
     def __init__(self, ngram: int, prefix: int, per_key: int, max_keys: int = 200_000):
-        self.ngram, self.prefix, self.per_key, self.max_keys = ngram, prefix, per_key, max_keys
-        self._table: OrderedDict[NGram, OrderedDict[NGram, None]] = OrderedDict()
-        self.ngrams = 0  # stored (key, n-gram) entries
+        self.ngram, self.prefix = ngram, prefix
+        self._table = LruTable(per_key, max_keys)
 
     @property
     def keys(self) -> int:
         return len(self._table)
 
+    @property
+    def ngrams(self) -> int:
+        """Stored (key, n-gram) entries."""
+        return self._table.entries
+
     def add(self, before: Sequence[int], ngram: NGram) -> None:
         """Store `ngram` under every suffix (length 1..P) of the tokens `before` it."""
-        for length in range(1, min(self.prefix, len(before)) + 1):
-            key = tuple(before[-length:])
-            entries = self._table.get(key)
-            if entries is None:
-                entries = self._table[key] = OrderedDict()
-                if len(self._table) > self.max_keys:
-                    _, evicted = self._table.popitem(last=False)
-                    self.ngrams -= len(evicted)
-            else:
-                self._table.move_to_end(key)
-            if ngram in entries:
-                entries.move_to_end(ngram)
-                continue
-            entries[ngram] = None
-            self.ngrams += 1
-            if len(entries) > self.per_key:
-                entries.popitem(last=False)
-                self.ngrams -= 1
+        before = tuple(before[-self.prefix:])
+        insert = self._table.insert
+        for length in range(1, len(before) + 1):
+            insert(before[-length:], ngram)
 
     def add_text(self, tokens: Sequence[int], new: int | None = None) -> None:
         """Seed with the n-grams of `tokens`; with `new`, only those ending in its last `new` tokens."""
-        n = self.ngram
+        n, prefix = self.ngram, self.prefix
         first = 1 if new is None else max(1, len(tokens) - new - n + 1)  # only the tail is read
-        for start in range(first, len(tokens) - n + 1):
-            self.add(tokens[max(0, start - self.prefix):start], tuple(tokens[start:start + n]))
+        start = max(0, first - prefix)
+        tokens = tuple(tokens[start:])  # tuple slices are tuples: no per-key conversion
+        insert = self._table.insert
+        for at in range(first - start, len(tokens) - n + 1):
+            ngram = tokens[at:at + n]
+            for length in range(1, min(prefix, at) + 1):
+                insert(tokens[at - length:at], ngram)
 
     def lookup(self, text: Sequence[int], limit: int) -> list[NGram]:
         """Up to `limit` distinct n-grams to follow `text`: longest matching key first, newest first."""
-        found: dict[NGram, None] = {}
         if limit <= 0:
             return []
-        for length in range(min(self.prefix, len(text)), 0, -1):
-            entries = self._table.get(tuple(text[-length:]))
-            if not entries:
-                continue
-            for ngram in reversed(entries):
-                found.setdefault(ngram, None)
+        found: dict[NGram, None] = {}  # a dict keeps the first place of an n-gram met again
+        read = self._table.read
+        tail = tuple(text[-self.prefix:])
+        for length in range(len(tail), 0, -1):
+            for ngram in read(tail[-length:]):
+                found[ngram] = None
                 if len(found) >= limit:
                     return list(found)
         return list(found)
