@@ -7,6 +7,7 @@ template, so every code path (templating, detokenization, stop tokens) runs as i
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,25 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# The prompts of the exactness tests. SHORT: ~40 byte tokens, within every compressed budget the tests use (but
+# 16); LONG: ~300 tokens of text with repeats, past those budgets, so guesses from the pool and the prompt get
+# accepted (the commit path is exercised).
+SHORT = "one two three four five six seven eight"
+LONG = ("The cat sat on the mat. The dog sat on the log. " * 3 + "Where did the cat sit? " +
+        "A bird sang on a branch while the wind moved the leaves. " * 2)
+TOKENS = 256  # generated per exactness comparison: long enough for many accepted runs and pool commits
+
+# The peer methods' settings in the exactness tests. Budgets sit between SHORT and LONG: the retrieval cache
+# and the 4-bit groups cover all of a short prompt and part of a long one.
+PEERS = {
+    "lookahead": dict(method="lookahead", lookahead_streams=2, lookahead_ngram=3, lookahead_guesses=2),
+    "prompt-lookup": dict(method="prompt-lookup", lookup_ngram=3, lookup_tokens=6),
+    "cacheback": dict(method="cacheback", cacheback_budget=16, cacheback_followers=3),
+    "cacheback-ll2": dict(method="cacheback", cacheback_leader=2, cacheback_follower=4, cacheback_budget=9),
+    "triforce": dict(method="triforce", triforce_chunk=8, triforce_budget=64, triforce_gamma2=4),
+    "quantspec": dict(method="quantspec", quantspec_gamma=3, quantspec_group=64),
+}
 
 VARIANTS = {
     # name: (config class name, extra config)
@@ -105,6 +125,15 @@ def pytest_configure(config):
         api.Engine.from_config = classmethod(compiled)
 
 
+COMPILED_FIXTURES = {"compiled_folder", "compiled_cache", "compiled_engine"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # a test that may build packages or our kernels is marked so, whichever way it asks
+        if COMPILED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.compiled)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
@@ -124,13 +153,61 @@ def smollm2() -> Path:
     return hub.resolve(None)
 
 
-def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int, dtype=torch.float32) -> list[int]:
-    """The external oracle: transformers' own greedy generate."""
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="session")
+def compiled_folder(tmp_path_factory) -> Path:
+    """fafo's cache for the compiled tests (packages and our kernel library), one per session: each package and the
+    kernels are built once, however many tests use them."""
+    return tmp_path_factory.mktemp("fafo-cache")
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+@pytest.fixture
+def compiled_cache(compiled_folder, monkeypatch) -> Path:
+    """The session's compiled cache as fafo's cache (FAFO_CACHE) for this test only: the other tests' engines
+    (compile "auto") never find a package that a compiled test built."""
+    monkeypatch.setenv("FAFO_CACHE", str(compiled_folder))
+    return compiled_folder
+
+
+@pytest.fixture(scope="session")
+def compiled_engine(compiled_folder, tiny):
+    """The tiny model in float32 with compiled steps (packages built on first need), its notices in `.notices`."""
+    from fafo_cli import load
+
+    notices: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FAFO_CACHE", str(compiled_folder))  # read at load: where the engine's packages live
+        engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    engine.notices = notices
+    return engine
+
+
+def http_error(cls, status: int):
+    """A huggingface_hub HTTP error of class `cls` with a response of `status`, as the hub client raises them."""
+    import importlib
+
+    from huggingface_hub import errors
+
+    transport = importlib.import_module(errors.Response.__module__.split(".")[0])
+    response = errors.Response(status, request=transport.Request("GET", "https://huggingface.co/x"))
+    return cls("refused", response=response)
+
+
+def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int, dtype=torch.float32) -> list[int]:
+    """The external oracle: transformers' own greedy generate (each answer computed once per session)."""
+    return list(_greedy(folder, tuple(prompt_ids), new_tokens, dtype))
+
+
+@lru_cache(maxsize=None)
+def _greedy(folder: Path, prompt_ids: tuple[int, ...], new_tokens: int, dtype) -> tuple[int, ...]:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             min_new_tokens=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = _hf_model(folder, dtype).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                                do_sample=False, min_new_tokens=0)
+    return tuple(out[0, len(prompt_ids):].tolist())
+
+
+@lru_cache(maxsize=4)
+def _hf_model(folder: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()

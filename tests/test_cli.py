@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -131,13 +130,11 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
 def test_every_bad_input_is_one_line(capsys, tiny, prompt_file, tmp_path, small_context):
     capsys.readouterr()
     for argv, message in bad_inputs(tiny, prompt_file, tmp_path, small_context):
-        start = time.monotonic()
         code, out, err = run_cli(capsys, *argv)
         assert code != 0, argv
         assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
         assert message in err, (argv, err)
         assert out == ""
-        assert time.monotonic() - start < 20
 
 
 def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
@@ -155,11 +152,11 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
 def test_gated_model_is_one_line(capsys, monkeypatch, prompt_file):
     import huggingface_hub
 
-    from .test_hub import _http_error
+    from .conftest import http_error
 
     def refuse(*args, **kwargs):
         from huggingface_hub import errors
-        raise _http_error(errors.GatedRepoError, 401)
+        raise http_error(errors.GatedRepoError, 401)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
     code, out, err = run_cli(capsys, "pull", "meta-llama/Llama-2-7b-chat-hf")

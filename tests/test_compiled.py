@@ -4,7 +4,9 @@ measured cheaper), C(kv) as a mask, and eager fallbacks that say so in one line 
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -12,35 +14,19 @@ import torch
 from fafo_cli import load
 from fafo_cli.cli import entrypoint
 
-from .conftest import build_tiny_model, hf_greedy
-from .test_fafo import LONG, SHORT, TOKENS
-from .test_peers import PEERS
+from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
 
+# Each package costs a build (a minute or more on a small CPU, most of this file's time), so the methods share
+# sizes: 1 row (plain steps); 6 (FAFO's W=1 step, 1 + 3 + 2; FAFO W=2's steps without candidates; prompt lookup's
+# 1 + 5); 12 (FAFO W=2's full step, 1 + 6 + 5; cacheback's 1 + 11); 3 (FAFO W=1's steps without candidates).
 METHODS = {
     "vanilla": dict(method="vanilla"),
     # budget between SHORT and LONG: on LONG the fumble rows see C(kv) only (the compiled step's mask)
     "fafo-stream": dict(method="fafo", compressor="stream", budget=48, sink=4, streams=2, ngram=3, guesses=2),
     "fafo-snapkv": dict(method="fafo", compressor="snapkv", budget=48, window=8),
-    "prompt-lookup": dict(method="prompt-lookup", lookup_tokens=6),
-    "cacheback": dict(method="cacheback", cacheback_budget=12),
+    "prompt-lookup": dict(method="prompt-lookup", lookup_tokens=5),
+    "cacheback": dict(method="cacheback", cacheback_budget=11),
 }
-
-
-@pytest.fixture(scope="module")
-def compiled_cache(tmp_path_factory):
-    """fafo's cache (where packages go) in a temporary folder for this module."""
-    with pytest.MonkeyPatch.context() as patch:
-        folder = tmp_path_factory.mktemp("fafo-cache")
-        patch.setenv("FAFO_CACHE", str(folder))
-        yield folder
-
-
-@pytest.fixture(scope="module")
-def compiled_engine(compiled_cache, tiny):
-    notices: list[str] = []
-    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
-    engine.notices = notices
-    return engine
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -65,15 +51,15 @@ def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
-    # 3: FAFO's steps without candidates, 7: prompt lookup (1 + 6), 13: cacheback (1 + 12), if they ran
-    assert {1, 6, 12} <= built <= {1, 3, 6, 7, 12, 13}
+    # 3: FAFO's steps without candidates, if they ran
+    assert {1, 6, 12} <= built <= {1, 3, 6, 12}
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
     assert len(compiling) == len(built)  # one build per size, however many requests used it
 
 
-def test_second_load_reads_the_packages(compiled_engine, tiny):
+def test_second_load_reads_the_packages(compiled_cache, compiled_engine, tiny):
     compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # the package exists
     notices: list[str] = []
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
@@ -96,14 +82,14 @@ def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_
         record.write_text(json.dumps(original))
 
 
-def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_engine, monkeypatch):
+def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_cache, compiled_engine, tiny, monkeypatch):
     """A decoder names the sizes it pads to (FAFO: its steps without candidates, and its largest); a step runs in the
     smallest that holds it where that package runs at least 10% faster than the largest's (the two timed side by
     side, once), else in the largest, and a package found not worth it is let go (loaded again if another decoder's
     largest step needs it)."""
-    from fafo_cli.compiled import steps as compiled
+    from fafo_cli.compiled import steps as steps_module  # where CompiledSteps looks side_by_side up
 
-    steps = compiled_engine.compiled
+    compiled_engine.complete(SHORT, max_tokens=8, method="fafo")  # FAFO's sizes: 3 (no candidates) and 6 are built
     timed: list[tuple[int, ...]] = []
     ms = {3: 5.0, 6: 10.0}
 
@@ -111,29 +97,25 @@ def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_engine, monkey
         timed.append(tuple(runners))
         return {rows: ms[rows] for rows in runners}
 
-    monkeypatch.setattr(compiled, "side_by_side", side_by_side)
-    runners, cheaper = dict(steps._runners), dict(steps._cheaper)
-    try:
-        steps._runners.update({3: object(), 6: object()})
-        steps._cheaper.clear()
-        assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4, 6, 7)] == [3, 3, 6, 6, 7]
-        assert timed == [(3, 6)]  # once
-        ms[3] = 9.5  # not 10% faster
-        steps._cheaper.clear()
-        assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4)] == [6, 6, 6]
-        assert 3 not in steps._runners
-        assert steps.size_for(300, (3, 6)) is None  # past the largest bucket: eager
-    finally:
-        steps._runners.clear(), steps._cheaper.clear()
-        steps._runners.update(runners), steps._cheaper.update(cheaper)
+    monkeypatch.setattr(steps_module, "side_by_side", side_by_side)
+    steps = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=pytest.fail).compiled
+    assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4, 6, 7)] == [3, 3, 6, 6, 7]
+    assert timed == [(3, 6)]  # once
+    assert steps.size_for(300, (3, 6)) is None  # past the largest bucket: eager
+    ms[3] = 9.5  # not 10% faster
+    steps = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=pytest.fail).compiled
+    smaller = weakref.ref(steps.runner(3))
+    assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4)] == [6, 6, 6]
+    gc.collect()
+    assert smaller() is None  # the package that did not pay is let go
 
 
-def test_fafo_steps_in_two_packages_match_transformers(compiled_engine, tiny, monkeypatch):
+def test_fafo_steps_in_two_packages_match_transformers(compiled_cache, tiny, monkeypatch):
     """FAFO with its steps without candidates in the smaller package (timed faster) and the others in the largest:
     still transformers' greedy tokens, on a prompt longer than the compressed budget."""
-    from fafo_cli.compiled import steps as compiled
+    from fafo_cli.compiled import steps as steps_module  # where CompiledSteps looks side_by_side up
 
-    monkeypatch.setattr(compiled, "side_by_side", lambda model, runners: {rows: float(rows) for rows in runners})
+    monkeypatch.setattr(steps_module, "side_by_side", lambda model, runners: {rows: float(rows) for rows in runners})
     settings = dict(METHODS["fafo-stream"], streams=1, guesses=1)  # 3 rows without candidates, 6 with
     notices: list[str] = []
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
@@ -145,10 +127,10 @@ def test_fafo_steps_in_two_packages_match_transformers(compiled_engine, tiny, mo
 
 
 def test_side_by_side_times_each_package(compiled_engine):
-    from fafo_cli.compiled import timing as compiled
+    from fafo_cli.compiled import timing
 
     steps = compiled_engine.compiled
-    ms = compiled.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
+    ms = timing.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
     assert set(ms) == {1, 6} and all(value > 0 for value in ms.values())
 
 
@@ -159,10 +141,10 @@ def test_auto_never_builds(compiled_cache, tiny_models):
     assert engine.compiled.calls == 0
 
 
-def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tmp_path):
+def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_models):
     import torch._inductor.config as inductor
 
-    folder = build_tiny_model(tmp_path / "m", "qwen2-bias")
+    folder = tiny_models["qwen2-bias"]  # no package of it is built elsewhere: inductor compiles its graph afresh
     notices: list[str] = []
     engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # inductor's own patch: undone cleanly after
@@ -170,18 +152,19 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tmp_pa
     assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 32)
     failed = [n for n in notices if n.startswith("compilation failed, running eager")]
     assert len(failed) == 1 and all("\n" not in n for n in notices)
-    assert not list(compiled_cache.glob("compiled/m-*/*.pt2")) and not list(compiled_cache.glob("**/*.partial*"))
+    assert not list(compiled_cache.glob("compiled/qwen2-bias-*/*.pt2")) and not list(compiled_cache.glob("**/*.partial*"))
 
 
-def test_padding_past_the_context_end_runs_eager(compiled_cache, tmp_path):
-    folder = build_tiny_model(tmp_path / "short", "llama-gqa", max_positions=64)
-    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=lambda _: None)
-    ids = engine.encode(SHORT)
-    result = engine.complete(SHORT, max_tokens=200, method="vanilla")
-    assert result.finish_reason == "context" and result.token_ids == hf_greedy(folder, ids, 64 - len(ids))
+def test_steps_near_the_context_end(compiled_engine, tiny):
+    """To the model's last position (2,048: the prompt fills most of it), with steps whose padding would pass it
+    running eager: transformers' tokens."""
+    ids = compiled_engine.encode(LONG * 6)
+    for settings in (METHODS["vanilla"], METHODS["prompt-lookup"]):
+        result = compiled_engine.complete(LONG * 6, max_tokens=500, **settings)
+        assert result.finish_reason == "context" and result.token_ids == hf_greedy(tiny, ids, 2048 - len(ids))
 
 
-def test_cli_compile_flag(compiled_engine, tiny, tmp_path, capsys):
+def test_cli_compile_flag(compiled_cache, compiled_engine, tiny, tmp_path, capsys):
     compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # built: the CLI only loads
     prompt = tmp_path / "p.txt"
     prompt.write_text(SHORT)
@@ -225,31 +208,33 @@ def test_rope_table_is_what_eager_steps_compute(tiny):
             assert torch.equal(cos[positions], step_cos) and torch.equal(sin[positions], step_sin)
 
 
-def test_bench_runs_eager_and_compiled_side_by_side(compiled_engine, tiny, tmp_path, capsys):
-    compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")  # built: the bench only loads
+def test_bench_runs_eager_and_compiled_side_by_side(compiled_cache, compiled_engine, tiny, tmp_path, capsys):
+    for method in ("vanilla", "fafo"):  # built: the bench only loads (its FAFO: W=1, 6 rows, 3 without candidates)
+        compiled_engine.complete(SHORT, max_tokens=8, method=method)
     out = tmp_path / "bench.json"
-    code = entrypoint(["bench", str(tiny), "--compile", "--dtype", "float32", "--methods", "vanilla,prompt-lookup",
+    code = entrypoint(["bench", str(tiny), "--compile", "--dtype", "float32", "--methods", "vanilla,fafo",
                        "--suites", "chat", "--samples", "1", "--repeats", "1", "--warmup", "0", "--tokens", "24",
                        "--no-external", "--json", str(out)])
     capsys.readouterr()
     records = {r["row"]: r for r in json.loads(out.read_text())}
     assert code == 0
-    assert set(records) == {"vanilla", "vanilla+compiled", "prompt-lookup", "prompt-lookup+compiled"}
+    assert set(records) == {"vanilla", "vanilla+compiled", "fafo-stream", "fafo-stream+compiled"}
     assert all(r["exact"] == "1/1" and r["step_ms"] > 0 for r in records.values())
 
 
-def test_a_full_disk_after_the_build_is_one_notice(compiled_cache, tmp_path, monkeypatch):
-    from fafo_cli.compiled import timing as compiled
+@pytest.mark.compiled
+def test_a_full_disk_after_the_build_is_one_notice(tiny, tmp_path, monkeypatch):
+    from fafo_cli.compiled.timing import Timing
 
     def no_space(self, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(compiled.Timing, "write", no_space)
-    folder = build_tiny_model(tmp_path / "full", "llama-mha")
+    monkeypatch.setattr(Timing, "write", no_space)
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))  # an empty cache: a build (of a graph inductor has seen)
     notices: list[str] = []
-    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
-    result = engine.complete(SHORT, max_tokens=16, method="vanilla")
-    assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 16)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    result = engine.complete(SHORT, max_tokens=TOKENS, method="vanilla")
+    assert result.token_ids == hf_greedy(tiny, engine.encode(SHORT), TOKENS)
     assert [n for n in notices if n.startswith("compilation failed")] == [
         "compilation failed, running eager: OSError: [Errno 28] No space left on device"]
 
@@ -297,10 +282,14 @@ def test_attention_kernel_matches_torch(compiled_cache, vector_attend, rows, slo
 
 
 @pytest.fixture(scope="module")
-def vector_attend(tmp_path_factory):
-    """fafo::attend built without its AMX path, as CPUs without AMX run it, under its own op namespace."""
+def vector_attend(compiled_folder, tmp_path_factory):
+    """fafo::attend without its AMX path, as CPUs without AMX run it: on such a CPU ours (built for it, it has no
+    other path), elsewhere built with FAFO_NO_AMX under its own op namespace."""
     from fafo_cli.compiled.kernels import loader
 
+    if "amx_tile" not in loader.cpu_features().split():
+        loader.load(compiled_folder / "compiled")
+        return torch.ops.fafo.attend
     return loader.load_as(loader.SOURCES[0].read_text(), "fafo_vector", tmp_path_factory.mktemp("vector-attend"),
                           "#define FAFO_NO_AMX 1\n").attend
 
@@ -351,7 +340,7 @@ def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vecto
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
-    rounding, and its steps run compiled, reading the cache in bf16."""
+    rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 3 rows: one build)."""
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
     notices: list[str] = []
@@ -373,8 +362,9 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
                       torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool),
                       list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
     torch.testing.assert_close(compiled.float(), eager, atol=0.1, rtol=0.05)
-    result = engine.complete(SHORT, max_tokens=12, method="vanilla")
+    result = engine.complete(SHORT, max_tokens=12, method="prompt-lookup", lookup_tokens=rows - 1)
     assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]
+    assert set(engine.compiled.calls_by_size) == {rows}
     assert engine.session.cache.keys.dtype == torch.bfloat16  # stored compact while compiled steps serve
 
 
@@ -502,7 +492,8 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
     packed, q's and k's rows in the order transformers loaded them, and handed to the package build; a step
     through the packed modules picks the same tokens, and the model's own modules are back afterwards."""
-    from fafo_cli.compiled import packed, steps as compiled
+    from fafo_cli.compiled import packed, steps
+    from fafo_cli.compiled.build import CompileError
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
@@ -512,11 +503,11 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
 
     def build(model, rows, path, packed_modules=None):  # what a build would trace, without the minutes
         built.append(packed_modules)
-        raise compiled.CompileError("not built in this test")
+        raise CompileError("not built in this test")
 
-    monkeypatch.setattr(compiled, "build", build)
+    monkeypatch.setattr(steps, "build", build)  # where CompiledSteps looks it up
     notices: list[str] = []
-    engine = load(None, dtype="bfloat16", compile="on", notify=notices.append)
+    engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)
     model = engine.model
     modules = engine.compiled.packed_modules()
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
@@ -553,7 +544,7 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     if not torch.ops.fafo.packed_supported():
         pytest.skip("this CPU lacks AVX512-BF16: no packed steps (autotuned GEMMs may differ by row count)")
     notices: list[str] = []
-    engine = load(None, dtype="bfloat16", compile="on", notify=notices.append)
+    engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)
     plain, fafo_step = engine.compiled.runner(1), engine.compiled.runner(6)
     assert plain is not None and fafo_step is not None, notices
     model, gen = engine.model, torch.Generator().manual_seed(0)

@@ -9,12 +9,7 @@ import pytest
 
 from fafo_cli import load
 
-from .conftest import VARIANTS, hf_greedy
-
-SHORT = "one two three four five six seven eight"  # ~40 byte tokens: within every budget below but 16
-# ~300 tokens of text with repeats, so pool guesses do get accepted (the commit path is exercised)
-LONG = ("The cat sat on the mat. The dog sat on the log. " * 3 + "Where did the cat sit? " +
-        "A bird sang on a branch while the wind moved the leaves. " * 2)
+from .conftest import LONG, SHORT, TOKENS, VARIANTS, hf_greedy
 
 SETTINGS = {
     "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),
@@ -24,12 +19,6 @@ SETTINGS = {
     "budget-covers-all": dict(streams=2, ngram=3, guesses=2, prefix=3, budget=4096, sink=4),
     "wide": dict(streams=5, ngram=6, guesses=5, prefix=3, pool_per_key=2, budget=16, sink=2),
 }
-TOKENS = 256
-
-
-@lru_cache(maxsize=None)
-def reference(folder, prompt_ids: tuple[int, ...]) -> list[int]:
-    return hf_greedy(folder, list(prompt_ids), TOKENS)
 
 
 @lru_cache(maxsize=None)
@@ -45,7 +34,7 @@ def test_fafo_matches_transformers_greedy(tiny_models, variant, setting):
     for prompt in (SHORT, LONG):
         ids = engine.encode(prompt)
         result = engine.complete(prompt, max_tokens=TOKENS, **SETTINGS[setting])
-        assert result.token_ids == reference(tiny_models[variant], tuple(ids)), (variant, setting, len(ids))
+        assert result.token_ids == hf_greedy(tiny_models[variant], ids, TOKENS), (variant, setting, len(ids))
         stats = result.stats
         assert stats.generated_tokens == TOKENS and stats.steps <= TOKENS
         assert stats.accepted_tokens == TOKENS - stats.steps  # every token beyond one per step was a guess
@@ -72,7 +61,7 @@ def test_fafo_matches_transformers_on_smollm2(smollm2, setting):
     for prompt in prompts:
         ids = engine.encode(prompt)
         result = engine.complete(prompt, max_tokens=TOKENS, **settings)
-        assert result.token_ids == reference(smollm2, tuple(ids)), (setting, len(ids))
+        assert result.token_ids == hf_greedy(smollm2, ids, TOKENS), (setting, len(ids))
     assert result.stats.tokens_per_step > 1.5  # the copy-heavy prompt is copied in large accepted runs
 
 

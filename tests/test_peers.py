@@ -11,25 +11,9 @@ import pytest
 from fafo_cli import load
 from fafo_cli.cli import entrypoint
 
-from .conftest import VARIANTS, build_tiny_model, hf_greedy
-from .test_fafo import LONG, SHORT, TOKENS
+from .conftest import LONG, PEERS, SHORT, TOKENS, VARIANTS, build_tiny_model, hf_greedy
 
-# Budgets sit between SHORT (~40 tokens) and LONG (~300): the retrieval cache and the 4-bit groups cover
-# all of a short prompt and part of a long one.
-PEERS = {
-    "lookahead": dict(method="lookahead", lookahead_streams=2, lookahead_ngram=3, lookahead_guesses=2),
-    "prompt-lookup": dict(method="prompt-lookup", lookup_ngram=3, lookup_tokens=6),
-    "cacheback": dict(method="cacheback", cacheback_budget=16, cacheback_followers=3),
-    "cacheback-ll2": dict(method="cacheback", cacheback_leader=2, cacheback_follower=4, cacheback_budget=9),
-    "triforce": dict(method="triforce", triforce_chunk=8, triforce_budget=64, triforce_gamma2=4),
-    "quantspec": dict(method="quantspec", quantspec_gamma=3, quantspec_group=64),
-}
 DRAFTED_BY_MODEL = {"triforce", "quantspec"}
-
-
-@lru_cache(maxsize=None)
-def reference(folder, prompt_ids: tuple[int, ...], tokens: int = TOKENS) -> list[int]:
-    return hf_greedy(folder, list(prompt_ids), tokens)
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +30,7 @@ def test_peer_matches_transformers_greedy(tiny_models, variant, peer):
     for prompt in (SHORT, LONG):
         ids = engine.encode(prompt)
         result = engine.complete(prompt, max_tokens=TOKENS, **PEERS[peer])
-        assert result.token_ids == reference(tiny_models[variant], tuple(ids)), (variant, peer, len(ids))
+        assert result.token_ids == hf_greedy(tiny_models[variant], ids, TOKENS), (variant, peer, len(ids))
         stats = result.stats
         assert stats.generated_tokens == TOKENS and stats.accepted_tokens == TOKENS - stats.steps
         assert (stats.draft_passes is not None) == (PEERS[peer]["method"] in DRAFTED_BY_MODEL)
@@ -70,7 +54,7 @@ def test_triforce_with_a_draft_model_matches_transformers(tiny_models, draft_mod
         ids = engine.encode(prompt)
         result = engine.complete(prompt, max_tokens=TOKENS, method="triforce", triforce_budget=64,
                                  triforce_gamma1=3, triforce_gamma2=5, triforce_draft_cache=48)
-        assert result.token_ids == reference(target, tuple(ids)), (variant, draft, len(ids))
+        assert result.token_ids == hf_greedy(target, ids, TOKENS), (variant, draft, len(ids))
         # every middle-level check is one pass; the draft model adds its own
         assert result.stats.draft_passes > result.stats.steps
         if prompt is SHORT:  # within the budget the middle level reads the whole cache: it agrees with the top
@@ -91,7 +75,7 @@ def test_peer_matches_transformers_on_smollm2(smollm2, peer):
     for prompt in prompts:
         ids = engine.encode(prompt, engine.request_config(chat_template=True))
         result = engine.complete(prompt, max_tokens=TOKENS, **settings)
-        assert result.token_ids == reference(smollm2, tuple(ids)), (peer, len(ids))
+        assert result.token_ids == hf_greedy(smollm2, ids, TOKENS), (peer, len(ids))
     assert result.stats.tokens_per_step > 1.5  # the copy-heavy prompt is copied in accepted runs
 
 
@@ -182,7 +166,7 @@ def test_cacheback_frozen_table_built_by_the_cli_is_used(tmp_path, tiny, capsys)
     code = entrypoint(["cacheback", "build-table", str(corpus), "--out", str(table), "--model", str(tiny)])
     assert code == 0 and table.exists() and "leaders" in capsys.readouterr().out
     with_table = engine.complete(SHORT, max_tokens=120, cacheback_table=str(table))
-    assert with_table.token_ids == expected.token_ids == reference(tiny, tuple(engine.encode(SHORT)), 120)
+    assert with_table.token_ids == expected.token_ids == hf_greedy(tiny, engine.encode(SHORT), 120)
     assert with_table.stats.accepted_tokens > expected.stats.accepted_tokens + 20
 
 
