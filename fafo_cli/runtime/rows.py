@@ -75,10 +75,6 @@ class StepRows:
     view: CacheView | None = None  # needed when some rows see only a view of the cache
     compiled: bool = True  # may run as a compiled step
 
-    @property
-    def anchor(self) -> int:
-        return self.ids[0]
-
 
 def plain_step(token: int, device: torch.device) -> StepRows:
     """Plain decoding: one row that sees everything."""

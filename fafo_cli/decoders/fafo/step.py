@@ -144,7 +144,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
             else:
                 path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
             # the window itself stays greedy: it only proposes guesses
-            predicted = [argmax[0 if p < 0 else n_verify + shape.rows.read.index(p)] for p in shape.predictors]
+            predicted = [argmax[0 if r < 0 else n_verify + r] for r in shape.predictor_logits]
             for before, ngram in window.advance(anchor, predicted):
                 pool.add(before, ngram)
         else:  # the context's last few positions: no room for guesses, a plain eager step

@@ -24,6 +24,7 @@ from .pool import NGram
 class WindowLayout:
     rows: ViewRows  # the window's rows as the step sees them; read: the predictor rows, in order
     predictors: tuple[int, ...]  # per column, the window row whose argmax is the next level's token; -1: anchor
+    predictor_logits: tuple[int, ...]  # per column, where that row's logits are among the window's read rows; -1: anchor
 
 
 @lru_cache(maxsize=None)
@@ -41,7 +42,8 @@ def window_layout(streams: int, levels: int) -> WindowLayout:
     last = levels - 1
     predictors = tuple(-1 if (last == 0 and i == 0) else row[(last, i)] for i in range(streams))
     read = tuple(sorted({p for p in predictors if p >= 0}))
-    return WindowLayout(ViewRows(tuple(l + i for l, i in cells), mask, read), predictors)
+    return WindowLayout(ViewRows(tuple(l + i for l, i in cells), mask, read), predictors,
+                        tuple(-1 if p < 0 else read.index(p) for p in predictors))
 
 
 class LookaheadWindow:
