@@ -14,6 +14,7 @@ import json
 import secrets
 import sys
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -24,6 +25,7 @@ from . import hub
 from .decoders import DECODERS
 from .compiled.steps import CompiledSteps
 from .compiled.build import identity
+from .compiled.timing import read_step_costs
 from .runtime.events import Result, Step
 from .runtime.model import Model
 from .runtime.sampling import Sampling
@@ -89,8 +91,9 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
+        engine.session.step_costs = read_step_costs(engine.steps_folder)
         if config.compile != "off":
-            engine.compiled = CompiledSteps(engine.model, _compiled_folder(engine.model, folder), mode=config.compile,
+            engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
         if config.draft_model is not None:
@@ -106,6 +109,11 @@ class Engine:
                                 f"({draft_model.vocab_size}) than {engine.name} ({engine.model.vocab_size})")
             engine.session.draft_model = draft_model
         return engine
+
+    @cached_property
+    def steps_folder(self) -> Path:
+        """Where this model's compiled steps and measured step costs live."""
+        return _compiled_folder(self.model, self.folder)
 
     @property
     def name(self) -> str:

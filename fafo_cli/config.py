@@ -102,17 +102,21 @@ class Config:
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code",
                               flag="--allow-pickle", also=("bench", "pull"))
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
-    streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 1-64; auto: 1 where "
-                                      "the step runs compiled (its rows cost arithmetic), else 2", low=1, high=64,
-                              allowed="auto or 1-64", short="-W")
+    streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 0-64; 0: no window "
+                                      "(guesses from the text only); auto: 1 where the step runs compiled (its rows "
+                                      "cost arithmetic), else 2", low=0, high=64, allowed="auto or 0-64", short="-W")
     ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16, short="-k")
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
                         low=0, high=64, short="-G")
     prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8, short="-P")
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
-    seed_pool: bool = _opt(True, "fafo: also feed the pool the prompt's and the output's own n-grams (ours, beyond "
-                                 "the paper, whose pool holds only the window's guesses)")
+    copies: int = _opt(2, "fafo: continuations of earlier occurrences of the text's ending offered per step, longest "
+                          "match first (ours, beyond the paper; 0: none)", low=0, high=16)
+    planner: bool = _opt(True, "fafo: choose each step's guesses, and whether the window runs, for the most expected "
+                               "tokens per second; off: every step verifies every candidate and runs the window")
+    draft_tokens: int = _opt(16, "fafo: most guessed tokens a step verifies (the draft tree's nodes; a copy from the "
+                                 "text runs up to this long)", low=1, high=128, short="-D")
     compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see: none (the whole cache), "
                                      "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
                                      "end attends to), h2o (heavy hitters + recent)", choices=COMPRESSORS)

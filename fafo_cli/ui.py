@@ -40,6 +40,17 @@ def _pool(stats: Stats) -> str:
     return "—" if stats.pool_keys is None else f"{stats.pool_keys:,} keys / {stats.pool_ngrams:,} n-grams"
 
 
+def _drafts(stats: Stats) -> str:
+    """Mean draft, mean rows a step, and where accepted guesses came from."""
+    if not stats.draft_steps and not stats.step_rows:
+        return "—"
+    text = f"{stats.mean_draft:.1f} guessed · {stats.mean_rows:.1f} rows"
+    accepted = sum((stats.accepted_from or {}).values())
+    if accepted:
+        text += " · " + " ".join(f"{source} {n / accepted:.0%}" for source, n in stats.accepted_from.items())
+    return text
+
+
 def method_label(config) -> str:
     """How the panel and footer name the method (fafo with its compressor and budget) and the sampling."""
     label = config.method
@@ -67,6 +78,7 @@ def stats_panel(stats: Stats, title: str) -> Panel:
     table.add_row(f"accepted n-grams [bold]{stats.accepted_ngrams if stats.drafted_tokens else '—'}[/]",
                   f"accepted/drafted [bold]{_acceptance(stats)}[/]", f"pool [bold]{_pool(stats)}[/]",
                   f"fumble rows see [bold]{_fumble(stats)}[/]", _draft_passes(stats))
+    table.add_row(f"per step [bold]{_drafts(stats)}[/]", "", "", "", "")
     return Panel(table, title=title, title_align="left", border_style="cyan", expand=False)
 
 
@@ -76,6 +88,7 @@ def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
              f"τ {stats.tokens_per_step:.2f}"]
     if stats.drafted_tokens:
         parts.append(f"accepted/drafted {_acceptance(stats)} in {stats.accepted_ngrams} n-grams")
+        parts.append(f"per step {_drafts(stats)}")
     if stats.draft_passes is not None:
         parts.append(f"{stats.draft_passes} draft passes")
     prompt = f"prompt {stats.prompt_tokens} tok"

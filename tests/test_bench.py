@@ -9,6 +9,7 @@ import json
 import pytest
 import yaml
 
+from fafo_cli import load
 from fafo_cli.bench import suites
 from fafo_cli.cli import entrypoint
 
@@ -191,6 +192,8 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     code = entrypoint(["bench", str(tiny), "--tune", "--config", str(path), "--dtype", "float32"])
     out = capsys.readouterr().out
     assert code == 0 and "step cost on this machine" in out and "W, k, G" in out
+    engine = load(str(tiny), dtype="float32")  # the measured costs are kept for the step planner
+    assert "The step planner reads these costs" in out and sorted(engine.session.step_costs["eager"]) == list(tune.ROWS)
     text = path.read_text()
     assert text.startswith("# my settings\n") and "max_tokens: 99" in text
     written = config_mod.load_file(path)

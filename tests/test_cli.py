@@ -168,7 +168,7 @@ def test_config_commands(capsys, tmp_path, monkeypatch):
     code, shown, _ = run_cli(capsys, "config", "show")
     assert code == 0 and yaml.safe_load(shown)["method"] == "fafo"
     code, reference, _ = run_cli(capsys, "config", "show", "--markdown")
-    assert code == 0 and reference.startswith("# Configuration") and "| `seed_pool` |" in reference
+    assert code == 0 and reference.startswith("# Configuration") and "| `draft_tokens` |" in reference
     code, out, _ = run_cli(capsys, "config", "init")
     assert code == 0 and (tmp_path / "fafo" / "config.yaml").read_text() == shown
     code, _, err = run_cli(capsys, "config", "init")

@@ -17,13 +17,14 @@ from fafo_cli.cli import entrypoint
 from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
 
 # Each package costs a build (a minute or more on a small CPU, most of this file's time), so the methods share
-# sizes: 1 row (plain steps); 6 (FAFO's W=1 step, 1 + 3 + 2; FAFO W=2's steps without candidates; prompt lookup's
-# 1 + 5); 12 (FAFO W=2's full step, 1 + 6 + 5; cacheback's 1 + 11); 3 (FAFO W=1's steps without candidates).
+# sizes: 1 row (plain steps); 6 (FAFO W=1's window with 3 guesses, 1 + 2 + 3; FAFO W=2's window alone, 1 + 5; prompt
+# lookup's 1 + 5); 12 (FAFO W=2's window with 6 guesses, 1 + 5 + 6; cacheback's 1 + 11); 3 (FAFO W=1's window alone).
 METHODS = {
     "vanilla": dict(method="vanilla"),
     # budget between SHORT and LONG: on LONG the fumble rows see C(kv) only (the compiled step's mask)
-    "fafo-stream": dict(method="fafo", compressor="stream", budget=48, sink=4, streams=2, ngram=3, guesses=2),
-    "fafo-snapkv": dict(method="fafo", compressor="snapkv", budget=48, window=8),
+    "fafo-stream": dict(method="fafo", compressor="stream", budget=48, sink=4, streams=2, ngram=3, guesses=2,
+                        draft_tokens=6),
+    "fafo-snapkv": dict(method="fafo", compressor="snapkv", budget=48, window=8, draft_tokens=3),
     "prompt-lookup": dict(method="prompt-lookup", lookup_tokens=5),
     "cacheback": dict(method="cacheback", cacheback_budget=11),
 }
@@ -43,16 +44,15 @@ def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
 def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine = compiled_engine
     engine.complete(SHORT, max_tokens=8, method="vanilla")
-    # 1 + G·k + W·k − 1 = 1 + 6 + 5 = 12 rows, or W·k = 6 without candidates
+    # the planner's sizes: 1 row, the window alone (W·k = 6), with D = 6 guesses (12)
     engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])
-    auto = engine.complete(SHORT, max_tokens=8, method="fafo")  # streams: auto is W=1 compiled: 1 + 3 + 2 (or 3)
+    auto = engine.complete(SHORT, max_tokens=8, method="fafo", draft_tokens=3)  # streams: auto is W=1 compiled: 1, 3, 6
     quest = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
     assert (auto.settings["streams"], auto.stats.streams, quest.stats.streams) == ("auto", 1, 2)
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
-    # 3: FAFO's steps without candidates, if they ran
-    assert {1, 6, 12} <= built <= {1, 3, 6, 12}
+    assert built == {1, 3, 6, 12}
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
@@ -89,7 +89,7 @@ def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_cache, compile
     largest step needs it)."""
     from fafo_cli.compiled import steps as steps_module  # where CompiledSteps looks side_by_side up
 
-    compiled_engine.complete(SHORT, max_tokens=8, method="fafo")  # FAFO's sizes: 3 (no candidates) and 6 are built
+    compiled_engine.complete(SHORT, max_tokens=8, method="fafo", draft_tokens=3)  # FAFO's sizes 1, 3 and 6 are built
     timed: list[tuple[int, ...]] = []
     ms = {3: 5.0, 6: 10.0}
 
@@ -110,20 +110,19 @@ def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_cache, compile
     assert smaller() is None  # the package that did not pay is let go
 
 
-def test_fafo_steps_in_two_packages_match_transformers(compiled_cache, tiny, monkeypatch):
-    """FAFO with its steps without candidates in the smaller package (timed faster) and the others in the largest:
-    still transformers' greedy tokens, on a prompt longer than the compressed budget."""
-    from fafo_cli.compiled import steps as steps_module  # where CompiledSteps looks side_by_side up
-
-    monkeypatch.setattr(steps_module, "side_by_side", lambda model, runners: {rows: float(rows) for rows in runners})
-    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1)  # 3 rows without candidates, 6 with
+def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, tiny):
+    """FAFO's planner runs each step in one of its packages (1 row, the window alone, the window with guesses),
+    as their recorded costs make worth it: still transformers' greedy tokens, on a prompt longer than the
+    compressed budget."""
+    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 3, 6
     notices: list[str] = []
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
     result = engine.complete(LONG, max_tokens=TOKENS, **settings)
     assert not [n for n in notices if "running eager" in n or "runs eager" in n]
     assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
-    assert set(engine.compiled.calls_by_size) == {3, 6}
+    assert len(engine.compiled.calls_by_size) >= 2 and set(engine.compiled.calls_by_size) <= {1, 3, 6}
     assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1
+    assert {engine.compiled.step_ms(size) > 0 for size in (1, 3, 6)} == {True}  # the planner's measured costs
 
 
 def test_side_by_side_times_each_package(compiled_engine):
@@ -209,10 +208,12 @@ def test_rope_table_is_what_eager_steps_compute(tiny):
 
 
 def test_bench_runs_eager_and_compiled_side_by_side(compiled_cache, compiled_engine, tiny, tmp_path, capsys):
-    for method in ("vanilla", "fafo"):  # built: the bench only loads (its FAFO: W=1, 6 rows, 3 without candidates)
-        compiled_engine.complete(SHORT, max_tokens=8, method=method)
-    out = tmp_path / "bench.json"
-    code = entrypoint(["bench", str(tiny), "--compile", "--dtype", "float32", "--methods", "vanilla,fafo",
+    for method in ("vanilla", "fafo"):  # built: the bench only loads (its FAFO: W=1, sizes 1, 3 and 6)
+        compiled_engine.complete(SHORT, max_tokens=8, method=method, draft_tokens=3)
+    out, config = tmp_path / "bench.json", tmp_path / "config.yaml"
+    config.write_text("draft_tokens: 3\n")
+    code = entrypoint(["bench", str(tiny), "--config", str(config), "--compile", "--dtype", "float32",
+                       "--methods", "vanilla,fafo",
                        "--suites", "chat", "--samples", "1", "--repeats", "1", "--warmup", "0", "--tokens", "24",
                        "--no-external", "--json", str(out)])
     capsys.readouterr()
@@ -568,6 +569,6 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     sample = next(s for s in suites.load_suite("summarize") if s.id == "doc-json")
     vanilla = engine.complete(list(sample.messages), max_tokens=48, method="vanilla")
     engine.reset()  # both prefill the whole prompt (a reused one prefills its last token alone: other roundings)
-    fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo")
-    assert fafo.stats.streams == 1 and fafo.stats.steps < vanilla.stats.steps  # W=1 on compiled steps: 6 rows
+    fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo", draft_tokens=3)
+    assert fafo.stats.streams == 1 and fafo.stats.steps < vanilla.stats.steps  # W=1 on compiled steps: 1, 3, 6 rows
     assert fafo.token_ids == vanilla.token_ids

@@ -64,10 +64,10 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
     ("kernel: 4\n", "'kernel' must be odd"),
     ("compressor: lz4\n", "'compressor' must be one of none, stream, quest, snapkv, h2o"),
-    ("streams: 0\n", "'streams' must be auto or an integer from 1 to 64 \\(got 0\\)"),
-    ("streams: 65\n", "'streams' must be auto or an integer from 1 to 64"),
-    ("streams: wide\n", "'streams' must be auto or an integer from 1 to 64 \\(got 'wide'\\)"),
-    ("streams: true\n", "'streams' must be auto or an integer from 1 to 64"),
+    ("streams: -1\n", "'streams' must be auto or an integer from 0 to 64 \\(got -1\\)"),
+    ("streams: 65\n", "'streams' must be auto or an integer from 0 to 64"),
+    ("streams: wide\n", "'streams' must be auto or an integer from 0 to 64 \\(got 'wide'\\)"),
+    ("streams: true\n", "'streams' must be auto or an integer from 0 to 64"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):
@@ -159,10 +159,11 @@ def test_every_key_is_a_flag_that_reaches_the_config(commands, command, spec):
 
 def test_flag_spellings():
     run = {flag.key: flag for flag in config_mod.flags("run")}
-    shorts = {"max_tokens": "-n", "streams": "-W", "ngram": "-k", "guesses": "-G", "prefix": "-P", "budget": "-B"}
+    shorts = {"max_tokens": "-n", "streams": "-W", "ngram": "-k", "guesses": "-G", "prefix": "-P", "budget": "-B",
+              "draft_tokens": "-D"}
     assert {key: flag.declarations[1] for key, flag in run.items() if len(flag.declarations) > 1} == shorts
     assert run["compile"].declarations == ("--compile/--no-compile",)
     assert (run["compile"].value(True), run["compile"].value(False), run["compile"].value(None)) == ("on", "off", None)
-    assert run["seed_pool"].declarations == ("--seed-pool/--no-seed-pool",)
+    assert run["copies"].declarations == ("--copies",)
     assert run["trust_remote_code"].declarations == ("--trust-remote-code",)  # an opt-in: no --no- form
     assert run["model"].declarations == ()  # the positional argument

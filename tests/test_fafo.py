@@ -14,11 +14,18 @@ from .conftest import LONG, SHORT, TOKENS, VARIANTS, hf_greedy
 SETTINGS = {
     "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),
     "none": dict(streams=3, ngram=3, guesses=3, prefix=2, compressor="none"),
-    "no-guesses": dict(streams=2, ngram=4, guesses=0, prefix=2, budget=64, sink=4),
+    "no-guesses": dict(streams=2, ngram=4, guesses=0, copies=0, prefix=2, budget=64, sink=4),
+    "window-guesses-only": dict(streams=2, ngram=4, guesses=2, copies=0, budget=64, sink=4),  # the paper's step
+    "no-window": dict(streams=0, ngram=3, guesses=2, copies=3, budget=64),
+    "long-drafts": dict(streams=1, ngram=3, guesses=1, copies=4, draft_tokens=64, budget=64),
     "one-stream": dict(streams=1, ngram=5, guesses=2, prefix=1, budget=64, sink=0),
     "budget-covers-all": dict(streams=2, ngram=3, guesses=2, prefix=3, budget=4096, sink=4),
-    "wide": dict(streams=5, ngram=6, guesses=5, prefix=3, pool_per_key=2, budget=16, sink=2),
+    "wide": dict(streams=5, ngram=6, guesses=5, prefix=3, pool_per_key=2, budget=16, sink=2, draft_tokens=4),
 }
+# Every architecture with the default setting, every setting on one architecture: the settings exercise the step's
+# layout, which does not depend on the architecture.
+CASES = [("default", variant) for variant in VARIANTS] + [(setting, "llama-gqa") for setting in SETTINGS
+                                                          if setting != "default"]
 
 
 @lru_cache(maxsize=None)
@@ -26,8 +33,7 @@ def engine_for(folder):
     return load(str(folder), dtype="float32", chat_template=False, method="fafo")
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("setting,variant", CASES)
 def test_fafo_matches_transformers_greedy(tiny_models, variant, setting):
     engine = engine_for(tiny_models[variant])
     accepted = 0
@@ -39,12 +45,20 @@ def test_fafo_matches_transformers_greedy(tiny_models, variant, setting):
         assert stats.generated_tokens == TOKENS and stats.steps <= TOKENS
         assert stats.accepted_tokens == TOKENS - stats.steps  # every token beyond one per step was a guess
         accepted += stats.accepted_tokens
-        if SETTINGS[setting]["guesses"] == 0:
-            assert stats.drafted_tokens == 0  # G = 0: nothing is verified, the window only feeds the pool
-        # what the last step's fumble rows saw: the whole cache, or the budget once the context exceeds it
-        budget = SETTINGS[setting].get("budget", 10**9)
-        assert len(ids) + TOKENS // 2 < stats.fumble_positions < len(ids) + TOKENS or stats.fumble_positions == budget
-    assert accepted > 0 or SETTINGS[setting]["guesses"] == 0  # guesses were accepted and committed
+        nothing_verified = SETTINGS[setting]["guesses"] == SETTINGS[setting].get("copies", 2) == 0
+        if nothing_verified:
+            assert stats.drafted_tokens == 0  # the window only feeds the pool
+        if SETTINGS[setting]["streams"]:
+            # what the last window's fumble rows saw: the whole cache, or the budget once the context exceeds it
+            budget = SETTINGS[setting].get("budget", 10**9)
+            assert (len(ids) + TOKENS // 2 < stats.fumble_positions < len(ids) + TOKENS
+                    or stats.fumble_positions == budget)
+        else:
+            assert stats.fumble_positions is None and stats.accepted_from["window"] == 0
+        assert sum(stats.accepted_from.values()) == stats.accepted_tokens
+        assert max(stats.step_rows) <= 1 + SETTINGS[setting].get("draft_tokens", 16) + max(
+            0, SETTINGS[setting]["streams"] * SETTINGS[setting]["ngram"] - 1)
+    assert accepted > 0 or nothing_verified  # guesses were accepted and committed
 
 
 @pytest.mark.slow

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from fafo_cli import load
+from fafo_cli import config, load
 from fafo_cli.decoders.fafo.attention import CompressedView
 from fafo_cli.decoders.fafo.compressors import NoCompressor, StreamCompressor
 from fafo_cli.decoders.fafo.pool import NgramPool
-from fafo_cli.decoders.fafo.step import window_streams
+from fafo_cli.decoders.fafo.step import FafoSettings, window_streams
 from fafo_cli.decoders.fafo.window import LookaheadWindow, window_layout
 from fafo_cli.decoders.tree import DraftTree
 from fafo_cli.decoders.verify import accept_greedy
@@ -62,29 +64,22 @@ def test_pool_keys_lru_and_retrieval_order():
     assert pool.keys == 2 and pool.ngrams == 2
     pool.add([9, 2], (5, 6))  # under (2,) and (9, 2)
     pool.add([2], (7, 8))  # (2,) now holds (3,4) (5,6) (7,8) -> the oldest (3,4) is dropped
-    assert pool.lookup([2], 10) == [(7, 8), (5, 6)]  # newest first
+    assert pool.lookup([2], 10) == [((7, 8), 1), ((5, 6), 1)]  # newest first, with the key length
     pool.add([2], (5, 6))  # re-inserting refreshes
-    assert pool.lookup([2], 10) == [(5, 6), (7, 8)]
+    assert pool.lookup([2], 10) == [((5, 6), 1), ((7, 8), 1)]
     # longest key first: (1, 2) knows (3, 4), then the shorter key's n-grams, without duplicates
-    assert pool.lookup([0, 1, 2], 10) == [(3, 4), (5, 6), (7, 8)]
-    assert pool.lookup([0, 1, 2], 2) == [(3, 4), (5, 6)]
+    assert pool.lookup([0, 1, 2], 10) == [((3, 4), 2), ((5, 6), 1), ((7, 8), 1)]
+    assert pool.lookup([0, 1, 2], 2) == [((3, 4), 2), ((5, 6), 1)]
     assert pool.lookup([5], 3) == []
     assert pool.lookup([0, 1, 2], 0) == []
 
 
-def test_pool_seeding_from_text_and_key_bound():
-    pool = NgramPool(ngram=2, prefix=1, per_key=4)
-    pool.add_text([1, 2, 3, 1, 2, 4])
-    assert pool.lookup([1], 5) == [(2, 4), (2, 3)]
-    assert pool.lookup([2], 5) == [(3, 1)]  # the last 2 is followed by one token only
-    assert pool.lookup([3], 5) == [(1, 2)]
-    pool.add_text([1, 2, 3, 1, 2, 4, 1, 2, 5], new=3)  # only n-grams ending in the 3 new tokens
-    assert pool.lookup([1], 5) == [(2, 5), (2, 4), (2, 3)]
+def test_pool_key_bound():
     bounded = NgramPool(ngram=1, prefix=1, per_key=1, max_keys=3)
     for token in range(10):
         bounded.add([token], (0,))
     assert bounded.keys == 3 and bounded.ngrams == 3
-    assert bounded.lookup([9], 1) == [(0,)] and bounded.lookup([0], 1) == []
+    assert bounded.lookup([9], 1) == [((0,), 1)] and bounded.lookup([0], 1) == []
 
 
 def test_accept_greedy():
@@ -237,7 +232,8 @@ class _Compiled:
 
 
 def test_auto_streams_follow_whether_the_step_runs_compiled():
-    assert window_streams("auto", 3, 1, None) == 2  # eager: rows cost little, W=2
-    assert window_streams("auto", 3, 1, _Compiled({6})) == 1  # the W=1 step, (1 + 1)·3 = 6 rows, runs compiled
-    assert window_streams("auto", 4, 2, _Compiled({6})) == 2  # (2 + 1)·4 = 12 rows: no package, eager
-    assert window_streams(3, 3, 1, _Compiled({6})) == 3  # a configured W is kept
+    settings = FafoSettings.from_config(config.build(streams="auto", ngram=3, draft_tokens=8))
+    assert window_streams(settings, None) == 2  # eager: rows cost little, W=2
+    assert window_streams(settings, _Compiled({11})) == 1  # the W=1 step, 1 + 8 + (3 - 1) = 11 rows, runs compiled
+    assert window_streams(replace(settings, ngram=4, draft_tokens=9), _Compiled({11})) == 2  # 13 rows: eager
+    assert window_streams(replace(settings, streams=3), _Compiled({11})) == 3  # a configured W is kept

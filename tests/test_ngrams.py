@@ -80,11 +80,11 @@ def test_cacheback_read_refreshes_a_leader_but_a_fafo_lookup_does_not_refresh_a_
         followers.insert(key, value)
         pool.add(list(key), value)
     assert followers.lookup((1,)) == [(10,)]
-    assert pool.lookup([1], 5) == [(10,)]
+    assert pool.lookup([1], 5) == [((10,), 1)]
     followers.insert((3,), (30,))
     pool.add([3], (30,))
     assert followers.lookup((1,)) == [(10,)] and followers.lookup((2,)) == []
-    assert pool.lookup([1], 5) == [] and pool.lookup([2], 5) == [(20,)]
+    assert pool.lookup([1], 5) == [] and pool.lookup([2], 5) == [((20,), 1)]
 
 
 def test_fafo_add_refreshes_the_keys_it_stores_under_shortest_first():
@@ -92,13 +92,14 @@ def test_fafo_add_refreshes_the_keys_it_stores_under_shortest_first():
     pool.add([1, 2], (3,))  # under (2,), then (1, 2): the longer key is the more recent
     pool.add([5], (6,))  # a third key: (2,) goes
     assert pool.lookup([7, 2], 5) == []
-    assert pool.lookup([1, 2], 5) == [(3,)]
+    assert pool.lookup([1, 2], 5) == [((3,), 2)]
     assert (pool.keys, pool.ngrams) == (2, 2)
 
 
 def test_fafo_reinserted_ngram_is_refreshed_within_its_key():
     pool = NgramPool(ngram=1, prefix=1, per_key=2)
-    pool.add_text([0, 1, 0, 2, 0, 1])  # under (0,): 1, 2, then 1 again
-    assert pool.lookup([0], 5) == [(1,), (2,)]
+    for ngram in (1, 2, 1):  # under (0,): 1, 2, then 1 again
+        pool.add([0], (ngram,))
+    assert pool.lookup([0], 5) == [((1,), 1), ((2,), 1)]
     pool.add([0], (3,))  # 2 is the oldest, not 1
-    assert pool.lookup([0], 5) == [(3,), (1,)]
+    assert pool.lookup([0], 5) == [((3,), 1), ((1,), 1)]

@@ -163,7 +163,7 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
 
     if method in ("fafo", "lookahead"):  # candidates as separate chains
         monkeypatch.setattr(NgramPool, "lookup",
-                            lambda self, text, limit: [(x, x) for x in likely.get(text[-1], [])][:limit])
+                            lambda self, text, limit: [((x, x), 1) for x in likely.get(text[-1], [])][:limit])
     elif method == "prompt-lookup":  # one chain
         monkeypatch.setattr(PromptLookup, "draft",
                             lambda self, text, room: tree(text, [[x, x] for x in likely.get(text[-1], [])][:1]))

@@ -31,6 +31,19 @@ class Result:
     compared: int
     divergences: list[tuple[str, Divergence]] = field(default_factory=list)  # (sample id, first divergence)
     runs: int = 0
+    draft_steps: int = 0  # steps that verified guesses
+    step_rows: dict[int, int] = field(default_factory=dict)  # steps by row count, over all runs
+    accepted_from: dict[str, int] = field(default_factory=dict)  # accepted guesses by source (FAFO: text, window)
+
+    @property
+    def mean_draft(self) -> float | None:
+        """Guessed tokens verified per step that verified any."""
+        return self.drafted / self.draft_steps if self.draft_steps else None
+
+    @property
+    def mean_rows(self) -> float | None:
+        steps = sum(self.step_rows.values())
+        return sum(rows * n for rows, n in self.step_rows.items()) / steps if steps else None
 
     @property
     def acceptance(self) -> float | None:
@@ -51,6 +64,9 @@ class Result:
             "exact": None if self.matches is None else f"{self.matches}/{self.compared}",
             "divergences": [dict(sample=s, **asdict(d)) for s, d in self.divergences],
             "peak_memory_mb": round(self.peak_memory_mb, 1), "draft_memory_mb": round(self.draft_memory_mb, 1),
+            "mean_draft": None if self.mean_draft is None else round(self.mean_draft, 2),
+            "mean_rows": None if self.mean_rows is None else round(self.mean_rows, 2),
+            "step_rows": dict(sorted(self.step_rows.items())), "accepted_from": self.accepted_from,
             "runs": self.runs, **meta,
         }
 
@@ -79,6 +95,13 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
             ratios = [medians[s] / base[s] for s in medians if base.get(s)]
             compared = [(r.sample.id, divergences.get((row.name, r.sample.id))) for r in mine if r.repeat == 0]
             found = [(sample, d) for sample, d in compared if d is not None]
+            step_rows: dict[int, int] = {}
+            accepted_from: dict[str, int] = {}
+            for run in mine:
+                for size, n in run.extra.get("step_rows", {}).items():
+                    step_rows[size] = step_rows.get(size, 0) + n
+                for source, n in run.extra.get("accepted_from", {}).items():
+                    accepted_from[source] = accepted_from.get(source, 0) + n
             results.append(Result(
                 suite, row, statistics.median(medians.values()),
                 statistics.median((max(v) - min(v)) / 2 for v in by_sample.values()),
@@ -88,11 +111,13 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 statistics.median(r.step_ms for r in mine),
                 sum(r.accepted for r in mine), sum(r.drafted for r in mine),
                 max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
-                (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine)))
+                (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine),
+                sum(r.extra.get("draft_steps", 0) for r in mine), step_rows, accepted_from))
     return results
 
 
-COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "ms/step", "acceptance", "peak memory", "exact")
+COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "draft", "rows", "ms/step", "acceptance", "from text",
+           "peak memory", "exact")
 
 
 def _cells(result: Result) -> list[str]:
@@ -102,8 +127,15 @@ def _cells(result: Result) -> list[str]:
     if result.draft_memory_mb:
         memory += f" (+{result.draft_memory_mb:,.1f})"
     speedup = "—" if result.speedup is None else f"{result.speedup:.2f}×"
+    accepted = sum(result.accepted_from.values())
+    from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
     return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup,
-            "—" if result.tau is None else f"{result.tau:.2f}", f"{result.step_ms:.1f}", acceptance, memory, exact]
+            _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1), f"{result.step_ms:.1f}",
+            acceptance, from_text, memory, exact]
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
 def print_tables(results: list[Result], console, title: str) -> None:

@@ -1,7 +1,8 @@
 """`fafo bench --tune`: find this machine's best FAFO window settings and write them into the user config.
 
-Two measurements: what one forward pass costs against the rows it carries (on GPUs extra rows are nearly
-free, on a CPU each costs a few percent of a step), and, on a small sample of chat and edit prompts, the
+Two measurements: what one forward pass costs against the rows it carries, eager and in each compiled package
+FAFO uses, side by side (on GPUs extra rows are nearly free, on a CPU each costs a few percent of a step), which
+is kept beside the model's packages for FAFO's step planner; and, on a small sample of chat and edit prompts, the
 speed of a few (W, k, G) settings against plain decoding, run side by side. The fastest setting (median
 speedup over the sample) is written into the config file, keeping its comments and other keys.
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import config as config_mod
-from ..decoders.fafo.step import compiled_for, step_rows, window_streams
+from ..compiled.timing import side_by_side, write_step_costs
+from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
 from ..runtime.model import causal_attention
 from ..errors import FafoError
 from ..files import atomic_path
@@ -71,15 +74,26 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
 
     path = config_path or config_mod.user_config_path()
     costs = step_costs(engine)
+    measured = {"eager": costs}
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
     for rows, ms in costs.items():
         table.add_row(str(rows), f"{ms:.1f}", f"{ms / costs[1]:.2f}×")
     console.print(table)
+    compiled = compiled_for(engine.session.compiled, config.compressor)
+    planned = FafoSettings.from_config(config)
+    planned = replace(planned, streams=window_streams(planned, compiled))
+    if compiled is not None and compiled.serves(planned.max_rows):
+        sizes = [size for size in planned.step_sizes if compiled.serves(size)]
+        measured["compiled"] = side_by_side(engine.model, {size: compiled.runner(size) for size in sizes})
+        console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
+                                                                   for size, ms in measured["compiled"].items()))
+    write_step_costs(engine.steps_folder, measured)
+    engine.session.step_costs = measured
+    console.print(f"The step planner reads these costs from {engine.steps_folder}.")
 
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
                             lambda line: err_console.print(f"[dim]{line}[/]"))
-    compiled = compiled_for(engine.session.compiled, config.compressor)
-    current = (window_streams(config.streams, config.ngram, config.guesses, compiled), config.ngram, config.guesses)
+    current = (planned.streams, config.ngram, config.guesses)
     settings = list(dict.fromkeys((current,) + CANDIDATES))
     greedy = {"temperature": 0.0, "compressor": config.compressor}
     speed: dict[tuple, list[float]] = {s: [] for s in settings}
@@ -96,7 +110,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     table = Table("W, k, G", "rows", "τ", "speedup", "predicted from step cost", title="FAFO settings on "
                   f"{len(sample)} prompts ({TOKENS} tokens each)", title_justify="left")
     for setting in settings:
-        rows = step_rows(*setting)
+        rows = replace(planned, streams=setting[0], ngram=setting[1], guesses=setting[2]).max_rows
         cost = min(costs, key=lambda r: abs(r - rows))  # nearest measured row count
         tau = statistics.median(taus[setting])
         table.add_row(", ".join(map(str, setting)) + (" (current)" if setting == current else ""), str(rows),

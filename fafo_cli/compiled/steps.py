@@ -78,6 +78,12 @@ class CompiledSteps:
                                      "compiling with bf16 weights")
         return self._packed
 
+    def step_ms(self, rows: int) -> float | None:
+        """What a step in the package serving `rows` rows took when the package was built (its record)."""
+        size = bucket(rows)
+        timing = Timing.read(self.paths(size)[1]) if size is not None else None
+        return timing.compiled_ms if timing is not None else None
+
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
 

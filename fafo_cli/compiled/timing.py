@@ -37,6 +37,23 @@ class Timing:
             return None
 
 
+STEP_COSTS = "step-costs.json"  # beside a model's packages: {"eager" | "compiled": {rows: ms}} (`fafo bench --tune`)
+
+
+def read_step_costs(folder: Path) -> dict[str, dict[int, float]]:
+    """The pass costs measured for this model (none yet: empty)."""
+    try:
+        data = json.loads((folder / STEP_COSTS).read_text(encoding="utf-8"))
+        return {mode: {int(rows): float(ms) for rows, ms in costs.items()} for mode, costs in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def write_step_costs(folder: Path, costs: dict[str, dict[int, float]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / STEP_COSTS, json.dumps(costs, indent=1))
+
+
 def _step_inputs(model: Model, rows: int, context: int):
     """A `rows`-row step after `context` cached positions: ids, positions, the eager mask and the compiled step's
     visibility pieces (every row sees the whole cache)."""

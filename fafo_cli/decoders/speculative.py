@@ -91,7 +91,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         text.extend(emitted)
         drafter.accepted(text, len(emitted))
         stats.draft_memory_mb = drafter.nbytes() / 2**20
-        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path))
+        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=len(rows.ids))
         yield step
         anchor = emitted[-1]
 

@@ -17,6 +17,9 @@ class Stats:
     drafted_tokens: int = 0  # guessed tokens sent for verification (0 for plain decoding)
     accepted_tokens: int = 0  # of those, accepted
     accepted_ngrams: int = 0  # steps that accepted at least one guessed token
+    draft_steps: int = 0  # steps that verified at least one guessed token
+    accepted_from: dict[str, int] | None = None  # accepted guessed tokens by where they came from (FAFO: text, window)
+    step_rows: dict[int, int] = field(default_factory=dict)  # decoding steps by their row count (the planner's choice)
     pool_keys: int | None = None  # n-gram pool size (None: the method has no pool)
     pool_ngrams: int | None = None
     fumble_positions: int | None = None  # cache positions the fumble rows saw (the compressed budget in use)
@@ -46,6 +49,16 @@ class Stats:
         return prefilled / self.prefill_s if self.prefill_s else 0.0
 
     @property
+    def mean_draft(self) -> float:
+        """Guessed tokens verified per step that verified any."""
+        return self.drafted_tokens / self.draft_steps if self.draft_steps else 0.0
+
+    @property
+    def mean_rows(self) -> float:
+        steps = sum(self.step_rows.values())
+        return sum(rows * n for rows, n in self.step_rows.items()) / steps if steps else 0.0
+
+    @property
     def acceptance_rate(self) -> float | None:
         """Accepted guessed tokens / drafted guessed tokens (None when nothing was drafted)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
@@ -53,7 +66,8 @@ class Stats:
     def to_dict(self) -> dict:
         data = asdict(self)
         data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
-                    prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate)
+                    prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
+                    mean_draft=self.mean_draft, mean_rows=self.mean_rows)
         return data
 
 

@@ -50,6 +50,9 @@ class CompiledStepRunner(Protocol):
     def notify_once(self, message: str) -> None:
         """Tell the user `message`, once per process."""
 
+    def step_ms(self, rows: int) -> float | None:
+        """What a step in the package of `rows` rows measured when it was built (ms); None: not measured."""
+
 
 class Session:
     def __init__(self, model: Model, tokenizer=None):
@@ -60,6 +63,9 @@ class Session:
         self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
+        # one pass's measured ms against its rows, {"eager" | "compiled": {rows: ms}} (`fafo bench --tune`), for
+        # decoders that plan their steps
+        self.step_costs: dict[str, dict[int, float]] = {}
         self._masks = PrefixMasks(model.device)  # eager steps' masks
 
     def reset(self) -> None:
@@ -166,7 +172,7 @@ class Emitter:
         self.stats.cached_prompt_tokens = reused
         self.stats.prefill_s = time.perf_counter() - self.started
 
-    def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0) -> Step:
+    def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0, rows: int | None = None) -> Step:
         """Record one forward pass's output; tokens past a stop token or a limit are dropped."""
         kept: list[int] = []
         for token in tokens:
@@ -189,6 +195,9 @@ class Emitter:
         stats.generated_tokens = len(self.token_ids)
         stats.steps += 1
         stats.drafted_tokens += drafted
+        stats.draft_steps += drafted > 0
+        if rows is not None:
+            stats.step_rows[rows] = stats.step_rows.get(rows, 0) + 1
         accepted = min(accepted, len(kept) - 1)  # guesses cut by a stop or limit were not emitted
         stats.accepted_tokens += accepted
         stats.accepted_ngrams += accepted > 0
@@ -198,7 +207,9 @@ class Emitter:
         text = self.detok.add([t for t in kept if t not in self.request.stop_ids])  # stop tokens are not shown
         if self.finish_reason:
             text += self.detok.flush()
-        return Step(tuple(kept), text, replace(stats), accepted, self.finish_reason)
+        snapshot = replace(stats, step_rows=dict(stats.step_rows),
+                           accepted_from=None if stats.accepted_from is None else dict(stats.accepted_from))
+        return Step(tuple(kept), text, snapshot, accepted, self.finish_reason)
 
     @property
     def done(self) -> bool:

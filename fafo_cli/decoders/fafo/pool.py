@@ -1,9 +1,10 @@
 """The n-gram pool: guesses keyed by the tokens that preceded them, retrieved longest key first.
 
-Keys are tuples of 1..P tokens. An n-gram is stored under every suffix of its preceding tokens, each key
-holding at most `per_key` n-grams in LRU order (re-inserting refreshes). The number of keys is bounded
-too (least recently used key evicted), so a long chat cannot grow the pool without limit. A lookup leaves
-the LRU order as it is. Host memory only; the two-level LRU table is Cacheback's too (`decoders/ngrams.py`).
+The pool holds what the lookahead window found (copies from the text come from the suffix index instead). Keys
+are tuples of 1..P tokens. An n-gram is stored under every suffix of its preceding tokens, each key holding at
+most `per_key` n-grams in LRU order (re-inserting refreshes). The number of keys is bounded too (least recently
+used key evicted), so a long chat cannot grow the pool without limit. A lookup leaves the LRU order as it is.
+Host memory only; the two-level LRU table is Cacheback's too (`decoders/ngrams.py`).
 """
 
 from __future__ import annotations
@@ -36,28 +37,17 @@ class NgramPool:
         for length in range(1, len(before) + 1):
             insert(before[-length:], ngram)
 
-    def add_text(self, tokens: Sequence[int], new: int | None = None) -> None:
-        """Seed with the n-grams of `tokens`; with `new`, only those ending in its last `new` tokens."""
-        n, prefix = self.ngram, self.prefix
-        first = 1 if new is None else max(1, len(tokens) - new - n + 1)  # only the tail is read
-        start = max(0, first - prefix)
-        tokens = tuple(tokens[start:])  # tuple slices are tuples: no per-key conversion
-        insert = self._table.insert
-        for at in range(first - start, len(tokens) - n + 1):
-            ngram = tokens[at:at + n]
-            for length in range(1, min(prefix, at) + 1):
-                insert(tokens[at - length:at], ngram)
-
-    def lookup(self, text: Sequence[int], limit: int) -> list[NGram]:
-        """Up to `limit` distinct n-grams to follow `text`: longest matching key first, newest first."""
+    def lookup(self, text: Sequence[int], limit: int) -> list[tuple[NGram, int]]:
+        """Up to `limit` distinct n-grams to follow `text`, each with the length of the key it was found under:
+        longest matching key first, newest first."""
+        found: dict[NGram, int] = {}  # a dict keeps the first place of an n-gram met again
         if limit <= 0:
             return []
-        found: dict[NGram, None] = {}  # a dict keeps the first place of an n-gram met again
         read = self._table.read
         tail = tuple(text[-self.prefix:])
         for length in range(len(tail), 0, -1):
             for ngram in read(tail[-length:]):
-                found[ngram] = None
+                found.setdefault(ngram, length)
                 if len(found) >= limit:
-                    return list(found)
-        return list(found)
+                    return list(found.items())
+        return list(found.items())

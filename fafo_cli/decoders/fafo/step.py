@@ -1,9 +1,12 @@
 """FAFO decoding: one forward pass per step that verifies guesses on the full cache ("Find Out") and makes
 new ones from a compressed view of it ("Fumble Around"). See docs/how-it-works.md.
 
-Step rows: [anchor x_t] + G candidates of k tokens from the pool + the lookahead window. Verify rows decide
-what is emitted (the longest candidate prefix that greedy decoding agrees with, plus one bonus token), so
-the output is exactly plain greedy decoding's; the window only feeds the pool.
+Step rows: [anchor x_t] + a draft tree + the lookahead window (runtime/rows.py draws them). The tree merges
+candidates from two sources: continuations of earlier occurrences of the text's ending (the suffix index; as
+long as they keep matching) and the pool's k-grams, which the window found. The planner (planner.py) decides
+each step which guesses to verify and whether the window runs. Verify rows decide what is emitted (the deepest
+path greedy decoding agrees with, plus one token of its own), so the output is exactly plain decoding's; the
+window only feeds the pool.
 """
 
 from __future__ import annotations
@@ -14,35 +17,22 @@ from typing import Iterator
 
 from ...config import MIN_BUDGET
 from ...runtime.events import Step
-from ...runtime.rows import draft_step, plain_step
+from ...runtime.rows import draft_step
 from ...runtime.sampling import argmax_ids, next_token, target_probs
 from ...runtime.session import CompiledStepRunner, Emitter, Request, Session
-from ..tree import DraftTree
+from ..suffix_index import SuffixIndex
 from ..verify import accept_greedy, accept_sampling
 from .attention import KV_BLOCK, BlockSparseMasks, CompressedView, flex_attention_kernel
 from .compressors import make_compressor, reads_queries
+from .planner import Acceptance, Chain, Planner, StepCosts
 from .pool import NgramPool
 from .window import LookaheadWindow
-
-
-def step_rows(streams: int, ngram: int, guesses: int) -> int:
-    """The most rows a step carries: the anchor, G candidates of k tokens, the window's W·k − 1 rows."""
-    return (guesses + streams) * ngram
 
 
 def compiled_for(compiled: CompiledStepRunner | None, compressor: str) -> CompiledStepRunner | None:
     """The compiled steps FAFO may use with `compressor`: none where it learns from each step's queries (the
     compiled step has no per-layer hook to hand them out)."""
     return None if reads_queries(compressor) else compiled
-
-
-def window_streams(streams: int | str, ngram: int, guesses: int, compiled: CompiledStepRunner | None) -> int:
-    """W as configured; `auto` picks 1 where the step runs compiled and 2 where it runs eager. An eager CPU step
-    is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and there
-    W=1 measured clearly faster than W=2 (docs/benchmarks.md)."""
-    if streams != "auto":
-        return streams
-    return 1 if compiled is not None and compiled.serves(step_rows(1, ngram, guesses)) else 2
 
 
 @dataclass(frozen=True)
@@ -52,7 +42,9 @@ class FafoSettings:
     guesses: int  # G
     prefix: int  # P
     pool_per_key: int
-    seed_pool: bool
+    copies: int
+    planner: bool
+    draft_tokens: int  # D
     compressor: str
     budget: int | float  # B: tokens, or a fraction of the prompt
     sink: int  # stream
@@ -64,14 +56,23 @@ class FafoSettings:
     attention: str  # auto | split | block
 
     @property
+    def window_rows(self) -> int:
+        """W·k − 1: the window's rows (its level 0 has the anchor in column 0)."""
+        return self.streams * self.ngram - 1 if self.streams else 0
+
+    @property
     def max_rows(self) -> int:
-        return step_rows(self.streams, self.ngram, self.guesses)
+        """The anchor, D guessed tokens and the window."""
+        return 1 + self.draft_tokens + self.window_rows
 
     @property
     def step_sizes(self) -> tuple[int, ...]:
-        """A step's rows with no candidate from the pool (the anchor and the window: frequent on free prose, where the
-        pool often has nothing to offer), and with all G."""
-        return step_rows(self.streams, self.ngram, 0), self.max_rows
+        """The row counts the planner chooses among on compiled steps (a package each): plain decoding's one row,
+        the window alone (free prose, nothing worth verifying), the window with G of its n-grams (the paper's
+        step), and the window with D guesses (a long copy). Few, because each is a build on first use."""
+        plain, window = 1, 1 + self.window_rows
+        return tuple(sorted({plain, window, window + min(self.draft_tokens, self.guesses * self.ngram),
+                             self.max_rows}))
 
     def budget_tokens(self, prompt_length: int) -> int:
         """B in tokens: as given, or the fraction of the prompt (at least what the compressor's parts need)."""
@@ -85,22 +86,82 @@ class FafoSettings:
         return cls(*(getattr(config, f.name) for f in fields(cls)))
 
 
+def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None) -> int:
+    """W as configured; `auto` picks 1 where the step runs compiled and 2 where it runs eager. An eager CPU step
+    is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and there
+    W=1 measured clearly faster than W=2 (docs/benchmarks.md)."""
+    if settings.streams != "auto":
+        return settings.streams
+    return 1 if compiled is not None and compiled.serves(replace(settings, streams=1).max_rows) else 2
+
+
+def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepRunner | None) -> StepCosts:
+    """What a pass costs against its rows, for the planner: on compiled steps, per package size that serves (as
+    `fafo bench --tune` timed them side by side, else as each package's build timed it); eager, the tuned curve.
+    Before anything is measured, a default curve."""
+    accelerator = session.model.device.type != "cpu"
+    if compiled is not None and compiled.serves(settings.max_rows):
+        sizes = [size for size in settings.step_sizes if compiled.serves(size)]
+        tuned = session.step_costs.get("compiled", {})
+        ms = {size: tuned.get(size) or compiled.step_ms(size) for size in sizes}
+        if all(ms.values()):
+            return StepCosts(ms, sizes)
+        return StepCosts.default(accelerator, sizes)
+    eager = session.step_costs.get("eager")
+    return StepCosts(eager) if eager else StepCosts.default(accelerator)
+
+
+@dataclass
+class Conversation:
+    """What FAFO learns from a conversation: the window's n-grams, the index of the text, how often guesses were
+    accepted. A request that continues the previous one (a chat turn: it extends that whole prompt) keeps them;
+    a re-run or a branch starts afresh, so the same prompt and seed always meet the same guesses."""
+
+    pool: NgramPool
+    index: SuffixIndex
+    acceptance: Acceptance
+    text: list[int]  # the tokens indexed: the conversation so far
+    prompt_length: int  # of the request that left it
+
+    @classmethod
+    def follow(cls, session: Session, settings: FafoSettings, prompt_ids: list[int], text: list[int],
+               reused: int) -> "Conversation":
+        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key)
+        carried: Conversation | None = session.carry.get(key)
+        session.carry.clear()
+        if carried is not None and reused >= carried.prompt_length:
+            state = carried
+            if text[:len(carried.text)] == carried.text:
+                state.index.extend(text[len(carried.text):])
+            else:  # the new prompt re-encodes the old answer differently: index it afresh
+                state.index = SuffixIndex()
+                state.index.extend(text)
+            state.text, state.prompt_length = text, len(prompt_ids)
+        else:
+            index = SuffixIndex()
+            index.extend(text)
+            state = cls(NgramPool(settings.ngram, settings.prefix, settings.pool_per_key), index, Acceptance(), text,
+                        len(prompt_ids))
+        session.carry[key] = state
+        return state
+
+
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     settings = FafoSettings.from_config(request.config)
     steps = compiled_for(session.compiled, settings.compressor)
-    compiled = steps is not None
-    if session.compiled is not None and not compiled:
+    if session.compiled is not None and steps is None:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
-    settings = replace(settings, streams=window_streams(settings.streams, settings.ngram, settings.guesses, steps))
-    emitter.stats.streams = settings.streams
+    settings = replace(settings, streams=window_streams(settings, steps))
+    stats = emitter.stats
+    stats.streams = settings.streams
     sampling = request.sampling
     generator = sampling.generator(session.model.device)
-    model, cache, k = session.model, session.cache, settings.ngram
+    model, cache = session.model, session.cache
     block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
     cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
-                                 tail_rows=settings.streams * k, max_commit=k + 1)
+                                 tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
                                      observe=getattr(compressor, "observe_prefill", None))
     compressor.rebuild(cache)
@@ -111,51 +172,47 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
 
     anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
-    # The pool follows the conversation: a request that continues the previous one (a chat turn: it extends
-    # that whole prompt) keeps what earlier turns taught it. A re-run or a branch starts a new pool, so the
-    # same prompt and seed always meet the same guesses and give the same sample.
-    pool_key = ("pool", k, settings.prefix, settings.pool_per_key, settings.seed_pool)
-    carried = session.carry.get(pool_key)
-    continues = carried is not None and reused >= carried[1]
-    pool = carried[0] if continues else NgramPool(k, settings.prefix, settings.pool_per_key)
-    if settings.seed_pool:
-        pool.add_text(text, new=len(text) - reused if continues else None)
-    session.carry.clear()
-    session.carry[pool_key] = (pool, len(request.prompt_ids))
-    window = LookaheadWindow(settings.streams, k, settings.prefix, request.prompt_ids)
+    conversation = Conversation.follow(session, settings, request.prompt_ids, text, reused)
+    pool, index = conversation.pool, conversation.index
+    planner = Planner(conversation.acceptance, step_costs(session, settings, steps), settings.window_rows,
+                      settings.draft_tokens, fixed=not settings.planner)
+    compiled = planner.costs.sizes is not None
+    window = (LookaheadWindow(settings.streams, settings.ngram, settings.prefix, request.prompt_ids)
+              if settings.streams else None)
+    stats.accepted_from = {"text": 0, "window": 0}
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
         start = cache.length
         compressor.prepare(cache)
-        emitter.stats.fumble_positions = compressor.view_size(cache)
-        candidates = pool.lookup(text, settings.guesses)
-        tree = DraftTree.chains(candidates)  # node i is row 1 + i
-        shape = window.layout
-        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=settings.step_sizes,
-                          view_tokens=window.tokens(), view_rows=shape.rows, view=view, compiled=compiled)
-        if start + len(rows.ids) <= model.max_context:
-            cache.reserve(start + len(rows.ids))
-            logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
-            argmax = argmax_ids(logits)
-            n_verify = rows.layout.verify_rows
-            if sampling.greedy:
-                path, emitted = accept_greedy(tree, argmax[:n_verify])
-            else:
-                path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
-            # the window itself stays greedy: it only proposes guesses
+        candidates = [Chain("text", match.length, tuple(index.continuation(match.end, settings.draft_tokens)))
+                      for match in index.matches(settings.copies)]
+        candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
+        plan = planner.plan(candidates, room=model.max_context - start)
+        tree, shape = plan.tree, window.layout if plan.window else None
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=(planner.costs.size(plan.rows),),
+                          view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
+                          view=view if shape else None, compiled=compiled)
+        cache.reserve(start + len(rows.ids))
+        logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
+        argmax = argmax_ids(logits)
+        n_verify = rows.layout.verify_rows
+        if sampling.greedy:
+            path, emitted = accept_greedy(tree, argmax[:n_verify])
+        else:
+            path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
+        if shape:  # the window itself stays greedy: it only proposes guesses
+            stats.fumble_positions = compressor.view_size(cache)
             predicted = [argmax[0 if r < 0 else n_verify + r] for r in shape.predictor_logits]
             for before, ngram in window.advance(anchor, predicted):
                 pool.add(before, ngram)
-        else:  # the context's last few positions: no room for guesses, a plain eager step
-            candidates, path, rows = [], [], replace(plain_step(anchor, model.device), compiled=False)
-            emitted = [next_token(session.run(rows)[-1], sampling, generator)]
         session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
-        if settings.seed_pool:
-            pool.add_text(text, new=len(emitted))
-        emitter.stats.pool_keys, emitter.stats.pool_ngrams = pool.keys, pool.ngrams
-        step = emitter.emit(emitted, drafted=len(candidates) * k, accepted=len(path))
+        index.extend(emitted)
+        for source, count in planner.observe(plan, emitted, path).items():
+            stats.accepted_from[source] += count
+        stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
+        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows)
         yield step
         anchor = emitted[-1]

@@ -89,6 +89,6 @@ class SnapKVCompressor(ViewCompressor):
             if cache.length > self.budget:  # the answer outgrew the budget: fall back to the ring alone
                 self.rebuild(cache)
             return
-        positions = list(range(start, start + count))
+        positions = list(range(max(start, start + count - self.ring), start + count))  # a ring's worth
         self.slots.put([self.prefix + (p - self.prefilled) % self.ring for p in positions], positions)
         self.slots.size = self.prefix + min(self.ring, cache.length - self.prefilled)

@@ -35,5 +35,5 @@ class StreamCompressor(ViewCompressor):
             if cache.length > self.budget:
                 self.rebuild(cache)
             return
-        positions = list(range(start, start + count))
+        positions = list(range(max(start, start + count - (self.budget - self.sink)), start + count))  # a ring's worth
         self.slots.put([self._ring(p) for p in positions], positions)

@@ -1,0 +1,227 @@
+"""The step planner: which guesses a FAFO step verifies, and whether its window runs, for the most tokens per second.
+
+A step's candidates come from two sources: `text`, the continuation of an earlier occurrence of the text's
+ending, as long as it kept matching (the suffix index), and `window`, the pool's n-grams that the lookahead
+window found. Every guessed token gets the chance that plain decoding reaches it, from running statistics of
+its source and match length; the candidates merge into one tree, and the planner keeps the likeliest nodes and
+turns the window on or off so that
+
+    expected tokens per step / cost of the step's rows
+
+is highest. `cost` is one pass's measured cost against its row count (`StepCosts`); on compiled steps only the
+package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single row.
+The window's value is what its n-grams were accepted for afterwards, per step that ran it; a window that has
+not run for a while runs once, so that value stays measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..tree import ROOT, DraftTree
+
+SOURCES = ("text", "window")
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # statistics are kept per match length bucket
+# Before any evidence: a copy that matched m tokens is often right (more so the longer the match) and keeps going;
+# a window n-gram rarely is. Worth PRIOR_WEIGHT observations, so the text's own statistics take over fast.
+PRIOR_WEIGHT = 4.0
+HISTORY = 256.0  # tries remembered per statistic (older evidence halves away: the text changes character)
+WINDOW_PRIOR = 0.3  # tokens per step the window is worth before it is measured
+EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway
+
+
+def _prior(source: str, match: int) -> tuple[float, float]:
+    if source == "text":
+        return min(0.85, 0.3 + 0.1 * match), 0.8
+    return 0.15, 0.5
+
+
+class _Rate:
+    """hits / tries with a prior; the window of evidence is bounded."""
+
+    __slots__ = ("hits", "tries")
+
+    def __init__(self, prior: float):
+        self.hits, self.tries = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.tries
+
+    def add(self, hits: float, tries: float) -> None:
+        self.hits += hits
+        self.tries += tries
+        if self.tries > HISTORY:
+            self.hits, self.tries = self.hits / 2, self.tries / 2
+
+
+class Acceptance:
+    """How often guesses are accepted, by source and match length: the chance that the first token of a chain is
+    what plain decoding emits next, and that each further token is, given the previous one was."""
+
+    def __init__(self) -> None:
+        self._rates: dict[tuple[str, int], tuple[_Rate, _Rate]] = {}
+        self.window_value = _Rate(WINDOW_PRIOR)  # window-found tokens accepted per step that ran the window
+
+    def _pair(self, source: str, match: int) -> tuple[_Rate, _Rate]:
+        bucket = MATCH_BUCKETS[max(0, bisect.bisect_right(MATCH_BUCKETS, match) - 1)]
+        key = (source, bucket)
+        if key not in self._rates:
+            first, further = _prior(source, bucket)
+            self._rates[key] = (_Rate(first), _Rate(further))
+        return self._rates[key]
+
+    def chances(self, source: str, match: int, length: int) -> list[float]:
+        """The chance that plain decoding reaches each of a chain's `length` tokens."""
+        first, further = (rate.value for rate in self._pair(source, match))
+        chances, chance = [], first
+        for _ in range(length):
+            chances.append(chance)
+            chance *= further
+        return chances
+
+    def observe(self, source: str, match: int, verified: Sequence[int], emitted: Sequence[int]) -> int:
+        """A chain's `verified` tokens met the step's `emitted` tokens; returns how many of them agreed."""
+        agreed = 0
+        for guess, token in zip(verified, emitted):
+            if guess != token:
+                break
+            agreed += 1
+        first, further = self._pair(source, match)
+        first.add(agreed > 0, 1)
+        if agreed:
+            further.add(agreed - 1, min(agreed, len(verified) - 1))
+        return agreed
+
+
+@dataclass(frozen=True)
+class Chain:
+    source: str  # "text" or "window"
+    match: int  # tokens of the text's ending that matched where it came from
+    tokens: tuple[int, ...]
+
+
+class StepCosts:
+    """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
+    fewer rows are padded up); None: any count (eager), costs between measured points interpolated."""
+
+    def __init__(self, ms: dict[int, float], sizes: Sequence[int] | None = None):
+        if not ms:
+            raise ValueError("no step costs")
+        self.points = sorted(ms.items())
+        self.sizes = tuple(sorted(sizes)) if sizes is not None else None
+
+    def of(self, rows: int) -> float | None:
+        """The cost of a step of `rows` rows; None where no allowed size holds it."""
+        if self.sizes is not None:
+            at = bisect.bisect_left(self.sizes, rows)
+            if at == len(self.sizes):
+                return None
+            rows = self.sizes[at]
+        points = self.points
+        if len(points) == 1:
+            return points[0][1]
+        at = min(max(1, bisect.bisect_left([r for r, _ in points], rows)), len(points) - 1)
+        (r0, m0), (r1, m1) = points[at - 1], points[at]
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)  # extrapolates past the ends
+
+    def size(self, rows: int) -> int:
+        """The package size a step of `rows` rows runs in (its own row count when eager)."""
+        return rows if self.sizes is None else self.sizes[bisect.bisect_left(self.sizes, rows)]
+
+    @classmethod
+    def default(cls, accelerator: bool, sizes: Sequence[int] | None = None) -> "StepCosts":
+        """Before anything is measured: on a CPU each row adds a few percent of a one-row pass; on an accelerator
+        next to nothing. Relative units (only ratios matter)."""
+        per_row = 0.002 if accelerator else 0.04
+        return cls({1: 1.0, 64: 1.0 + 63 * per_row}, sizes)
+
+
+@dataclass
+class Plan:
+    tree: DraftTree  # the guesses to verify, node i on row 1 + i
+    chains: list[tuple[Chain, int]]  # each candidate with how many of its tokens the tree holds
+    sources: list[str]  # per tree node, the source of the first chain that put it there
+    window: bool  # whether the window's rows run
+    rows: int  # the step's rows (the anchor, the tree, the window's)
+    expected: float  # tokens this step is expected to emit
+    candidates: list[Chain] = field(default_factory=list)
+
+
+def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, list[float], list[str], list[list[int]]]:
+    """One tree of all candidates (shared prefixes once), each node's chance, source, and each chain's nodes."""
+    tree, chance, sources, nodes_of = DraftTree(), [], [], []
+    for chain in chains:
+        node, nodes = ROOT, []
+        for token, p in zip(chain.tokens, acceptance.chances(chain.source, chain.match, len(chain.tokens))):
+            child = tree.add_chain((token,), parent=node)
+            if child == len(chance):
+                chance.append(p)
+                sources.append(chain.source)
+            else:  # a node two chains share: as likely as the likelier says (they agree up to here)
+                chance[child] = max(chance[child], p)
+            node = child
+            nodes.append(node)
+        nodes_of.append(nodes)
+    return tree, chance, sources, nodes_of
+
+
+class Planner:
+    """`fixed`: every step verifies every candidate (up to `max_nodes`) and runs the window (lookahead decoding's
+    step, and FAFO with `planner: false`)."""
+
+    def __init__(self, acceptance: Acceptance, costs: StepCosts, window_rows: int, max_nodes: int,
+                 fixed: bool = False):
+        self.acceptance, self.costs = acceptance, costs
+        self.window_rows, self.max_nodes, self.fixed = window_rows, max_nodes, fixed
+        self.idle = 0  # steps since the window last ran
+
+    def plan(self, chains: Sequence[Chain], room: int) -> Plan:
+        """The step to run with these candidates, at most `room` rows."""
+        merged, chance, sources, nodes_of = _merge(chains, self.acceptance)
+        # Chances fall along every path, so the likeliest n nodes always include their ancestors.
+        order = sorted(range(len(chance)), key=lambda i: (-chance[i], i))[:self.max_nodes]
+        gains = [0.0]
+        for node in order:
+            gains.append(gains[-1] + chance[node])
+        window_value = self.acceptance.window_value.value
+        options = ((False,) if self.window_rows == 0 else
+                   (True,) if self.fixed or self.idle >= EXPLORE_EVERY else (False, True))
+        best = (-1.0, 0, False)
+        for window in options:
+            extra = self.window_rows if window else 0
+            for n in range(len(gains)):
+                rows = 1 + n + extra
+                cost = self.costs.of(rows) if rows <= room else None
+                if cost is None:
+                    break
+                rate = (1 + gains[n] + (window_value if window else 0.0)) / cost
+                if rate > best[0] * (1 + 1e-9) or self.fixed:  # fixed: the most that fits
+                    best = (rate, n, window)
+        _, n, window = best
+        if best[0] < 0:  # not even the anchor fits a package: the caller runs a plain eager step
+            n, window = 0, False
+        kept = sorted(order[:n])  # parents before children
+        tree, index = DraftTree(), {ROOT: ROOT}
+        for node in kept:
+            index[node] = tree.add(index[merged.parents[node]], merged.tokens[node])
+        kept_set = set(kept)
+        self.idle = 0 if window else self.idle + 1
+        return Plan(tree, [(chain, sum(node in kept_set for node in nodes)) for chain, nodes in zip(chains, nodes_of)],
+                    [sources[node] for node in kept], window, 1 + n + (self.window_rows if window else 0),
+                    1 + gains[n] + (window_value if window else 0.0), list(chains))
+
+    def observe(self, plan: Plan, emitted: Sequence[int], path: Sequence[int]) -> dict[str, int]:
+        """Learn from the step's outcome; returns the accepted tokens by source."""
+        for chain, verified in plan.chains:
+            if verified:
+                self.acceptance.observe(chain.source, chain.match, chain.tokens[:verified], emitted)
+        accepted = {source: 0 for source in SOURCES}
+        for node in path:
+            accepted[plan.sources[node]] += 1
+        if plan.window:
+            self.acceptance.window_value.add(0, 1)
+        self.acceptance.window_value.add(accepted["window"], 0)
+        return accepted

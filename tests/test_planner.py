@@ -1,0 +1,81 @@
+"""FAFO's step planner: its cost curve, its acceptance statistics and the steps it chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from fafo_cli.decoders.fafo.planner import EXPLORE_EVERY, Acceptance, Chain, Planner, StepCosts
+from fafo_cli.decoders.tree import ROOT
+
+
+def test_step_costs_interpolate_eager_and_round_up_to_packages():
+    eager = StepCosts({1: 10.0, 9: 18.0})
+    assert eager.of(1) == 10.0 and eager.of(5) == 14.0 and eager.of(17) == 26.0  # extrapolated past the ends
+    assert eager.size(7) == 7
+    packages = StepCosts({1: 10.0, 4: 12.0, 20: 30.0}, sizes=[1, 4, 20])
+    assert packages.of(2) == 12.0 and packages.of(4) == 12.0 and packages.of(5) == 30.0
+    assert packages.size(5) == 20 and packages.of(21) is None  # no package holds 21 rows
+    with pytest.raises(ValueError):
+        StepCosts({})
+
+
+def test_acceptance_learns_from_outcomes():
+    acceptance = Acceptance()
+    before = acceptance.chances("text", 8, 4)
+    assert before == sorted(before, reverse=True) and 0 < before[-1] < before[0] < 1
+    for _ in range(50):
+        assert acceptance.observe("text", 8, (1, 2, 3, 4), (1, 2, 3, 4, 5)) == 4
+    learned = acceptance.chances("text", 8, 4)
+    assert all(after > prior for after, prior in zip(learned, before))
+    for _ in range(50):
+        assert acceptance.observe("window", 1, (7, 8, 9), (6, 8, 9)) == 0  # the first token was wrong
+    assert acceptance.chances("window", 1, 1)[0] < 0.05
+    assert acceptance.chances("text", 2, 1)[0] != learned[0]  # another match length is another statistic
+
+
+def _planner(costs: StepCosts, window_rows: int = 0, max_nodes: int = 16) -> Planner:
+    return Planner(Acceptance(), costs, window_rows, max_nodes)
+
+
+def test_a_likely_long_copy_is_verified_whole_when_rows_are_cheap():
+    planner = _planner(StepCosts({1: 1.0, 64: 1.1}))
+    for _ in range(30):  # copies of this match length have always been right
+        planner.acceptance.observe("text", 12, tuple(range(12)), tuple(range(13)))
+    plan = planner.plan([Chain("text", 12, tuple(range(12)))], room=100)
+    assert plan.tree.tokens == list(range(12)) and plan.tree.parents == [ROOT, *range(11)]
+    assert plan.rows == 13 and not plan.window and plan.expected > 8
+
+
+def test_nothing_worth_its_rows_is_a_plain_step():
+    planner = _planner(StepCosts({1: 1.0, 2: 2.0}))  # every row doubles the step
+    for _ in range(30):
+        planner.acceptance.observe("window", 1, (5, 6), (7,))
+    plan = planner.plan([Chain("window", 1, (5, 6))], room=100)
+    assert len(plan.tree) == 0 and plan.rows == 1
+
+
+def test_candidates_share_their_common_prefix_and_respect_room():
+    planner = _planner(StepCosts({1: 1.0, 64: 1.0}))  # rows are free: take everything that fits
+    chains = [Chain("text", 6, (1, 2, 3, 4)), Chain("text", 2, (1, 2, 9)), Chain("window", 2, (5, 6, 7))]
+    plan = planner.plan(chains, room=100)
+    assert len(plan.tree) == 8  # 1 2 3 4, then 9 under 2, then 5 6 7: the shared 1 2 is one pair of rows
+    assert plan.sources == ["text"] * 5 + ["window"] * 3
+    small = planner.plan(chains, room=4)  # the anchor and 3 guesses
+    assert small.rows == 4 and set(small.tree.parents) <= {ROOT, 0, 1}  # prefix-closed: parents come along
+
+
+def test_window_runs_when_it_pays_and_at_least_every_few_steps():
+    cheap = _planner(StepCosts({1: 1.0, 64: 1.05}), window_rows=5)
+    assert cheap.plan([], room=100).window  # its measured worth (the prior) beats five nearly free rows
+    costly = _planner(StepCosts({1: 1.0, 64: 64.0}), window_rows=5)  # each row costs a whole pass
+    runs = [costly.plan([], room=100).window for _ in range(3 * EXPLORE_EVERY)]
+    assert runs.count(True) == 2 and runs[EXPLORE_EVERY] and not any(runs[:EXPLORE_EVERY])
+
+
+def test_observe_credits_accepted_tokens_to_their_source():
+    planner = _planner(StepCosts({1: 1.0, 64: 1.0}), window_rows=2)
+    plan = planner.plan([Chain("text", 4, (1, 2)), Chain("window", 1, (3, 4))], room=100)
+    text_node = plan.tree.tokens.index(1)
+    assert planner.observe(plan, [1, 2, 8], [text_node, text_node + 1]) == {"text": 2, "window": 0}
+    window_node = plan.tree.tokens.index(3)
+    assert planner.observe(plan, [3, 9], [window_node]) == {"text": 0, "window": 1}
