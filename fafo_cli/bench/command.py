@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..compiled.timing import write_step_costs
 from ..errors import FafoError
 from ..files import write_atomic
 from . import exactness, report, suites
@@ -119,6 +120,12 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         raise FafoError("no prompt fits the model's context with --tokens "
                         f"{options.tokens}")
     rows = plan_rows(options.methods, options.compressors, options.external, compiled=config.compile == "on")
+    if "eager" not in engine.session.step_costs and any(row.method == "fafo" for row in rows):
+        from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
+
+        err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")
+        engine.session.step_costs = {**engine.session.step_costs, "eager": tune.step_costs(engine)}
+        write_step_costs(engine.steps_folder, engine.session.step_costs)
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
     runs: list[Run] = []
