@@ -175,7 +175,8 @@ class Engine:
                       self.settings(config))
 
     def reset(self) -> None:
-        """Forget the cached conversation (the next request prefills from scratch)."""
+        """Forget the cached conversation (the next request prefills from scratch) and what decoders learned from
+        earlier answers."""
         self.session.reset()
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from .errors import FafoError
 
-METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "triforce", "quantspec")
+METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,7 +32,7 @@ GENERATE = ("run", "chat")
 
 # The option panel (and reference section) of a key whose help starts with a method's name ("fafo: ...").
 SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt lookup", "cacheback": "Cacheback",
-            "triforce": "TriForce", "quantspec": "QuantSpec"}
+            "suffix": "SuffixDecoding", "triforce": "TriForce", "quantspec": "QuantSpec"}
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False, allowed=None,
@@ -151,6 +151,17 @@ class Config:
     cacheback_budget: int = _opt(8, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
     cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
                                              "looked up after the dynamic one", nullable=True)
+    # SuffixDecoding: depth, factor and min_prob are Arctic Inference's defaults (as in vLLM); tokens and outputs are
+    # ours, for a CPU and one user's session (docs/peers.md)
+    suffix_depth: int = _opt(24, "suffix: longest ending of the text matched, in tokens (Arctic's max_tree_depth)",
+                             low=1, high=256)
+    suffix_factor: float = _opt(1.0, "suffix: α: a match of p tokens drafts at most α·p tokens (Arctic's "
+                                     "max_spec_factor)", low=0.0, high=64.0, low_open=True)
+    suffix_min_prob: float = _opt(0.1, "suffix: draft a token only while its estimated probability (how often it "
+                                       "followed, multiplied along the path) is at least this", low=0.0, high=1.0)
+    suffix_tokens: int = _opt(8, "suffix: most draft tokens per step (tree nodes)", low=1, high=256)
+    suffix_outputs: int = _opt(256, "suffix: earlier answers of this session drafted from too (0 = only the "
+                                    "request's own text)", low=0, high=100_000)
     triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
     triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens (first chunk, top chunks, last "
                                      "partial chunk; at least two chunks)", low=2)

@@ -38,6 +38,7 @@ PEERS = {
     "prompt-lookup": dict(method="prompt-lookup", lookup_ngram=3, lookup_tokens=6),
     "cacheback": dict(method="cacheback", cacheback_budget=16, cacheback_followers=3),
     "cacheback-ll2": dict(method="cacheback", cacheback_leader=2, cacheback_follower=4, cacheback_budget=9),
+    "suffix": dict(method="suffix", suffix_tokens=12, suffix_factor=2.0),
     "triforce": dict(method="triforce", triforce_chunk=8, triforce_budget=64, triforce_gamma2=4),
     "quantspec": dict(method="quantspec", quantspec_gamma=3, quantspec_group=64),
 }

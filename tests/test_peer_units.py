@@ -1,5 +1,6 @@
 """The peer methods' parts against hand-made cases and brute-force references: TriForce's chunk scoring and
-selection, its draft model's StreamingLLM eviction, prompt lookup's index, Cacheback's tree drafting."""
+selection, its draft model's StreamingLLM eviction, prompt lookup's index, Cacheback's and SuffixDecoding's tree
+drafting."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from fafo_cli.decoders.cacheback import Cacheback
 from fafo_cli.decoders.prompt_lookup import PromptLookup
 from fafo_cli.decoders.retrieval import chunk_scores, gather_positions, select_positions
+from fafo_cli.decoders.suffix import History, Suffix
 
 
 def test_chunk_scores_equal_a_brute_force_reference():
@@ -114,3 +116,58 @@ def test_cacheback_merges_shared_prefixes_and_learns_accepted_text():
     assert tree.tokens[:3] == [2, 4, 3] and tree.parents[:3] == [-1, 0, 0]  # (2 4) and (2 3) share the 2
     drafter.accepted([1, 2, 3, 1, 2, 4, 9, 1, 7, 7], new=4)
     assert drafter.dynamic.lookup((1,))[0] == (7, 7)  # the newest text's follower comes first
+
+
+def _suffix(history=None, **overrides):
+    config = SimpleNamespace(suffix_depth=24, suffix_factor=1.0, suffix_min_prob=0.1, suffix_tokens=8)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    history = history or History(keep=4, count_depth=32)
+    return Suffix(config, history, read_history=True)
+
+
+def _draft(drafter, text, room=100):
+    drafter.text = type(drafter.text)(counts=True, count_depth=32)
+    drafter.start(None, None, text, None)
+    tree = drafter.draft(text, room).tree
+    return tree.tokens, tree.parents
+
+
+def test_suffix_grows_the_most_probable_tokens_first_within_alpha_times_the_match():
+    # the text ends with "1 2", which occurred 3 times before: followed by 3, 3 and 4
+    text = [1, 2, 3, 1, 2, 3, 1, 2, 4, 9, 1, 2]
+    # 3 (2/3), then "1 2 3" -> 1 (2/3), "1 2 3 1" -> 2 (2/3); then the first 4 (1/3) before the deeper 3 and 4 (1/3)
+    assert _draft(_suffix(suffix_factor=2.0), text) == ([3, 1, 2, 4], [-1, 0, 1, -1])
+    assert _draft(_suffix(suffix_factor=1.0), text) == ([3, 1], [-1, 0])  # a match of 2: at most 2 tokens
+    assert _draft(_suffix(suffix_factor=2.0, suffix_min_prob=0.5), text) == ([3, 1, 2], [-1, 0, 1])
+    assert _draft(_suffix(suffix_factor=2.0, suffix_tokens=2), text) == ([3, 1], [-1, 0])
+    assert _draft(_suffix(suffix_factor=2.0), text, room=1) == ([3], [-1])  # the room left in the context
+    assert _draft(_suffix(), text + [7]) == ([], [])  # 7 never occurred before
+
+
+def test_suffix_drafts_from_earlier_answers_merged_with_the_text_and_never_across_two_answers():
+    history = History(keep=4, count_depth=32)
+    history.add([5, 6, 7])
+    history.add([6, 7, 8])
+    # "6 7" is in both answers: at the end of the first (nothing follows), then followed by 8: 8 at 1/2
+    assert _draft(_suffix(history), [0, 6, 7]) == ([8], [-1])
+    # "7 6" never occurred (the first answer's end and the second's start are not one text), "6" did: then 7, twice
+    assert _draft(_suffix(history), [0, 7, 6]) == ([7], [-1])
+    # the text's own "6 7 -> 8 0" and the answers' "6 7 -> 8" share the row of 8
+    assert _draft(_suffix(history), [6, 7, 8, 0, 6, 7]) == ([8, 0], [-1, 0])
+    drafter = _suffix(history)
+    drafter.read_history = False
+    assert _draft(drafter, [0, 6, 7]) == ([], [])
+
+
+def test_suffix_history_keeps_the_last_answers():
+    history = History(keep=2, count_depth=32)
+    for answer in ([1, 1], [2, 2], [3, 3], [4, 4]):
+        history.add(answer)
+    assert history.index.find([1])[1] == 1 and len(history.answers) == 4  # up to twice `keep`
+    history.add([5, 5])  # past it: rebuilt over the last two
+    assert [history.index.find([t])[1] for t in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 1]
+    history.configure(keep=0, count_depth=32)
+    assert not history.answers and history.index.find([5])[1] == 0
+    history.add([6])
+    assert not history.answers

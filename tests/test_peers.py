@@ -62,7 +62,7 @@ def test_triforce_with_a_draft_model_matches_transformers(tiny_models, draft_mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peer", ["lookahead", "prompt-lookup", "cacheback", "triforce", "quantspec"])
+@pytest.mark.parametrize("peer", ["lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec"])
 def test_peer_matches_transformers_on_smollm2(smollm2, peer):
     engine = engine_for(smollm2)
     prompts = [
@@ -183,3 +183,15 @@ def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsy
     code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "cacheback", "--cacheback-table",
                        str(tmp_path / "missing.bin")])
     assert code == 1 and "cacheback table not found" in capsys.readouterr().err
+
+
+def test_suffix_drafts_from_earlier_answers_until_reset(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS["suffix"])
+    first = engine.complete(SHORT, max_tokens=64)
+    again = engine.complete(SHORT, max_tokens=64)  # the first answer is in the session's history now
+    assert again.token_ids == first.token_ids == hf_greedy(tiny, engine.encode(SHORT), 64)
+    assert again.stats.steps < first.stats.steps
+    assert engine.complete(SHORT, max_tokens=64, suffix_outputs=0).stats.steps == first.stats.steps  # not read
+    assert engine.complete(SHORT, max_tokens=64).stats.steps < first.stats.steps  # nor forgotten
+    engine.reset()  # forgets the history too
+    assert engine.complete(SHORT, max_tokens=64).stats.steps == first.stats.steps

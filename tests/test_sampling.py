@@ -151,6 +151,7 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
     so every sample goes through the acceptance rule with guesses it often accepts (and sometimes rejects)."""
     from fafo_cli.decoders.cacheback import Cacheback
     from fafo_cli.decoders.prompt_lookup import PromptLookup
+    from fafo_cli.decoders.suffix import Suffix
     from fafo_cli.decoders.speculative import Draft
     from fafo_cli.decoders.fafo.pool import NgramPool
     from fafo_cli.decoders.tree import DraftTree
@@ -167,8 +168,8 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
     elif method == "prompt-lookup":  # one chain
         monkeypatch.setattr(PromptLookup, "draft",
                             lambda self, text, room: tree(text, [[x, x] for x in likely.get(text[-1], [])][:1]))
-    elif method == "cacheback":  # a tree: every likely token a child of the anchor, merged where equal
-        monkeypatch.setattr(Cacheback, "draft",
+    elif method in ("cacheback", "suffix"):  # a tree: every likely token a child of the anchor, merged where equal
+        monkeypatch.setattr(Cacheback if method == "cacheback" else Suffix, "draft",
                             lambda self, text, room: tree(text, [[x, x] for x in likely.get(text[-1], [])]))
     # triforce and quantspec draft with the model itself (sampled drafts, speculative sampling)
 
@@ -180,8 +181,8 @@ PEER_SETTINGS = dict(streams=2, ngram=2, guesses=3, prefix=1, lookahead_streams=
                      quantspec_group=8, quantspec_gamma=2)
 
 
-@pytest.mark.parametrize("method", ["vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "triforce",
-                                    "triforce+draft", "quantspec"])
+@pytest.mark.parametrize("method", ["vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix",
+                                    "triforce", "triforce+draft", "quantspec"])
 def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatch, tmp_path):
     from .conftest import build_tiny_model
 

@@ -1,7 +1,7 @@
 """Decoding methods behind one interface: generate(session, request, emitter) -> Iterator[Step]."""
 
 from .fafo import step as fafo
-from . import cacheback, lookahead, prompt_lookup, quantspec, triforce, vanilla
+from . import cacheback, lookahead, prompt_lookup, quantspec, suffix, triforce, vanilla
 
 DECODERS = {
     "vanilla": vanilla.generate,
@@ -9,6 +9,7 @@ DECODERS = {
     "lookahead": lookahead.generate,
     "prompt-lookup": prompt_lookup.generate,
     "cacheback": cacheback.generate,
+    "suffix": suffix.generate,
     "triforce": triforce.generate,
     "quantspec": quantspec.generate,
 }

@@ -61,6 +61,9 @@ class Session:
         self.cache = model.new_cache()
         self.ids: list[int] = []  # the tokens whose keys and values are committed in the cache
         self.carry: dict = {}  # decoder state that follows the conversation (e.g. FAFO's n-gram pool)
+        # decoder state learned from every earlier answer, whatever the conversation, keyed by method (SuffixDecoding's
+        # index of earlier answers); unlike `carry` no decoder clears it: only reset() does
+        self.learned: dict = {}
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
         # one pass's measured ms against its rows, {"eager" | "compiled": {rows: ms}} (`fafo bench --tune`), for
@@ -72,6 +75,7 @@ class Session:
         self.cache.truncate(0)
         self.ids = []
         self.carry.clear()
+        self.learned.clear()
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(length)

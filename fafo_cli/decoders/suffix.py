@@ -1,0 +1,145 @@
+"""SuffixDecoding: a draft tree from suffix indexes of this request's text and of the session's earlier answers.
+
+Two indexes with occurrence counts (`suffix_index.SuffixIndex`): one over this request's prompt and output,
+extended as tokens are accepted, and one over the session's earlier answers (`History`, kept on
+`session.learned`). Each step, each index finds the longest ending of the text, at most `suffix_depth` tokens,
+that it holds earlier (p tokens), and grows a tree from there best first by empirical probability: how often a
+token followed its path's string over how often anything did, multiplied along the path. A token whose
+probability falls below `suffix_min_prob` is not drafted, and an index drafts at most α·p tokens
+(`suffix_factor`), so a long match earns a long draft and a short one a short draft. Both indexes grow one tree
+(a token both propose under the same parent is one row) of at most `suffix_tokens` nodes, most probable first,
+which the shared loop (`speculative.py`) verifies in one pass.
+
+Earlier answers change the guesses, never the output: greedy output is plain decoding's whatever is drafted.
+The guesses do decide which random draws sampling's acceptance rule makes, so a seeded sampled request drafts
+from its own text only: the same prompt and seed give the same sample whatever the session answered before.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from itertools import count
+from typing import Iterator
+
+from ..runtime.events import Step
+from ..runtime.session import Emitter, Request, Session
+from .suffix_index import SuffixIndex
+from .tree import ROOT, DraftTree
+from . import speculative
+from .speculative import Draft
+
+HISTORY_TOKENS = 1 << 15  # earlier answers' tokens indexed: between this and twice this many (index rebuilds)
+
+
+class History:
+    """The session's earlier answers in one index, each closed by a separator of its own (a negative id, which
+    no token has), so no match runs from one answer into the next. Past 2 × `keep` answers it is rebuilt over
+    the last `keep`; the index itself keeps at most 2 × HISTORY_TOKENS tokens."""
+
+    def __init__(self, keep: int, count_depth: int):
+        self.keep, self.count_depth = keep, count_depth
+        self.answers: deque[list[int]] = deque()
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.index = SuffixIndex(HISTORY_TOKENS, counts=True, count_depth=self.count_depth)
+        self._separator = -1
+        for answer in self.answers:
+            self._index(answer)
+
+    def _index(self, answer: list[int]) -> None:
+        self.index.extend(answer + [self._separator])
+        self._separator -= 1
+
+    def configure(self, keep: int, count_depth: int) -> None:
+        """This request's settings: deeper counts need a new index; fewer answers kept drop the oldest."""
+        if count_depth != self.count_depth or len(self.answers) > 2 * keep:
+            self.keep, self.count_depth = keep, count_depth
+            while len(self.answers) > keep:
+                self.answers.popleft()
+            self._rebuild()
+        self.keep = keep
+
+    def add(self, answer: list[int]) -> None:
+        if not answer or not self.keep:
+            return
+        self.answers.append(list(answer))
+        if len(self.answers) > 2 * self.keep:
+            while len(self.answers) > self.keep:
+                self.answers.popleft()
+            self._rebuild()
+        else:
+            self._index(self.answers[-1])
+
+
+class Suffix:
+    runs_model = False
+
+    def __init__(self, config, history: History | None, read_history: bool):
+        self.depth, self.factor, self.min_prob = config.suffix_depth, config.suffix_factor, config.suffix_min_prob
+        self.max_rows = config.suffix_tokens
+        # counts are read down to the deepest draft: the match, then at most suffix_tokens tokens below it
+        self.text = SuffixIndex(counts=True, count_depth=count_depth(config))
+        self.history, self.read_history = history, read_history
+
+    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+        self.text.extend(text)
+
+    def draft(self, text: list[int], room: int) -> Draft:
+        limit = min(self.max_rows, room)
+        matches = [(self.text, self.text.match_state(self.depth))]
+        if self.read_history:
+            matches.append((self.history.index, self.history.index.find(text[-self.depth:])))
+        tree = DraftTree()
+        heap: list = []  # (-probability, order, source, token, state, length, parent): most probable first
+        order = count()  # ties: the request's own text first, then earlier candidates first
+        left = []  # tokens each source may still draft: α·p
+        for source, (index, (state, length)) in enumerate(matches):
+            left.append(min(limit, int(self.factor * length + 1e-6)))
+            if left[source]:
+                self._grow(heap, order, source, index, state, length, 1.0, ROOT)
+        while heap and len(tree) < limit:
+            probability, _, source, token, state, length, parent = heapq.heappop(heap)
+            if not left[source]:
+                continue
+            left[source] -= 1
+            node = tree.add_chain([token], parent)  # the other index may have drafted it already: one row
+            self._grow(heap, order, source, matches[source][0], state, length, -probability, node)
+        return Draft(tree)
+
+    def _grow(self, heap: list, order, source: int, index: SuffixIndex, state: int, length: int, probability: float,
+              parent: int) -> None:
+        """Offer the tokens that followed `state` (holding `length` tokens) below `parent`."""
+        following = index.next_counts(state, length)
+        total = sum(n for n, _ in following.values())  # occurrences with something after them
+        for token, (n, child) in following.items():
+            p = probability * n / total
+            if token >= 0 and p >= self.min_prob:  # separators (< 0) end an answer: nothing to draft
+                heapq.heappush(heap, (-p, next(order), source, token, child, length + 1, parent))
+
+    def accepted(self, text: list[int], new: int) -> None:
+        self.text.extend(text[-new:])
+
+    def nbytes(self) -> int:
+        # host memory, estimated: unlike an n-gram table's, the indexes' share of a long text is not small
+        return self.text.nbytes() + (self.history.index.nbytes() if self.history else 0)
+
+
+def count_depth(config) -> int:
+    return config.suffix_depth + config.suffix_tokens
+
+
+def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    config, sampling = request.config, request.sampling
+    history = session.learned.get("suffix")
+    if config.suffix_outputs:
+        if history is None:
+            history = session.learned["suffix"] = History(config.suffix_outputs, count_depth(config))
+        history.configure(config.suffix_outputs, count_depth(config))
+    read_history = bool(config.suffix_outputs) and (sampling.greedy or sampling.seed is None)
+    try:
+        yield from speculative.generate(session, request, emitter, Suffix(config, history, read_history))
+    finally:  # the answer as emitted (an interrupted one too) joins the history
+        if config.suffix_outputs:
+            history.add(emitter.token_ids)
