@@ -88,7 +88,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
     try:
-        _write_gguf_as_hf(path, staging)
+        write_gguf_as_hf(path, staging)
         (staging / SOURCE_MARKER).write_text(json.dumps({"gguf": str(path.resolve()), "name": name or path.stem}))
         try:
             os.rename(staging, target)  # atomic: the folder appears complete or not at all
@@ -132,7 +132,7 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _write_gguf_as_hf(path: Path, out: Path) -> None:
+def write_gguf_as_hf(path: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -4,9 +4,7 @@ measured cheaper), C(kv) as a mask, and eager fallbacks that say so in one line 
 
 from __future__ import annotations
 
-import gc
 import json
-import weakref
 
 import pytest
 import torch
@@ -80,34 +78,6 @@ def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_
             assert (engine.compiled.calls > 0) == used
     finally:
         record.write_text(json.dumps(original))
-
-
-def test_steps_pad_to_the_smallest_size_that_runs_faster(compiled_cache, compiled_engine, tiny, monkeypatch):
-    """A decoder names the sizes it pads to (FAFO: its steps without candidates, and its largest); a step runs in the
-    smallest that holds it where that package runs at least 10% faster than the largest's (the two timed side by
-    side, once), else in the largest, and a package found not worth it is let go (loaded again if another decoder's
-    largest step needs it)."""
-    from fafo_cli.compiled import steps as steps_module  # where CompiledSteps looks side_by_side up
-
-    compiled_engine.complete(SHORT, max_tokens=8, method="fafo", draft_tokens=3)  # FAFO's sizes 1, 3 and 6 are built
-    timed: list[tuple[int, ...]] = []
-    ms = {3: 5.0, 6: 10.0}
-
-    def side_by_side(model, runners):
-        timed.append(tuple(runners))
-        return {rows: ms[rows] for rows in runners}
-
-    monkeypatch.setattr(steps_module, "side_by_side", side_by_side)
-    steps = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=pytest.fail).compiled
-    assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4, 6, 7)] == [3, 3, 6, 6, 7]
-    assert timed == [(3, 6)]  # once
-    assert steps.size_for(300, (3, 6)) is None  # past the largest bucket: eager
-    ms[3] = 9.5  # not 10% faster
-    steps = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=pytest.fail).compiled
-    smaller = weakref.ref(steps.runner(3))
-    assert [steps.size_for(rows, (3, 6)) for rows in (1, 3, 4)] == [6, 6, 6]
-    gc.collect()
-    assert smaller() is None  # the package that did not pay is let go
 
 
 def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, tiny):
@@ -431,7 +401,7 @@ def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out
     if not torch.ops.fafo.packed_supported():
         pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
     tensor, expected = _quantized(kind, out_features, 192, seed=out_features)
-    codes, d, m = packed._blocks(tensor)
+    codes, d, m = packed.q4_1_blocks(tensor)
     weight = packed.pack(codes, d, m)
     assert torch.equal(torch.ops.fafo.packed_weight(weight, out_features), expected)
     bias = torch.randn(out_features) if with_bias else None
@@ -445,7 +415,7 @@ def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out
     dense = torch.nn.Linear(192, out_features, bias=with_bias).bfloat16()
     dense.weight.data = expected.clone()
     dense.weight.data[3, 5] += 1.0  # a weight that differs from the file's: that matrix stays dense
-    assert packed._packed(tensor, dense) is None
+    assert packed.packed_linear(tensor, dense) is None
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -461,7 +431,7 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
         pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
 
     def part(out_features: int, seed: int, bias: bool = with_bias) -> packed.PackedLinear:
-        weight = packed.pack(*packed._blocks(_quantized("Q4_1", out_features, 192, seed)[0]))
+        weight = packed.pack(*packed.q4_1_blocks(_quantized("Q4_1", out_features, 192, seed)[0]))
         return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
 
     alone = [part(48, 1), part(32, 2), part(16, 3)]

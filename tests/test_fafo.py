@@ -15,8 +15,9 @@ SETTINGS = {
     "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),
     "none": dict(streams=3, ngram=3, guesses=3, prefix=2, compressor="none"),
     "no-guesses": dict(streams=2, ngram=4, guesses=0, copies=0, prefix=2, budget=64, sink=4),
-    "window-guesses-only": dict(streams=2, ngram=4, guesses=2, copies=0, budget=64, sink=4),  # the paper's step
-    "no-window": dict(streams=0, ngram=3, guesses=2, copies=3, budget=64),
+    # the paper's step: every step verifies the window's guesses and runs the window
+    "window-guesses-only": dict(streams=2, ngram=4, guesses=2, copies=0, planner=False, budget=64, sink=4),
+    "no-window": dict(streams=0, ngram=3, guesses=2, copies=3, planner=False, budget=64),
     "long-drafts": dict(streams=1, ngram=3, guesses=1, copies=4, draft_tokens=64, budget=64),
     "one-stream": dict(streams=1, ngram=5, guesses=2, prefix=1, budget=64, sink=0),
     "budget-covers-all": dict(streams=2, ngram=3, guesses=2, prefix=3, budget=4096, sink=4),
@@ -119,7 +120,7 @@ def test_fafo_chat_turns_reuse_the_cache(tiny):
 
 
 def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64, planner=False)
     settings = dict(max_tokens=120, temperature=0.8, top_p=0.95, min_p=0.02)
     a = engine.complete(LONG, seed=3, **settings)
     b = engine.complete(LONG, seed=3, **settings)
@@ -129,7 +130,7 @@ def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
 
 
 def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
-    engine = load(str(tiny), dtype="float32", method="fafo", budget=32)
+    engine = load(str(tiny), dtype="float32", method="fafo", budget=32, planner=False)  # the window runs every step
     messages = [{"role": "user", "content": "tell me about cats " * 6}]
     first = engine.complete(messages, max_tokens=40)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
@@ -138,7 +139,7 @@ def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
     assert second.token_ids == hf_greedy(tiny, engine.encode(messages), 40)
     engine.reset()
     fresh = engine.complete([{"role": "user", "content": "more"}], max_tokens=40)
-    assert fresh.stats.pool_ngrams < first.stats.pool_ngrams
+    assert fresh.stats.pool_ngrams < second.stats.pool_ngrams  # the earlier turns' n-grams are gone
 
 
 def test_four_turn_chat_equals_generate_on_each_turns_history(tiny):
@@ -163,7 +164,7 @@ def test_min_p_reaches_the_sampler(tiny, method):
 
 
 def test_pool_and_guess_settings_take_effect(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64, copies=0, planner=False)
     one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats
     assert one.pool_ngrams == one.pool_keys  # one n-gram per key
     assert one.drafted_tokens % 4 == 0 and one.drafted_tokens <= 2 * 4 * one.steps  # G candidates of k tokens

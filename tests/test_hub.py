@@ -172,7 +172,7 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         (out / "config.json").write_text("{}")  # half-written
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(hub, "_write_gguf_as_hf", crash)
+    monkeypatch.setattr(hub, "write_gguf_as_hf", crash)
     with pytest.raises(RuntimeError):
         hub.convert_gguf(gguf)
     models = caches / "fafo" / "models"
@@ -184,7 +184,7 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         calls.append(path)
         build_tiny_model(out, "llama-gqa")
 
-    monkeypatch.setattr(hub, "_write_gguf_as_hf", convert)
+    monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
     assert [(m.name, m.source) for m in hub.cached_models()] == [("Tiny", "gguf")]

@@ -174,7 +174,7 @@ def test_add_text_incremental_equals_whole():
         pieces.add_text(tokens[:end], new=new)
     # (1, 2) saw 3, 4, 5, 3, 6: capacity 2 keeps the two most recent
     assert pieces.lookup((1, 2)) == whole.lookup((1, 2)) == [(6,), (3,)]
-    assert pieces.freeze()._table == whole.freeze()._table
+    assert pieces.freeze().snapshot() == whole.freeze().snapshot()
     assert (pieces.leaders, pieces.entries) == (whole.leaders, whole.entries) == (8, 9)
 
 
@@ -207,7 +207,7 @@ def test_save_load_round_trip(tmp_path):
     loaded = FrozenTable.load(path, "abc123")
     assert (loaded.leader_length, loaded.follower_length) == (2, 3)
     assert (loaded.leaders, loaded.entries) == (9, 12)
-    for leader in list(table._table):
+    for leader in frozen.snapshot():
         assert loaded.lookup(leader) == frozen.lookup(leader) != []
     assert loaded.lookup((1, 2)) == [(3, 7, 2), (5, 6, 1), (3, 4, 1)]
     assert sorted(os.listdir(tmp_path)) == ["table.safetensors"]  # no .partial left behind

@@ -64,18 +64,19 @@ def test_candidates_share_their_common_prefix_and_respect_room():
     assert small.rows == 4 and set(small.tree.parents) <= {ROOT, 0, 1}  # prefix-closed: parents come along
 
 
-def test_window_runs_when_it_pays_and_at_least_every_few_steps():
+def test_window_runs_when_it_pays_and_in_bursts_every_few_steps():
     cheap = _planner(StepCosts({1: 1.0, 64: 1.05}), window_rows=5)
-    assert cheap.plan([], room=100).window  # its measured worth (the prior) beats five nearly free rows
-    costly = _planner(StepCosts({1: 1.0, 64: 64.0}), window_rows=5)  # each row costs a whole pass
-    runs = [costly.plan([], room=100).window for _ in range(3 * EXPLORE_EVERY)]
-    assert runs.count(True) == 2 and runs[EXPLORE_EVERY] and not any(runs[:EXPLORE_EVERY])
+    assert all(cheap.plan([], room=100).window for _ in range(10))  # its worth (the prior) beats 5 nearly free rows
+    costly = Planner(Acceptance(), StepCosts({1: 1.0, 64: 64.0}), 5, 16, burst=3)  # each row costs a whole pass
+    runs = [costly.plan([], room=100).window for _ in range(2 * EXPLORE_EVERY + 6)]
+    # a burst of 3 to warm up, then one every EXPLORE_EVERY steps without it
+    assert runs == [True] * 3 + [False] * EXPLORE_EVERY + [True] * 3 + [False] * EXPLORE_EVERY
 
 
 def test_observe_credits_accepted_tokens_to_their_source():
     planner = _planner(StepCosts({1: 1.0, 64: 1.0}), window_rows=2)
     plan = planner.plan([Chain("text", 4, (1, 2)), Chain("window", 1, (3, 4))], room=100)
     text_node = plan.tree.tokens.index(1)
-    assert planner.observe(plan, [1, 2, 8], [text_node, text_node + 1]) == {"text": 2, "window": 0}
+    assert planner.observe(plan, [1, 2, 8], [text_node, text_node + 1]) == ["text", "text"]
     window_node = plan.tree.tokens.index(3)
-    assert planner.observe(plan, [3, 9], [window_node]) == {"text": 0, "window": 1}
+    assert planner.observe(plan, [3, 9], [window_node]) == ["window"]

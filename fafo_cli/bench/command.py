@@ -72,7 +72,8 @@ def _write(path: str, text: str) -> None:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _divergences(engine, runs: list[Run]) -> tuple[dict[tuple[str, str], exactness.Divergence | None], float]:
+def divergences_from_reference(engine, runs: list[Run]
+                               ) -> tuple[dict[tuple[str, str], exactness.Divergence | None], float]:
     """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
     rounding noise that tells near-ties from bugs. A compiled row is compared with compiled vanilla where the
     run has it: the same kernels, so in bf16 too the tokens agree wherever a row of a compiled step rounds as
@@ -152,7 +153,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     runs = [r for r in runs if r.sample.id in complete]
     if not runs:
         return 130 if interrupted else 1
-    divergences, tolerance = _divergences(engine, runs) if greedy else ({}, None)
+    divergences, tolerance = divergences_from_reference(engine, runs) if greedy else ({}, None)
     results = report.aggregate(runs, rows, divergences, greedy)
     meta = {**_meta(engine, options, config), "tie_tolerance": tolerance}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {options.tokens} tokens · "

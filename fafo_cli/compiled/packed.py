@@ -100,7 +100,7 @@ class FusedPart(torch.nn.Module):
         return self.fused.outputs(x)[self.index]
 
 
-def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+def q4_1_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """A Q4_1 or Q8_0 tensor [out, in] as codes [out, in / 32, 32], d and m [out, in / 32] (float32; m None
     for Q8_0); None for other types."""
     from gguf import GGMLQuantizationType as Type
@@ -157,9 +157,9 @@ def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(tiled))
 
 
-def _packed(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
+def packed_linear(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     """`linear` as packed `tensor`'s blocks, when they rebuild its weight exactly."""
-    blocks = None if tensor is None or linear.in_features % GROUP else _blocks(tensor)
+    blocks = None if tensor is None or linear.in_features % GROUP else q4_1_blocks(tensor)
     if blocks is None:
         return None
     codes, d, m = blocks
@@ -184,7 +184,7 @@ def pack_model(model: Model, gguf: Path) -> dict[str, torch.nn.Module]:
     wanted = {f"model.layers.{i}.{module}": tensors.get(f"blk.{i}.{name}.weight")
               for i in range(len(model.layers)) for name, module in LAYER_MODULES.items()}
     wanted["lm_head"] = next((tensors[name] for name in HEAD_TENSORS if name in tensors), None)
-    packed = {name: _packed(tensor, model.hf.get_submodule(name)) for name, tensor in wanted.items()}
+    packed = {name: packed_linear(tensor, model.hf.get_submodule(name)) for name, tensor in wanted.items()}
     for i in range(len(model.layers)):
         for group in SHARED_INPUT:
             names = [f"model.layers.{i}.{module}" for module in group]

@@ -13,14 +13,13 @@ from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, _first_line, build, load_kernels, load_package, stored_dtype
-from .timing import Timing, measure, side_by_side
+from .timing import Timing, measure
 from . import packed
 
 
-# A decoder pads every step to the size of its largest step, so it needs one package, or to the smallest of a few
-# sizes it names where that package measured cheaper (CompiledSteps.size_for). Padding rows see no cached position
-# but cost matrix arithmetic, which a many-row step on a CPU is bound by, so small steps get packages of their exact
-# size; larger ones are bucketed to bound the number of builds (docs/compiled-steps.md has the measurements).
+# A decoder names the size each step is padded to (its largest step's, or, for FAFO's planner, one of a few sizes).
+# Padding rows see no cached position but cost matrix arithmetic, which a many-row step on a CPU is bound by, so
+# small steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -33,20 +32,11 @@ class CompiledSteps:
 
     mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
     were built (their record says so). Any failure prints one notice and leaves that size to eager.
-
-    own_sizes: whether a step smaller than its decoder's largest runs in a package of its own size (size_for):
-    "measure" where that package times faster, "always" or "never" (for side-by-side measurements, which may
-    change it between requests).
     """
 
-    OWN_SIZES = ("measure", "always", "never")
-
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
-                 gguf: Path | None = None, own_sizes: str = "measure"):
-        if own_sizes not in self.OWN_SIZES:
-            raise ValueError(f"own_sizes must be one of {', '.join(self.OWN_SIZES)}, not {own_sizes!r}")
+                 gguf: Path | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
-        self.own_sizes = own_sizes
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._runners: dict[int, object | None] = {}
@@ -55,7 +45,6 @@ class CompiledSteps:
         self._whole_cache = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
         self._true_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
         self._false_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
-        self._cheaper: dict[tuple[int, int], bool] = {}  # (size, larger): whether steps pad to size (size_for)
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
@@ -99,34 +88,6 @@ class CompiledSteps:
             self._runners[rows] = self._load(rows)
         return self._runners[rows]
 
-    def size_for(self, rows: int, sizes: tuple[int, ...]) -> int | None:
-        """The package a `rows`-row step runs in, for a decoder whose steps have at most max(sizes) rows: the bucket of
-        the smallest of `sizes` that holds it where that package runs at least 10% faster than the largest's, timed
-        side by side when first needed (extra rows cost arithmetic on CPUs without AMX, next to nothing with it; timed
-        apart, at their builds, the VM's drift hid the difference), else the largest's. `own_sizes` "always" or
-        "never" skips the timing."""
-        largest = bucket(max(*sizes, rows))
-        if largest is None or self.own_sizes == "never":
-            return largest
-        for size in sorted({bucket(s) for s in sizes if s >= rows} - {largest, None}):
-            if self.runner(largest) is None:
-                break
-            if self.own_sizes == "always":
-                return size
-            if (size, largest) not in self._cheaper:
-                small, ms = self.runner(size), {}
-                if small is not None:
-                    try:
-                        ms = side_by_side(self.model, {size: small, largest: self.runner(largest)})
-                    except Exception:  # noqa: BLE001 - a package that fails here fails at its steps too: pad
-                        pass
-                cheaper = self._cheaper[size, largest] = bool(ms) and ms[size] < 0.9 * ms[largest]
-                if not cheaper:  # not worth its memory; loaded again if it is some decoder's largest step
-                    self._runners.pop(size, None)
-            if self._cheaper[size, largest]:
-                return size
-        return largest
-
     def _load(self, rows: int):
         package, record = self.paths(rows)
         if package.exists() and record.exists():
@@ -161,7 +122,7 @@ class CompiledSteps:
     def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits [rows, vocab] in the model's dtype of the step's `ids` at `positions`, written after the committed
         prefix of `cache`; None when no compiled step serves this step (the caller runs eager). Rows are padded to
-        a package of `step.sizes` (see size_for).
+        the package of `step.size` rows.
 
         The package's one masked attention call per layer takes, per row, whether it sees every cached position
         (`sees_cache`) or the positions of its layer the view mask marks (`sees_view`), and `local` among the step's
@@ -169,7 +130,7 @@ class CompiledSteps:
         """
         layout = step.layout
         rows, length, device = ids.shape[0], cache.length, self.model.device
-        size = self.size_for(rows, step.sizes)
+        size = bucket(max(rows, step.size))
         if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
             return None
         runner = self.runner(size)

@@ -86,6 +86,10 @@ class FrozenTable:
     def lookup(self, leader: Sequence[int]) -> list[Tokens]:
         return list(self._table.get(tuple(leader), ()))  # a copy: callers cannot edit the table
 
+    def snapshot(self) -> dict[Tokens, list[Tokens]]:
+        """Every leader with its followers, most recent first (a copy)."""
+        return {leader: list(found) for leader, found in self._table.items()}
+
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
         """Write the table to `path` atomically: a `.partial` sibling is written, then renamed over it."""
         path = Path(path)

@@ -77,7 +77,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         tree = draft.tree
         if drafter.runs_model:
             stats.draft_passes += draft.passes
-        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=(1 + drafter.max_rows,))
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=1 + drafter.max_rows)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)
         if sampling.greedy:

@@ -71,7 +71,7 @@ class StepRows:
 
     ids: list[int]
     layout: RowLayout
-    sizes: tuple[int, ...] = (1,)  # the step sizes the decoder pads to (compiled steps: CompiledSteps.size_for)
+    size: int = 1  # the rows a compiled step pads this one to (a decoder pads its steps alike, one package)
     view: CacheView | None = None  # needed when some rows see only a view of the cache
     compiled: bool = True  # may run as a compiled step
 
@@ -82,12 +82,12 @@ def plain_step(token: int, device: torch.device) -> StepRows:
 
 
 def draft_step(anchor: int, tokens: list[int], parents: list[int], device: torch.device, *,
-               sizes: tuple[int, ...] = (1,), view_tokens: list[int] | None = None, view_rows: ViewRows | None = None,
+               size: int = 1, view_tokens: list[int] | None = None, view_rows: ViewRows | None = None,
                view: CacheView | None = None, compiled: bool = True) -> StepRows:
     """The anchor, a draft tree (`tokens` with their `parents`, -1 for the anchor, parents first) with tree
     attention over the whole cache, then optional `view_rows` (`view_tokens`) that see only `view`."""
     layout = _layout(tuple(parents), view_rows, device)
-    return StepRows([anchor, *tokens, *(view_tokens or ())], layout, sizes, view, compiled)
+    return StepRows([anchor, *tokens, *(view_tokens or ())], layout, size, view, compiled)
 
 
 @lru_cache(maxsize=1024)

@@ -176,8 +176,10 @@ class Emitter:
         self.stats.cached_prompt_tokens = reused
         self.stats.prefill_s = time.perf_counter() - self.started
 
-    def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0, rows: int | None = None) -> Step:
-        """Record one forward pass's output; tokens past a stop token or a limit are dropped."""
+    def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0, rows: int | None = None,
+             sources: list[str] | None = None) -> Step:
+        """Record one forward pass's output; tokens past a stop token or a limit are dropped. `sources`: where each
+        accepted guess came from (counted in `Stats.accepted_from` as far as it was emitted)."""
         kept: list[int] = []
         for token in tokens:
             kept.append(token)
@@ -204,6 +206,10 @@ class Emitter:
             stats.step_rows[rows] = stats.step_rows.get(rows, 0) + 1
         accepted = min(accepted, len(kept) - 1)  # guesses cut by a stop or limit were not emitted
         stats.accepted_tokens += accepted
+        if sources is not None:
+            stats.accepted_from = dict(stats.accepted_from or {})
+            for source in sources[:accepted]:
+                stats.accepted_from[source] = stats.accepted_from.get(source, 0) + 1
         stats.accepted_ngrams += accepted > 0
         stats.decode_s = now - self.first_token_at
         if self.finish_reason or now - self._memory_at >= MEMORY_EVERY_S:
@@ -211,9 +217,8 @@ class Emitter:
         text = self.detok.add([t for t in kept if t not in self.request.stop_ids])  # stop tokens are not shown
         if self.finish_reason:
             text += self.detok.flush()
-        snapshot = replace(stats, step_rows=dict(stats.step_rows),
-                           accepted_from=None if stats.accepted_from is None else dict(stats.accepted_from))
-        return Step(tuple(kept), text, snapshot, accepted, self.finish_reason)
+        # accepted_from is replaced, not changed in place, so the snapshot may share it
+        return Step(tuple(kept), text, replace(stats, step_rows=dict(stats.step_rows)), accepted, self.finish_reason)
 
     @property
     def done(self) -> bool:

@@ -10,8 +10,10 @@ turns the window on or off so that
 
 is highest. `cost` is one pass's measured cost against its row count (`StepCosts`); on compiled steps only the
 package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single row.
-The window's value is what its n-grams were accepted for afterwards, per step that ran it; a window that has
-not run for a while runs once, so that value stays measured.
+The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs in
+bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not run
+for a while runs a burst anyway, and guesses that have not been verified for a while get their likeliest token
+verified, so that what they are worth stays measured.
 """
 
 from __future__ import annotations
@@ -173,10 +175,13 @@ class Planner:
     step, and FAFO with `planner: false`)."""
 
     def __init__(self, acceptance: Acceptance, costs: StepCosts, window_rows: int, max_nodes: int,
-                 fixed: bool = False):
+                 fixed: bool = False, burst: int = 1):
         self.acceptance, self.costs = acceptance, costs
         self.window_rows, self.max_nodes, self.fixed = window_rows, max_nodes, fixed
-        self.idle = 0  # steps since the window last ran
+        self.burst = burst  # once the window runs, it runs this many steps in a row (its k levels need them)
+        self.idle = EXPLORE_EVERY  # steps since the window last ran: it warms up first
+        self.burst_left = 0
+        self.unverified = 0  # steps since guesses were last verified
 
     def plan(self, chains: Sequence[Chain], room: int) -> Plan:
         """The step to run with these candidates, at most `room` rows."""
@@ -187,8 +192,8 @@ class Planner:
         for node in order:
             gains.append(gains[-1] + chance[node])
         window_value = self.acceptance.window_value.value
-        options = ((False,) if self.window_rows == 0 else
-                   (True,) if self.fixed or self.idle >= EXPLORE_EVERY else (False, True))
+        forced = self.fixed or self.idle >= EXPLORE_EVERY or self.burst_left > 0
+        options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
         best = (-1.0, 0, False)
         for window in options:
             extra = self.window_rows if window else 0
@@ -203,25 +208,29 @@ class Planner:
         _, n, window = best
         if best[0] < 0:  # not even the anchor fits a package: the caller runs a plain eager step
             n, window = 0, False
+        elif n == 0 and order and self.unverified >= EXPLORE_EVERY and 2 + (self.window_rows if window else 0) <= room \
+                and self.costs.of(2 + (self.window_rows if window else 0)) is not None:
+            n = 1  # now and then the likeliest guess is verified anyway, so its statistics stay measured
         kept = sorted(order[:n])  # parents before children
         tree, index = DraftTree(), {ROOT: ROOT}
         for node in kept:
             index[node] = tree.add(index[merged.parents[node]], merged.tokens[node])
         kept_set = set(kept)
+        if window:
+            self.burst_left = self.burst_left - 1 if self.burst_left > 0 else self.burst - 1
         self.idle = 0 if window else self.idle + 1
+        self.unverified = 0 if n else self.unverified + 1
         return Plan(tree, [(chain, sum(node in kept_set for node in nodes)) for chain, nodes in zip(chains, nodes_of)],
                     [sources[node] for node in kept], window, 1 + n + (self.window_rows if window else 0),
                     1 + gains[n] + (window_value if window else 0.0), list(chains))
 
-    def observe(self, plan: Plan, emitted: Sequence[int], path: Sequence[int]) -> dict[str, int]:
-        """Learn from the step's outcome; returns the accepted tokens by source."""
+    def observe(self, plan: Plan, emitted: Sequence[int], path: Sequence[int]) -> list[str]:
+        """Learn from the step's outcome; returns the source of each accepted guess, in order."""
         for chain, verified in plan.chains:
             if verified:
                 self.acceptance.observe(chain.source, chain.match, chain.tokens[:verified], emitted)
-        accepted = {source: 0 for source in SOURCES}
-        for node in path:
-            accepted[plan.sources[node]] += 1
+        sources = [plan.sources[node] for node in path]
         if plan.window:
             self.acceptance.window_value.add(0, 1)
-        self.acceptance.window_value.add(accepted["window"], 0)
-        return accepted
+        self.acceptance.window_value.add(sources.count("window"), 0)
+        return sources

@@ -24,7 +24,7 @@ from ..suffix_index import SuffixIndex
 from ..verify import accept_greedy, accept_sampling
 from .attention import KV_BLOCK, BlockSparseMasks, CompressedView, flex_attention_kernel
 from .compressors import make_compressor, reads_queries
-from .planner import Acceptance, Chain, Planner, StepCosts
+from .planner import SOURCES, Acceptance, Chain, Planner, StepCosts
 from .pool import NgramPool
 from .window import LookaheadWindow
 
@@ -175,11 +175,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     conversation = Conversation.follow(session, settings, request.prompt_ids, text, reused)
     pool, index = conversation.pool, conversation.index
     planner = Planner(conversation.acceptance, step_costs(session, settings, steps), settings.window_rows,
-                      settings.draft_tokens, fixed=not settings.planner)
+                      settings.draft_tokens, fixed=not settings.planner, burst=settings.ngram)
     compiled = planner.costs.sizes is not None
     window = (LookaheadWindow(settings.streams, settings.ngram, settings.prefix, request.prompt_ids)
               if settings.streams else None)
-    stats.accepted_from = {"text": 0, "window": 0}
+    stats.accepted_from = dict.fromkeys(SOURCES, 0)
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -190,7 +190,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
         plan = planner.plan(candidates, room=model.max_context - start)
         tree, shape = plan.tree, window.layout if plan.window else None
-        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, sizes=(planner.costs.size(plan.rows),),
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
                           view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
                           view=view if shape else None, compiled=compiled)
         cache.reserve(start + len(rows.ids))
@@ -210,9 +210,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
         index.extend(emitted)
-        for source, count in planner.observe(plan, emitted, path).items():
-            stats.accepted_from[source] += count
+        sources = planner.observe(plan, emitted, path)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
-        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows)
+        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
         yield step
         anchor = emitted[-1]
