@@ -78,7 +78,7 @@ def test_peer_matches_transformers_on_smollm2(smollm2, peer):
         result = engine.complete(prompt, max_tokens=tokens, **settings)
         assert result.token_ids == hf_greedy(smollm2, ids, tokens), (peer, len(ids))
     # the copy-heavy prompt is copied in accepted runs (lookahead's pool holds only its window's guesses)
-    assert result.stats.tokens_per_step > (1.3 if peer == "lookahead" else 1.5)
+    assert result.stats.tokens_per_step > (1.2 if peer == "lookahead" else 1.5)
 
 
 @pytest.mark.parametrize("peer", list(PEERS))
