@@ -151,11 +151,11 @@ class Config:
     cacheback_budget: int = _opt(8, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
     cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
                                              "looked up after the dynamic one", nullable=True)
-    # SuffixDecoding: depth, factor and min_prob are Arctic Inference's defaults (as in vLLM); tokens and outputs are
-    # ours, for a CPU and one user's session (docs/peers.md)
+    # SuffixDecoding: depth and min_prob are Arctic Inference's defaults (as in vLLM); factor, tokens and outputs are
+    # ours, for a CPU and one user's session (docs/peers.md says why)
     suffix_depth: int = _opt(24, "suffix: longest ending of the text matched, in tokens (Arctic's max_tree_depth)",
                              low=1, high=256)
-    suffix_factor: float = _opt(1.0, "suffix: α: a match of p tokens drafts at most α·p tokens (Arctic's "
+    suffix_factor: float = _opt(2.0, "suffix: α: a match of p tokens drafts at most α·p tokens (Arctic's "
                                      "max_spec_factor)", low=0.0, high=64.0, low_open=True)
     suffix_min_prob: float = _opt(0.1, "suffix: draft a token only while its estimated probability (how often it "
                                        "followed, multiplied along the path) is at least this", low=0.0, high=1.0)

@@ -74,6 +74,8 @@ def test_a_matched_state_points_at_the_most_recent_occurrence_it_was_matched_at(
     index.extend([1, 2, 3, 9, 2, 3])
     assert index.matches(1) == [Match(2, 2)]
     assert index.matches(1) == [Match(2, 2)]  # reading twice before an append reads the same
+    index.extend([])
+    assert index.matches(1) == [Match(2, 2)]  # appending nothing too
     index.extend([8, 2, 3])
     assert index.matches(1) == [Match(2, 5)]
     assert index.continuation(5, 5) == [8, 2, 3]  # runs into the recent text, not past its end

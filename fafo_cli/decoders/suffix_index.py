@@ -21,8 +21,8 @@ state's endpos (the recorded one too: the state held the text's ending then), so
 earlier occurrence.
 
 Counts (`counts=True`): each state's |endpos|, exact online: every new token adds one to each state on the
-suffix-link chain of the text's new ending. That chain is as long as the longest repeated ending, which a model
-caught in a loop makes long; `count_depth` bounds it: counts are then exact for the states whose shortest string
+suffix-link chain of the text's new ending, which costs O(length of the longest repeated ending) per token, and
+a model caught in a loop makes that long; `count_depth` bounds it: counts are then exact for the states whose shortest string
 has at most `count_depth` tokens (the walk starts at the state of the ending of that length, tracked as tokens
 arrive), enough for a caller that never matches or drafts deeper.
 """
@@ -66,6 +66,8 @@ class SuffixIndex:
     def extend(self, tokens: Iterable[int]) -> None:
         """Append committed tokens."""
         tokens = list(tokens)
+        if not tokens:
+            return
         if self._pending:
             now = len(self) - 1
             for state in self._pending:
