@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import config as config_mod
+from ..compiled.steps import bucket
 from ..compiled.timing import side_by_side, write_step_costs
 from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
 from ..runtime.model import causal_attention
@@ -83,8 +84,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     planned = FafoSettings.from_config(config)
     planned = replace(planned, streams=window_streams(planned, compiled))
     if compiled is not None and compiled.serves(planned.max_rows):
-        sizes = [size for size in planned.step_sizes if compiled.serves(size)]
-        measured["compiled"] = side_by_side(engine.model, {size: compiled.runner(size) for size in sizes})
+        packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
+        measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})
         console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
                                                                    for size, ms in measured["compiled"].items()))
     write_step_costs(engine.steps_folder, measured)

@@ -13,7 +13,7 @@ from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, _first_line, build, load_kernels, load_package, stored_dtype
-from .timing import Timing, measure
+from .timing import Timing, measure, read_step_costs
 from . import packed
 
 
@@ -68,10 +68,14 @@ class CompiledSteps:
         return self._packed
 
     def step_ms(self, rows: int) -> float | None:
-        """What a step in the package serving `rows` rows took when the package was built (its record)."""
+        """What a step in the package serving `rows` rows takes: as `fafo bench --tune` timed the packages side by
+        side, else as its build timed it (its record); None: not measured."""
         size = bucket(rows)
-        timing = Timing.read(self.paths(size)[1]) if size is not None else None
-        return timing.compiled_ms if timing is not None else None
+        if size is None:
+            return None
+        tuned = read_step_costs(self.folder).get("compiled", {}).get(size)
+        timing = Timing.read(self.paths(size)[1]) if tuned is None else None
+        return tuned if tuned is not None else timing.compiled_ms if timing is not None else None
 
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"

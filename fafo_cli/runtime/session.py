@@ -51,7 +51,7 @@ class CompiledStepRunner(Protocol):
         """Tell the user `message`, once per process."""
 
     def step_ms(self, rows: int) -> float | None:
-        """What a step in the package of `rows` rows measured when it was built (ms); None: not measured."""
+        """What a step in the package of `rows` rows takes (ms, as tuned or as built); None: not measured."""
 
 
 class Session:
@@ -66,8 +66,8 @@ class Session:
         self.learned: dict = {}
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
-        # one pass's measured ms against its rows, {"eager" | "compiled": {rows: ms}} (`fafo bench --tune`), for
-        # decoders that plan their steps
+        # one pass's measured ms against its rows (`fafo bench --tune`): "eager" here; compiled packages' times are read
+        # through CompiledSteps.step_ms; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
         self._masks = PrefixMasks(model.device)  # eager steps' masks
 

@@ -102,8 +102,7 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
     accelerator = session.model.device.type != "cpu"
     if compiled is not None and compiled.serves(settings.max_rows):
         sizes = [size for size in settings.step_sizes if compiled.serves(size)]
-        tuned = session.step_costs.get("compiled", {})
-        ms = {size: tuned.get(size) or compiled.step_ms(size) for size in sizes}
+        ms = {size: compiled.step_ms(size) for size in sizes}
         if all(ms.values()):
             return StepCosts(ms, sizes)
         return StepCosts.default(accelerator, sizes)
