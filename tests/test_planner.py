@@ -33,6 +33,16 @@ def test_acceptance_learns_from_outcomes():
     assert acceptance.chances("text", 2, 1)[0] != learned[0]  # another match length is another statistic
 
 
+def test_outcomes_at_one_match_length_calibrate_the_others():
+    acceptance = Acceptance()
+    unseen_before = acceptance.chances("text", 24, 3)
+    for _ in range(30):  # copies after 4-token matches keep failing at once
+        acceptance.observe("text", 4, (1, 2, 3), (9,))
+    unseen_after = acceptance.chances("text", 24, 3)
+    assert all(after < before / 3 for after, before in zip(unseen_after, unseen_before))
+    assert acceptance.chances("window", 1, 1) == Acceptance().chances("window", 1, 1)  # another source: untouched
+
+
 def _planner(costs: StepCosts, window_rows: int = 0, max_nodes: int = 16) -> Planner:
     return Planner(Acceptance(), costs, window_rows, max_nodes)
 
@@ -71,6 +81,37 @@ def test_window_runs_when_it_pays_and_in_bursts_every_few_steps():
     runs = [costly.plan([], room=100).window for _ in range(2 * EXPLORE_EVERY + 6)]
     # a burst of 3 to warm up, then one every EXPLORE_EVERY steps without it
     assert runs == [True] * 3 + [False] * EXPLORE_EVERY + [True] * 3 + [False] * EXPLORE_EVERY
+
+
+def test_a_window_that_earns_nothing_is_tried_less_and_less_often():
+    planner = Planner(Acceptance(), StepCosts({1: 1.0, 64: 64.0}), 5, 16, burst=1)
+    runs = [planner.plan([], room=100).window for _ in range(1 + 8 + 1 + 16 + 1 + 32 + 1)]
+    gaps = [i for i, ran in enumerate(runs) if ran]
+    assert gaps == [0, 9, 26, 59]  # idle for EXPLORE_EVERY steps, then twice as long after each fruitless burst
+    plan = planner.plan([Chain("window", 1, (5,))], room=100)  # the verified guess was the window's and was right
+    planner.observe(plan, [5, 6], [0])
+    runs = [planner.plan([], room=100).window for _ in range(64 + 2 + EXPLORE_EVERY)]
+    first = runs.index(True)
+    assert runs[first + 1:first + 1 + EXPLORE_EVERY] == [False] * EXPLORE_EVERY and runs[first + 1 + EXPLORE_EVERY]
+
+
+def test_step_costs_learn_from_the_steps_run():
+    costs = StepCosts({1: 10.0, 9: 18.0})
+    for _ in range(20):
+        costs.observe(1, False, 20.0)  # the machine is twice as slow as when measured
+        costs.observe(9, False, 72.0)  # and nine rows cost four one-row steps, not 1.8
+    assert costs.of(1) == pytest.approx(20.0) and costs.of(9) == pytest.approx(72.0)
+    assert 12.0 * 2 < costs.of(3) < 12.0 * 4  # not run: as measured, times the ratio over all steps
+    costs.observe(1, False, 10_000.0)  # one stall counts as at most a few times the estimate
+    assert costs.of(1) < 20.0 * 1.5
+    window = StepCosts({1: 10.0, 9: 18.0})
+    for _ in range(10):
+        window.observe(6, True, 30.0)  # the window's rows read the compressed view besides
+        window.observe(6, False, 15.0)
+    assert window.of(6, True) == pytest.approx(2 * window.of(6, False))
+    packages = StepCosts({1: 10.0, 4: 12.0}, sizes=[1, 4])
+    packages.observe(2, False, 24.0)  # padded to the 4-row package
+    assert packages.of(3) == pytest.approx(24.0)
 
 
 def test_observe_credits_accepted_tokens_to_their_source():

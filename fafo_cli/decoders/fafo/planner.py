@@ -8,12 +8,14 @@ turns the window on or off so that
 
     expected tokens per step / cost of the step's rows
 
-is highest. `cost` is one pass's measured cost against its row count (`StepCosts`); on compiled steps only the
-package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single row.
-The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs in
-bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not run
-for a while runs a burst anyway, and guesses that have not been verified for a while get their likeliest token
-verified, so that what they are worth stays measured.
+is highest. `cost` is one pass's cost against its row count (`StepCosts`): the curve measured ahead (or a
+default), corrected by the times of the steps this planner has run, so a machine that is busier, has other
+threads or another shape of cost than when it was measured is planned for as it is now; on compiled steps only
+the package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single
+row. The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs
+in bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
+run for a while runs a burst anyway (less often each time a burst's n-grams earn nothing), and guesses that have
+not been verified for a while get their likeliest token verified, so that what they are worth stays measured.
 """
 
 from __future__ import annotations
@@ -31,26 +33,28 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # statistics are kept pe
 PRIOR_WEIGHT = 4.0
 HISTORY = 256.0  # tries remembered per statistic (older evidence halves away: the text changes character)
 WINDOW_PRIOR = 0.3  # tokens per step the window is worth before it is measured
-EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway
+EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway; doubled after a burst that earned
+EXPLORE_MOST = 128  # nothing, up to this
+LEARN_RATE = 0.1  # weight of a step's time in the learned cost correction once a few steps are in
+OUTLIER = 4.0  # a step time counts at most this factor off the estimate (a page fault, another process's burst)
 
 
 def _prior(source: str, match: int) -> tuple[float, float]:
-    if source == "text":
-        return min(0.85, 0.3 + 0.1 * match), 0.8
+    if source == "text":  # a one-token match is a weak hint; a long one usually continues
+        return min(0.85, 0.2 + 0.1 * match), min(0.85, 0.55 + 0.05 * match)
     return 0.15, 0.5
 
 
 class _Rate:
-    """hits / tries with a prior; the window of evidence is bounded."""
+    """Observed hits / tries, the window of evidence bounded, read against a prior worth PRIOR_WEIGHT tries."""
 
     __slots__ = ("hits", "tries")
 
-    def __init__(self, prior: float):
-        self.hits, self.tries = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
+    def __init__(self) -> None:
+        self.hits = self.tries = 0.0
 
-    @property
-    def value(self) -> float:
-        return self.hits / self.tries
+    def value(self, prior: float) -> float:
+        return (self.hits + prior * PRIOR_WEIGHT) / (self.tries + PRIOR_WEIGHT)
 
     def add(self, hits: float, tries: float) -> None:
         self.hits += hits
@@ -61,23 +65,40 @@ class _Rate:
 
 class Acceptance:
     """How often guesses are accepted, by source and match length: the chance that the first token of a chain is
-    what plain decoding emits next, and that each further token is, given the previous one was."""
+    what plain decoding emits next, and that each further token is, given the previous one was.
+
+    Each (source, match length) statistic starts from a prior, and the priors of a source are calibrated by all of
+    its outcomes together (observed hits over what the priors expected), so a text whose copies rarely hold
+    discounts every match length after a few steps, not each one after its own few."""
 
     def __init__(self) -> None:
         self._rates: dict[tuple[str, int], tuple[_Rate, _Rate]] = {}
-        self.window_value = _Rate(WINDOW_PRIOR)  # window-found tokens accepted per step that ran the window
+        self._calibration = {(source, kind): _Rate() for source in SOURCES for kind in (0, 1)}  # hits, expected
+        self._window = _Rate()  # window-found tokens accepted per step that ran the window
 
-    def _pair(self, source: str, match: int) -> tuple[_Rate, _Rate]:
+    def _pair(self, source: str, match: int) -> tuple[int, tuple[_Rate, _Rate]]:
         bucket = MATCH_BUCKETS[max(0, bisect.bisect_right(MATCH_BUCKETS, match) - 1)]
         key = (source, bucket)
         if key not in self._rates:
-            first, further = _prior(source, bucket)
-            self._rates[key] = (_Rate(first), _Rate(further))
-        return self._rates[key]
+            self._rates[key] = (_Rate(), _Rate())
+        return bucket, self._rates[key]
+
+    def _values(self, source: str, match: int) -> tuple[float, float]:
+        bucket, rates = self._pair(source, match)
+        return tuple(min(0.95, rate.value(prior * self._calibration[source, kind].value(1.0)))
+                     for kind, (rate, prior) in enumerate(zip(rates, _prior(source, bucket))))
+
+    def window_value(self) -> float:
+        """Window-found tokens accepted per step that ran the window."""
+        return self._window.value(WINDOW_PRIOR)
+
+    def window_observed(self, ran: bool, earned: int) -> None:
+        """A step ran the window or not; `earned`: its accepted tokens the window had found (on any earlier step)."""
+        self._window.add(earned, ran)
 
     def chances(self, source: str, match: int, length: int) -> list[float]:
         """The chance that plain decoding reaches each of a chain's `length` tokens."""
-        first, further = (rate.value for rate in self._pair(source, match))
+        first, further = self._values(source, match)
         chances, chance = [], first
         for _ in range(length):
             chances.append(chance)
@@ -91,10 +112,14 @@ class Acceptance:
             if guess != token:
                 break
             agreed += 1
-        first, further = self._pair(source, match)
+        bucket, (first, further) = self._pair(source, match)
+        prior_first, prior_further = _prior(source, bucket)
         first.add(agreed > 0, 1)
+        self._calibration[source, 0].add(agreed > 0, prior_first)
         if agreed:
-            further.add(agreed - 1, min(agreed, len(verified) - 1))
+            tries = min(agreed, len(verified) - 1)
+            further.add(agreed - 1, tries)
+            self._calibration[source, 1].add(agreed - 1, prior_further * tries)
         return agreed
 
 
@@ -107,16 +132,46 @@ class Chain:
 
 class StepCosts:
     """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
-    fewer rows are padded up); None: any count (eager), costs between measured points interpolated."""
+    fewer rows are padded up); None: any count (eager), costs between measured points interpolated.
+
+    `observe` corrects the curve with the times of steps actually run: per class of steps (by rows: each package
+    size; eager, 1 to 4 rows each and then powers of two; and whether the window ran, as its attention reads the
+    compressed view besides), the ratio of observed to measured time, averaged over the recent steps; classes not
+    run yet take the ratio of all steps (which leaves their relative cost as measured)."""
 
     def __init__(self, ms: dict[int, float], sizes: Sequence[int] | None = None):
         if not ms:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
+        self._ratios: dict[tuple[int, bool], tuple[float, int]] = {}  # step class -> (observed / measured, steps)
+        self._overall: tuple[float, int] | None = None
 
-    def of(self, rows: int) -> float | None:
-        """The cost of a step of `rows` rows; None where no allowed size holds it."""
+    def of(self, rows: int, window: bool = False) -> float | None:
+        """The cost of a step of `rows` rows (with the window's or not); None where no allowed size holds it."""
+        measured = self._measured(rows)
+        if measured is None:
+            return None
+        ratio = self._ratios.get(self._class(rows, window), self._overall)
+        return measured * ratio[0] if ratio else measured
+
+    def observe(self, rows: int, window: bool, ms: float) -> None:
+        """A step of `rows` rows (with the window's or not) took `ms` (the same units as the curve)."""
+        measured = self._measured(rows)
+        if not measured or ms <= 0:
+            return
+        ratio, step_class = ms / measured, self._class(rows, window)
+        estimate = self._ratios.get(step_class, self._overall)
+        if estimate:
+            ratio = min(max(ratio, estimate[0] / OUTLIER), estimate[0] * OUTLIER)
+        self._overall = _average(self._overall, ratio)
+        self._ratios[step_class] = _average(self._ratios.get(step_class), ratio)
+
+    def _class(self, rows: int, window: bool) -> tuple[int, bool]:
+        size = self.size(rows)
+        return (size if self.sizes is not None or size <= 4 else 1 << (size - 1).bit_length()), window
+
+    def _measured(self, rows: int) -> float | None:
         if self.sizes is not None:
             at = bisect.bisect_left(self.sizes, rows)
             if at == len(self.sizes):
@@ -139,6 +194,15 @@ class StepCosts:
         next to nothing. Relative units (only ratios matter)."""
         per_row = 0.002 if accelerator else 0.04
         return cls({1: 1.0, 64: 1.0 + 63 * per_row}, sizes)
+
+
+def _average(current: tuple[float, int] | None, value: float) -> tuple[float, int]:
+    """A running mean of the first few values, then an exponential average of the recent ones."""
+    if current is None:
+        return value, 1
+    mean, seen = current
+    seen += 1
+    return mean + (value - mean) * max(LEARN_RATE, 1 / seen), seen
 
 
 @dataclass
@@ -180,7 +244,10 @@ class Planner:
         self.window_rows, self.max_nodes, self.fixed = window_rows, max_nodes, fixed
         self.burst = burst  # once the window runs, it runs this many steps in a row (its k levels need them)
         self.idle = EXPLORE_EVERY  # steps since the window last ran: it warms up first
+        self.explore_every = EXPLORE_EVERY
         self.burst_left = 0
+        self.bursts = 0  # bursts begun because the window had been idle
+        self.window_earned = 0  # window-found tokens accepted since the last such burst began
         self.unverified = 0  # steps since guesses were last verified
 
     def plan(self, chains: Sequence[Chain], room: int) -> Plan:
@@ -191,15 +258,22 @@ class Planner:
         gains = [0.0]
         for node in order:
             gains.append(gains[-1] + chance[node])
-        window_value = self.acceptance.window_value.value
-        forced = self.fixed or self.idle >= EXPLORE_EVERY or self.burst_left > 0
+        window_value = self.acceptance.window_value()
+        idle = self.window_rows > 0 and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
+        if idle:  # a burst because the window has been idle: back off while bursts earn nothing
+            if self.bursts:
+                earned = self.window_earned > 0
+                self.explore_every = EXPLORE_EVERY if earned else min(2 * self.explore_every, EXPLORE_MOST)
+            self.bursts += 1
+            self.window_earned = 0
+        forced = self.fixed or idle or self.burst_left > 0
         options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
         best = (-1.0, 0, False)
         for window in options:
             extra = self.window_rows if window else 0
             for n in range(len(gains)):
                 rows = 1 + n + extra
-                cost = self.costs.of(rows) if rows <= room else None
+                cost = self.costs.of(rows, window) if rows <= room else None
                 if cost is None:
                     break
                 rate = (1 + gains[n] + (window_value if window else 0.0)) / cost
@@ -230,7 +304,6 @@ class Planner:
             if verified:
                 self.acceptance.observe(chain.source, chain.match, chain.tokens[:verified], emitted)
         sources = [plan.sources[node] for node in path]
-        if plan.window:
-            self.acceptance.window_value.add(0, 1)
-        self.acceptance.window_value.add(sources.count("window"), 0)
+        self.acceptance.window_observed(plan.window, sources.count("window"))
+        self.window_earned += sources.count("window")
         return sources

@@ -12,6 +12,7 @@ window only feeds the pool.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
@@ -182,6 +183,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
+        began = time.perf_counter()  # the step's whole cost, host work included, teaches the planner its costs
         start = cache.length
         compressor.prepare(cache)
         candidates = [Chain("text", match.length, tuple(index.continuation(match.end, settings.draft_tokens)))
@@ -210,6 +212,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         text.extend(emitted)
         index.extend(emitted)
         sources = planner.observe(plan, emitted, path)
+        planner.costs.observe(plan.rows, plan.window, (time.perf_counter() - began) * 1e3)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
         yield step
