@@ -158,21 +158,28 @@ def bench(
     config: ConfigOpt = None,
     suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit "
                                                   "(default: all).", show_default=False)] = None,
-    methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: all). vanilla always "
-                                                   "runs: it is the reference.", show_default=False)] = None,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: fafo, prompt-lookup, "
+                                                   "suffix; --full: all). vanilla always runs: it is the reference.",
+                                                   show_default=False)] = None,
     compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor (default: the "
                                                        "config's).", show_default=False)] = None,
     tokens: Annotated[int, typer.Option(help="New tokens per answer.", min=1)] = 512,
-    repeats: Annotated[int, typer.Option(help="Repetitions per prompt (medians reported).", min=1)] = 3,
+    repeats: Annotated[Optional[int], typer.Option(help="Repetitions per prompt, medians reported (default: 1; "
+                                                   "--full: 3).", min=1, show_default=False)] = None,
     warmup: Annotated[int, typer.Option(help="Untimed runs of every row first.", min=0)] = 1,
-    samples: Annotated[int, typer.Option(help="Prompts per suite.", min=1)] = 3,
+    samples: Annotated[Optional[int], typer.Option(help="Prompts per suite (default: 1; --full: 3).", min=1,
+                                                   show_default=False)] = None,
     prompts: Annotated[Optional[str], typer.Option(help="Your own prompts: a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
                                                min=0.0)] = 0.0,
     *, flags: dict,
-    external: Annotated[bool, typer.Option("--external/--no-external", help="Time transformers' generate and "
-                                           "its prompt lookup too.")] = True,
+    external: Annotated[Optional[bool], typer.Option("--external/--no-external", help="Time transformers' "
+                                                     "generate and its prompt lookup too (default: with --full).",
+                                                     show_default=False)] = None,
+    full: Annotated[bool, typer.Option("--full", help="The whole matrix: every method, transformers too, 3 prompts "
+                                       "per suite, 3 repetitions (hours on a small CPU; the default answers in "
+                                       "minutes).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-run the greedy rows in float32 and require "
                                          "identical tokens.")] = False,
     json_file: Annotated[Optional[str], typer.Option("--json", help="Write one record per method × suite.",
@@ -192,13 +199,15 @@ def bench(
     from .ui import consoles
 
     settings = config_mod.resolve(config, **flags)
+    matrix = command.FULL if full else command.QUICK
     options = command.BenchOptions(
         suites=parse_suites(suites),
-        methods=command.parse_list("--methods", methods, config_mod.METHODS, list(config_mod.METHODS)),
+        methods=command.parse_list("--methods", methods, config_mod.METHODS, list(matrix.methods)),
         compressors=command.parse_list("--compressors", compressors, config_mod.COMPRESSORS, [settings.compressor]),
-        tokens=tokens, repeats=repeats, warmup=warmup, samples=samples, prompts=prompts, temperature=temperature,
-        external=external, verify=verify, json_path=json_file, csv_path=csv_file, markdown_path=markdown_file,
-        plot_path=plot_file)
+        tokens=tokens, repeats=matrix.repeats if repeats is None else repeats, warmup=warmup,
+        samples=matrix.samples if samples is None else samples, prompts=prompts, temperature=temperature,
+        external=matrix.external if external is None else external, verify=verify, json_path=json_file,
+        csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file)
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod

