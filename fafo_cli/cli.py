@@ -1,4 +1,4 @@
-"""The `fafo` command: pull, list, run, chat, config. Thin: parse flags, call the API, render events."""
+"""The `fafo` command: pull, list, run, chat, bench, compile, config. Thin: parse flags, call the API, render events."""
 
 from __future__ import annotations
 
@@ -214,6 +214,32 @@ def bench(
 
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
     raise typer.Exit(command.run(_load(settings, err), settings, options, out, err))
+
+
+@app.command("compile")
+@config_options("compile")
+def compile_steps(
+    config: ConfigOpt = None,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods to build for (default: the "
+                                                   "config's method).", show_default=False)] = None,
+    *, flags: dict,
+) -> None:
+    """Build the compiled steps a method runs in, ahead of its first `--compile` run (minutes each on a CPU)."""
+    from dataclasses import replace
+
+    from .bench.command import parse_list
+    from .compiled.ahead import build_ahead
+    from .ui import consoles
+
+    settings = config_mod.resolve(config, **flags)
+    if settings.compile == "off":
+        raise FafoError("fafo compile builds compiled steps; --no-compile (or compile: off) contradicts it")
+    chosen = parse_list("--methods", methods, config_mod.METHODS, [settings.method])
+    _, err = consoles()
+    engine = _load(replace(settings, compile="on"), err)
+    for method, sizes in build_ahead(engine, chosen):
+        listed = ", ".join(map(str, sizes)) if sizes else "none (it runs eager)"
+        print(f"{method}: compiled steps of {listed} rows, in {engine.steps_folder}")
 
 
 @app.command()

@@ -26,9 +26,9 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 COMPILE = ("auto", "on", "off")
 
 
-# The commands that generate text offer every key as a flag (a later `serve` joins them here); a key's `also`
-# names the other commands that offer it.
-GENERATE = ("run", "chat")
+# The commands that generate text offer every key as a flag, and `compile`, whose builds follow the settings; a
+# key's `also` names the other commands that offer it.
+GENERATE = ("run", "chat", "compile")
 
 # The option panel (and reference section) of a key whose help starts with a method's name ("fafo: ...").
 SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt lookup", "cacheback": "Cacheback",

@@ -146,6 +146,17 @@ def test_cli_compile_flag(compiled_cache, compiled_engine, tiny, tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["settings"]["compile"] == "off"
 
 
+def test_fafo_compile_builds_what_each_method_runs_in(compiled_cache, compiled_engine, tiny, capsys):
+    code = entrypoint(["compile", str(tiny), "--methods", "vanilla,prompt-lookup", "--lookup-tokens", "5", "--dtype",
+                       "float32"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and [line.split(" rows")[0] for line in out] == ["vanilla: compiled steps of 1",
+                                                                      "prompt-lookup: compiled steps of 6"]
+    assert {1, 6} <= {int(p.stem.removeprefix("rows")) for p in compiled_engine.compiled.folder.glob("*.pt2")}
+    assert entrypoint(["compile", str(tiny), "--no-compile"]) == 1
+    assert "contradicts" in capsys.readouterr().err
+
+
 def test_view_mask_is_the_compressors_selection(tiny):
     """The compiled step's C(kv) mask marks exactly the positions the eager split attention copies."""
     from fafo_cli.decoders.fafo.compressors.stream import StreamCompressor

@@ -107,7 +107,8 @@ class CompiledSteps:
                     return None
         if self.mode != "on":
             return None
-        self.notify(f"compiling the {rows}-row step for this model once (minutes on a CPU; later runs load it)")
+        self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later runs "
+                    "load it)")
         started = time.perf_counter()
         try:
             build(self.model, rows, package, self.packed_modules())
@@ -122,6 +123,17 @@ class CompiledSteps:
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
         return runner
+
+    def _build_estimate(self) -> str:
+        """How long a build takes here: as the builds recorded beside this model's packages took."""
+        builds = [t.build_s for t in map(Timing.read, self.folder.glob("rows*.json")) if t is not None and t.build_s]
+        if not builds:
+            return "a minute or more on a CPU"
+        return f"about {sum(builds) / len(builds):.0f} s, as builds here took"
+
+    def built(self) -> list[int]:
+        """The package sizes loaded in this process so far (each runs its steps compiled)."""
+        return sorted(size for size, runner in self._runners.items() if runner is not None)
 
     def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits [rows, vocab] in the model's dtype of the step's `ids` at `positions`, written after the committed
