@@ -95,7 +95,7 @@ def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
     if stats.cached_prompt_tokens:
         prompt += f" ({stats.cached_prompt_tokens} cached)"
     parts += [f"{prompt} @ {stats.prompt_tokens_per_s:.0f} tok/s", f"TTFT {stats.ttft_s:.2f} s",
-              _memory(stats)]
+              f"total {stats.total_s:.2f} s", _memory(stats)]
     if finish_reason and finish_reason != "stop":
         parts.append(f"stopped: {finish_reason}")
     return " · ".join(parts)

@@ -123,6 +123,7 @@ def test_stats_are_consistent(tiny):
     assert stats.generated_tokens == 20 and stats.steps == 20 and stats.tokens_per_step == 1.0
     assert stats.prompt_tokens == len(engine.encode(PROMPT))
     assert stats.tokens_per_s > 0 and stats.ttft_s > 0 and stats.peak_memory_mb > 0
+    assert stats.total_s == stats.ttft_s + stats.decode_s and stats.to_dict()["total_s"] == stats.total_s
     assert stats.acceptance_rate is None and stats.pool_keys is None
 
 

@@ -45,6 +45,12 @@ class Stats:
         return (self.generated_tokens - 1) / self.decode_s if self.generated_tokens > 1 and self.decode_s else 0.0
 
     @property
+    def total_s(self) -> float:
+        """The whole request, start to last token: what a short answer's user waits (tokens_per_s leaves out the
+        prefill and the first token)."""
+        return self.ttft_s + self.decode_s
+
+    @property
     def prompt_tokens_per_s(self) -> float:
         prefilled = self.prompt_tokens - self.cached_prompt_tokens
         return prefilled / self.prefill_s if self.prefill_s else 0.0
@@ -66,7 +72,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
+        data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s, total_s=self.total_s,
                     prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
                     mean_draft=self.mean_draft, mean_rows=self.mean_rows)
         return data
