@@ -157,6 +157,13 @@ def test_fafo_compile_builds_what_each_method_runs_in(compiled_cache, compiled_e
     assert "contradicts" in capsys.readouterr().err
 
 
+def test_a_decoders_package_is_loaded_before_its_first_token(compiled_cache, compiled_engine, tiny):
+    compiled_engine.complete(SHORT, max_tokens=4, method="prompt-lookup", lookup_tokens=5)  # built: now only loads
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=lambda _: None)
+    first = next(engine.stream(SHORT, max_tokens=8, method="prompt-lookup", lookup_tokens=5))
+    assert first.stats.steps == 1 and engine.compiled.built() == [6]  # loaded during the prefill, not step 2
+
+
 def test_view_mask_is_the_compressors_selection(tiny):
     """The compiled step's C(kv) mask marks exactly the positions the eager split attention copies."""
     from fafo_cli.decoders.fafo.compressors.stream import StreamCompressor
