@@ -185,11 +185,12 @@ def _load_model(name: str | None, config: config_mod.Config, device: torch.devic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
+    weights = hub.weights_in(folder, str(dtype).removeprefix("torch."))
     try:
         with hub.quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
             hf_model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
                 use_safetensors=None if config.allow_pickle else True)
     except (OSError, ValueError) as e:
         raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None

@@ -100,6 +100,43 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     return target
 
 
+def weights_in(folder: Path, dtype: str) -> Path:
+    """The folder to load `folder`'s model from in `dtype` ("bfloat16", ...): itself, or for a converted .gguf model
+    (float32 weights) run in half precision, a copy of its weights in that dtype, made once beside them
+    (`<folder>/<dtype>/`, atomically). Loading then reads half the bytes and never holds the float32 file and
+    the half-precision weights at once; the values are the same (float32 rounded to the dtype, as a load does)."""
+    if dtype == "float32" or not (folder / SOURCE_MARKER).is_file() or not (folder / "model.safetensors").is_file():
+        return folder
+    target = folder / dtype
+    if (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=folder))
+    try:
+        for item in folder.iterdir():
+            if item.is_file() and item.name != "model.safetensors":
+                shutil.copy2(item, staging / item.name)
+        config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+        (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
+        with safe_open(folder / "model.safetensors", framework="pt") as weights:
+            tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
+            metadata = weights.metadata()
+        save_file(tensors, staging / "model.safetensors", metadata=metadata)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # not a concurrent copy that won the race
+                raise
+    except OSError as e:
+        raise FafoError(f"cannot write {target}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def source_record(folder: Path) -> dict:
     """What convert_gguf recorded in a converted model's folder; {} where that is missing or unreadable."""
     try:

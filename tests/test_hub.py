@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fafo_cli import hub
+from fafo_cli import hub, load
 from fafo_cli.errors import FafoError
 
 from .conftest import build_tiny_model, http_error
@@ -193,6 +193,28 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         (folder / hub.SOURCE_MARKER).write_text(damaged, encoding="utf-8", errors="surrogateescape")
         assert [(m.name, m.source) for m in hub.cached_models()] == [(folder.name, "gguf")], damaged
         assert hub.gguf_source(folder) is None
+
+
+def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "converted"
+    shutil.copytree(tiny, folder)
+    assert hub.weights_in(folder, "bfloat16") == folder  # not a converted .gguf: loaded as it is
+    (folder / hub.SOURCE_MARKER).write_text('{"gguf": "/nowhere/x.gguf", "name": "x"}')
+    assert hub.weights_in(folder, "float32") == folder
+    half = hub.weights_in(folder, "bfloat16")
+    assert half == folder / "bfloat16" and not list(folder.glob(".partial-*"))
+    full, rounded = load_file(folder / "model.safetensors"), load_file(half / "model.safetensors")
+    assert full.keys() == rounded.keys()
+    assert all(torch.equal(full[name].to(torch.bfloat16), rounded[name]) for name in full)
+    written = (half / "model.safetensors").stat().st_mtime_ns
+    assert hub.weights_in(folder, "bfloat16") == half and (half / "model.safetensors").stat().st_mtime_ns == written
+    eager = load(str(folder), dtype="bfloat16")  # the model loads from the copy, named by its own folder
+    assert eager.folder == folder and eager.model.dtype == torch.bfloat16
 
 
 def test_missing_embedded_package_is_explained(monkeypatch):
