@@ -78,8 +78,30 @@ def embedded_gguf() -> Path:
     return path
 
 
+def gguf_architecture(path: Path) -> str:
+    """The architecture a .gguf file's header names (`general.architecture`), read without loading its tensors."""
+    if importlib.util.find_spec("gguf") is None:
+        raise FafoError("reading .gguf files needs the 'gguf' package: pip install gguf")
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields.get("general.architecture")
+        architecture = field.contents() if field is not None else None
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct.error, IndexError... on a damaged file
+        raise FafoError(f"cannot read {path} as a GGUF model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        ) from None
+    if not isinstance(architecture, str):
+        raise FafoError(f"cannot read {path} as a GGUF model: its header names no architecture")
+    return architecture
+
+
 def convert_gguf(path: Path, name: str | None = None) -> Path:
-    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder."""
+    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. An
+    architecture we do not run is refused first, from the file's header (a conversion takes seconds to minutes)."""
+    architecture = gguf_architecture(path)
+    if architecture not in SUPPORTED:
+        raise FafoError(f"{path} is a {architecture} model, which fafo does not run (supported GGUF architectures: "
+                        f"{', '.join(SUPPORTED)})")
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"

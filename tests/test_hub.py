@@ -50,6 +50,25 @@ def test_file_that_is_not_gguf(tmp_path):
         hub.resolve(str(tmp_path / "bad.gguf"))
 
 
+def _gguf_header(path: Path, architecture: str) -> Path:
+    """A .gguf file with a header naming `architecture` and no tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_architecture_we_do_not_run_is_refused_before_conversion(caches, tmp_path, monkeypatch):
+    path = _gguf_header(tmp_path / "gemma.gguf", "gemma3")
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda *a: pytest.fail("converted before its architecture was checked"))
+    with pytest.raises(FafoError, match="is a gemma3 model, which fafo does not run .*llama, mistral, qwen2, qwen3"):
+        hub.resolve(str(path))
+
+
 def _folder(tmp_path, config: dict, files=("model.safetensors",)) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
@@ -165,8 +184,7 @@ def test_cached_hub_model_is_used_offline_and_listed(caches, tiny):
 
 
 def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = _gguf_header(tmp_path / "m.gguf", "llama")
 
     def crash(path, out):
         (out / "config.json").write_text("{}")  # half-written
