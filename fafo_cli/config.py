@@ -26,9 +26,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 COMPILE = ("auto", "on", "off")
 
 
-# The commands that generate text offer every key as a flag (a later `serve` joins them here); a key's `also`
-# names the other commands that offer it.
-GENERATE = ("run", "chat")
+# The commands that generate text offer every key as a flag; a key's `also` names the other commands that offer it.
+GENERATE = ("run", "chat", "serve")
 
 # The option panel (and reference section) of a key whose help starts with a method's name ("fafo: ...").
 SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt lookup", "cacheback": "Cacheback",
@@ -403,7 +402,7 @@ def _default_text(value: Any) -> str:
 
 def reference_markdown() -> str:
     """docs/configuration.md: every key with its flag, type, default, allowed values and help."""
-    everywhere = " and ".join(f"`fafo {command}`" for command in GENERATE)
+    everywhere = ", ".join(f"`fafo {command}`" for command in GENERATE[:-1]) + f" and `fafo {GENERATE[-1]}`"
     others = sorted({command for spec in fields(Config) for command in spec.metadata["also"]})
     lines = [
         "# Configuration", "",

@@ -1,0 +1,133 @@
+"""Running the server: the address bound before the model loads (a taken port fails at once), uvicorn serving the
+app, the request log on stderr, and a clean stop on SIGINT/SIGTERM.
+
+On a signal the server stops accepting connections, cancels the queued requests and the running one (each client
+is told: 503 "the server is shutting down", or that error as the stream's last event), waits for the answers in
+flight to close and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from ..api import Engine
+from ..errors import FafoError
+from .app import create_app
+from .worker import Worker
+
+log = logging.getLogger("fafo.serve")
+
+BODY_BASE = 64 * 1024  # the JSON around a prompt, and short prompts on small-context models
+BODY_PER_TOKEN = 32  # bytes of request body per token of context: text runs a few bytes a token, JSON escapes more
+GRACE_S = 10  # after a signal, the longest wait for answers in flight to close (they end within a step)
+
+
+@dataclass(frozen=True)
+class Options:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors: tuple[str, ...] = ()
+    queue: int = 32  # requests that may wait while one runs
+    conversations: int = 4  # earlier conversations whose caches are kept (Engine.keep_conversations)
+    conversations_mb: float = 1024
+    verbose: bool = False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line FafoError (port in use, unknown host, not an address of this machine)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise FafoError(f"--host {host}: not an address or a known host name ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise FafoError(f"cannot listen on {host}:{port}: the port is in use (choose another with --port)") \
+                from None
+        if e.errno == errno.EACCES:
+            raise FafoError(f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges)") \
+                from None
+        raise FafoError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(sock: socket.socket) -> bool:
+    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+
+
+def url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def serve(engine: Engine, sock: socket.socket, options: Options) -> None:
+    """Serve until SIGINT or SIGTERM; return when every answer in flight has closed."""
+    engine.keep_conversations(options.conversations, options.conversations_mb)
+    context = engine.model.max_context
+    worker = Worker(engine, options.queue)
+    app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
+                     max_body=BODY_BASE + BODY_PER_TOKEN * context)
+    config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
+                            timeout_graceful_shutdown=GRACE_S, lifespan="off")
+    server = Server(config, worker)
+    log.info("serving %s on %s (method %s, context %d tokens, queue %d); Ctrl-C stops", engine.name, url(sock),
+             engine.config.method, context, options.queue)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.close()
+        worker.join(GRACE_S)
+    log.info("stopped")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on a signal also cancels the engine's work, and exits normally afterwards (uvicorn
+    raises the signal again once stopped, which would turn a requested stop into an error exit)."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig, frame) -> None:
+        self.worker.close()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def setup_logging(verbose: bool) -> None:
+    """The request log: one line per request on stderr (`--verbose`: also each request's settings and uvicorn's
+    access log)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
