@@ -78,7 +78,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
               Route("/health", _answers_errors(health), methods=["GET"])]
     middleware = [Middleware(Guard, api_key=api_key, max_body=max_body)]
     if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+        middleware.insert(0, Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
                                         allow_headers=["Authorization", "Content-Type"]))
     handlers = {404: _http_error, 405: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
@@ -174,6 +174,16 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
               exc_info=log.isEnabledFor(logging.DEBUG))
     return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details",
                     code="internal_error").response()
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with its refusal of a preflight request in OpenAI's error shape like every other error."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        return ApiError(400, bytes(response.body).decode(), code="cors_refused").response()
 
 
 class Guard:

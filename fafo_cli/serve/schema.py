@@ -59,7 +59,7 @@ class Job:
 
 def read_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # JSON on the wire is UTF-8 (RFC 8259)
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text") from None
     except ValueError as e:

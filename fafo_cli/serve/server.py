@@ -79,32 +79,42 @@ def url(sock: socket.socket) -> str:
 
 
 def serve(engine: Engine, sock: socket.socket, options: Options) -> None:
-    """Serve until SIGINT or SIGTERM; return when every answer in flight has closed."""
+    """Serve on a bound socket until SIGINT or SIGTERM; return when every answer in flight has closed."""
+    create(engine, options).serve_on(sock)
+
+
+def create(engine: Engine, options: Options) -> "Server":
     engine.keep_conversations(options.conversations, options.conversations_mb)
-    context = engine.model.max_context
     worker = Worker(engine, options.queue)
     app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
-                     max_body=BODY_BASE + BODY_PER_TOKEN * context)
+                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context)
     config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
                             timeout_graceful_shutdown=GRACE_S, lifespan="off")
-    server = Server(config, worker)
-    log.info("serving %s on %s (method %s, context %d tokens, queue %d); Ctrl-C stops", engine.name, url(sock),
-             engine.config.method, context, options.queue)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        worker.close()
-        worker.join(GRACE_S)
-    log.info("stopped")
+    return Server(config, engine, worker, options)
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, which on a signal also cancels the engine's work, and exits normally afterwards (uvicorn
-    raises the signal again once stopped, which would turn a requested stop into an error exit)."""
+    """uvicorn's server, which on a signal (or `stop`) also cancels the engine's work, and exits normally afterwards
+    (uvicorn raises the signal again once stopped, which would turn a requested stop into an error exit)."""
 
-    def __init__(self, config: uvicorn.Config, worker: Worker):
+    def __init__(self, config: uvicorn.Config, engine: Engine, worker: Worker, options: Options):
         super().__init__(config)
-        self.worker = worker
+        self.engine, self.worker, self.options = engine, worker, options
+
+    def serve_on(self, sock: socket.socket) -> None:
+        log.info("serving %s on %s (method %s, context %d tokens, queue %d); Ctrl-C stops", self.engine.name,
+                 url(sock), self.engine.config.method, self.engine.model.max_context, self.options.queue)
+        try:
+            self.run(sockets=[sock])
+        finally:
+            self.worker.close()
+            self.worker.join(GRACE_S)
+        log.info("stopped")
+
+    def stop(self) -> None:
+        """What a signal does, from any thread."""
+        self.worker.close()
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         self.worker.close()
