@@ -9,6 +9,7 @@ flight to close and exits 0.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import ipaddress
 import logging
@@ -88,8 +89,10 @@ def create(engine: Engine, options: Options) -> "Server":
     worker = Worker(engine, options.queue)
     app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
                      max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context)
+    logging_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # every log line on stderr, as ours
     config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
-                            timeout_graceful_shutdown=GRACE_S, lifespan="off")
+                            log_config=logging_config, timeout_graceful_shutdown=GRACE_S, lifespan="off")
     return Server(config, engine, worker, options)
 
 
