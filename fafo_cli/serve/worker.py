@@ -138,7 +138,7 @@ class Worker:
             try:
                 for last in stream:
                     ticket.post(last)
-                    if ticket.cancelled:
+                    if ticket.cancelled and not last.finish_reason:
                         break
             finally:
                 stream.close()
