@@ -151,33 +151,45 @@ class Engine:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder),
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 
-    def stream(self, prompt: Prompt, **overrides) -> Iterator[Step]:
-        """Generate an answer, yielding one Step per forward pass (the last one has `finish_reason`)."""
+    def stream(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Iterator[Step]:
+        """Generate an answer, yielding one Step per forward pass (the last one has `finish_reason`). `stop`: strings
+        that end the answer where one first appears (it is not included; finish_reason "stop")."""
         config = self.request_config(**overrides)
-        ids = self.encode(prompt, config)
+        yield from self.generate(self.encode(prompt, config), config, stop)
+
+    def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = ()) -> Iterator[Step]:
+        """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
         context = self.model.max_context
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
+        if not all(stop):
+            raise FafoError("a stop string must not be empty")
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
-        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config)
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop))
+        self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
         try:
             yield from DECODERS[config.method](self.session, request, emitter)
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
             self.session.rollback(min(len(self.session.ids), self.session.cache.length))
 
-    def complete(self, prompt: Prompt, **overrides) -> Result:
+    def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Result:
         config = self.request_config(**overrides)
-        steps = list(self.stream(prompt, **{**overrides, "seed": config.seed}))
+        steps = list(self.stream(prompt, stop=stop, **{**overrides, "seed": config.seed}))
         last = steps[-1]
         token_ids = [t for step in steps for t in step.token_ids]
         return Result("".join(s.text for s in steps), token_ids, last.stats, last.finish_reason,
                       self.settings(config))
 
     def reset(self) -> None:
-        """Forget the cached conversation (the next request prefills from scratch) and what decoders learned from
-        earlier answers."""
+        """Forget the cached conversation (the next request prefills from scratch), the kept ones, and what decoders
+        learned from earlier answers."""
         self.session.reset()
+
+    def keep_conversations(self, count: int, max_mb: float) -> None:
+        """Keep the caches of up to `count` earlier conversations besides the live one (at most `max_mb` MB of keys
+        and values), so that clients taking turns each prefill only their new tokens (`fafo serve` does)."""
+        self.session.keep_conversations(count, int(max_mb * 1e6))
 
 
 def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):

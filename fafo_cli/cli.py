@@ -1,4 +1,5 @@
-"""The `fafo` command: pull, list, run, chat, bench, compile, config. Thin: parse flags, call the API, render events."""
+"""The `fafo` command: pull, list, run, chat, serve, bench, compile, config. Thin: parse flags, call the API, render
+events."""
 
 from __future__ import annotations
 
@@ -150,6 +151,47 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     Repl(_load(settings, err), out, err).run()
+
+
+@app.command()
+@config_options("serve")
+def serve(
+    config: ConfigOpt = None,
+    *, flags: dict,
+    host: Annotated[str, typer.Option(help="Address to listen on. Beyond this machine (e.g. 0.0.0.0), set an API "
+                                      "key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).", min=0, max=65535)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="FAFO_API_KEY", show_default=False,
+                                                   help="Require 'Authorization: Bearer KEY' on every request "
+                                                   "but /health.")] = None,
+    cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", show_default=False,
+                                                      help="Let web pages from this origin call the server "
+                                                      "(repeat for more; off by default).")] = None,
+    queue: Annotated[int, typer.Option(help="Requests that may wait while one runs; beyond, 503.", min=0)] = 32,
+    conversations: Annotated[int, typer.Option(help="Earlier conversations whose KV caches are kept, so clients "
+                                               "taking turns prefill only their new tokens.", min=0)] = 4,
+    conversations_mb: Annotated[float, typer.Option(help="Most memory those caches take, in MB.", min=0)] = 1024,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each request's settings and every HTTP "
+                                          "request too.")] = False,
+) -> None:
+    """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from .serve import server
+
+    settings = config_mod.resolve(config, **flags)
+    options = server.Options(host, port, api_key or None, tuple(cors or ()), queue, conversations, conversations_mb,
+                             verbose)
+    sock = server.bind(host, port)  # before the model loads: a taken port fails at once
+    try:
+        if options.api_key is None and not server.is_loopback(sock):
+            print(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
+                  "model (set --api-key or FAFO_API_KEY)", file=sys.stderr)
+        from .ui import consoles
+
+        server.setup_logging(verbose)
+        engine = _load(settings, consoles()[1])
+        server.serve(engine, sock, options)
+    finally:
+        sock.close()
 
 
 @app.command()

@@ -28,7 +28,7 @@ COMPILE = ("auto", "on", "off")
 
 # The commands that generate text offer every key as a flag, and `compile`, whose builds follow the settings; a
 # key's `also` names the other commands that offer it.
-GENERATE = ("run", "chat", "compile")
+GENERATE = ("run", "chat", "serve", "compile")
 
 # The option panel (and reference section) of a key whose help starts with a method's name ("fafo: ...").
 SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt lookup", "cacheback": "Cacheback",
@@ -403,7 +403,7 @@ def _default_text(value: Any) -> str:
 
 def reference_markdown() -> str:
     """docs/configuration.md: every key with its flag, type, default, allowed values and help."""
-    everywhere = " and ".join(f"`fafo {command}`" for command in GENERATE)
+    everywhere = ", ".join(f"`fafo {command}`" for command in GENERATE[:-1]) + f" and `fafo {GENERATE[-1]}`"
     others = sorted({command for spec in fields(Config) for command in spec.metadata["also"]})
     lines = [
         "# Configuration", "",

@@ -103,5 +103,19 @@ class KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def snapshot(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the committed keys and values ([layer, position, kv_head, dim]) in `dtype`: the model's dtype
+        holds them exactly (see the module's note), in half the bytes of a float32 store."""
+        return (self.keys[:, :self.length].to(dtype, copy=True),
+                self.values[:, :self.length].to(dtype, copy=True))
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make a snapshot's positions the committed cache (what was committed before is dropped)."""
+        self.length = 0
+        self.reserve(keys.shape[1])
+        self.keys[:, :keys.shape[1]] = keys
+        self.values[:, :values.shape[1]] = values
+        self.length = keys.shape[1]
+
     def nbytes(self) -> int:
         return self.storage_keys.numel() * self.storage_keys.element_size() * 2

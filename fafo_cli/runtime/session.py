@@ -2,8 +2,9 @@
 
 `Session` remembers which token ids its cache holds. A new request prefills only what differs from that
 (the longest common prefix is kept), which is how a chat turn costs only its new tokens, whatever the
-decoder. `Emitter` turns a decoder's accepted tokens into `Step` events: stop tokens, the token limit and
-the context limit are checked token by token, so nothing is emitted past them.
+decoder; a session may also keep a few earlier conversations (`keep_conversations`, for a server's clients taking
+turns). `Emitter` turns a decoder's accepted tokens into `Step` events: stop tokens, stop strings, the token limit
+and the context limit are checked token by token, so nothing is emitted past them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .cache import KVCache
+from .conversations import KeptConversation, KeptConversations, shared_prefix
 from .detok import Detokenizer
 from .events import Stats, Step
 from .memory import PeakMemory
@@ -22,8 +24,12 @@ from .masks import PrefixMasks, prefix_attention
 from .model import Model, causal_attention, prefix_causal_mask
 from .rows import StepRows, plain_step
 from .sampling import Sampling
+from .stops import StopStrings
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
+# A request that would cut fewer of the live conversation's tokens than this does not keep a copy of it: a chat turn
+# often re-encodes the end of the previous answer differently, and a copy would only duplicate the live conversation.
+KEEP_AT_LEAST = 16
 MEMORY_EVERY_S = 0.1  # peak memory is sampled at most this often (and at the last step): a read of /proc per step
 # is a measurable share of a compiled step
 
@@ -35,6 +41,7 @@ class Request:
     sampling: Sampling
     stop_ids: frozenset[int]
     config: Any = None  # the request's Config: method-specific settings for the decoder
+    stop_strings: tuple[str, ...] = ()  # the answer ends before the first of these in its text
 
 
 class CompiledStepRunner(Protocol):
@@ -70,12 +77,39 @@ class Session:
         # through CompiledSteps.step_ms; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
         self._masks = PrefixMasks(model.device)  # eager steps' masks
+        self.kept: KeptConversations | None = None  # earlier conversations besides the live one (keep_conversations)
 
     def reset(self) -> None:
         self.cache.truncate(0)
         self.ids = []
         self.carry.clear()
         self.learned.clear()
+        if self.kept is not None:
+            self.kept.clear()
+
+    def keep_conversations(self, count: int, max_bytes: int) -> None:
+        """Keep up to `count` earlier conversations (at most `max_bytes` of keys and values) for `recall`."""
+        self.kept = KeptConversations(count, max_bytes) if count else None
+
+    def recall(self, prompt_ids: list[int]) -> None:
+        """Before a request's prefill: make the live conversation the one, live or kept, that shares the most of
+        `prompt_ids`; keep a copy of the live one first when the request would cut it."""
+        if self.kept is None:
+            return
+        reusable = prompt_ids[:-1]  # prefill always computes the last prompt token
+        live = shared_prefix(self.ids, reusable)
+        entry, longest = self.kept.best(reusable)
+        if longest <= live:
+            entry = None
+        else:
+            self.kept.take(entry)  # before keep() below, which could drop it
+        if len(self.ids) - live >= KEEP_AT_LEAST:
+            keys, values = self.cache.snapshot(self.model.dtype)
+            self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
+            self.carry = {}
+        if entry is not None:
+            self.cache.load(entry.keys, entry.values)
+            self.ids, self.carry = list(entry.ids), entry.carry
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(length)
@@ -92,11 +126,7 @@ class Session:
         """
         if self.compiled is not None:
             self.compiled.serves(steps)
-        reused = 0
-        for cached, new in zip(self.ids, prompt_ids[:-1]):
-            if cached != new:
-                break
-            reused += 1
+        reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
         self.cache.reserve(min(self.model.max_context, len(prompt_ids) + reserve))
         logits = None
@@ -168,6 +198,7 @@ class Emitter:
         self.request = request
         self.context_left = session.model.max_context - len(request.prompt_ids)
         self.detok = Detokenizer(tokenizer)
+        self.stops = StopStrings(request.stop_strings) if request.stop_strings else None
         self.memory = PeakMemory(session.model.device)
         self.stats = Stats(prompt_tokens=len(request.prompt_ids), memory_kind=self.memory.kind)
         self.token_ids: list[int] = []
@@ -196,6 +227,7 @@ class Emitter:
                 self.finish_reason = "context"
             if self.finish_reason:
                 break
+        kept, text = self._text(kept)
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -218,11 +250,27 @@ class Emitter:
         stats.decode_s = now - self.first_token_at
         if self.finish_reason or now - self._memory_at >= MEMORY_EVERY_S:
             stats.peak_memory_mb, self._memory_at = self.memory.sample(), now
-        text = self.detok.add([t for t in kept if t not in self.request.stop_ids])  # stop tokens are not shown
-        if self.finish_reason:
-            text += self.detok.flush()
         # accepted_from is replaced, not changed in place, so the snapshot may share it
         return Step(tuple(kept), text, replace(stats, step_rows=dict(stats.step_rows)), accepted, self.finish_reason)
+
+    def _text(self, kept: list[int]) -> tuple[list[int], str]:
+        """The text these tokens add (stop tokens are not shown). With stop strings, token by token: the tokens
+        end with the one that completes a stop string, and the text before that stop string."""
+        stop_ids = self.request.stop_ids
+        if self.stops is None:
+            text = self.detok.add([t for t in kept if t not in stop_ids])
+            if self.finish_reason:
+                text += self.detok.flush()
+            return kept, text
+        text = ""
+        for i, token in enumerate(kept):
+            text += self.stops.feed(self.detok.add([] if token in stop_ids else [token]))
+            if self.stops.found:
+                self.finish_reason = "stop"
+                return kept[:i + 1], text
+        if self.finish_reason:
+            text += self.stops.feed(self.detok.flush()) + self.stops.flush()
+        return kept, text
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,229 @@
+"""The HTTP face: Starlette routes over the worker's queue, in OpenAI's shapes.
+
+Every answer, errors included, is JSON (or server-sent events for a stream); no traceback reaches a client. A
+request whose client leaves, while it waits in the queue or while it streams, is cancelled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import AsyncIterator, Awaitable
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..api import Engine
+from ..runtime.events import Step
+from . import responses, schema
+from .errors import ApiError
+from .worker import Ticket, Worker
+
+log = logging.getLogger("fafo.serve")
+
+OPEN_PATHS = {"/health"}  # answered without the API key: a liveness probe tells nothing about the model's use
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, cors: tuple[str, ...] = (),
+               max_body: int) -> Starlette:
+    served, started = engine.name, int(time.time())
+
+    async def chat(request: Request) -> Response:
+        return await _complete(request, "chat")
+
+    async def text(request: Request) -> Response:
+        return await _complete(request, "text")
+
+    async def _complete(request: Request, kind: str) -> Response:
+        job = schema.parse(schema.read_json(await request.body()), kind, engine, served)
+        ticket = worker.submit(job, asyncio.get_running_loop())
+        try:
+            first = await _unless_gone(request, ticket.next())
+            if isinstance(first, ApiError):
+                return first.response()
+            if job.stream:
+                return EventStream(_events(ticket, first, served), on_close=lambda: worker.cancel(ticket))
+            return await _unless_gone(request, _whole(ticket, first, served))
+        except ClientGone:
+            worker.cancel(ticket)
+            return Response(status_code=499)  # nobody reads it (nginx's code for a client that closed the request)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model(served, started)]})
+
+    async def model(request: Request) -> Response:
+        if request.path_params["name"] != served:
+            raise ApiError(404, f"the model '{request.path_params['name']}' does not exist: this server serves "
+                                f"'{served}'", param="model", code="model_not_found")
+        return JSONResponse(_model(served, started))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": served, **worker.load})
+
+    routes = [Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
+              Route("/v1/completions", _answers_errors(text), methods=["POST"]),
+              Route("/v1/models", _answers_errors(models), methods=["GET"]),
+              Route("/v1/models/{name:path}", _answers_errors(model), methods=["GET"]),
+              Route("/health", _answers_errors(health), methods=["GET"])]
+    middleware = [Middleware(Guard, api_key=api_key, max_body=max_body)]
+    if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
+        middleware.insert(0, Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                                        allow_headers=["Authorization", "Content-Type"]))
+    handlers = {404: _http_error, 405: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the stream ends (finished, or the client gone mid-stream)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _events(ticket: Ticket, item: Step | ApiError, model: str) -> AsyncIterator[bytes]:
+    """The answer as OpenAI's chunks, then `data: [DONE]`; an error after the stream began is one error event."""
+    if ticket.job.kind == "chat":
+        yield responses.event(responses.chunk(ticket, model, first=True))
+    while True:
+        if isinstance(item, ApiError):
+            yield responses.event(item.body())
+            return
+        if item.text:
+            yield responses.event(responses.chunk(ticket, model, item.text))
+        if item.finish_reason:
+            yield responses.event(responses.last_chunk(ticket, model, item.stats, item.finish_reason))
+            if ticket.job.include_usage:
+                yield responses.event(responses.usage_chunk(ticket, model, item.stats))
+            yield responses.event("[DONE]")
+            return
+        item = await ticket.next()
+
+
+async def _whole(ticket: Ticket, item: Step | ApiError, model: str) -> Response:
+    parts = []
+    while True:
+        if isinstance(item, ApiError):
+            return item.response()
+        parts.append(item.text)
+        if item.finish_reason:
+            return JSONResponse(responses.completion(ticket, model, "".join(parts), item.stats, item.finish_reason))
+        item = await ticket.next()
+
+
+async def _unless_gone(request: Request, work: Awaitable):
+    """`work`'s result, or ClientGone as soon as the client disconnects (the body has been read by then)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _model(served: str, started: int) -> dict:
+    return {"id": served, "object": "model", "created": started, "owned_by": "fafo-cli"}
+
+
+def _answers_errors(endpoint):
+    """An endpoint whose failures are OpenAI-shaped JSON: ApiError with its status, anything else a 500."""
+    async def answering(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as e:
+            return e.response()
+        except Exception as e:
+            return await _internal_error(request, e)
+
+    return answering
+
+
+async def _http_error(request: Request, exc) -> Response:
+    what = {404: f"no such endpoint: {request.method} {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}"}[exc.status_code]
+    return ApiError(exc.status_code, what, headers=dict(exc.headers or {})).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
+              exc_info=log.isEnabledFor(logging.DEBUG))
+    return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details",
+                    code="internal_error").response()
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with its refusal of a preflight request in OpenAI's error shape like every other error."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        return ApiError(400, bytes(response.body).decode(), code="cors_refused").response()
+
+
+class Guard:
+    """The API key (Authorization: Bearer) and the body size bound, before any route reads a byte of the body."""
+
+    def __init__(self, app, *, api_key: str | None, max_body: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            return await refusal.response()(scope, receive, send)
+        read = 0
+
+        async def bounded() -> dict:  # a body sent without Content-Length (chunked) is counted as it arrives
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_body:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, bounded, send)
+
+    def _refusal(self, scope, headers: Headers) -> ApiError | None:
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            scheme, _, key = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                return ApiError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
+                                code="invalid_api_key")
+            if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+                return ApiError(401, "incorrect API key", code="invalid_api_key")  # never echoed, never logged
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return self._too_large() if length.isdigit() else ApiError(400, "invalid Content-Length")
+        return None
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
+                             "this model's context takes", code="request_too_large")

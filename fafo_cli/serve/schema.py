@@ -1,0 +1,211 @@
+"""Request bodies of /v1/chat/completions and /v1/completions, checked into a Job.
+
+OpenAI's fields are checked one by one; our own settings come as extra fields (`method`, `compressor`, `budget`,
+...) and are checked exactly as the config file's keys are (Engine.request_config). Nothing is ignored: a field we
+do not support, or a value we cannot honour (n > 1, tools, logprobs), is a 400 that names it. A field given as null
+is a field not given, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .. import config as config_mod
+from ..api import LOAD_KEYS, Engine
+from ..errors import FafoError
+from .errors import ApiError
+
+MAX_STOPS = 4  # as OpenAI
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user"}
+CHAT = COMMON | {"messages", "max_completion_tokens"}
+TEXT = COMMON | {"prompt"}
+# Fields accepted only at the value that asks for nothing (clients often send them explicitly)
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}
+TEXT_NEUTRAL = {**NEUTRAL, "echo": False, "best_of": 1}
+# Config keys a client may not set: they name files on the server's disk
+SERVER_ONLY = {"cacheback_table"}
+PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI: developer
+# messages are what system messages were
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "chat" or "text"
+    prompt: str | list[dict]  # chat messages (chat template applied) or text continued as is
+    config: config_mod.Config  # the request's settings: validated, the model's sampling defaults and a seed filled
+    asked_tokens: bool  # max_tokens was given: beyond the context it is an error, not cut to fit
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+    def fitted(self, prompt_tokens: int, context: int) -> config_mod.Config:
+        """The config with max_tokens bounded by the context left after the prompt (an error if asked beyond)."""
+        room = context - prompt_tokens
+        if room <= 0:
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this model's context is {context} tokens",
+                           param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded")
+        if self.config.max_tokens <= room:
+            return self.config
+        if self.asked_tokens:
+            raise ApiError(400, f"this model's context is {context} tokens: the prompt takes {prompt_tokens}, so "
+                                f"max_tokens can be at most {room} (got {self.config.max_tokens})",
+                           param="max_tokens", code="context_length_exceeded")
+        return replace(self.config, max_tokens=room)
+
+
+def read_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8"))  # JSON on the wire is UTF-8 (RFC 8259)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8 text") from None
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
+    """A Job for a chat (`kind` "chat") or completion ("text") request body, or ApiError 400/404."""
+    given = {key: value for key, value in body.items() if value is not None}
+    openai, neutral = (CHAT, NEUTRAL) if kind == "chat" else (TEXT, TEXT_NEUTRAL)
+    for key, value in given.items():
+        if key in neutral:
+            if value != neutral[key] or isinstance(value, bool) != isinstance(neutral[key], bool):
+                raise ApiError(400, f"'{key}' must be {json.dumps(neutral[key])}: this server does not support "
+                                    f"other values", param=key, code="unsupported_value")
+        elif key in LOAD_KEYS - {"model"}:
+            raise ApiError(400, f"'{key}' is fixed when the server loads the model (a `fafo serve` option)",
+                           param=key, code="unsupported_parameter")
+        elif key not in openai and key not in PER_REQUEST:
+            raise ApiError(400, f"unsupported field '{key}'", param=key, code="unsupported_parameter")
+    _typed(given, "user", str, "a string")  # the caller's id for its end user: no effect on the answer
+    model = _typed(given, "model", str, "a string")
+    if model is not None and model != served:
+        raise ApiError(404, f"the model '{model}' does not exist: this server serves '{served}' (GET /v1/models)",
+                       param="model", code="model_not_found")
+    prompt = _messages(given) if kind == "chat" else _prompt(given)
+    overrides = {key: given[key] for key in PER_REQUEST & given.keys() if key != "max_tokens"}
+    tokens = _max_tokens(given, kind)
+    if tokens is not None:
+        overrides["max_tokens"] = tokens
+    if kind == "text":
+        overrides.setdefault("chat_template", False)  # a completion continues the text as it is
+        if "system" in overrides and not overrides["chat_template"]:
+            raise ApiError(400, "'system' needs the chat template: send \"chat_template\": true, or use "
+                                "/v1/chat/completions", param="system", code="unsupported_value")
+    stream = _typed(given, "stream", bool, "true or false") or False
+    include_usage = _stream_options(given, stream)
+    stop = _stop(given)
+    try:
+        config = engine.request_config(**overrides)
+    except FafoError as e:
+        key = re.search(r"'(\w+)'", str(e))
+        raise ApiError(400, str(e), param=key.group(1) if key else None, code="invalid_value") from None
+    return Job(kind, prompt, config, tokens is not None, stop, stream, include_usage)
+
+
+def _typed(given: dict, key: str, kind: type, what: str) -> Any:
+    value = given.get(key)
+    if value is not None and (type(value) is not kind):
+        raise ApiError(400, f"'{key}' must be {what} (got {json.dumps(value)})", param=key, code="invalid_type")
+    return value
+
+
+def _max_tokens(given: dict, kind: str) -> int | None:
+    tokens = _typed(given, "max_tokens", int, "an integer")
+    if kind == "chat":
+        newer = _typed(given, "max_completion_tokens", int, "an integer")
+        if tokens is not None and newer is not None and tokens != newer:
+            raise ApiError(400, "'max_tokens' and 'max_completion_tokens' differ: give one", param="max_tokens",
+                           code="invalid_value")
+        tokens = newer if newer is not None else tokens
+    if tokens is not None and tokens < 1:
+        raise ApiError(400, f"'max_tokens' must be at least 1 (got {tokens})", param="max_tokens",
+                       code="invalid_value")
+    return tokens
+
+
+def _stream_options(given: dict, stream: bool) -> bool:
+    options = _typed(given, "stream_options", dict, "an object")
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options",
+                       code="invalid_value")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise ApiError(400, f"unsupported field 'stream_options.{unknown[0]}'", param=f"stream_options.{unknown[0]}",
+                       code="unsupported_parameter")
+    usage = options.get("include_usage")
+    if usage is not None and type(usage) is not bool:
+        raise ApiError(400, "'stream_options.include_usage' must be true or false",
+                       param="stream_options.include_usage", code="invalid_type")
+    return bool(usage)
+
+
+def _stop(given: dict) -> tuple[str, ...]:
+    stop = given.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise ApiError(400, f"'stop' takes at most {MAX_STOPS} non-empty strings", param="stop", code="invalid_value")
+    return tuple(stops)
+
+
+def _messages(given: dict) -> list[dict]:
+    messages = given.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages",
+                       code="invalid_type" if messages is not None else "missing_required_parameter")
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message: Any, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise ApiError(400, f"'{where}' must be an object with 'role' and 'content'", param=where, code="invalid_type")
+    given = {key: value for key, value in message.items() if value is not None}
+    unknown = sorted(set(given) - {"role", "content"})
+    if unknown:
+        raise ApiError(400, f"unsupported field '{where}.{unknown[0]}'", param=f"{where}.{unknown[0]}",
+                       code="unsupported_parameter")
+    role = given.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)} (got {json.dumps(role)})",
+                       param=f"{where}.role", code="invalid_value")
+    return {"role": ROLES[role], "content": _content(given.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts (joined); other parts (images, audio) are refused."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}: "
+                                    "this server takes text only", param=f"{where}[{i}]", code="unsupported_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where,
+                   code="invalid_type" if content is not None else "missing_required_parameter")
+
+
+def _prompt(given: dict) -> str:
+    prompt = given.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # one prompt in a list: one completion
+    if isinstance(prompt, str):
+        return prompt
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    raise ApiError(400, "'prompt' must be a string (one prompt per request; token ids are not supported)",
+                   param="prompt", code="invalid_type")

@@ -1,0 +1,146 @@
+"""Running the server: the address bound before the model loads (a taken port fails at once), uvicorn serving the
+app, the request log on stderr, and a clean stop on SIGINT/SIGTERM.
+
+On a signal the server stops accepting connections, cancels the queued requests and the running one (each client
+is told: 503 "the server is shutting down", or that error as the stream's last event), waits for the answers in
+flight to close and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from ..api import Engine
+from ..errors import FafoError
+from .app import create_app
+from .worker import Worker
+
+log = logging.getLogger("fafo.serve")
+
+BODY_BASE = 64 * 1024  # the JSON around a prompt, and short prompts on small-context models
+BODY_PER_TOKEN = 32  # bytes of request body per token of context: text runs a few bytes a token, JSON escapes more
+GRACE_S = 10  # after a signal, the longest wait for answers in flight to close (they end within a step)
+
+
+@dataclass(frozen=True)
+class Options:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors: tuple[str, ...] = ()
+    queue: int = 32  # requests that may wait while one runs
+    conversations: int = 4  # earlier conversations whose caches are kept (Engine.keep_conversations)
+    conversations_mb: float = 1024
+    verbose: bool = False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line FafoError (port in use, unknown host, not an address of this machine)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise FafoError(f"--host {host}: not an address or a known host name ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise FafoError(f"cannot listen on {host}:{port}: the port is in use (choose another with --port)") \
+                from None
+        if e.errno == errno.EACCES:
+            raise FafoError(f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges)") \
+                from None
+        raise FafoError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(sock: socket.socket) -> bool:
+    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+
+
+def url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def serve(engine: Engine, sock: socket.socket, options: Options) -> None:
+    """Serve on a bound socket until SIGINT or SIGTERM; return when every answer in flight has closed."""
+    create(engine, options).serve_on(sock)
+
+
+def create(engine: Engine, options: Options) -> "Server":
+    engine.keep_conversations(options.conversations, options.conversations_mb)
+    worker = Worker(engine, options.queue)
+    app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
+                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context)
+    logging_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # every log line on stderr, as ours
+    config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
+                            log_config=logging_config, timeout_graceful_shutdown=GRACE_S, lifespan="off")
+    return Server(config, engine, worker, options)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on a signal (or `stop`) also cancels the engine's work, and exits normally afterwards
+    (uvicorn raises the signal again once stopped, which would turn a requested stop into an error exit)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, worker: Worker, options: Options):
+        super().__init__(config)
+        self.engine, self.worker, self.options = engine, worker, options
+
+    def serve_on(self, sock: socket.socket) -> None:
+        log.info("serving %s on %s (method %s, context %d tokens, queue %d); Ctrl-C stops", self.engine.name,
+                 url(sock), self.engine.config.method, self.engine.model.max_context, self.options.queue)
+        try:
+            self.run(sockets=[sock])
+        finally:
+            self.worker.close()
+            self.worker.join(GRACE_S)
+        log.info("stopped")
+
+    def stop(self) -> None:
+        """What a signal does, from any thread."""
+        self.worker.close()
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        self.worker.close()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def setup_logging(verbose: bool) -> None:
+    """The request log: one line per request on stderr (`--verbose`: also each request's settings and uvicorn's
+    access log)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False

@@ -1,0 +1,182 @@
+"""One engine, many clients: requests wait in arrival order in a bounded queue, and one thread runs them one at a
+time, handing each Step to the event loop of the request that asked.
+
+A cancelled request (its client left, or the server is stopping) ends after the step in flight: the flag is read
+between steps, and closing the engine's stream rolls its cache back to a consistent state for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ..api import Engine
+from ..errors import FafoError
+from ..runtime.events import Step
+from .errors import ApiError, shutting_down
+from .schema import Job
+
+log = logging.getLogger("fafo.serve")
+
+
+class Ticket:
+    """A request in the queue: its job, and what the worker hands back (Steps, the last with a finish_reason; or an
+    ApiError)."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop):
+        self.job = job
+        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.queued_at = time.perf_counter()
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.ending: ApiError | None = None  # told to the client when the server cancels the request
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def post(self, item: Step | ApiError) -> None:
+        """From the worker's thread: hand an event to the request's loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def next(self) -> Step | ApiError:
+        return await self._events.get()
+
+
+class Worker:
+    def __init__(self, engine: Engine, max_waiting: int):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._waiting: deque[Ticket] = deque()
+        self._running: Ticket | None = None
+        self._closing = False
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, name="fafo-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Queue a job; a full queue is a 503 with Retry-After (OpenAI's status for an overloaded engine)."""
+        with self._lock:
+            if self._closing:
+                raise shutting_down()
+            if len(self._waiting) >= self.max_waiting:
+                raise ApiError(503, f"the server is busy: {len(self._waiting)} requests are waiting (--queue "
+                                    f"{self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
+            ticket = Ticket(job, loop)
+            self._waiting.append(ticket)
+            self._lock.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket, ending: ApiError | None = None) -> None:
+        """Stop a request: a waiting one leaves the queue, a running one ends after its current step. `ending`: what
+        the client is told (None: the client is gone)."""
+        with self._lock:
+            if ticket.cancelled:
+                return
+            ticket.ending = ending
+            ticket._cancelled.set()
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                if ending is not None:
+                    ticket.post(ending)
+
+    def close(self) -> None:
+        """Accept nothing more; cancel the waiting requests and the running one (safe from a signal handler: it
+        does not wait)."""
+        with self._lock:
+            self._closing = True
+            tickets = [*self._waiting, *([self._running] if self._running else [])]
+            self._lock.notify()
+        for ticket in tickets:
+            self.cancel(ticket, shutting_down())
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def load(self) -> dict:
+        with self._lock:
+            return {"running": int(self._running is not None), "waiting": len(self._waiting)}
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._closing:
+                    self._lock.wait()
+                if not self._waiting:
+                    return
+                ticket = self._running = self._waiting.popleft()
+            try:
+                self._run(ticket)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _run(self, ticket: Ticket) -> None:
+        job, engine = ticket.job, self.engine
+        if ticket.cancelled:  # between leaving the queue and starting
+            if ticket.ending is not None:
+                ticket.post(ticket.ending)
+            return
+        log.debug("%s %s start after %.2fs in the queue: %s", ticket.id, job.kind,
+                  time.perf_counter() - ticket.queued_at, _settings(job))
+        last: Step | None = None
+        try:
+            ids = engine.encode(job.prompt, job.config)
+            stream = engine.generate(ids, job.fitted(len(ids), engine.model.max_context), job.stop)
+            try:
+                for last in stream:
+                    ticket.post(last)
+                    if ticket.cancelled and not last.finish_reason:
+                        break
+            finally:
+                stream.close()
+        except ApiError as e:
+            return self._failed(ticket, e)
+        except FafoError as e:
+            return self._failed(ticket, ApiError(400, str(e), code="invalid_value"))
+        except (torch.OutOfMemoryError, MemoryError):
+            return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
+                                                 code="out_of_memory"))
+        except Exception as e:  # a bug: the client gets a 500 without the traceback, the log keeps it
+            log.error("%s failed: %s: %s", ticket.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            return self._failed(ticket, ApiError(500, f"internal error ({type(e).__name__}); the server's log has "
+                                                      "the details", code="internal_error"))
+        if ticket.cancelled and ticket.ending is not None and not (last and last.finish_reason):
+            ticket.post(ticket.ending)
+        finish = last.finish_reason if last is not None and last.finish_reason else "cancelled"
+        log.info("%s", request_line(ticket, last, finish))
+
+    def _failed(self, ticket: Ticket, error: ApiError) -> None:
+        ticket.post(error)
+        log.info("%s %s %s error %d: %s", ticket.id, ticket.job.kind, ticket.job.config.method, error.status,
+                 error.message)
+
+
+def request_line(ticket: Ticket, last: Step | None, finish: str) -> str:
+    """The request's log line: id, method, prompt / cached / generated tokens, tokens/s, τ, finish reason."""
+    job = ticket.job
+    method = job.config.method
+    if last is None:
+        return f"{ticket.id} {job.kind} {method} {finish} before its first token"
+    s = last.stats
+    return (f"{ticket.id} {job.kind} {method} prompt={s.prompt_tokens} cached={s.cached_prompt_tokens} "
+            f"generated={s.generated_tokens} {s.tokens_per_s:.1f} tok/s τ={s.tokens_per_step:.2f} {finish} "
+            f"{s.total_s:.2f}s")
+
+
+def _settings(job: Job) -> str:
+    c = job.config
+    return (f"max_tokens={c.max_tokens} temperature={c.temperature:g} top_p={c.top_p:g} seed={c.seed} "
+            f"stop={len(job.stop)} stream={job.stream}")

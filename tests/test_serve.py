@@ -1,0 +1,490 @@
+"""`fafo serve` against real clients: uvicorn on loopback serving a tiny float32 model, spoken to with the official
+`openai` client and raw HTTP (httpx). Answers equal the engine's own (which equal transformers' generate), under
+concurrency too; a client that leaves frees the engine; bad input gets the right status in OpenAI's error shape;
+the command itself starts, refuses bad addresses and stops cleanly on a signal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+from fafo_cli import load
+from fafo_cli.cli import entrypoint
+from fafo_cli.serve import server as server_mod
+
+from .conftest import hf_greedy
+
+KEY = "sk-test-5ecret"
+ORIGIN = "http://page.example"
+LONG = 1800  # tokens of an answer that is still running when the test needs it to be (the tiny model's context: 2048)
+
+
+@dataclass
+class Live:
+    """A `fafo serve` server running in a thread of the test process, and the lines it logged."""
+    url: str
+    name: str
+    server: server_mod.Server
+    thread: threading.Thread
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def health(self) -> str:
+        return self.url.removesuffix("/v1") + "/health"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=60,
+                             **kwargs)
+
+    def logged(self, pattern: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.log if re.search(pattern, line)]
+            if found:
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"nothing logged matches {pattern!r}: {self.log[-5:]}")
+
+
+class Lines(logging.Handler):
+    def __init__(self, lines: list[str]):
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _start(engine, **options) -> Live:
+    sock = server_mod.bind("127.0.0.1", 0)
+    server = server_mod.create(engine, server_mod.Options(**options))
+    thread = threading.Thread(target=server.serve_on, args=(sock,), daemon=True)
+    live = Live(server_mod.url(sock), engine.name, server, thread)
+    live.handler = Lines(live.log)
+    logging.getLogger("fafo.serve").addHandler(live.handler)
+    logging.getLogger("fafo.serve").setLevel(logging.DEBUG)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    return live
+
+
+def _stop(live: Live) -> None:
+    live.server.stop()
+    live.thread.join(30)
+    logging.getLogger("fafo.serve").removeHandler(live.handler)
+    assert not live.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    live = _start(load(str(tiny), dtype="float32"))
+    yield live
+    _stop(live)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    """With an API key, CORS for one origin and room for one waiting request."""
+    live = _start(load(str(tiny), dtype="float32"), api_key=KEY, cors=(ORIGIN,), queue=1)
+    yield live
+    _stop(live)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The engine as `fafo run` uses it, the same settings as the server's: what every answer must equal."""
+    return load(str(tiny), dtype="float32")
+
+
+def _sse(response: httpx.Response) -> list:
+    """The data of a server-sent event stream, JSON decoded ([DONE] as is)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+TEXT = "The list of colours: red, green,"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_answers_equal_the_engine_and_transformers(served, reference, tiny, kind, stream):
+    client = served.client()
+    if kind == "chat":
+        expected = reference.complete(CHAT, max_tokens=20)
+        prompt_ids = reference.encode(CHAT)
+        call = client.chat.completions.create
+        arguments = dict(model=served.name, messages=CHAT, max_tokens=20)
+    else:
+        expected = reference.complete(TEXT, max_tokens=20, chat_template=False)
+        prompt_ids = reference.encode(TEXT, reference.request_config(chat_template=False))
+        call = client.completions.create
+        arguments = dict(model=served.name, prompt=TEXT, max_tokens=20)
+    assert expected.token_ids == hf_greedy(tiny, prompt_ids, 20)  # the engine equals transformers' generate
+    if stream:
+        chunks = list(call(**arguments, stream=True, stream_options={"include_usage": True}))
+        pieces = [(c.choices[0].delta.content if kind == "chat" else c.choices[0].text) or ""
+                  for c in chunks if c.choices]
+        text, usage = "".join(pieces), chunks[-1].usage
+        finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finishing) == 1 and finishing[0] is chunks[-2] and not chunks[-1].choices
+        finish, fafo = finishing[0].choices[0].finish_reason, finishing[0].model_extra["fafo"]
+        assert len({c.id for c in chunks}) == 1
+        if kind == "chat":
+            assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        response = call(**arguments)
+        choice = response.choices[0]
+        text = choice.message.content if kind == "chat" else choice.text
+        usage, finish, fafo = response.usage, choice.finish_reason, response.model_extra["fafo"]
+        assert response.object == ("chat.completion" if kind == "chat" else "text_completion")
+        assert response.id.startswith("chatcmpl-" if kind == "chat" else "cmpl-") and response.model == served.name
+    assert text == expected.text and finish == "length"
+    assert usage.completion_tokens == len(expected.token_ids) == 20
+    assert usage.prompt_tokens == len(prompt_ids) and usage.total_tokens == len(prompt_ids) + 20
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < len(prompt_ids)
+    assert fafo["method"] == "fafo" and fafo["tau"] == pytest.approx(20 / fafo["steps"], abs=1e-3)
+    assert 0 <= fafo["accepted"] <= fafo["drafted"] and fafo["tokens_per_s"] > 0
+
+
+def test_settings_per_request(served, reference):
+    """Our settings as extra fields, and OpenAI's sampling fields, reach the engine: the same answer as the engine
+    gives with those settings."""
+    client = served.client()
+    peer = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12,
+                                          extra_body={"method": "prompt-lookup", "lookup_tokens": 4})
+    assert peer.model_extra["fafo"]["method"] == "prompt-lookup"
+    assert peer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
+    sampled = [client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=0.9,
+                                              top_p=0.8, seed=7) for _ in range(2)]
+    expected = reference.complete(CHAT, max_tokens=12, temperature=0.9, top_p=0.8, seed=7).text
+    assert [s.choices[0].message.content for s in sampled] == [expected, expected]
+    assert sampled[0].model_extra["fafo"]["seed"] == 7
+    developer = [{"role": "developer", "content": "You are terse."}, CHAT[1]]  # OpenAI's newer name for system
+    answer = client.chat.completions.create(model=served.name, messages=developer, max_tokens=12)
+    assert answer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
+
+
+def test_continued_conversations_prefill_only_their_new_tokens(served, reference):
+    """A second turn reuses the first's cache, even after another client's conversation came in between."""
+    client = served.client()
+    first = [{"role": "user", "content": "Tell me about the sea, please."}]
+    answer = client.chat.completions.create(model=served.name, messages=first, max_tokens=16)
+    other = [{"role": "user", "content": "Something else entirely: what is a prime?"}]
+    client.chat.completions.create(model=served.name, messages=other, max_tokens=16)
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "And the mountains?"}]
+    again = client.chat.completions.create(model=served.name, messages=second, max_tokens=16)
+    assert again.usage.prompt_tokens == len(reference.encode(second))
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(reference.encode(first))
+    assert again.choices[0].message.content == reference.complete(second, max_tokens=16).text
+    assert re.search(rf"prompt={again.usage.prompt_tokens} cached={again.usage.prompt_tokens_details.cached_tokens} ",
+                     served.logged(again.id))
+
+
+def test_stop_strings(served, reference):
+    full = reference.complete(TEXT, max_tokens=40, chat_template=False).text
+    at = next(i for i in range(6, len(full) - 2) if full[i:i + 2].isprintable() and full.find(full[i:i + 2]) == i)
+    client = served.client()
+    for stream in (False, True):
+        arguments = dict(model=served.name, prompt=TEXT, max_tokens=40, stop=[full[at:at + 2], "\x00none"])
+        if stream:
+            chunks = list(client.completions.create(**arguments, stream=True))
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.completions.create(**arguments).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert (text, finish) == (full[:at], "stop")
+
+
+def test_sixteen_concurrent_streams_each_get_their_own_answer(served, reference):
+    prompts = [f"Client {i} asks about topic number {i * 7 % 11}." for i in range(16)]
+    expected = [reference.complete([{"role": "user", "content": p}], max_tokens=12) for p in prompts]
+    results: list = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        chunks = served.client().chat.completions.create(
+            model=served.name, messages=[{"role": "user", "content": prompts[i]}], max_tokens=12, stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(chunks)
+        results[i] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for (text, usage), want in zip(results, expected):
+        assert text == want.text and usage.completion_tokens == len(want.token_ids)
+
+
+def test_a_client_that_leaves_frees_the_engine(served):
+    body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        # the connection is closed here, mid-answer
+        line = served.logged(rf"{first['id']} .* cancelled")
+        assert int(re.search(r"generated=(\d+)", line).group(1)) < LONG // 2
+        after = http.post("/completions", json={"prompt": "next", "max_tokens": 4})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 10  # the worker finishes its bookkeeping just after the answer is sent
+        while http.get(served.health).json()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def test_a_full_queue_answers_503(guarded):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    waited: dict = {}
+
+    def wait_in_queue() -> None:
+        with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
+            response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
+            waited.update(status=response.status_code, body=response.json())
+
+    with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as running:
+            events = running.iter_lines()  # held: a dropped iterator would close the connection
+            next(line for line in events if line.startswith("data: "))
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while http.get(guarded.health).json()["waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            full = http.post("/completions", json={"prompt": "one too many", "max_tokens": 3})
+            assert full.status_code == 503 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "queue_full"
+            with pytest.raises(openai.APIStatusError) as refused:
+                guarded.client(api_key=KEY).completions.create(model=guarded.name, prompt="again", max_tokens=3)
+            assert refused.value.status_code == 503
+    waiter.join(30)  # the running answer was dropped: the waiting one is answered
+    assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_api_key(guarded):
+    with httpx.Client(base_url=guarded.url, timeout=30) as http:
+        assert http.get(guarded.health).status_code == 200  # open: a liveness probe
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic a2V5Og=="}):
+            response = http.get("/models", headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+            assert KEY not in response.text
+        assert http.get("/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").models.list()
+    models = guarded.client(api_key=KEY).models.list()
+    assert [m.id for m in models.data] == [guarded.name]
+    assert not any(KEY in line for line in guarded.log)
+
+
+def test_cors_only_for_the_given_origin(served, guarded):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with httpx.Client(timeout=30) as http:
+        allowed = http.options(f"{guarded.url}/chat/completions", headers=preflight)
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+        other = http.options(f"{guarded.url}/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        assert _check_error(other, 400)["code"] == "cors_refused"
+        off = http.get(f"{served.url}/models", headers={"Origin": ORIGIN})
+        assert off.status_code == 200 and "access-control-allow-origin" not in off.headers
+
+
+def test_models_and_health(served):
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        models = http.get("/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [served.name]
+        assert http.get(f"/models/{served.name}").json()["id"] == served.name
+        assert http.get("/models/gpt-4").status_code == 404
+        assert http.get(served.health).json()["status"] == "ok"
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+# (endpoint, body: a JSON value or raw bytes, status, the error's param or code)
+BAD = [
+    ("chat", b'{"messages": [', 400, None),
+    ("chat", b"[1, 2]", 400, None),
+    ("chat", b"\xff\xfe{}", 400, None),
+    ("chat", {}, 400, "messages"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": "hi"}, 400, "messages"),
+    ("chat", {"messages": [1]}, 400, "messages[0]"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0]"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name"),
+    ("chat", {"messages": MESSAGES, "n": 2}, 400, "n"),
+    ("chat", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("chat", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ("chat", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat", {"messages": MESSAGES, "frobnicate": 1}, 400, "frobnicate"),
+    ("chat", {"messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("chat", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"messages": MESSAGES, "max_tokens": 5000}, 400, "context_length_exceeded"),
+    ("chat", {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens"),
+    ("chat", {"messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": MESSAGES, "seed": -5}, 400, "seed"),
+    ("chat", {"messages": MESSAGES, "seed": 1.5}, 400, "seed"),
+    ("chat", {"messages": MESSAGES, "stream": "yes"}, 400, "stream"),
+    ("chat", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"messages": MESSAGES, "stream": True, "stream_options": {"every": 1}}, 400, "stream_options.every"),
+    ("chat", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("chat", {"messages": MESSAGES, "stop": [1]}, 400, "stop"),
+    ("chat", {"messages": MESSAGES, "stop": ""}, 400, "stop"),
+    ("chat", {"messages": MESSAGES, "method": "warp"}, 400, "method"),
+    ("chat", {"messages": MESSAGES, "compressor": "zip"}, 400, "compressor"),
+    ("chat", {"messages": MESSAGES, "budget": 0}, 400, "budget"),
+    ("chat", {"messages": MESSAGES, "dtype": "float16"}, 400, "dtype"),
+    ("chat", {"messages": MESSAGES, "cacheback_table": "/etc/passwd"}, 400, "cacheback_table"),
+    ("chat", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    ("text", {}, 400, "prompt"),
+    ("text", {"prompt": ""}, 400, None),
+    ("text", {"prompt": [1, 2, 3]}, 400, "prompt"),
+    ("text", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("text", {"prompt": "x " * 2100}, 400, "context_length_exceeded"),
+    ("text", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("text", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("text", {"prompt": "hi", "suffix": "there"}, 400, "suffix"),
+    ("text", {"prompt": "hi", "max_completion_tokens": 4}, 400, "max_completion_tokens"),
+    ("text", {"prompt": "hi", "system": "Be brief."}, 400, "system"),
+]
+
+
+def _check_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json") and "Traceback" not in response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    return error
+
+
+@pytest.mark.parametrize("endpoint, body, status, where", BAD,
+                         ids=[f"{i}-{case[0]}-{case[3]}" for i, case in enumerate(BAD)])
+def test_bad_input_gets_an_openai_error(served, endpoint, body, status, where):
+    path = "/chat/completions" if endpoint == "chat" else "/completions"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        error = _check_error(http.post(path, content=content, headers={"Content-Type": "application/json"}), status)
+        if where is not None:
+            assert where in (error["param"], error["code"]), error
+
+
+def test_wrong_routes_and_oversized_bodies(served):
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        _check_error(http.get("/chat/completions"), 405)
+        _check_error(http.post("/nothing/here", json={}), 404)
+        huge = json.dumps({"prompt": "x" * 300_000}).encode()
+        assert _check_error(http.post("/completions", content=huge), 413)["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: counted as it arrives
+            for _ in range(40):
+                yield b" " * 10_000
+
+        _check_error(http.post("/completions", content=chunked()), 413)
+        # the server keeps serving
+        assert http.post("/completions", json={"prompt": "still there?", "max_tokens": 2}).status_code == 200
+
+
+def test_command_refuses_bad_addresses_in_one_line(tiny, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = entrypoint(["serve", str(tiny), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "in use" in err
+    for argv, code, message in [(["--host", "no-such-host.invalid"], 1, "not an address"),
+                                (["--host", "192.0.2.1"], 1, "cannot listen on 192.0.2.1"),  # not this machine's
+                                (["--port", "70000"], 2, "--port")]:
+        assert entrypoint(["serve", str(tiny), *argv]) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_warns_when_listening_beyond_loopback_without_a_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FAFO_API_KEY", raising=False)
+    missing = str(tmp_path / "no-model")  # the command stops right after the warning, at loading the model
+    assert entrypoint(["serve", missing, "--host", "0.0.0.0", "--port", "0"]) == 1
+    assert "warning: listening on 0.0.0.0 without an API key" in capsys.readouterr().err
+    monkeypatch.setenv("FAFO_API_KEY", KEY)
+    assert entrypoint(["serve", missing, "--host", "0.0.0.0", "--port", "0"]) == 1
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_command_serves_and_stops_cleanly_on_a_signal(tiny):
+    """`fafo serve` as a user starts it; SIGINT mid-answer: the stream ends with an error event, the server exits 0
+    and the API key never reaches its log."""
+    command = [sys.executable, "-m", "fafo_cli", "serve", str(tiny), "--dtype", "float32", "--port", "0",
+               "--method", "vanilla", "--api-key", KEY, "--verbose"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    try:
+        url = None
+        while url is None:  # the line saying where it serves, once the model is loaded
+            lines.append(process.stderr.readline())
+            assert lines[-1], "".join(lines)
+            url = re.search(r" on (http://\S+/v1) ", lines[-1])
+        reader.start()
+        with httpx.Client(base_url=url.group(1), headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+            body = {"prompt": TEXT, "max_tokens": LONG, "stream": True}
+            with http.stream("POST", "/completions", json=body) as response:
+                events = response.iter_lines()
+                next(line for line in events if line.startswith("data: "))
+                process.send_signal(signal.SIGINT)
+                rest = [json.loads(line[6:]) for line in events if line.startswith("data: ")]
+        assert rest and rest[-1]["error"]["code"] == "shutting_down"
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(10)
+    log = "".join(lines)
+    assert re.search(r"cmpl-\w+ text vanilla .* cancelled", log) and "stopped" in log
+    assert "start after" in log  # --verbose: each request's settings
+    assert KEY not in log and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_smollm2_answers_through_the_server_as_through_the_engine(smollm2):
+    engine = load(str(smollm2), dtype="float32")
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    expected = engine.complete(messages, max_tokens=24)  # before the server owns the engine
+    live = _start(engine)
+    try:
+        chunks = list(live.client().chat.completions.create(model=live.name, messages=messages, max_tokens=24,
+                                                            stream=True, stream_options={"include_usage": True}))
+    finally:
+        _stop(live)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert expected.text.strip()
