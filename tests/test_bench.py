@@ -14,8 +14,8 @@ from fafo_cli.bench import suites
 from fafo_cli.cli import entrypoint
 
 FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
-REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "tau", "exact", "peak_memory_mb", "settings",
-            "model", "dtype", "device", "versions"}
+REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_speedup", "speedup_by_prompt", "tau",
+            "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions"}
 
 
 def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
@@ -34,6 +34,9 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
         assert record["dtype"] == "float32" and record["versions"]["torch"]
     assert {r["compressor"] for r in records if r["method"] == "fafo"} == {"stream", "none"}
     assert next(r for r in records if r["row"] == "vanilla")["speedup"] == 1.0
+    for record in records:
+        if record["speedup"] is not None:  # one prompt per suite here: the worst is the median
+            assert record["worst_speedup"] == min(record["speedup_by_prompt"].values()) == record["speedup"]
     table = list(csv.DictReader(files["csv"].open()))
     assert len(table) == len(records) and table[3]["row"] == records[3]["row"]
     markdown = files["md"].read_text()

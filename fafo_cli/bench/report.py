@@ -21,6 +21,7 @@ class Result:
     tokens_per_s: float  # median over samples of the median over repetitions
     spread: float  # median over samples of half the range over repetitions (tokens/s)
     speedup: float | None  # median over samples of (row / vanilla), each the median over repetitions
+    speedups: dict[str, float]  # that ratio per sample: a method that must never lose is judged on the worst
     tau: float | None  # generated tokens / full-model passes, over all runs (None: passes not known)
     step_ms: float  # median time of one decoding step (external rows: per token)
     accepted: int
@@ -50,6 +51,10 @@ class Result:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
+    def worst_speedup(self) -> float | None:
+        return min(self.speedups.values()) if self.speedups else None
+
+    @property
     def bugs(self) -> list[tuple[str, Divergence]]:
         return [(sample, d) for sample, d in self.divergences if not d.near_tie]
 
@@ -58,6 +63,8 @@ class Result:
             "method": self.row.method, "row": self.row.name, "compressor": self.row.compressor, "suite": self.suite,
             "tokens_per_s": round(self.tokens_per_s, 3), "spread": round(self.spread, 3),
             "speedup": None if self.speedup is None else round(self.speedup, 4),
+            "worst_speedup": None if self.worst_speedup is None else round(self.worst_speedup, 4),
+            "speedup_by_prompt": {sample: round(ratio, 4) for sample, ratio in self.speedups.items()},
             "tau": None if self.tau is None else round(self.tau, 4), "step_ms": round(self.step_ms, 2),
             "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
             "accepted_tokens": self.accepted, "drafted_tokens": self.drafted,
@@ -92,7 +99,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 continue
             by_sample = _median_by_sample(mine)
             medians = {s: statistics.median(v) for s, v in by_sample.items()}
-            ratios = [medians[s] / base[s] for s in medians if base.get(s)]
+            ratios = {s: medians[s] / base[s] for s in medians if base.get(s)}
             compared = [(r.sample.id, divergences.get((row.name, r.sample.id))) for r in mine if r.repeat == 0]
             found = [(sample, d) for sample, d in compared if d is not None]
             step_rows: dict[int, int] = {}
@@ -105,7 +112,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
             results.append(Result(
                 suite, row, statistics.median(medians.values()),
                 statistics.median((max(v) - min(v)) / 2 for v in by_sample.values()),
-                statistics.median(ratios) if ratios else None,
+                statistics.median(ratios.values()) if ratios else None, ratios,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
                 statistics.median(r.step_ms for r in mine),
@@ -116,8 +123,8 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
     return results
 
 
-COLUMNS = ("suite", "method", "tokens/s", "speedup", "τ", "draft", "rows", "ms/step", "acceptance", "from text",
-           "peak memory", "exact")
+COLUMNS = ("suite", "method", "tokens/s", "speedup", "worst", "τ", "draft", "rows", "ms/step", "acceptance",
+           "from text", "peak memory", "exact")
 
 
 def _cells(result: Result) -> list[str]:
@@ -126,10 +133,10 @@ def _cells(result: Result) -> list[str]:
     memory = f"{result.peak_memory_mb:,.0f} MB"
     if result.draft_memory_mb:
         memory += f" (+{result.draft_memory_mb:,.1f})"
-    speedup = "—" if result.speedup is None else f"{result.speedup:.2f}×"
+    speedup, worst = ("—" if value is None else f"{value:.2f}×" for value in (result.speedup, result.worst_speedup))
     accepted = sum(result.accepted_from.values())
     from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
-    return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup,
+    return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup, worst,
             _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1), f"{result.step_ms:.1f}",
             acceptance, from_text, memory, exact]
 
