@@ -53,6 +53,7 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
     cuts: dict[str, Cut] = field(default_factory=dict)
+    forbidden: set[str] = field(default_factory=set)  # files whose bytes are refused (403), their metadata not
     url: str = ""
 
     def add(self, repo_id: str, files: dict[str, bytes], gated: int | None = None) -> Repo:
@@ -131,6 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
         cut = self.hub.cuts.get(file)
         if body and cut is not None and cut.dropped:
             return self._refuse(503, None, body)
+        if body and file in self.hub.forbidden:  # as a download link that expired: no error code of the hub's
+            return self._refuse(403, None, body, message="Request has expired")
         start = _range_start(self.headers.get("Range"), len(data)) if body else 0
         self.send_response(206 if start else 200)
         self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
@@ -159,11 +162,14 @@ class _Handler(BaseHTTPRequestHandler):
         if body:
             self.wfile.write(data)
 
-    def _refuse(self, status: int, code: str | None, body: bool, commit: str | None = None) -> None:
-        data = json.dumps({"error": code or "unavailable"}).encode()
+    def _refuse(self, status: int, code: str | None, body: bool, commit: str | None = None,
+                message: str | None = None) -> None:
+        data = json.dumps({"error": message or code or "unavailable"}).encode()
         self.send_response(status)
         if code:
             self.send_header("X-Error-Code", code)
+        if message:
+            self.send_header("X-Error-Message", message)
         if commit:
             self.send_header("X-Repo-Commit", commit)
         self.send_header("Content-Type", "application/json")
