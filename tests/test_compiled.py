@@ -95,6 +95,21 @@ def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, 
     assert {engine.compiled.step_ms(size) > 0 for size in (1, 3, 6)} == {True}  # the planner's measured costs
 
 
+def test_fafo_stays_compiled_where_only_its_larger_packages_are_missing(compiled_cache, tiny):
+    """Under `compile: auto` a package that measured slower than eager (or was never built) is not used: FAFO's
+    steps then keep to the sizes that are, instead of the whole answer running eager."""
+    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 3, 6
+    load(str(tiny), dtype="float32", chat_template=False, compile="on",
+         notify=lambda _: None).complete(SHORT, max_tokens=8, **settings)  # builds what is missing of 1, 3, 6
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
+    longer = dict(settings, draft_tokens=16)  # sizes 1, 3, 6, 19: a 20-row package that does not exist
+    result = engine.complete(LONG, max_tokens=TOKENS, **longer)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
+    assert result.stats.streams == 1 and set(engine.compiled.calls_by_size) <= {1, 3, 6}
+    assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1  # every step compiled
+    assert max(result.stats.step_rows) <= 6
+
+
 def test_side_by_side_times_each_package(compiled_engine):
     from fafo_cli.compiled import timing
 

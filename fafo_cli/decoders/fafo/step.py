@@ -93,16 +93,18 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
     W=1 measured clearly faster than W=2 (docs/benchmarks.md)."""
     if settings.streams != "auto":
         return settings.streams
-    return 1 if compiled is not None and compiled.serves(replace(settings, streams=1).max_rows) else 2
+    return 1 if compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows) else 2
 
 
 def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepRunner | None) -> StepCosts:
     """What a pass costs against its rows, for the planner: on compiled steps, per package size that serves (as
     `fafo bench --tune` timed them side by side, else as each package's build timed it); eager, the tuned curve.
-    Before anything is measured, a default curve."""
+    Before anything is measured, a default curve. FAFO runs compiled where the plain step and the window's step
+    are served; larger sizes that are not (under `compile: auto`, a package that measured slower than eager) only
+    bound the step's rows, so a long copy is verified over more steps rather than the whole answer running eager."""
     accelerator = session.model.device.type != "cpu"
-    if compiled is not None and compiled.serves(settings.max_rows):
-        sizes = [size for size in settings.step_sizes if compiled.serves(size)]
+    sizes = [size for size in settings.step_sizes if compiled is not None and compiled.serves(size)]
+    if {1, 1 + settings.window_rows} <= set(sizes):
         ms = {size: compiled.step_ms(size) for size in sizes}
         if all(ms.values()):
             return StepCosts(ms, sizes)
