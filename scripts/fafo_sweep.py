@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 
 import common
+from fafo_cli.runtime.conversations import shared_prefix
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
                 result = engine.complete(prompt, max_tokens=args.tokens, **settings)
                 if name == "vanilla":
                     reference = result.token_ids
-                same = _common_prefix(result.token_ids, reference)
+                same = shared_prefix(result.token_ids, reference)
                 results[name].append((result.stats, same, len(result.token_ids)))
         base = statistics.median(s.tokens_per_s for s, _, _ in results["vanilla"])
         base_step = statistics.median(common.ms_per_step(s) for s, _, _ in results["vanilla"])
@@ -64,13 +65,6 @@ def main() -> None:
                       f"| {peak:.0f} MB |")
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 if __name__ == "__main__":
