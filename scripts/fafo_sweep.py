@@ -65,7 +65,5 @@ def main() -> None:
                       f"| {peak:.0f} MB |")
 
 
-
-
 if __name__ == "__main__":
     main()
