@@ -202,6 +202,8 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
 def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypatch):
     hf_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (utils exports a class of its name)
     monkeypatch.setattr(hf_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", None)  # the tests' setting, read at import
+    # and bars on, as a fresh process has them (a model load in an earlier test of this worker may have left them off)
+    monkeypatch.setattr(hf_tqdm, "progress_bar_states", {})
     monkeypatch.setenv("TQDM_POSITION", "-1")  # huggingface_hub's switch: bars even where stderr is no terminal
     fake_hub.add_folder("org/copy", tiny)
     # quiet first: huggingface_hub leaves its byte bars to the garbage collector, which draws them once more
