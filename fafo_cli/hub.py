@@ -238,9 +238,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if importlib.util.find_spec("gguf") is None:
-        raise FafoError("reading .gguf files needs the 'gguf' package: pip install gguf")
-    with quiet_transformers():
+    with quiet_transformers():  # convert_gguf read the header first, so the gguf package is known to be there
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as e:
