@@ -2,6 +2,13 @@
 
 __version__ = "0.1.0"
 
-from .api import Engine, load  # noqa: E402
-
 __all__ = ["Engine", "load", "__version__"]
+
+
+def __getattr__(name: str):
+    # The API pulls in torch and transformers (seconds); `fafo list`, `pull`, `config` and `--help` need neither.
+    if name in ("Engine", "load"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fafo_cli' has no attribute '{name}'")

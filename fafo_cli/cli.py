@@ -386,8 +386,6 @@ def _one_line(message: str) -> str:
 
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
-    import torch
-
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="fafo", standalone_mode=False)
@@ -411,14 +409,13 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (torch.OutOfMemoryError, MemoryError):
+    except (MemoryError, RuntimeError) as e:
+        # torch.OutOfMemoryError is a RuntimeError (named, not imported: only model commands load torch), and so
+        # are CPU allocator failures
+        if isinstance(e, RuntimeError) and not (type(e).__name__ == "OutOfMemoryError"
+                                                or ("alloc" in str(e) and "memory" in str(e))):
+            raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1
-    except RuntimeError as e:
-        if "alloc" in str(e) and "memory" in str(e):  # CPU allocator failures are plain RuntimeErrors
-            print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model",
-                  file=sys.stderr)
-            return 1
-        raise
     except BrokenPipeError:  # `fafo run ... | head`
         return 0

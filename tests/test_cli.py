@@ -178,6 +178,18 @@ def test_module_entry_point_and_version():
     assert out.stdout.startswith("fafo-cli ")
 
 
+@pytest.mark.parametrize("command", [["--help"], ["list", "--json"], ["config", "show"], ["pull", "--help"]])
+def test_commands_without_a_model_do_not_import_torch(command, tmp_path):
+    """They answer in a fraction of a second: torch and transformers are loaded only by the commands that run one."""
+    probe = ("import sys\nfrom fafo_cli.cli import entrypoint\ncode = entrypoint(sys.argv[1:])\n"
+             "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n"
+             "sys.exit(code)")
+    env = {**os.environ, "FAFO_CACHE": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    out = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stderr
+
+
 def test_live_panel_renders_on_a_terminal(tiny):
     from rich.console import Console
 

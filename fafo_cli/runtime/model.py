@@ -15,16 +15,6 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 
-# Architectures whose decoder layer is: pre-norm attention (optional qkv bias, optional per-head q/k norm)
-# with rotary embeddings, then pre-norm gated MLP. That is exactly what `Model.forward` computes.
-# model_type -> architecture
-SUPPORTED = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-SUPPORTED_ARCHITECTURES = tuple(SUPPORTED.values())
 
 # attend(layer, queries [1, heads, rows, dim], keys [1, kv_heads, slots, dim], values) -> [1, heads, rows, dim]
 # (4-D with a batch axis: torch's fused CPU attention kernel needs it; 3-D inputs fall back to a slow path)
