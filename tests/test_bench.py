@@ -253,3 +253,17 @@ def test_warmup_runs_every_row_first_and_verify_reruns_in_float32(tiny, monkeypa
     # 2 warm-up runs (repeat -1, short), 2 measured bf16 runs, then both rows again in float32
     assert [(r, d) for r, _, d in tokens] == [(-1, "torch.bfloat16")] * 2 + [(0, "torch.bfloat16")] * 2 + [
         (0, "torch.float32")] * 2
+
+
+def test_progress_counts_a_warm_up_run_by_its_share_of_a_timed_run(tiny):
+    """The time left is estimated from the progress made: a short warm-up run must not count as a whole run."""
+    from fafo_cli.bench import runner
+
+    engine = load(str(tiny), dtype="float32")
+    rows = [runner.Row("vanilla", "vanilla"), runner.Row("fafo", "fafo")]
+    sample = suites.load_suite("math")[:1]
+    progress = [e for e in runner.measure(engine, rows, sample, tokens=4 * runner.WARMUP_TOKENS, repeats=1, warmup=1,
+                                          settings={"temperature": 0.0}) if isinstance(e, runner.Progress)]
+    assert {e.total for e in progress} == {2 * 0.25 + 2}
+    assert [e.done for e in progress] == [0, 0.25, 0.5, 1.5, 2.5]
+    assert [e.first_row for e in progress] == [True, False, True, False, True]

@@ -162,10 +162,10 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                                  warmup=options.warmup, settings=settings):
                 if isinstance(event, Progress):
                     bar.update(task, completed=event.done, total=event.total, description=event.label)
-                    if not err_console.is_terminal and event.done % len(rows) == 0:  # logs: a line per round
+                    if not err_console.is_terminal and event.first_row:  # logs: a line a round
                         left = bar.tasks[task].time_remaining
                         eta = f" (about {_minutes(left)} left)" if left else ""
-                        err_console.print(f"bench {event.done}/{event.total}{eta}: {event.label}")
+                        err_console.print(f"bench {event.done:.0f}/{event.total:.0f}{eta}: {event.label}")
                 else:
                     runs.append(event)
         except KeyboardInterrupt:

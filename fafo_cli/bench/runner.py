@@ -137,32 +137,37 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
                dict(draft_steps=s.draft_steps, step_rows=s.step_rows, accepted_from=s.accepted_from or {}))
 
 
+WARMUP_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class Progress:
-    done: int
-    total: int
+    done: float  # in timed runs: a warm-up run counts as the share of a timed run's tokens it generates
+    total: float
     label: str
+    first_row: bool = False  # the first row of a round (logs print one line a round)
 
 
 def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repeats: int, warmup: int,
             settings: dict) -> Iterator[Run | Progress]:
     """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved.
     Compiled rows always get one short untimed run first: it builds or loads their package."""
-    total = (warmup * len(rows) if samples else 0) + len(samples) * repeats * len(rows)
-    done = 0
+    warm = min(tokens, WARMUP_TOKENS) / tokens  # so the time left is estimated from what the runs really cost
+    total = (warmup * len(rows) * warm if samples else 0) + len(samples) * repeats * len(rows)
+    done = 0.0
     for row in rows if samples and not warmup else []:
         if row.compiled:
             yield Progress(done, total, f"loading the compiled step · {row.name}")
             run_once(engine, row, samples[0], -1, 2, settings)
     for _ in range(warmup if samples else 0):
         for row in rows:
-            yield Progress(done, total, f"warm-up · {row.name}")
-            run_once(engine, row, samples[0], -1, min(tokens, 32), settings)
-            done += 1
+            yield Progress(done, total, f"warm-up · {row.name}", row is rows[0])
+            run_once(engine, row, samples[0], -1, min(tokens, WARMUP_TOKENS), settings)
+            done += warm
     for sample in samples:
         for repeat in range(repeats):
             for row in rows:
-                yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}")
+                yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}", row is rows[0])
                 yield run_once(engine, row, sample, repeat, tokens, settings)
                 done += 1
-    yield Progress(done, total, "done")
+    yield Progress(done, total, "done", True)
