@@ -110,6 +110,8 @@ def test_step_costs_learn_from_the_steps_run():
         window.observe(6, False, 15.0)
     assert window.of(6, True) == pytest.approx(2 * window.of(6, False))
     packages = StepCosts({1: 10.0, 4: 12.0}, sizes=[1, 4])
+    packages.observe(2, False, 500.0)  # a class's first step (a package's first call) is not counted
+    assert packages.of(3) == pytest.approx(12.0) and packages.of(1) == pytest.approx(10.0)
     packages.observe(2, False, 24.0)  # padded to the 4-row package
     assert packages.of(3) == pytest.approx(24.0)
 

@@ -134,7 +134,7 @@ class StepCosts:
     """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
     fewer rows are padded up); None: any count (eager), costs between measured points interpolated.
 
-    `observe` corrects the curve with the times of steps actually run: per class of steps (by rows: each package
+    `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of steps (by rows: each package
     size; eager, 1 to 4 rows each and then powers of two; and whether the window ran, as its attention reads the
     compressed view besides), the ratio of observed to measured time, averaged over the recent steps; classes not
     run yet take the ratio of all steps (which leaves their relative cost as measured)."""
@@ -146,6 +146,7 @@ class StepCosts:
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
         self._ratios: dict[tuple[int, bool], tuple[float, int]] = {}  # step class -> (observed / measured, steps)
         self._overall: tuple[float, int] | None = None
+        self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
         """The cost of a step of `rows` rows (with the window's or not); None where no allowed size holds it."""
@@ -161,6 +162,9 @@ class StepCosts:
         if not measured or ms <= 0:
             return
         ratio, step_class = ms / measured, self._class(rows, window)
+        if step_class not in self._warm:  # a class's first step carries one-time costs (a package's first call,
+            self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
+            return
         estimate = self._ratios.get(step_class, self._overall)
         if estimate:
             ratio = min(max(ratio, estimate[0] / OUTLIER), estimate[0] * OUTLIER)
