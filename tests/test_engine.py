@@ -162,3 +162,34 @@ def test_sampling_defaults_come_from_the_model(tmp_path):
     assert result.settings["temperature"] == 0.6 and result.settings["top_p"] == 0.9
     plain = load(str(build_tiny_model(tmp_path / "g", "llama-gqa")), dtype="float32").request_config()
     assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.seed) == (0.0, 1.0, 0, 0.0, None)
+
+
+class _PackageRequests:
+    """Stands in for compiled steps (the session's protocol): records which package sizes decoders ask for and
+    serves none, so every step runs eager."""
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def __call__(self, step, ids, positions, cache):
+        return None
+
+    def serves(self, rows: int) -> bool:
+        self.asked.append(rows)
+        return False
+
+    def notify_once(self, message: str) -> None:
+        pass
+
+    def step_ms(self, rows: int):
+        return None
+
+
+@pytest.mark.parametrize("method, compressor, asked", [("vanilla", "stream", [1]), ("fafo", "quest", [])])
+def test_prefill_loads_only_the_package_the_decoder_runs_in(tiny, method, compressor, asked):
+    """Plain decoding's one-row package is loaded before its prefill; FAFO with a compressor that reads each
+    step's queries runs eager, so no package is asked for (under compile: on, one would be built for minutes)."""
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine.session.compiled = requests = _PackageRequests()
+    engine.complete("Once upon a time", max_tokens=6, method=method, compressor=compressor)
+    assert requests.asked == asked

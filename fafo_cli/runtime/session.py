@@ -115,16 +115,17 @@ class Session:
         self.cache.truncate(length)
         del self.ids[length:]
 
-    def prefill(self, prompt_ids: list[int], reserve: int, observe=None, steps: int = 1) -> tuple[torch.Tensor, int]:
+    def prefill(self, prompt_ids: list[int], reserve: int, observe=None,
+                steps: int | None = None) -> tuple[torch.Tensor, int]:
         """Bring the cache to `prompt_ids` and return the last prompt token's logits; reserve slots beyond.
 
         `observe(layer, q [heads, rows, dim], keys [slots, kv_heads, dim], first_position)` sees each
         prefilled chunk's queries (compressors that learn from the prompt use it). `steps`: the rows the
-        decoder's steps are padded to; their compiled package is loaded first, so that its load counts in the
-        time to the first token, not in decoding speed.
+        decoder's steps are padded to, where they run compiled; their package is loaded first, so that its load
+        counts in the time to the first token, not in decoding speed (None: the decoder loads its own).
         Returns (logits of the last prompt token, number of prompt tokens reused from the cache).
         """
-        if self.compiled is not None:
+        if self.compiled is not None and steps is not None:
             self.compiled.serves(steps)
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
