@@ -160,7 +160,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     sampling = request.sampling
     generator = sampling.generator(session.model.device)
     model, cache = session.model, session.cache
-    block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
+    # auto is the split path everywhere: stock attention calls only, until a GPU measurement shows block faster
+    block = settings.attention == "block"
     cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
