@@ -257,3 +257,5 @@ def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
     assert widest_window(steep, 4) == 1 and window_streams(settings, None, steep) == 2
     assert window_streams(settings, _Compiled({4}), flat) == 1  # compiled window steps keep W=1
     assert window_streams(replace(settings, streams=5), None, flat) == 5
+    noisy = StepCosts({1: 10.0, 8: 20.0, 16: 10.5, 64: 11.0})  # a busy machine's outlier at 8 rows
+    assert widest_window(noisy, 4) == 1  # the 8-row window already costs too much: no wider one is trusted

@@ -109,10 +109,11 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
 
 def widest_window(costs: StepCosts, ngram: int) -> int:
     """The most streams W (at least 1) whose window step (the anchor and W·k − 1 window rows) costs at most
-    WINDOW_SHARE more than a one-row step."""
-    plain = costs.of(1)
-    fits = [w for w in range(1, MOST_AUTO_STREAMS + 1) if costs.of(w * ngram) <= plain * (1 + WINDOW_SHARE) + 1e-9]
-    return max(fits, default=1)
+    WINDOW_SHARE more than a one-row step, as every narrower window's does (a noisy point ends the widening)."""
+    plain, streams = costs.of(1), 1
+    while streams < MOST_AUTO_STREAMS and costs.of((streams + 1) * ngram) <= plain * (1 + WINDOW_SHARE) + 1e-9:
+        streams += 1
+    return streams
 
 
 def eager_costs(session: Session) -> StepCosts:
