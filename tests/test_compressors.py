@@ -181,6 +181,7 @@ def fafo_engine(folder):
     return load(str(folder), dtype="float32", chat_template=False, method="fafo")
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("variant", ["llama-mha", "llama-gqa"])
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 def test_every_compressor_is_lossless(tiny_models, variant, compressor):
@@ -193,6 +194,7 @@ def test_every_compressor_is_lossless(tiny_models, variant, compressor):
             assert result.stats.fumble_positions <= 96
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("compressor", ["snapkv", "quest", "h2o"])
 def test_three_turn_chat_is_lossless(tiny, compressor):
     engine = load(str(tiny), dtype="float32", method="fafo")
@@ -211,6 +213,7 @@ def test_fraction_budget_scales_with_the_prompt(tiny):
     assert result.stats.fumble_positions == math.ceil(0.25 * len(engine.encode(LONG)))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("compressor", ["stream", "quest", "snapkv", "h2o"])
 def test_block_sparse_path_equals_split_path(tiny_models, compressor):
     """One FlexAttention call over [C(kv) leading region | positions] with a per-bucket block mask gives the
