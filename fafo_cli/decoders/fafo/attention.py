@@ -65,8 +65,9 @@ class FafoAttention:
         n_verify, start = self.verify_rows, self.cache.length
         if self.observe is not None:  # query-aware compressors learn from the anchor row
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
-        if not self.split:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
+        if not self.split:  # (the mask moves to a spread model's later GPUs)
+            mask = self.mask if self.mask.device == q.device else self.mask.to(q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.view_size
