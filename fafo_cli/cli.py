@@ -275,9 +275,7 @@ def doctor(
                                            "tiny, which also runs on a CPU).")] = "7b",
 ) -> None:
     """Check this machine: device and kernels, FAFO's exactness in float32, one pass's cost, recommended settings."""
-    from dataclasses import replace
-
-    from .api import Engine, pick_device
+    from .api import pick_device
     from .bench import doctor as doctor_mod
     from .bench import gpu_report as gpu_mod
     from .ui import consoles
@@ -291,11 +289,8 @@ def doctor(
         raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
-    engine = _load(settings, err)
-    float32 = (None if str(engine.model.dtype) == "torch.float32"  # else the check loads the model in float32 too
-               else Engine.from_config(replace(settings, dtype="float32")))
-    report = doctor_mod.run(engine, settings, float32_engine=float32, progress=progress,
-                            write_to=doctor_mod.default_config_path(config) if write else None)
+    report, _ = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
+                               write_to=doctor_mod.default_config_path(config) if write else None)
     if report_path is not None:
         progress(f"measuring the {gpu_shape}-shaped model's steps (--gpu-report)")
         gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
@@ -310,7 +305,7 @@ def doctor(
             out.print(f"GPU report ({gpu_shape} shape, {gpu['dtype']}, {gpu['device']}): a one-row step runs at "
                       f"{gpu['rows'][1]['bound_share']:.0%} of the bandwidth bound ({gpu['bound_ms']:.2f} ms); "
                       f"written to {report_path}")
-    if not all(check["equal"] for check in report["exactness"]):
+    if doctor_mod.failed(report):
         raise FafoError("FAFO differed from plain decoding in float32 on this machine (see above): please report it")
 
 

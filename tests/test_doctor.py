@@ -97,3 +97,10 @@ def test_gpu_report_captures_cuda_graphs():
 
     report = gpu_report.run(torch.device("cuda"), "tiny", rows=(1, 8, 64), context=128)
     assert report["graphs"] and all(row["graph_ms"] > 0 for row in report["rows"].values())
+
+
+def test_doctor_checks_exactness_on_a_float32_copy_of_a_half_precision_model(tiny, isolated, capsys):
+    code = entrypoint(["doctor", str(tiny), "--dtype", "bfloat16", "--json", "--config", str(isolated)])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["machine"]["dtype"] == "bfloat16"  # costs measured as configured
+    assert report["exactness"] and all(check["equal"] for check in report["exactness"])  # in float32

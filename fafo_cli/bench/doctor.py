@@ -9,6 +9,7 @@ which `--write` writes where `--tune` writes (the config file, and the cost curv
 
 from __future__ import annotations
 
+import gc
 import platform
 import shutil
 from dataclasses import replace
@@ -111,12 +112,29 @@ def write(engine, path: Path, settings: dict, costs: dict[int, float]) -> None:
     engine.session.step_costs = measured
 
 
-def run(engine, config, *, float32_engine=None, write_to: Path | None = None, progress=lambda line: None) -> dict:
-    """Every part but the GPU report, as one dict (`--json` prints it). `float32_engine`: the model loaded in
-    float32 for the exactness check (None: `engine` is already float32)."""
-    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype)}
+def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):
+    """Every part but the GPU report: (the report as one dict, which `--json` prints; the engine loaded as
+    configured). `load(config)` loads an engine. The float32 check runs first, on a float32 copy of the model where
+    the configured dtype differs, released before the configured model loads: never both in memory at once."""
+    from ..api import pick_device, pick_dtype
+
+    float32 = pick_dtype(config.dtype, pick_device(config.device)) == torch.float32
     progress("checking FAFO against plain decoding in float32")
-    report["exactness"] = exact(float32_engine or engine)
+    if float32:
+        engine = load(config)
+        checks = exact(engine)
+    else:
+        try:
+            copy = load(replace(config, dtype="float32"))
+            checks = exact(copy)
+            del copy
+        except torch.OutOfMemoryError:
+            checks = [{"skipped": "the model in float32 does not fit in this device's memory"}]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        engine = load(config)
+    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype), "exactness": checks}
     progress("measuring one pass against its rows")
     costs = tune.step_costs(engine, row_counts=ROWS)
     report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
@@ -124,7 +142,12 @@ def run(engine, config, *, float32_engine=None, write_to: Path | None = None, pr
     if write_to is not None:
         write(engine, write_to, report["recommended"], costs)
         report["written"] = {"config": str(write_to), "step_costs": str(engine.steps_folder)}
-    return report
+    return report, engine
+
+
+def failed(report: dict) -> bool:
+    """Whether a float32 check found FAFO's output different from plain decoding's."""
+    return any(check.get("equal") is False for check in report["exactness"])
 
 
 def render(report: dict, console) -> None:
@@ -142,6 +165,9 @@ def render(report: dict, console) -> None:
                   f"{'available' if facts['mps']['available'] else 'not available'}")
     console.print(f"Kernels: {facts['kernels']}")
     for check in report["exactness"]:
+        if "skipped" in check:
+            console.print(f"float32 exactness: [yellow]not checked[/]: {check['skipped']}")
+            continue
         verdict = "[green]equal[/]" if check["equal"] else f"[red]DIFFERENT[/] at {check['divergence']}"
         console.print(f"float32 exactness, {check['prompt']}: FAFO vs plain decoding over {check['tokens']} tokens: "
                       f"{verdict} ({check['fafo_steps']} FAFO steps, {check['accepted']} guessed tokens accepted)")
