@@ -281,12 +281,11 @@ def doctor(
     from .ui import consoles
 
     settings = config_mod.resolve(config, **flags)
-    if gpu_shape not in gpu_mod.SHAPES:
-        raise FafoError(f"--gpu-shape must be one of {', '.join(gpu_mod.SHAPES)} (got {gpu_shape!r})")
-    report_path = doctor_mod.check_report_path(gpu_report) if gpu_report is not None else None
     device = pick_device(settings.device)
-    if report_path is not None and gpu_shape == "7b" and device.type != "cuda":
-        raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
+    report_path = None
+    if gpu_report is not None:  # refused before minutes of measuring
+        report_path = doctor_mod.check_report_path(gpu_report)
+        gpu_mod.check(device, gpu_shape)
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
     report, _ = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,

@@ -143,8 +143,7 @@ def measure(model: Model, rows: tuple[int, ...], context: int, notify) -> dict[i
 def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, context: int = CONTEXT,
         notify=lambda message: None) -> dict:
     """The report: the shape, dtype, device, bandwidth, the bound of one step, and each row count's times."""
-    if shape == "7b" and device.type != "cuda":
-        raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
+    check(device, shape)
     dtype = report_dtype(device)
     try:
         model = random_llama(shape, device, dtype)
@@ -167,6 +166,14 @@ def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, c
             "context": context, "bandwidth_gbs": round(bandwidth, 2), "step_bytes": needed,
             "bound_ms": round(bound_ms, 4), "graphs": any(m.graph_ms is not None for m in measured.values()),
             "rows": table}
+
+
+def check(device: torch.device, shape: str) -> None:
+    """The report's shape must be known, and the 7B shape needs a CUDA GPU (a CPU would take minutes a step)."""
+    if shape not in SHAPES:
+        raise FafoError(f"--gpu-shape must be one of {', '.join(SHAPES)} (got {shape!r})")
+    if shape == "7b" and device.type != "cuda":
+        raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
 
 
 def _device_name(device: torch.device) -> str:
