@@ -34,7 +34,8 @@ from .errors import FafoError
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
-LOAD_KEYS = {"model", "dtype", "device", "gpus", "trust_remote_code", "allow_pickle", "draft_model", "compile"}
+LOAD_KEYS = {"model", "dtype", "device", "gpus", "cuda_graphs", "trust_remote_code", "allow_pickle", "draft_model",
+             "compile"}
 # Methods that run on a model spread over GPUs: their attention is plain masked attention over each layer's cache
 # (FAFO and lookahead without a compressed view); the others keep per-layer copies of the cache on one device.
 SPREAD_METHODS = ("vanilla", "prompt-lookup", "suffix", "cacheback", "lookahead")
@@ -86,7 +87,8 @@ class Engine:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
-        self.compiled: CompiledSteps | None = None  # also in session.compiled while in use (bench toggles it)
+        # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
+        self.compiled: CompiledSteps | None = None
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None) -> "Engine":
@@ -95,7 +97,9 @@ class Engine:
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
         engine.session.step_costs = read_step_costs(engine.steps_folder)
-        if config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
+        if config.cuda_graphs:
+            engine.compiled = engine.session.compiled = _graph_steps(engine.model, config, notify or _print_notice)
+        elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
@@ -200,6 +204,19 @@ class Engine:
         """Keep the caches of up to `count` earlier conversations besides the live one (at most `max_mb` MB of keys
         and values), so that clients taking turns each prefill only their new tokens (`fafo serve` does)."""
         self.session.keep_conversations(count, int(max_mb * 1e6))
+
+
+def _graph_steps(model: Model, config: config_mod.Config, notify: Callable[[str], None]):
+    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py), in place of compiled packages."""
+    from .compiled.graphs import GraphSteps
+
+    if model.device.type != "cuda":
+        raise FafoError(f"--cuda-graphs needs a CUDA device; the device here is {model.device.type}")
+    if config.compile == "on":
+        raise FafoError("--cuda-graphs and --compile both replace eager steps; choose one")
+    if model.spread:
+        raise FafoError("--cuda-graphs captures one device's steps; not with --gpus")
+    return GraphSteps(model, notify)
 
 
 def check_spread(config: config_mod.Config) -> None:

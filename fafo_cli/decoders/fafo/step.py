@@ -96,15 +96,15 @@ MOST_AUTO_STREAMS = 32  # the paper ablates W 10-40 on a GPU
 
 
 def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None,
-                   eager: StepCosts | None = None) -> int:
-    """W as configured; `auto` picks 1 where the step runs compiled (its rows cost arithmetic, and there W=1
-    measured clearly faster than W=2: docs/benchmarks.md), else `widest_window` by the eager cost curve
-    (`eager`; before one is measured, the CPU's default curve)."""
+                   eager: StepCosts | None = None, accelerator: bool = False) -> int:
+    """W as configured; `auto` picks 1 where the step runs compiled on a CPU (its rows cost arithmetic, and there
+    W=1 measured clearly faster than W=2: docs/benchmarks.md), else `widest_window` by the eager cost curve
+    (`eager`; before one is measured, the device's default curve)."""
     if settings.streams != "auto":
         return settings.streams
-    if compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows):
+    if not accelerator and compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows):
         return 1
-    return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator=False), settings.ngram))
+    return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
 
 
 def widest_window(costs: StepCosts, ngram: int) -> int:
@@ -180,7 +180,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     if session.compiled is not None and steps is None:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
-    settings = replace(settings, streams=window_streams(settings, steps, eager_costs(session)))
+    settings = replace(settings, streams=window_streams(settings, steps, eager_costs(session),
+                                                        accelerator=session.model.device.type != "cpu"))
     stats = emitter.stats
     stats.streams = settings.streams
     sampling = request.sampling
