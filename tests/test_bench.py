@@ -253,3 +253,11 @@ def test_warmup_runs_every_row_first_and_verify_reruns_in_float32(tiny, monkeypa
     # 2 warm-up runs (repeat -1, short), 2 measured bf16 runs, then both rows again in float32
     assert [(r, d) for r, _, d in tokens] == [(-1, "torch.bfloat16")] * 2 + [(0, "torch.bfloat16")] * 2 + [
         (0, "torch.float32")] * 2
+
+
+def test_tune_tries_wide_windows_only_where_rows_are_nearly_free():
+    from fafo_cli.bench import tune
+
+    assert tune.candidates(accelerator=False) == tune.CANDIDATES and max(w for w, _, _ in tune.CANDIDATES) <= 3
+    wide = tune.candidates(accelerator=True)
+    assert wide[:len(tune.CANDIDATES)] == tune.CANDIDATES and max(w for w, _, _ in wide) >= 16

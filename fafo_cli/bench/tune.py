@@ -29,6 +29,8 @@ from . import suites
 from .runner import Row, run_once
 
 CANDIDATES = ((1, 3, 1), (1, 4, 1), (2, 3, 1), (2, 4, 1), (1, 5, 1), (2, 3, 2), (3, 4, 2))  # (W, k, G)
+# where rows are nearly free (GPUs), the paper's sizes too (it ablates W 10-40, k 4-9)
+WIDE_CANDIDATES = ((8, 4, 2), (16, 4, 2), (16, 5, 2), (24, 5, 3), (32, 4, 2))
 ROWS = (1, 2, 4, 8, 12, 16, 24)
 TOKENS = 96
 NOISE = 0.03  # a setting must beat the current one by more than run-to-run noise to replace it
@@ -55,6 +57,11 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
         costs[rows] = statistics.median(times[2:]) * 1e3
     engine.reset()
     return costs
+
+
+def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:
+    """The (W, k, G) settings `--tune` runs: a CPU's narrow windows, and on an accelerator wide ones as well."""
+    return CANDIDATES + (WIDE_CANDIDATES if accelerator else ())
 
 
 def write_settings(path: Path, values: dict) -> None:
@@ -97,7 +104,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
                             lambda line: err_console.print(f"[dim]{line}[/]"))
     current = (planned.streams, config.ngram, config.guesses)
-    settings = list(dict.fromkeys((current,) + CANDIDATES))
+    settings = list(dict.fromkeys((current,) + candidates(engine.model.device.type != "cpu")))
     greedy = {"temperature": 0.0, "compressor": config.compressor}
     speed: dict[tuple, list[float]] = {s: [] for s in settings}
     taus: dict[tuple, list[float]] = {s: [] for s in settings}
