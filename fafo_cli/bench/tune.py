@@ -32,6 +32,7 @@ CANDIDATES = ((1, 3, 1), (1, 4, 1), (2, 3, 1), (2, 4, 1), (1, 5, 1), (2, 3, 2), 
 # where rows are nearly free (GPUs), the paper's sizes too (it ablates W 10-40, k 4-9)
 WIDE_CANDIDATES = ((8, 4, 2), (16, 4, 2), (16, 5, 2), (24, 5, 3), (32, 4, 2))
 ROWS = (1, 2, 4, 8, 12, 16, 24)
+WIDE_ROWS = (32, 64, 128)  # measured too on an accelerator, for the wide candidates' steps
 TOKENS = 96
 NOISE = 0.03  # a setting must beat the current one by more than run-to-run noise to replace it
 
@@ -82,7 +83,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     from rich.table import Table
 
     path = config_path or config_mod.user_config_path()
-    costs = step_costs(engine)
+    accelerator = engine.model.device.type != "cpu"
+    costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
     measured = {"eager": costs}
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
     for rows, ms in costs.items():
@@ -90,8 +92,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     compiled = compiled_for(engine.session.compiled, config.compressor)
     planned = FafoSettings.from_config(config)
-    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs),
-                                                      accelerator=engine.model.device.type != "cpu"))
+    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs), accelerator=accelerator))
     if hasattr(compiled, "runner") and compiled.serves(planned.max_rows):  # compiled packages (not CUDA graphs)
         packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
         measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})
@@ -104,7 +105,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
                             lambda line: err_console.print(f"[dim]{line}[/]"))
     current = (planned.streams, config.ngram, config.guesses)
-    settings = list(dict.fromkeys((current,) + candidates(engine.model.device.type != "cpu")))
+    settings = list(dict.fromkeys((current,) + candidates(accelerator)))
     greedy = {"temperature": 0.0, "compressor": config.compressor}
     speed: dict[tuple, list[float]] = {s: [] for s in settings}
     taus: dict[tuple, list[float]] = {s: [] for s in settings}
