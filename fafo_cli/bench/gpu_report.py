@@ -18,6 +18,7 @@ import torch
 
 from ..errors import FafoError
 from ..runtime.model import Model, causal_attention
+from .tune import synchronize
 
 # hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, and a tiny one for tests
 SHAPES = {
@@ -53,11 +54,6 @@ def random_llama(shape: str, device: torch.device, dtype: torch.dtype) -> Model:
     with torch.device(device):
         hf = LlamaForCausalLM._from_config(config, dtype=dtype)
     return Model(hf.eval())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bandwidth_gbs(device: torch.device, megabytes: int) -> float:

@@ -50,14 +50,22 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
         mask = torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)
         times = []
         for _ in range(repeats):
+            synchronize(model.device)
             start = time.perf_counter()
             model.forward(torch.zeros(rows, dtype=torch.long, device=model.device),
                           torch.arange(length, length + rows, device=model.device), session.cache,
                           causal_attention(mask, model.scaling))  # written after the prefix, never committed
+            synchronize(model.device)
             times.append(time.perf_counter() - start)
         costs[rows] = statistics.median(times[2:]) * 1e3
     engine.reset()
     return costs
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:
