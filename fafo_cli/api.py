@@ -30,6 +30,7 @@ from .runtime.events import Result, Step
 from .runtime.model import Model
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
+from .runtime.syncs import counted
 from .errors import FafoError
 
 Prompt = str | Sequence[dict]
@@ -89,6 +90,7 @@ class Engine:
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
+        self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None) -> "Engine":
@@ -182,8 +184,9 @@ class Engine:
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop))
         self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
+        steps = DECODERS[config.method](self.session, request, emitter)
         try:
-            yield from DECODERS[config.method](self.session, request, emitter)
+            yield from counted(steps, self.model.device) if self.count_syncs else steps
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
             self.session.rollback(min(len(self.session.ids), self.session.cache.length))
 

@@ -121,7 +121,7 @@ def run(
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr even when stdout is not "
-                                          "a terminal.")] = False,
+                                          "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
     from .ui import StreamView, consoles, method_label
@@ -130,6 +130,7 @@ def run(
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     engine = _load(settings, err)
+    engine.count_syncs = verbose
     if as_json:
         print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
         return
