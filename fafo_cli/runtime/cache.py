@@ -98,16 +98,12 @@ class KVCache:
             raise ValueError("the block-sparse layout keeps one tensor for all layers: not on a model spread over "
                              "devices")
         _, n_kv, dim = self.shape
-        groups = [torch.zeros(count, slots, n_kv, dim, dtype=self.dtype, device=device) for device, count in self.groups]
+        keys = [torch.zeros(count, slots, n_kv, dim, dtype=self.dtype, device=device) for device, count in self.groups]
+        values = [torch.zeros_like(part) for part in keys]
         if self.length:
-            for new, old in zip(groups, self.keys.groups):
+            for new, old in zip(keys + values, self.keys.groups + self.values.groups):
                 new[:, :self.length] = old[:, :self.length]
-            values = [torch.zeros_like(g) for g in groups]
-            for new, old in zip(values, self.values.groups):
-                new[:, :self.length] = old[:, :self.length]
-        else:
-            values = [torch.zeros_like(g) for g in groups]
-        self.keys, self.values, self.lead = LayerStack(groups), LayerStack(values), 0
+        self.keys, self.values, self.lead = LayerStack(keys), LayerStack(values), 0
         self.storage_keys, self.storage_values = self.keys, self.values
 
     @property
