@@ -67,6 +67,8 @@ def test_gpu_report_tiny_shape_on_this_device(tiny, isolated, tmp_path, capsys):
     one = report["rows"]["1"]
     assert one["vs_one_row"] == 1.0 and 0 < one["bound_share"]
     assert report["graphs"] == torch.cuda.is_available()
+    assert set(report["fafo_64_rows_ms"]) == {"split", "block"} and all(report["fafo_64_rows_ms"].values())
+    assert all(ratio > 0 for ratio in report["fafo_64_rows_vs_one_row"].values())
 
 
 def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):

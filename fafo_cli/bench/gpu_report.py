@@ -136,6 +136,35 @@ def measure(model: Model, rows: tuple[int, ...], context: int, notify) -> dict[i
     return results
 
 
+def fafo_step(model: Model, context: int, path: str) -> float:
+    """A 64-row FAFO step's eager time (ms) on `path` ("split" or "block"): the anchor and a 16-token draft chain
+    over the whole cache, a W=16, k=3 window (47 rows) over a 256-token StreamingLLM view of it, as the decoder
+    builds them. The cache holds `context` random positions."""
+    from ..decoders.fafo.attention import KV_BLOCK, BlockSparseMasks, CompressedView, flex_attention_kernel
+    from ..decoders.fafo.compressors import StreamCompressor
+    from ..decoders.fafo.window import LookaheadWindow
+    from ..runtime.rows import draft_step
+
+    device, block = model.device, path == "block"
+    window = LookaheadWindow(streams=16, ngram=3, prefix=2, seed_tokens=list(range(100)))
+    window.levels = [list(range(15)), list(range(16, 32)), list(range(32, 48))]
+    cache = model.new_cache(initial_slots=context + 64, max_slots=context + 64)
+    cache.use_lead(KV_BLOCK if block else 0)
+    cache.keys[:, :context].normal_()
+    cache.values[:, :context].normal_()
+    cache.commit(context)
+    compressor = StreamCompressor(budget=256, sink=4, tail_rows=1 + len(window.tokens()))
+    compressor.rebuild(cache)
+    view = CompressedView(cache, compressor, model.scaling,
+                          block_masks=BlockSparseMasks.for_device(device) if block else None,
+                          flex=flex_attention_kernel(device) if block else None)
+    step = draft_step(0, list(range(16)), list(range(-1, 15)), device, view_tokens=window.tokens(),
+                      view_rows=window.layout.rows, view=view)
+    ids = torch.tensor(step.ids, device=device)
+    positions = context + step.layout.offsets
+    return _timed(lambda: model.forward(ids, positions, cache, view.attention(step.layout)), device)
+
+
 def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, context: int = CONTEXT,
         notify=lambda message: None) -> dict:
     """The report: the shape, dtype, device, bandwidth, the bound of one step, and each row count's times."""
@@ -150,18 +179,21 @@ def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, c
     bound_ms = needed / (bandwidth * 1e9) * 1e3
     measured = measure(model, rows, context, notify)
     plain = measured[rows[0]]
+    one_row = min(t for t in (plain.eager_ms, plain.graph_ms) if t is not None)
     table = {}
     for count, m in measured.items():
         best = min(t for t in (m.eager_ms, m.graph_ms) if t is not None)
         table[count] = {"eager_ms": round(m.eager_ms, 4),
                         "graph_ms": None if m.graph_ms is None else round(m.graph_ms, 4),
                         "bound_share": round(bound_ms / best, 4),  # 1.0: the step runs at the bandwidth bound
-                        "vs_one_row": round(best / min(t for t in (plain.eager_ms, plain.graph_ms) if t is not None),
-                                            4)}
+                        "vs_one_row": round(best / one_row, 4)}
+    fafo = {path: round(fafo_step(model, context, path), 4) for path in ("split", "block")}
     return {"shape": shape, **SHAPES[shape], "dtype": str(dtype).removeprefix("torch."), "device": _device_name(device),
             "context": context, "bandwidth_gbs": round(bandwidth, 2), "step_bytes": needed,
             "bound_ms": round(bound_ms, 4), "graphs": any(m.graph_ms is not None for m in measured.values()),
-            "rows": table}
+            "rows": table,
+            # a 64-row FAFO step (eager) on each attention path, and against the fastest plain step
+            "fafo_64_rows_ms": fafo, "fafo_64_rows_vs_one_row": {p: round(ms / one_row, 4) for p, ms in fafo.items()}}
 
 
 def check(device: torch.device, shape: str) -> None:
