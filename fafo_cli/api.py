@@ -30,11 +30,16 @@ from .runtime.events import Result, Step
 from .runtime.model import Model
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
+from .runtime.syncs import counted
 from .errors import FafoError
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
-LOAD_KEYS = {"model", "dtype", "device", "trust_remote_code", "allow_pickle", "draft_model", "compile"}
+LOAD_KEYS = {"model", "dtype", "device", "gpus", "cuda_graphs", "trust_remote_code", "allow_pickle", "draft_model",
+             "compile"}
+# Methods that run on a model spread over GPUs: their attention is plain masked attention over each layer's cache
+# (FAFO and lookahead without a compressed view); the others keep per-layer copies of the cache on one device.
+SPREAD_METHODS = ("vanilla", "prompt-lookup", "suffix", "cacheback", "lookahead")
 
 
 def pick_device(name: str) -> torch.device:
@@ -83,7 +88,9 @@ class Engine:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
-        self.compiled: CompiledSteps | None = None  # also in session.compiled while in use (bench toggles it)
+        # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
+        self.compiled: CompiledSteps | None = None
+        self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None) -> "Engine":
@@ -92,7 +99,9 @@ class Engine:
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
         engine.session.step_costs = read_step_costs(engine.steps_folder)
-        if config.compile != "off":
+        if config.cuda_graphs:
+            engine.compiled = engine.session.compiled = _graph_steps(engine.model, config, notify or _print_notice)
+        elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
@@ -164,6 +173,8 @@ class Engine:
 
     def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = ()) -> Iterator[Step]:
         """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
+        if self.model.spread:
+            check_spread(config)
         context = self.model.max_context
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
@@ -173,8 +184,9 @@ class Engine:
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop))
         self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
+        steps = DECODERS[config.method](self.session, request, emitter)
         try:
-            yield from DECODERS[config.method](self.session, request, emitter)
+            yield from counted(steps, self.model.device) if self.count_syncs else steps
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
             self.session.rollback(min(len(self.session.ids), self.session.cache.length))
 
@@ -197,21 +209,77 @@ class Engine:
         self.session.keep_conversations(count, int(max_mb * 1e6))
 
 
+def _graph_steps(model: Model, config: config_mod.Config, notify: Callable[[str], None]):
+    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py), in place of compiled packages."""
+    from .compiled.graphs import GraphSteps
+
+    if model.device.type != "cuda":
+        raise FafoError(f"--cuda-graphs needs a CUDA device; the device here is {model.device.type}")
+    if config.compile == "on":
+        raise FafoError("--cuda-graphs and --compile both replace eager steps; choose one")
+    if model.spread:
+        raise FafoError("--cuda-graphs captures one device's steps; not with --gpus")
+    return GraphSteps(model, notify)
+
+
+def check_spread(config: config_mod.Config) -> None:
+    """A model spread over GPUs runs the methods whose attention is plain masked attention (SPREAD_METHODS)."""
+    if config.method == "fafo" and config.attention == "block":
+        raise FafoError("the block attention path keeps one cache tensor for all layers; on a model spread over GPUs "
+                        "(--gpus) use --attention split")
+    if config.method == "fafo" and config.compressor != "none":
+        raise FafoError(f"fafo's {config.compressor} compressor keeps its view of the cache on one GPU; on a model "
+                        "spread over GPUs (--gpus) use --compressor none")
+    if config.method not in SPREAD_METHODS + ("fafo",):
+        raise FafoError(f"method {config.method} keeps a second cache on one GPU and does not run on a model spread "
+                        f"over GPUs (--gpus); these do: fafo (--compressor none), {', '.join(SPREAD_METHODS)}")
+
+
+def _spread_map(config: config_mod.Config, weights: Path, device: torch.device, dtype: torch.dtype) -> dict | None:
+    """accelerate's device_map for `gpus` > 1 (runtime/placement.py); None: the whole model on `device`."""
+    if config.gpus == 1:
+        return None
+    if device.type != "cuda":
+        raise FafoError(f"--gpus {config.gpus} spreads the model over CUDA GPUs; the device here is {device.type}")
+    if config.compile == "on":
+        raise FafoError(f"--gpus {config.gpus}: compiled steps run on one device; use --no-compile")
+    if torch.cuda.device_count() < config.gpus:
+        raise FafoError(f"--gpus {config.gpus}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .runtime import placement
+    from .runtime.model import max_context
+
+    hf_config = AutoConfig.from_pretrained(weights, trust_remote_code=config.trust_remote_code)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(config.gpus)]
+    try:
+        return placement.plan(empty, dtype.itemsize, max_context(hf_config), free)
+    except placement.DoesNotFit as e:
+        raise FafoError(f"--gpus {config.gpus}: {e}") from None
+
+
 def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
-    """(tokenizer, transformers model on `device`, folder) for a hub id, folder or .gguf (None: the embedded one)."""
+    """(tokenizer, transformers model on `device` or spread over `gpus` GPUs, folder) for a hub id, folder or .gguf
+    (None: the embedded one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
     weights = hub.weights_in(folder, str(dtype).removeprefix("torch."))
+    device_map = _spread_map(config, weights, device, dtype)
     try:
         with hub.quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
             hf_model = AutoModelForCausalLM.from_pretrained(
                 weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                use_safetensors=None if config.allow_pickle else True)
+                use_safetensors=None if config.allow_pickle else True, device_map=device_map)
     except (OSError, ValueError) as e:
         raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
-    hf_model.to(device).eval()
+    if device_map is None:
+        hf_model.to(device)
+    hf_model.eval()
     return tokenizer, hf_model, folder
 
 

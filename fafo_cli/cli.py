@@ -121,7 +121,7 @@ def run(
                                           "settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr even when stdout is not "
-                                          "a terminal.")] = False,
+                                          "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
     from .ui import StreamView, consoles, method_label
@@ -130,6 +130,7 @@ def run(
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     engine = _load(settings, err)
+    engine.count_syncs = verbose
     if as_json:
         print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
         return
@@ -256,6 +257,56 @@ def bench(
 
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
     raise typer.Exit(command.run(_load(settings, err), settings, options, out, err))
+
+
+@app.command()
+@config_options("doctor")
+def doctor(
+    config: ConfigOpt = None,
+    *, flags: dict,
+    write: Annotated[bool, typer.Option("--write", help="Write the recommended settings into the config, as `fafo "
+                                        "bench --tune` does.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the report.")] = False,
+    gpu_report: Annotated[Optional[str], typer.Option("--gpu-report", metavar="FILE", show_default=False,
+                                                      help="Also measure a 7B-shaped random-weight Llama's steps "
+                                                      "(rows 1-256, eager and CUDA graphs, bf16) against the "
+                                                      "memory-bandwidth bound; write them to FILE (JSON). CUDA "
+                                                      "only.")] = None,
+    gpu_shape: Annotated[str, typer.Option("--gpu-shape", hidden=True, help="The report's model shape (tests: "
+                                           "tiny, which also runs on a CPU).")] = "7b",
+) -> None:
+    """Check this machine: device and kernels, FAFO's exactness in float32, one pass's cost, recommended settings."""
+    from .api import pick_device
+    from .bench import doctor as doctor_mod
+    from .bench import gpu_report as gpu_mod
+    from .ui import consoles
+
+    settings = config_mod.resolve(config, **flags)
+    device = pick_device(settings.device)
+    report_path = None
+    if gpu_report is not None:  # refused before minutes of measuring
+        report_path = doctor_mod.check_report_path(gpu_report)
+        gpu_mod.check(device, gpu_shape)
+    out, err = consoles()
+    progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
+    report, _ = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
+                               write_to=doctor_mod.default_config_path(config) if write else None)
+    if report_path is not None:
+        progress(f"measuring the {gpu_shape}-shaped model's steps (--gpu-report)")
+        gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
+        write_atomic(report_path, json.dumps(gpu, indent=1) + "\n")
+        report["gpu_report"] = {"file": str(report_path), "bound_share_one_row": gpu["rows"][1]["bound_share"],
+                                "vs_one_row_64": gpu["rows"][64]["vs_one_row"] if 64 in gpu["rows"] else None}
+    if as_json:
+        print(json.dumps(report, ensure_ascii=False))
+    else:
+        doctor_mod.render(report, out)
+        if report_path is not None:
+            out.print(f"GPU report ({gpu_shape} shape, {gpu['dtype']}, {gpu['device']}): a one-row step runs at "
+                      f"{gpu['rows'][1]['bound_share']:.0%} of the bandwidth bound ({gpu['bound_ms']:.2f} ms); "
+                      f"written to {report_path}")
+    if doctor_mod.failed(report):
+        raise FafoError("FAFO differed from plain decoding in float32 on this machine (see above): please report it")
 
 
 @app.command("compile")

@@ -70,17 +70,22 @@ def _streams(value: Any, low: int, high: int) -> int | str:
 @dataclass(frozen=True)
 class Config:
     model: str | None = _opt(None, "hub id (org/name), local folder or .gguf file; empty: the embedded "
-                                   "SmolLM2-135M-Instruct", nullable=True, argument=True, also=("bench",))
+                                   "SmolLM2-135M-Instruct", nullable=True, argument=True, also=("bench", "doctor"))
     method: str = _opt("fafo", "decoding method: fafo, vanilla (plain decoding, one token per step) or a peer "
                                "method", choices=METHODS)
     dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
-                      choices=DTYPES, also=("bench",))
+                      choices=DTYPES, also=("bench", "doctor"))
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES,
-                       also=("bench",))
+                       also=("bench", "doctor"))
+    gpus: int = _opt(1, "GPUs the model's layers are spread over (accelerate's device_map; each layer's KV cache "
+                        "on its layer's GPU), for models larger than one GPU; 1: the whole model on `device`", low=1,
+                     high=64, also=("bench", "doctor"))
+    cuda_graphs: bool = _opt(False, "run decoding steps as CUDA graphs, one captured per step size (CUDA only; never "
+                                    "measured yet)", also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
                                 "disk: on builds them when missing, auto uses those already built that measured "
                                 "faster than eager, off uses none", choices=COMPILE,
-                        flag="--compile/--no-compile", switch=("on", "off"), also=("bench",))
+                        flag="--compile/--no-compile", switch=("on", "off"), also=("bench", "doctor"))
     max_tokens: int = _opt(512, "most tokens generated per answer", low=1, short="-n")
     # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
     temperature: float | None = _opt(None, "0 = greedy; above 0 samples (empty: the model's default)", low=0.0,
@@ -98,13 +103,14 @@ class Config:
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
     # The two opt-ins are off unless asked for, so they have no --no- form.
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run", flag="--trust-remote-code",
-                                   also=("bench", "cacheback build-table"))
+                                   also=("bench", "cacheback build-table", "doctor"))
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code",
-                              flag="--allow-pickle", also=("bench", "pull"))
+                              flag="--allow-pickle", also=("bench", "pull", "doctor"))
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 0-64; 0: no window "
                                       "(guesses from the text only); auto: 1 where the step runs compiled (its rows "
-                                      "cost arithmetic), else 2", low=0, high=64, allowed="auto or 0-64", short="-W")
+                                      "cost arithmetic), else the widest window (at least 2) whose step costs at "
+                                      "most 25% more than a plain step, by the measured cost (wide on a GPU)", low=0, high=64, allowed="auto or 0-64", short="-W")
     ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16, short="-k")
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
                         low=0, high=64, short="-G")
@@ -129,9 +135,9 @@ class Config:
     window: int = _opt(32, "fafo snapkv/h2o: prompt queries observed at prefill", low=1)
     kernel: int = _opt(7, "fafo snapkv: width of the score smoothing (max pooling; odd)", low=1, high=63)
     recent: int = _opt(64, "fafo h2o: most recent positions always kept (< budget)", low=1)
-    attention: str = _opt("auto", "fafo: how window rows skip what they do not see: split (two attention calls) "
-                                  "or block (one FlexAttention call with a block mask); auto: block on CUDA",
-                          choices=ATTENTION)
+    attention: str = _opt("auto", "fafo: how window rows skip what they do not see: split (two stock attention "
+                                  "calls) or block (one FlexAttention call with a block mask; never measured on a "
+                                  "GPU); auto: split", choices=ATTENTION)
 
     # Peer methods (see docs/peers.md); defaults measured like FAFO's (docs/benchmarks.md).
     lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)

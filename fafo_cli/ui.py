@@ -98,6 +98,8 @@ def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
         prompt += f" ({stats.cached_prompt_tokens} cached)"
     parts += [f"{prompt} @ {stats.prompt_tokens_per_s:.0f} tok/s", f"TTFT {stats.ttft_s:.2f} s",
               f"total {stats.total_s:.2f} s", _memory(stats)]
+    if stats.syncs_per_step is not None:
+        parts.append(f"{stats.syncs_per_step:.1f} GPU syncs/step")
     if finish_reason and finish_reason != "stop":
         parts.append(f"stopped: {finish_reason}")
     return " · ".join(parts)

@@ -102,39 +102,66 @@ def build_tiny_model(folder: Path, variant: str, *, seed: int = 0, max_positions
     return folder
 
 
+# The device the running test's engines load on: tests marked `device` run on --device (FAFO_TEST_DEVICE), every
+# other test on the CPU (a config that names a device keeps it). transformers' oracle (hf_greedy) runs there too.
+DEVICE = {"now": "cpu"}
+
+
 def pytest_addoption(parser):
     parser.addoption("--compile-all", action="store_true",
                      help="run every test with compiled steps (config compile 'on' wherever a test leaves it "
                           "at 'auto'): builds a package per model and row bucket, so it takes much longer")
+    parser.addoption("--device", choices=("cpu", "cuda"), default=os.environ.get("FAFO_TEST_DEVICE") or "cpu",
+                     help="where the exactness tests (marked `device`) run, against transformers' generate on the "
+                          "same device (default: $FAFO_TEST_DEVICE, else cpu); without CUDA, --device cuda skips them")
 
 
 def pytest_configure(config):
-    if config.getoption("--compile-all"):
-        import tempfile
-        from dataclasses import replace
+    from dataclasses import replace
 
-        from fafo_cli import api
+    from fafo_cli import api
+
+    compile_all = config.getoption("--compile-all")
+    if compile_all:
+        import tempfile
 
         # packages of the tests' throwaway models go to a throwaway cache, not the user's
         os.environ["FAFO_CACHE"] = tempfile.mkdtemp(prefix="fafo-compile-all-")
 
-        from_config = api.Engine.from_config.__func__
+    from_config = api.Engine.from_config.__func__
 
-        def compiled(cls, settings, notify=None):
-            if settings.compile == "auto":
-                settings = replace(settings, compile="on")
-            return from_config(cls, settings, notify=notify or (lambda _: None))
+    def on_test_device(cls, settings, notify=None):
+        if settings.device == "auto":
+            settings = replace(settings, device=DEVICE["now"])
+        if compile_all and settings.compile == "auto":
+            settings = replace(settings, compile="on")
+            notify = notify or (lambda _: None)
+        return from_config(cls, settings, notify=notify)
 
-        api.Engine.from_config = classmethod(compiled)
+    api.Engine.from_config = classmethod(on_test_device)
+
+
+@pytest.fixture(autouse=True)
+def _test_device(request):
+    """Engines of a test marked `device` load on --device; every other test's on the CPU."""
+    DEVICE["now"] = request.config.getoption("--device") if request.node.get_closest_marker("device") else "cpu"
+    yield
+    DEVICE["now"] = "cpu"
 
 
 COMPILED_FIXTURES = {"compiled_folder", "compiled_cache", "compiled_engine"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    cuda = config.getoption("--device") == "cuda"
     for item in items:  # a test that may build packages or our kernels is marked so, whichever way it asks
         if COMPILED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.compiled)
+        if cuda and item.get_closest_marker("device"):
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="--device cuda: CUDA is not available here"))
+            elif item.get_closest_marker("compiled"):  # compiled steps and our kernels are CPU code
+                item.add_marker(pytest.mark.skip(reason="--device cuda: compiled steps are tested on the CPU"))
 
 
 @pytest.fixture(scope="session")
@@ -185,21 +212,22 @@ def compiled_engine(compiled_folder, tiny):
 
 
 def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int, dtype=torch.float32) -> list[int]:
-    """The external oracle: transformers' own greedy generate (each answer computed once per session)."""
-    return list(_greedy(folder, tuple(prompt_ids), new_tokens, dtype))
+    """The external oracle: transformers' own greedy generate on the test's device (each answer computed once per
+    session)."""
+    return list(_greedy(folder, tuple(prompt_ids), new_tokens, dtype, DEVICE["now"]))
 
 
 @lru_cache(maxsize=None)
-def _greedy(folder: Path, prompt_ids: tuple[int, ...], new_tokens: int, dtype) -> tuple[int, ...]:
-    ids = torch.tensor([prompt_ids])
+def _greedy(folder: Path, prompt_ids: tuple[int, ...], new_tokens: int, dtype, device: str) -> tuple[int, ...]:
+    ids = torch.tensor([prompt_ids], device=device)
     with torch.inference_mode():
-        out = _hf_model(folder, dtype).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                                do_sample=False, min_new_tokens=0)
+        out = _hf_model(folder, dtype, device).generate(ids, attention_mask=torch.ones_like(ids),
+                                                        max_new_tokens=new_tokens, do_sample=False, min_new_tokens=0)
     return tuple(out[0, len(prompt_ids):].tolist())
 
 
 @lru_cache(maxsize=4)
-def _hf_model(folder: Path, dtype):
+def _hf_model(folder: Path, dtype, device: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

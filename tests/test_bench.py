@@ -267,3 +267,11 @@ def test_progress_counts_a_warm_up_run_by_its_share_of_a_timed_run(tiny):
     assert {e.total for e in progress} == {2 * 0.25 + 2}
     assert [e.done for e in progress] == [0, 0.25, 0.5, 1.5, 2.5]
     assert [e.first_row for e in progress] == [True, False, True, False, True]
+
+
+def test_tune_tries_wide_windows_only_where_rows_are_nearly_free():
+    from fafo_cli.bench import tune
+
+    assert tune.candidates(accelerator=False) == tune.CANDIDATES and max(w for w, _, _ in tune.CANDIDATES) <= 3
+    wide = tune.candidates(accelerator=True)
+    assert wide[:len(tune.CANDIDATES)] == tune.CANDIDATES and max(w for w, _, _ in wide) >= 16

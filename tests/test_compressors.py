@@ -181,6 +181,7 @@ def fafo_engine(folder):
     return load(str(folder), dtype="float32", chat_template=False, method="fafo")
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("variant", ["llama-mha", "llama-gqa"])
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 def test_every_compressor_is_lossless(tiny_models, variant, compressor):
@@ -193,6 +194,7 @@ def test_every_compressor_is_lossless(tiny_models, variant, compressor):
             assert result.stats.fumble_positions <= 96
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("compressor", ["snapkv", "quest", "h2o"])
 def test_three_turn_chat_is_lossless(tiny, compressor):
     engine = load(str(tiny), dtype="float32", method="fafo")
@@ -211,6 +213,7 @@ def test_fraction_budget_scales_with_the_prompt(tiny):
     assert result.stats.fumble_positions == math.ceil(0.25 * len(engine.encode(LONG)))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("compressor", ["stream", "quest", "snapkv", "h2o"])
 def test_block_sparse_path_equals_split_path(tiny_models, compressor):
     """One FlexAttention call over [C(kv) leading region | positions] with a per-bucket block mask gives the
@@ -258,3 +261,28 @@ def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
         outputs.append(model.forward(torch.tensor(step.ids), start + step.layout.offsets, session.cache,
                                      view.attention(step.layout)))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_block_path_window_rows_list_only_the_compressed_view_blocks(tiny):
+    """The block path's query layout puts verify rows and window rows in different query blocks, so the window
+    rows' blocks list only the leading (C(kv)) key blocks and really skip the positions; verify rows' blocks list
+    only position blocks."""
+    from fafo_cli.decoders.fafo.attention import KV_BLOCK, Q_BLOCK, BlockSparseMasks, block_rows
+    from fafo_cli.decoders.fafo.window import LookaheadWindow
+    from fafo_cli.runtime.rows import draft_step
+
+    window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=list(range(20)))
+    window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
+    step = draft_step(1, [5, 6, 7], [-1, 0, 1], torch.device("cpu"), view_tokens=window.tokens(),
+                      view_rows=window.layout.rows, view=object())
+    layout = step.layout
+    n_verify, n_window = layout.verify_rows, layout.rows - layout.verify_rows
+    assert (n_verify, n_window) == (4, 8)
+    assert block_rows(n_verify, n_window) == (Q_BLOCK, 2 * Q_BLOCK)
+    lead, length = 2 * KV_BLOCK, 700
+    mask = BlockSparseMasks(torch.device("cpu")).get(lead=lead, kv_length=lead + 1024, length=length, view_size=40,
+                                                     layout=layout)
+    counts, indices = mask.kv_num_blocks[0, 0].tolist(), mask.kv_indices[0, 0].tolist()
+    verify_blocks, window_blocks = indices[0][:counts[0]], indices[1][:counts[1]]
+    assert window_blocks == [0, 1]  # the leading region only
+    assert min(verify_blocks) == lead // KV_BLOCK and max(verify_blocks) * KV_BLOCK < lead + length + 256

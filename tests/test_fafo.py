@@ -11,6 +11,8 @@ from fafo_cli import load
 
 from .conftest import LONG, SHORT, TOKENS, VARIANTS, hf_greedy
 
+pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+
 SETTINGS = {
     "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),
     "none": dict(streams=3, ngram=3, guesses=3, prefix=2, compressor="none"),

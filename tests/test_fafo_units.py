@@ -238,3 +238,24 @@ def test_auto_streams_follow_whether_the_step_runs_compiled():
     assert window_streams(settings, _Compiled({3})) == 1
     assert window_streams(replace(settings, ngram=4), _Compiled({3})) == 2  # a 4-row window step: eager, W=2
     assert window_streams(replace(settings, streams=3), _Compiled({3})) == 3  # a configured W is kept
+
+
+def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
+    """On eager steps `auto` is the widest window costing at most 25% more than a plain step by the cost curve: a
+    GPU's nearly free rows give a wide window (the paper's W 10-40), a CPU's dear ones the measured floor W=2."""
+    from fafo_cli.decoders.fafo.planner import StepCosts
+    from fafo_cli.decoders.fafo.step import MOST_AUTO_STREAMS, widest_window
+
+    settings = FafoSettings.from_config(config.build(streams="auto", ngram=4))
+    default = StepCosts.default(accelerator=True)  # each row 0.2% of a one-row step
+    assert window_streams(settings, None, default) == 31  # 1 + 123 · 0.002 ≤ 1.25 < 1 + 127 · 0.002
+    assert window_streams(replace(settings, ngram=3), None, default) == MOST_AUTO_STREAMS
+    flat = StepCosts({1: 10.0, 64: 12.0, 256: 17.0})  # a memory-bound GPU: 64 rows 20% dearer than one
+    assert widest_window(flat, 4) == 20  # 80 rows cost 12 + 16·5/192 = 12.42 ms, 84 rows 12.52 (> 1.25 × 10 ms)
+    assert window_streams(settings, None, flat) == 20
+    steep = StepCosts({1: 30.0, 9: 45.0})  # a CPU: each row ~6% of a plain step
+    assert widest_window(steep, 4) == 1 and window_streams(settings, None, steep) == 2
+    assert window_streams(settings, _Compiled({4}), flat) == 1  # compiled window steps keep W=1
+    assert window_streams(replace(settings, streams=5), None, flat) == 5
+    noisy = StepCosts({1: 10.0, 8: 20.0, 16: 10.5, 64: 11.0})  # a busy machine's outlier at 8 rows
+    assert widest_window(noisy, 4) == 1  # the 8-row window already costs too much: no wider one is trusted

@@ -13,6 +13,8 @@ from fafo_cli.cli import entrypoint
 
 from .conftest import LONG, PEERS, SHORT, TOKENS, VARIANTS, build_tiny_model, hf_greedy
 
+pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+
 DRAFTED_BY_MODEL = {"triforce", "quantspec"}
 
 

@@ -15,6 +15,8 @@ from fafo_cli.cli import entrypoint
 
 from .conftest import hf_greedy
 
+pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+
 QWEN_GGUF = Path(os.environ.get("FAFO_QWEN_GGUF", "/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
 QUESTION = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome, "
                                         "ignoring case and spaces. Explain it briefly."}]

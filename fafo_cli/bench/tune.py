@@ -20,6 +20,7 @@ import torch
 from .. import config as config_mod
 from ..compiled.steps import bucket
 from ..compiled.timing import side_by_side, write_step_costs
+from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
 from ..runtime.model import causal_attention
 from ..errors import FafoError
@@ -28,7 +29,10 @@ from . import suites
 from .runner import Row, run_once
 
 CANDIDATES = ((1, 3, 1), (1, 4, 1), (2, 3, 1), (2, 4, 1), (1, 5, 1), (2, 3, 2), (3, 4, 2))  # (W, k, G)
+# where rows are nearly free (GPUs), the paper's sizes too (it ablates W 10-40, k 4-9)
+WIDE_CANDIDATES = ((8, 4, 2), (16, 4, 2), (16, 5, 2), (24, 5, 3), (32, 4, 2))
 ROWS = (1, 2, 4, 8, 12, 16, 24)
+WIDE_ROWS = (32, 64, 128)  # measured too on an accelerator, for the wide candidates' steps
 TOKENS = 96
 NOISE = 0.03  # a setting must beat the current one by more than run-to-run noise to replace it
 
@@ -46,14 +50,27 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
         mask = torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)
         times = []
         for _ in range(repeats):
+            synchronize(model.device)
             start = time.perf_counter()
             model.forward(torch.zeros(rows, dtype=torch.long, device=model.device),
                           torch.arange(length, length + rows, device=model.device), session.cache,
                           causal_attention(mask, model.scaling))  # written after the prefix, never committed
+            synchronize(model.device)
             times.append(time.perf_counter() - start)
         costs[rows] = statistics.median(times[2:]) * 1e3
     engine.reset()
     return costs
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:
+    """The (W, k, G) settings `--tune` runs: a CPU's narrow windows, and on an accelerator wide ones as well."""
+    return CANDIDATES + (WIDE_CANDIDATES if accelerator else ())
 
 
 def write_settings(path: Path, values: dict) -> None:
@@ -74,7 +91,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     from rich.table import Table
 
     path = config_path or config_mod.user_config_path()
-    costs = step_costs(engine)
+    accelerator = engine.model.device.type != "cpu"
+    costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
     measured = {"eager": costs}
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
     for rows, ms in costs.items():
@@ -82,8 +100,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     compiled = compiled_for(engine.session.compiled, config.compressor)
     planned = FafoSettings.from_config(config)
-    planned = replace(planned, streams=window_streams(planned, compiled))
-    if compiled is not None and compiled.serves(planned.max_rows):
+    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs), accelerator=accelerator))
+    if hasattr(compiled, "runner") and compiled.serves(planned.max_rows):  # compiled packages (not CUDA graphs)
         packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
         measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})
         console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
@@ -95,7 +113,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
                             lambda line: err_console.print(f"[dim]{line}[/]"))
     current = (planned.streams, config.ngram, config.guesses)
-    settings = list(dict.fromkeys((current,) + CANDIDATES))
+    settings = list(dict.fromkeys((current,) + candidates(accelerator)))
     greedy = {"temperature": 0.0, "compressor": config.compressor}
     speed: dict[tuple, list[float]] = {s: [] for s in settings}
     taus: dict[tuple, list[float]] = {s: [] for s in settings}

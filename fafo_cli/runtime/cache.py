@@ -12,6 +12,10 @@ Storage and reading may differ in dtype: on a CPU, attention computes in float32
 float32 views (`read_dtype`), while compiled steps, whose kernel reads bfloat16 itself, keep a bfloat16 model's
 cache in bfloat16 (`store_as`): half the memory and half the bytes each step streams. Both hold the model's
 bfloat16 keys and values exactly.
+
+A model spread over several GPUs (runtime/placement.py) keeps each layer's keys and values on its layer's device
+(`layer_devices`): then `keys`/`values` are a `LayerStack`, one tensor per device indexed by layer like the single
+tensor (`keys[layer, slots]`); the block-sparse layout's leading region is single-device only.
 """
 
 from __future__ import annotations
@@ -21,19 +25,59 @@ import torch
 LEAD_ALIGN = 128  # the block-sparse attention's key block size
 
 
+class LayerStack:
+    """Per-layer tensors [slots, kv_heads, dim] held as one tensor per device (consecutive layers), indexed by layer
+    first like one [layer, slot, kv_head, dim] tensor: `stack[layer]`, `stack[layer, slots]` (read and write)."""
+
+    def __init__(self, groups: list[torch.Tensor]):
+        self.groups = groups  # [layers on that device, slots, kv_heads, dim]
+        self._where = [(g, i) for g, tensor in enumerate(groups) for i in range(tensor.shape[0])]
+        self.shape = torch.Size((len(self._where), *groups[0].shape[1:]))
+
+    def _locate(self, index):
+        layer, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if not isinstance(layer, int):
+            raise TypeError("a layer stack is indexed by one layer first (each layer's device differs)")
+        group, local = self._where[layer]
+        return self.groups[group], (local, *rest)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        tensor, index = self._locate(index)
+        return tensor[index]
+
+    def __setitem__(self, index, value) -> None:
+        tensor, index = self._locate(index)
+        tensor[index] = value.to(tensor.device) if isinstance(value, torch.Tensor) else value
+
+    def columns(self, index) -> list[torch.Tensor]:
+        """`[:, index]` of each device's tensor (slots of every layer), in layer order."""
+        return [tensor[:, index] for tensor in self.groups]
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_slots: int,
-                 dtype: torch.dtype, device: torch.device, initial_slots: int = 256):
+                 dtype: torch.dtype, device: torch.device, initial_slots: int = 256,
+                 layer_devices: list[torch.device] | None = None):
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.max_slots = max_slots
         self.dtype, self.device = dtype, device
+        # consecutive layers per device: (device, number of layers); one group unless the model is spread
+        devices = layer_devices or [device] * n_layers
+        self.groups = [(d, sum(1 for _ in run)) for d, run in _runs(devices)]
         self.read_dtype = dtype  # what eager readers get (see `store_as`)
         self.length = 0  # committed positions
         self.lead = 0  # leading slots per layer before position 0 (block-sparse layout)
         self.keys = self.values = torch.empty(0)
         self._allocate(min(max(initial_slots, 1), max_slots), 0)
 
+    @property
+    def spread(self) -> bool:
+        """Whether the layers' keys and values live on several devices."""
+        return len(self.groups) > 1
+
     def _allocate(self, slots: int, lead: int) -> None:
+        if self.spread:
+            return self._allocate_spread(slots, lead)
         n_layers, n_kv, dim = self.shape
         # zeros, not empty: the block-sparse path reads whole blocks, and a masked slot still adds 0 × value,
         # which is NaN if never-written memory happens to hold a NaN pattern
@@ -48,6 +92,19 @@ class KVCache:
             storage_values[:, :kept] = self.storage_values[:, :kept]
         self.storage_keys, self.storage_values, self.lead = storage_keys, storage_values, lead
         self.keys, self.values = storage_keys[:, lead:], storage_values[:, lead:]  # position-addressed views
+
+    def _allocate_spread(self, slots: int, lead: int) -> None:
+        if lead:
+            raise ValueError("the block-sparse layout keeps one tensor for all layers: not on a model spread over "
+                             "devices")
+        _, n_kv, dim = self.shape
+        keys = [torch.zeros(count, slots, n_kv, dim, dtype=self.dtype, device=device) for device, count in self.groups]
+        values = [torch.zeros_like(part) for part in keys]
+        if self.length:
+            for new, old in zip(keys + values, self.keys.groups + self.values.groups):
+                new[:, :self.length] = old[:, :self.length]
+        self.keys, self.values, self.lead = LayerStack(keys), LayerStack(values), 0
+        self.storage_keys, self.storage_values = self.keys, self.values
 
     @property
     def capacity(self) -> int:
@@ -95,9 +152,15 @@ class KVCache:
         """Commit some of this step's rows (indices after the prefix, increasing), in that order."""
         if rows != list(range(len(rows))):
             start = self.length
-            source = torch.tensor(rows, device=self.device) + start
-            self.keys[:, start:start + len(rows)] = self.keys[:, source]
-            self.values[:, start:start + len(rows)] = self.values[:, source]
+            if self.spread:
+                for keys, values in zip(self.keys.groups, self.values.groups):
+                    source = torch.tensor(rows, device=keys.device) + start
+                    keys[:, start:start + len(rows)] = keys[:, source]
+                    values[:, start:start + len(rows)] = values[:, source]
+            else:
+                source = torch.tensor(rows, device=self.device) + start
+                self.keys[:, start:start + len(rows)] = self.keys[:, source]
+                self.values[:, start:start + len(rows)] = self.values[:, source]
         self.length += len(rows)
 
     def truncate(self, length: int) -> None:
@@ -106,6 +169,9 @@ class KVCache:
     def snapshot(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the committed keys and values ([layer, position, kv_head, dim]) in `dtype`: the model's dtype
         holds them exactly (see the module's note), in half the bytes of a float32 store."""
+        if self.spread:  # gathered on the first device
+            return tuple(torch.cat([part.to(self.device, dtype) for part in stack.columns(slice(0, self.length))])
+                         for stack in (self.keys, self.values))
         return (self.keys[:, :self.length].to(dtype, copy=True),
                 self.values[:, :self.length].to(dtype, copy=True))
 
@@ -113,9 +179,22 @@ class KVCache:
         """Make a snapshot's positions the committed cache (what was committed before is dropped)."""
         self.length = 0
         self.reserve(keys.shape[1])
-        self.keys[:, :keys.shape[1]] = keys
-        self.values[:, :values.shape[1]] = values
+        for layer in range(self.shape[0]) if self.spread else ():
+            self.keys[layer, :keys.shape[1]] = keys[layer]
+            self.values[layer, :values.shape[1]] = values[layer]
+        if not self.spread:
+            self.keys[:, :keys.shape[1]] = keys
+            self.values[:, :values.shape[1]] = values
         self.length = keys.shape[1]
 
     def nbytes(self) -> int:
+        if self.spread:
+            return sum(t.numel() * t.element_size() for t in self.keys.groups) * 2
         return self.storage_keys.numel() * self.storage_keys.element_size() * 2
+
+
+def _runs(devices: list[torch.device]):
+    """Consecutive equal devices: (device, the run)."""
+    from itertools import groupby
+
+    return groupby(devices)

@@ -33,6 +33,7 @@ class Stats:
     decode_s: float = 0.0  # first emitted token to the last one
     peak_memory_mb: float = 0.0
     memory_kind: str = "rss"  # "rss" (process resident memory) or "cuda" (allocated device memory)
+    syncs: int | None = None  # host-device synchronisations while decoding (CUDA, when counted: runtime/syncs.py)
 
     @property
     def tokens_per_step(self) -> float:
@@ -66,6 +67,11 @@ class Stats:
         return sum(rows * n for rows, n in self.step_rows.items()) / steps if steps else 0.0
 
     @property
+    def syncs_per_step(self) -> float | None:
+        """Host-device synchronisations per decoding step (the prefill's token excluded); None: not counted."""
+        return self.syncs / (self.steps - 1) if self.syncs is not None and self.steps > 1 else None
+
+    @property
     def acceptance_rate(self) -> float | None:
         """Accepted guessed tokens / drafted guessed tokens (None when nothing was drafted)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
@@ -74,7 +80,7 @@ class Stats:
         data = asdict(self)
         data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s, total_s=self.total_s,
                     prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
-                    mean_draft=self.mean_draft, mean_rows=self.mean_rows)
+                    mean_draft=self.mean_draft, mean_rows=self.mean_rows, syncs_per_step=self.syncs_per_step)
         return data
 
 

@@ -51,7 +51,11 @@ class Model:
         self.max_context = max_context(self.config)
         self.vocab_size = self.lm_head.out_features
         param = next(hf_model.parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self.dtype, self.device = param.dtype, self.embed.weight.device  # ids, positions and logits live here
+        # a model spread over GPUs (runtime/placement.py): each layer's device, where its cache lives too; the hidden
+        # state moves to the next layer's device between layers (one small copy per hop and step)
+        self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
+        self.spread = len(set(self.layer_devices)) > 1
         # On CPU, torch's attention kernel is several times slower in bf16/fp16 than in fp32 once the context
         # reaches ~1k tokens, so CPU attention computes in fp32
         # and the cache holds fp32 copies of the (exactly representable) half-precision keys and values
@@ -60,7 +64,8 @@ class Model:
 
     def new_cache(self, initial_slots: int = 256, max_slots: int | None = None) -> KVCache:
         return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=max_slots or self.max_context,
-                       dtype=self.attention_dtype, device=self.device, initial_slots=initial_slots)
+                       dtype=self.attention_dtype, device=self.device, initial_slots=initial_slots,
+                       layer_devices=self.layer_devices if self.spread else None)
 
     @torch.inference_mode()
     def shift_positions(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
@@ -92,6 +97,8 @@ class Model:
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
         for i, layer in enumerate(self.layers):
+            if self.spread and x.device != self.layer_devices[i]:  # the next GPU's layers
+                x, cos, sin = (t.to(self.layer_devices[i]) for t in (x, cos, sin))
             attn = layer.self_attn
             h = layer.input_layernorm(x)[0]
             q = attn.q_proj(h).view(rows, self.n_heads, self.head_dim)
@@ -106,10 +113,19 @@ class Model:
                          values.transpose(0, 1)[None])
             x = x + attn.o_proj(out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.spread:
+            x = x.to(self.norm.weight.device)
         x = self.norm(x)[0]
         if logit_rows is not None:
             x = x[logit_rows]
+        if self.spread:
+            return self._spread_logits(x, as_float)
         logits = self.lm_head(x)
+        return logits.float() if as_float else logits
+
+    def _spread_logits(self, x: torch.Tensor, as_float: bool) -> torch.Tensor:
+        """The head's logits of a spread model, back on the first device (where sampling and its generator are)."""
+        logits = self.lm_head(x.to(self.lm_head.weight.device)).to(self.device)
         return logits.float() if as_float else logits
 
 
@@ -117,7 +133,8 @@ def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:
     """Plain attention: every row sees the cache plus `mask` (None: a single row that sees everything)."""
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        here = mask if mask is None or mask.device == q.device else mask.to(q.device)  # a spread model's later GPUs
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=here, scale=scaling, enable_gqa=True)
 
     return attend
 

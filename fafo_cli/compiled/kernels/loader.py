@@ -22,16 +22,24 @@ class BuildError(RuntimeError):
     """The C++ compiler failed or is missing."""
 
 
+def cpu_flags() -> str:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 def cpu_features() -> str:
     """What code built with -march=native depends on: the CPU's vector level and, on Linux, its feature flags
     (a cache folder may move to another machine of the same level that lacks, say, AVX512-BF16)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line.split(":", 1)[1].strip() for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return f"{torch.backends.cpu.get_cpu_capability()} {flags}"
+    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_flags()}"
+
+
+def compiler() -> str:
+    """The C++ compiler our kernels and compiled steps are built with ($CXX, else g++)."""
+    return os.environ.get("CXX", "g++")
 
 
 def version() -> str:
@@ -51,10 +59,10 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     from torch.utils import cpp_extension
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CXX", "g++")
+    cxx = compiler()
     try:
         with atomic_path(path) as partial:
-            command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+            command = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                        f"-I{HEADERS[0].parent}", *(f"-I{p}" for p in cpp_extension.include_paths()),
                        *map(str, sources), "-o", str(partial),
@@ -63,9 +71,9 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
             if done.returncode:
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 reason = next((line for line in lines if "error" in line), lines[0] if lines else done.returncode)
-                raise BuildError(f"{compiler} failed: {reason}")
+                raise BuildError(f"{cxx} failed: {reason}")
     except OSError as error:
-        raise BuildError(f"cannot run {compiler}: {error.strerror}") from None
+        raise BuildError(f"cannot run {cxx}: {error.strerror}") from None
 
 
 def load_as(source: str, namespace: str, folder: Path, defines: str = ""):

@@ -65,8 +65,9 @@ class FafoAttention:
         n_verify, start = self.verify_rows, self.cache.length
         if self.observe is not None:  # query-aware compressors learn from the anchor row
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
-        if not self.split:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.scaling, enable_gqa=True)
+        if not self.split:  # (the mask moves to a spread model's later GPUs)
+            mask = self.mask if self.mask.device == q.device else self.mask.to(q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.view_size
@@ -76,7 +77,14 @@ class FafoAttention:
         if self.block_mask is not None:
             keys = self.cache.storage_keys[layer, :self.kv_length].transpose(0, 1)[None]
             values = self.cache.storage_values[layer, :self.kv_length].transpose(0, 1)[None]
-            return self.flex(q, keys, values, block_mask=self.block_mask, scale=self.scaling, enable_gqa=True)
+            # verify rows in the first query blocks, window rows from the next block boundary: each block's list
+            # then names only what its rows see (padding rows are computed and dropped)
+            window_at, padded = block_rows(n_verify, q.shape[2] - n_verify)
+            rows = q.new_zeros(q.shape[0], q.shape[1], padded, q.shape[3])
+            rows[:, :, :n_verify] = q[:, :, :n_verify]
+            rows[:, :, window_at:window_at + q.shape[2] - n_verify] = q[:, :, n_verify:]
+            out = self.flex(rows, keys, values, block_mask=self.block_mask, scale=self.scaling, enable_gqa=True)
+            return torch.cat([out[:, :, :n_verify], out[:, :, window_at:window_at + q.shape[2] - n_verify]], dim=2)
         verify_end = start + n_verify
         verify = F.scaled_dot_product_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end],
                                                 attn_mask=self.verify_mask, scale=self.scaling, enable_gqa=True)
@@ -94,13 +102,21 @@ KV_BLOCK = 128
 _BLOCK_MASKS: dict[torch.device, "BlockSparseMasks"] = {}
 
 
+def block_rows(n_verify: int, n_window: int) -> tuple[int, int]:
+    """The block path's query layout: (the row the window rows start at, the padded row count). Verify rows fill
+    the first query blocks and window rows start on the next block boundary, so no query block holds both: a
+    block holding both would list every position block, and the window would skip nothing."""
+    window_at = -(-n_verify // Q_BLOCK) * Q_BLOCK
+    return window_at, window_at + -(-n_window // Q_BLOCK) * Q_BLOCK
+
+
 class BlockSparseMasks:
     """FlexAttention BlockMasks for the block-sparse layout, built once per (length bucket, row shape).
 
     Keys are one tensor per layer: [leading region: C(kv), then the anchor and window rows | positions].
-    A q block holding window rows lists only the leading blocks; one holding verify rows lists the position
-    blocks up to the bucket's end. Every listed block is "partial", so `mask_mod` (which reads the live
-    length and view size from tensors updated each step) decides inside each block.
+    Queries are laid out by `block_rows`: verify rows' q blocks list the position blocks up to the bucket's end,
+    window rows' q blocks only the leading blocks. Every listed block is "partial", so `mask_mod` (which reads
+    the live length and view size from tensors updated each step) decides inside each block.
     """
 
     def __init__(self, device: torch.device):
@@ -128,25 +144,24 @@ class BlockSparseMasks:
         bucket = min(kv_length - lead, -(-(length + n_verify) // BUCKET) * BUCKET)
         key = (lead, kv_length, bucket, id(layout))
         if key not in self._masks:
-            q_blocks = -(-rows // Q_BLOCK)
+            window_at, padded = block_rows(n_verify, n_window)
             lead_blocks = list(range(lead // KV_BLOCK))
             verify_blocks = list(range(lead // KV_BLOCK, -(-(lead + bucket) // KV_BLOCK)))
-            lists = []
-            for j in range(q_blocks):
-                has_verify, has_window = j * Q_BLOCK < n_verify, (j + 1) * Q_BLOCK > n_verify and n_window
-                lists.append((lead_blocks if has_window else []) + (verify_blocks if has_verify else []))
-            width = max(len(blocks) for blocks in lists)
+            lists = [verify_blocks if j * Q_BLOCK < window_at else lead_blocks for j in range(padded // Q_BLOCK)]
+            q_blocks, width = len(lists), -(-kv_length // KV_BLOCK)  # FlexAttention wants a column per key block
             indices = torch.zeros(1, 1, q_blocks, width, dtype=torch.int32)
             for j, blocks in enumerate(lists):
                 indices[0, 0, j, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             counts = torch.tensor([[[len(b) for b in lists]]], dtype=torch.int32)
             mask = BlockMask.from_kv_blocks(
                 counts.to(self.device), indices.to(self.device), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
-                mask_mod=self._mask_mod(lead, layout), seq_lengths=(rows, kv_length))
+                mask_mod=self._mask_mod(lead, layout, window_at), seq_lengths=(padded, kv_length))
             self._masks[key] = (mask, layout)  # the layout stays alive, so its id names it
         return self._masks[key][0]
 
-    def _mask_mod(self, lead: int, layout: RowLayout):
+    def _mask_mod(self, lead: int, layout: RowLayout, window_at: int):
+        """Query row q (block_rows' layout) against key slot kv; padding rows see what the row before them sees
+        (verify) or only the view (window), so no row is empty."""
         verify_local = layout.verify_local
         # the window's local mask with one extra, all-hidden row, so the indexing below is valid even with no window
         # rows; the mask function keeps it alive as long as the block mask
@@ -164,8 +179,8 @@ class BlockSparseMasks:
                 (local >= 0) & (local < n_verify) & verify_local[q.clamp(0, n_verify - 1), local.clamp(0, n_verify - 1)]))
             tail = kv - view_size
             window_ok = (kv < view_size) | ((tail >= 0) & (tail <= n_window) & window_local[
-                (q - n_verify).clamp(0, n_window), tail.clamp(0, n_window)])
-            return torch.where(q < n_verify, verify_ok, window_ok)
+                (q - window_at).clamp(0, n_window), tail.clamp(0, n_window)])
+            return torch.where(q < window_at, verify_ok, window_ok)
 
         return mask_mod
 

@@ -87,13 +87,40 @@ class FafoSettings:
         return cls(*(getattr(config, f.name) for f in fields(cls)))
 
 
-def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None) -> int:
-    """W as configured; `auto` picks 1 where the step runs compiled and 2 where it runs eager. An eager CPU step
-    is mostly overhead, so a second stream's rows cost little; a compiled step's rows cost arithmetic, and there
-    W=1 measured clearly faster than W=2 (docs/benchmarks.md)."""
+# `streams: auto` on eager steps: the widest window whose step costs at most WINDOW_SHARE more than a plain step,
+# by the measured cost curve (a GPU's nearly free rows give a wide window), and never fewer than W=2, which measured
+# best for eager steps on CPUs, whose rows cost a few percent each (docs/benchmarks.md)
+WINDOW_SHARE = 0.25
+EAGER_LEAST_STREAMS = 2
+MOST_AUTO_STREAMS = 32  # the paper ablates W 10-40 on a GPU
+
+
+def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None,
+                   eager: StepCosts | None = None, accelerator: bool = False) -> int:
+    """W as configured; `auto` picks 1 where the step runs compiled on a CPU (its rows cost arithmetic, and there
+    W=1 measured clearly faster than W=2: docs/benchmarks.md), else `widest_window` by the eager cost curve
+    (`eager`; before one is measured, the device's default curve)."""
     if settings.streams != "auto":
         return settings.streams
-    return 1 if compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows) else 2
+    if not accelerator and compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows):
+        return 1
+    return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
+
+
+def widest_window(costs: StepCosts, ngram: int) -> int:
+    """The most streams W (at least 1) whose window step (the anchor and W·k − 1 window rows) costs at most
+    WINDOW_SHARE more than a one-row step, as every narrower window's does (a noisy point ends the widening)."""
+    plain, streams = costs.of(1), 1
+    while streams < MOST_AUTO_STREAMS and costs.of((streams + 1) * ngram) <= plain * (1 + WINDOW_SHARE) + 1e-9:
+        streams += 1
+    return streams
+
+
+def eager_costs(session: Session) -> StepCosts:
+    """One eager pass's cost against its rows: as measured here (`fafo bench --tune`, `fafo doctor --write`), else
+    the default curve of this kind of device."""
+    measured = session.step_costs.get("eager")
+    return StepCosts(measured) if measured else StepCosts.default(session.model.device.type != "cpu")
 
 
 def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepRunner | None) -> StepCosts:
@@ -109,8 +136,7 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
         if all(ms.values()):
             return StepCosts(ms, sizes)
         return StepCosts.default(accelerator, sizes)
-    eager = session.step_costs.get("eager")
-    return StepCosts(eager) if eager else StepCosts.default(accelerator)
+    return eager_costs(session)
 
 
 @dataclass
@@ -154,13 +180,15 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     if session.compiled is not None and steps is None:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
-    settings = replace(settings, streams=window_streams(settings, steps))
+    settings = replace(settings, streams=window_streams(settings, steps, eager_costs(session),
+                                                        accelerator=session.model.device.type != "cpu"))
     stats = emitter.stats
     stats.streams = settings.streams
     sampling = request.sampling
     generator = sampling.generator(session.model.device)
     model, cache = session.model, session.cache
-    block = settings.attention == "block" or (settings.attention == "auto" and model.device.type == "cuda")
+    # auto is the split path everywhere: stock attention calls only, until a GPU measurement shows block faster
+    block = settings.attention == "block"
     cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)

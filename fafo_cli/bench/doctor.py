@@ -1,0 +1,203 @@
+"""`fafo doctor [MODEL]`: what this machine gives fafo, whether FAFO is exact here, and the settings to use.
+
+Four parts, about a minute on the embedded model: the machine (device, dtype, what our kernels can use); FAFO
+against plain decoding in float32 on two prompts, which must agree token for token; one pass's cost against its
+rows (`fafo bench --tune`'s measurement, to more rows); and the window width `streams: auto` derives from that cost,
+which `--write` writes where `--tune` writes (the config file, and the cost curve beside the model's compiled steps).
+`--gpu-report FILE` adds a 7B-shaped random-weight model's step costs against the bandwidth bound (gpu_report.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .. import config as config_mod
+from ..compiled.kernels import loader
+from ..compiled.timing import read_step_costs, write_step_costs
+from ..decoders.fafo.planner import StepCosts
+from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
+from ..errors import FafoError
+from . import exactness, suites, tune
+
+TOKENS = 64  # per exactness check
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # the pass cost's row counts: up to a wide GPU window's step
+
+
+def machine(device: torch.device, dtype: torch.dtype) -> dict:
+    """The device and dtype decoding uses here, and what our kernels and compiled steps can use."""
+    flags = set(loader.cpu_flags().split())
+    compiler = shutil.which(loader.compiler())
+    cuda = torch.cuda.is_available()
+    facts = {
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+        "cpu": _cpu_name(), "cpu_vector_level": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": "avx512_bf16" in flags, "amx": {"amx_bf16", "amx_tile"} <= flags,
+        "compiler": compiler,
+        "cuda": {"available": cuda, "torch_built_with": torch.version.cuda,
+                 "devices": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else []},
+        "mps": {"available": torch.backends.mps.is_available(), "built": torch.backends.mps.is_built()},
+    }
+    if device.type == "cpu":
+        facts["kernels"] = ("compiled steps and our attention kernel (C++ compiler found)" if compiler else
+                            "eager torch only: no C++ compiler, so no compiled steps or kernels of ours")
+        if dtype == torch.bfloat16 and not facts["avx512_bf16"]:
+            facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16)"
+    else:
+        facts["kernels"] = f"stock torch kernels on {device.type} (our kernels are CPU-only)"
+    return facts
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _gpu(index: int) -> dict:
+    properties = torch.cuda.get_device_properties(index)
+    return {"name": properties.name, "capability": f"{properties.major}.{properties.minor}",
+            "memory_gib": round(properties.total_memory / 2**30, 1), "bf16": torch.cuda.is_bf16_supported()}
+
+
+def prompts(engine) -> list[suites.Sample]:
+    """A chat question and a code edit (much of the answer is in its prompt: guesses get accepted)."""
+    return suites.fitting(engine, suites.load_suite("chat")[:1] + suites.load_suite("edit")[:1], TOKENS,
+                          lambda line: None)
+
+
+def exact(engine) -> list[dict]:
+    """FAFO's greedy answers against plain decoding's on `prompts`, in the engine's (float32) dtype."""
+    checks = []
+    for sample in prompts(engine):
+        messages = list(sample.messages)
+        engine.reset()
+        plain = engine.complete(messages, method="vanilla", temperature=0.0, max_tokens=TOKENS)
+        engine.reset()
+        fafo = engine.complete(messages, method="fafo", temperature=0.0, max_tokens=TOKENS)
+        position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
+        check = {"prompt": f"{sample.suite} · {sample.id}", "tokens": len(plain.token_ids), "equal": position is None,
+                 "fafo_steps": fafo.stats.steps, "accepted": fafo.stats.accepted_tokens}
+        if position is not None:
+            check["divergence"] = exactness.classify(engine, engine.encode(messages), plain.token_ids,
+                                                     fafo.token_ids, position, 0.0).describe()
+        checks.append(check)
+    engine.reset()
+    return checks
+
+
+def recommend(engine, config, costs: dict[int, float]) -> dict:
+    """The settings this cost curve calls for: the window width `streams: auto` derives from it."""
+    settings = replace(FafoSettings.from_config(config), streams="auto")
+    compiled = compiled_for(engine.session.compiled, config.compressor)
+    return {"streams": window_streams(settings, compiled, StepCosts(costs),
+                                      accelerator=engine.model.device.type != "cpu")}
+
+
+def write(engine, path: Path, settings: dict, costs: dict[int, float]) -> None:
+    """As `fafo bench --tune` writes: the settings into the config file, the cost curve beside the model's steps."""
+    try:
+        tune.write_settings(path, settings)
+    except OSError as e:
+        raise FafoError(f"cannot write {path}: {e.strerror}") from None
+    measured = {**read_step_costs(engine.steps_folder), "eager": costs}
+    write_step_costs(engine.steps_folder, measured)
+    engine.session.step_costs = measured
+
+
+def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):
+    """Every part but the GPU report: (the report as one dict, which `--json` prints; the engine loaded as
+    configured). `load(config)` loads an engine. The float32 check runs first, on a float32 copy of the model where
+    the configured dtype differs, released before the configured model loads: never both in memory at once."""
+    from ..api import pick_device, pick_dtype
+
+    float32 = pick_dtype(config.dtype, pick_device(config.device)) == torch.float32
+    progress("checking FAFO against plain decoding in float32")
+    if float32:
+        engine = load(config)
+        checks = exact(engine)
+    else:
+        try:
+            copy = load(replace(config, dtype="float32"))
+            checks = exact(copy)
+            del copy
+        except torch.OutOfMemoryError:
+            checks = [{"skipped": "the model in float32 does not fit in this device's memory"}]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        engine = load(config)
+    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype), "exactness": checks}
+    progress("measuring one pass against its rows")
+    costs = tune.step_costs(engine, row_counts=ROWS)
+    report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
+    report["recommended"] = recommend(engine, config, costs)
+    if write_to is not None:
+        write(engine, write_to, report["recommended"], costs)
+        report["written"] = {"config": str(write_to), "step_costs": str(engine.steps_folder)}
+    return report, engine
+
+
+def failed(report: dict) -> bool:
+    """Whether a float32 check found FAFO's output different from plain decoding's."""
+    return any(check.get("equal") is False for check in report["exactness"])
+
+
+def render(report: dict, console) -> None:
+    from rich.table import Table
+
+    facts = report["machine"]
+    cuda = facts["cuda"]
+    gpus = ", ".join(f"{g['name']} (sm {g['capability']}, {g['memory_gib']} GiB, bf16 {'yes' if g['bf16'] else 'no'})"
+                     for g in cuda["devices"]) or "none"
+    console.print(f"[bold]{report['model']}[/] on {facts['device']} in {facts['dtype']} · torch {facts['torch']}")
+    console.print(f"CPU: {facts['cpu']} ({facts['cpu_vector_level']}; AVX512-BF16 {_yes(facts['avx512_bf16'])}, AMX "
+                  f"{_yes(facts['amx'])}) · C++ compiler: {facts['compiler'] or 'none found'}")
+    console.print(f"CUDA: {'available' if cuda['available'] else 'not available'} (torch built with "
+                  f"{cuda['torch_built_with'] or 'no CUDA'}); GPUs: {gpus} · MPS: "
+                  f"{'available' if facts['mps']['available'] else 'not available'}")
+    console.print(f"Kernels: {facts['kernels']}")
+    for check in report["exactness"]:
+        if "skipped" in check:
+            console.print(f"float32 exactness: [yellow]not checked[/]: {check['skipped']}")
+            continue
+        verdict = "[green]equal[/]" if check["equal"] else f"[red]DIFFERENT[/] at {check['divergence']}"
+        console.print(f"float32 exactness, {check['prompt']}: FAFO vs plain decoding over {check['tokens']} tokens: "
+                      f"{verdict} ({check['fafo_steps']} FAFO steps, {check['accepted']} guessed tokens accepted)")
+    costs = report["step_ms"]
+    table = Table("rows per pass", "ms", "× one row", title="one pass against its rows", title_justify="left")
+    for rows, ms in costs.items():
+        table.add_row(str(rows), f"{ms:.2f}", f"{ms / costs[1]:.2f}×")
+    console.print(table)
+    streams = report["recommended"]["streams"]
+    console.print(f"Recommended: streams={streams} (the widest window whose step costs at most 25% more than a plain "
+                  "step; `streams: auto` derives it from this curve)")
+    if "written" in report:
+        console.print(f"Wrote streams={streams} to {report['written']['config']} and the cost curve to "
+                      f"{report['written']['step_costs']}.")
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def check_report_path(path: str) -> Path:
+    """Where the GPU report goes: refused at once when it cannot be written, before minutes of measuring."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise FafoError(f"--gpu-report {path} is a folder, not a file")
+    if not target.parent.is_dir():
+        raise FafoError(f"--gpu-report {path}: the folder {target.parent} does not exist")
+    return target
+
+
+def default_config_path(given: str | None) -> Path:
+    return Path(given) if given else config_mod.user_config_path()

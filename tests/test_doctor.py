@@ -1,0 +1,108 @@
+"""`fafo doctor`: the machine's facts, FAFO's float32 exactness, the pass cost, the recommended settings (written as
+`bench --tune` writes them), and the GPU report (a tiny shape on a CPU here; the 7B shape needs CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fafo_cli.cli import entrypoint
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """A config file of its own and a throwaway fafo cache: the measured cost curve goes there, not to the user's."""
+    from fafo_cli import config as config_mod
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "config.yaml"
+    path.write_text("# my settings\nmax_tokens: 100\n", encoding="utf-8")
+    config_mod.load_file(path)
+    return path
+
+
+def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, capsys):
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--json", "--config", str(isolated)])
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out)
+    machine = report["machine"]
+    assert machine["device"] == "cpu" and machine["dtype"] == "float32"
+    assert machine["cuda"]["available"] == torch.cuda.is_available()
+    assert isinstance(machine["avx512_bf16"], bool) and isinstance(machine["amx"], bool)
+    assert report["exactness"] and all(check["equal"] and check["tokens"] == 64 for check in report["exactness"])
+    assert sorted(map(int, report["step_ms"])) == [1, 2, 4, 8, 16, 32, 64]
+    assert all(ms > 0 for ms in report["step_ms"].values())
+    assert 2 <= report["recommended"]["streams"] <= 32  # eager: never below the CPU's W=2
+    assert "written" not in report and isolated.read_text() == "# my settings\nmax_tokens: 100\n"
+
+
+def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
+    from fafo_cli import config as config_mod
+    from fafo_cli.compiled.timing import read_step_costs
+
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
+    out = capsys.readouterr().out
+    assert code == 0
+    written = config_mod.load_file(isolated)
+    assert written.streams == int(out.split("Wrote streams=")[1].split()[0]) and written.max_tokens == 100
+    assert isolated.read_text().startswith("# my settings\n")  # comments and other keys kept
+    folder = next((isolated.parent / "cache" / "compiled").iterdir())
+    assert sorted(read_step_costs(folder)["eager"]) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_gpu_report_tiny_shape_on_this_device(tiny, isolated, tmp_path, capsys):
+    target = tmp_path / "gpu.json"
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--config", str(isolated), "--gpu-report",
+                       str(target), "--gpu-shape", "tiny"])
+    out = capsys.readouterr().out
+    assert code == 0 and "GPU report (tiny shape" in out
+    report = json.loads(target.read_text())
+    assert sorted(map(int, report["rows"])) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert report["dtype"] == "bfloat16" and report["bandwidth_gbs"] > 0 and report["bound_ms"] > 0
+    one = report["rows"]["1"]
+    assert one["vs_one_row"] == 1.0 and 0 < one["bound_share"]
+    assert report["graphs"] == torch.cuda.is_available()
+    assert set(report["fafo_64_rows_ms"]) == {"split", "block"} and all(report["fafo_64_rows_ms"].values())
+    assert all(ratio > 0 for ratio in report["fafo_64_rows_vs_one_row"].values())
+
+
+def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the 7B report would run")
+    assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path / "r.json")]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --gpu-report measures a 7B-shaped model on a CUDA GPU; the "
+                                               "device here is cpu")
+    assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path)]) == 1
+    assert "is a folder, not a file" in capsys.readouterr().err
+    assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path / "no" / "r.json")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "13b"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, tiny (got '13b')"
+
+
+def test_machine_facts_name_what_our_kernels_can_use():
+    from fafo_cli.bench.doctor import machine
+
+    facts = machine(torch.device("cpu"), torch.float32)
+    assert facts["torch"] == torch.__version__ and facts["cpu_vector_level"]
+    assert ("C++ compiler found" in facts["kernels"]) == (facts["compiler"] is not None)
+
+
+@CUDA
+def test_gpu_report_captures_cuda_graphs():
+    from fafo_cli.bench import gpu_report
+
+    report = gpu_report.run(torch.device("cuda"), "tiny", rows=(1, 8, 64), context=128)
+    assert report["graphs"] and all(row["graph_ms"] > 0 for row in report["rows"].values())
+
+
+def test_doctor_checks_exactness_on_a_float32_copy_of_a_half_precision_model(tiny, isolated, capsys):
+    code = entrypoint(["doctor", str(tiny), "--dtype", "bfloat16", "--json", "--config", str(isolated)])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["machine"]["dtype"] == "bfloat16"  # costs measured as configured
+    assert report["exactness"] and all(check["equal"] for check in report["exactness"])  # in float32

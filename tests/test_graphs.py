@@ -1,0 +1,79 @@
+"""CUDA graph steps (`cuda_graphs`): the static step they capture (rows padded to the step size, attention over the
+cache's whole capacity masked by the committed length, writes at slots computed on the device) decodes exactly as
+eager steps do. On a CPU the same step runs without capture; the capture itself is tested where CUDA is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.compiled.graphs import GraphSteps
+
+from .conftest import LONG, hf_greedy
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("method,options", [
+    ("vanilla", {}),
+    ("prompt-lookup", {}),
+    ("fafo", dict(compressor="stream", budget=48, streams=2)),  # window rows see C(kv) through the view mask
+    ("fafo", dict(compressor="none", streams=3)),
+])
+def test_static_graph_step_decodes_like_generate(tiny, method, options):
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    graphs = engine.session.compiled = GraphSteps(engine.model, lambda message: None, capture=False)
+    result = engine.complete(LONG, method=method, max_tokens=40, temperature=0.0, **options)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), 40)
+    assert sum(graphs.calls_by_size.values()) == result.stats.steps - 1  # every step but the prefill's token
+    if method != "vanilla":
+        assert max(graphs.calls_by_size) > 1 and result.stats.accepted_tokens > 0
+
+
+def test_static_graph_step_logits_equal_eager_ones_window_rows_included(tiny_models):
+    """Every row's logits, the window's too (they only feed the pool, so the tokens cannot tell whether they saw
+    C(kv)), equal the eager split path's, padding rows and all."""
+    from fafo_cli.decoders.fafo.attention import CompressedView
+    from fafo_cli.decoders.fafo.compressors import StreamCompressor
+    from fafo_cli.decoders.fafo.window import LookaheadWindow
+    from fafo_cli.runtime.rows import draft_step
+
+    engine = load(str(tiny_models["qwen2-bias"]), dtype="float32", chat_template=False, compile="off")
+    session, model = engine.session, engine.model
+    prompt = engine.encode(LONG)
+    session.prefill(prompt, reserve=64)
+    compressor = StreamCompressor(budget=40, sink=4, tail_rows=16)
+    compressor.rebuild(session.cache)
+    window = LookaheadWindow(streams=3, ngram=3, prefix=2, seed_tokens=prompt)
+    window.levels = [[11, 12], [13, 14, 15], [16, 17, 18]]
+    view = CompressedView(session.cache, compressor, model.scaling)
+    step = draft_step(prompt[-1], [5, 6, 7, 8, 9, 10], [-1, 0, 1, -1, 3, 4], model.device, size=20,
+                      view_tokens=window.tokens(), view_rows=window.layout.rows, view=view)
+    ids, positions = torch.tensor(step.ids), session.cache.length + step.layout.offsets
+    eager = model.forward(ids, positions, session.cache, view.attention(step.layout))
+    graphs = GraphSteps(model, lambda message: None, capture=False)
+    static = graphs(step, ids, positions, session.cache)
+    assert static.shape == eager.shape == (15, model.vocab_size) and graphs.calls_by_size == {20: 1}
+    torch.testing.assert_close(static.float(), eager, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_graphs_need_cuda(tiny):
+    from fafo_cli.errors import FafoError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(FafoError, match="--cuda-graphs needs a CUDA device; the device here is cpu"):
+        load(str(tiny), cuda_graphs=True)
+
+
+@CUDA
+@pytest.mark.parametrize("method", ["vanilla", "fafo"])
+def test_captured_cuda_graphs_equal_eager_steps(tiny, method):
+    notices: list[str] = []
+    eager = load(str(tiny), device="cuda", dtype="float32", chat_template=False, compile="off")
+    graphs = load(str(tiny), device="cuda", dtype="float32", chat_template=False, cuda_graphs=True,
+                  notify=notices.append)
+    options = dict(method=method, max_tokens=40, temperature=0.0, streams=2)
+    assert graphs.complete(LONG, **options).token_ids == eager.complete(LONG, **options).token_ids
+    assert not notices and graphs.session.compiled.calls_by_size  # captured, replayed, no fallback

@@ -1,0 +1,49 @@
+"""Host-device synchronisations per step (`fafo run --verbose` on CUDA): counted over the decoding steps only, and
+nothing counted off CUDA."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from fafo_cli import load
+from fafo_cli.runtime import syncs
+from fafo_cli.runtime.events import Stats, Step
+from fafo_cli.ui import footer
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_counted_steps_carry_the_syncs_of_the_steps_after_the_first(monkeypatch):
+    class OnePerStep(syncs.SyncCounter):  # stands in for CUDA's counting: one sync per decoding step
+        def __init__(self, device):
+            self.count = 0
+
+        @contextmanager
+        def counting(self):
+            yield
+            self.count += 1
+
+    monkeypatch.setattr(syncs, "SyncCounter", OnePerStep)
+    steps = [Step((i,), "", Stats(steps=i + 1)) for i in range(4)]
+    out = list(syncs.counted(iter(steps), torch.device("cuda")))
+    assert out == steps and [s.stats.syncs for s in out] == [None, 1, 2, 3]
+    assert out[-1].stats.syncs_per_step == 1.0 and "1.0 GPU syncs/step" in footer(out[-1].stats, "fafo", None)
+
+
+def test_nothing_is_counted_off_cuda(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, device="cpu")
+    engine.count_syncs = True
+    result = engine.complete("hello there", max_tokens=8)
+    assert result.stats.syncs is None and result.stats.syncs_per_step is None
+    assert "syncs" not in footer(result.stats, "fafo", None)
+
+
+@CUDA
+def test_syncs_are_counted_on_cuda(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, device="cuda")
+    engine.count_syncs = True
+    stats = engine.complete("hello there", max_tokens=16, method="vanilla").stats
+    assert stats.syncs_per_step is not None and stats.syncs_per_step >= 1  # at least the read of the token
