@@ -284,6 +284,62 @@ def test_a_full_queue_answers_503(guarded):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
+def test_queue_zero_serves_one_request_at_a_time(tiny):
+    """--queue 0: nothing waits; a request to an idle server runs, one beside a running one gets 503."""
+    live = _start(load(str(tiny), dtype="float32"), queue=0)
+    try:
+        body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            for _ in range(3):  # one after another: each finds the engine free, even while it closes the last one
+                alone = http.post("/completions", json={"prompt": "alone", "max_tokens": 3})
+                assert alone.status_code == 200 and alone.json()["usage"]["completion_tokens"] == 3
+            with http.stream("POST", "/completions", json=body) as running:
+                events = running.iter_lines()  # held: a dropped iterator would close the connection
+                next(line for line in events if line.startswith("data: "))
+                refused = http.post("/completions", json={"prompt": "beside", "max_tokens": 3})
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+            deadline = time.monotonic() + 10  # the dropped stream ends after the step in flight
+            while http.get(live.health).json()["running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            after = http.post("/completions", json={"prompt": "after", "max_tokens": 3})
+            assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    finally:
+        _stop(live)
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(guarded):
+    """--queue 1: a waiting client that disconnects leaves the queue, so the next one may wait and is served."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    waited: dict = {}
+
+    def wait_in_queue() -> None:
+        with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
+            response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
+            waited.update(status=response.status_code, body=response.json())
+
+    def queued(count: int, http: httpx.Client) -> None:
+        deadline = time.monotonic() + 10
+        while http.get(guarded.health).json()["waiting"] != count:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as running:
+            events = running.iter_lines()  # held: a dropped iterator would close the connection
+            next(line for line in events if line.startswith("data: "))
+            impatient = httpx.Client(base_url=guarded.url, headers=auth, timeout=httpx.Timeout(30, read=1.0))
+            with impatient, pytest.raises(httpx.ReadTimeout):  # it waits in the queue, then gives up and leaves
+                impatient.post("/completions", json={"prompt": "impatient", "max_tokens": 3})
+            queued(0, http)
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            queued(1, http)
+    waiter.join(30)  # the running answer was dropped: the waiting one is answered
+    assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
+
+
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         assert http.get(guarded.health).status_code == 200  # open: a liveness probe

@@ -38,6 +38,7 @@ class Ticket:
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.ending: ApiError | None = None  # told to the client when the server cancels the request
+        self.answered = False  # its last event (a finish_reason or an error) is handed over
 
     @property
     def cancelled(self) -> bool:
@@ -45,6 +46,8 @@ class Ticket:
 
     def post(self, item: Step | ApiError) -> None:
         """From the worker's thread: hand an event to the request's loop."""
+        if isinstance(item, ApiError) or item.finish_reason:
+            self.answered = True
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -70,7 +73,10 @@ class Worker:
         with self._lock:
             if self._closing:
                 raise shutting_down()
-            if len(self._waiting) >= self.max_waiting:
+            # A worker that is idle, or only closing the stream of a request it has answered, takes the first
+            # waiting request next: that one is not waiting (else a client's next request could find it "busy").
+            busy = self._running is not None and not self._running.answered
+            if len(self._waiting) >= self.max_waiting + (not busy):
                 raise ApiError(503, f"the server is busy: {len(self._waiting)} requests are waiting (--queue "
                                     f"{self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
             ticket = Ticket(job, loop)
