@@ -16,7 +16,7 @@ from rich.markup import escape
 from . import __version__
 from . import config as config_mod
 from . import hub
-from .errors import FafoError
+from .errors import FafoError, is_out_of_memory
 from .files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -409,11 +409,8 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (MemoryError, RuntimeError) as e:
-        # torch.OutOfMemoryError is a RuntimeError (named, not imported: only model commands load torch), and so
-        # are CPU allocator failures
-        if isinstance(e, RuntimeError) and not (type(e).__name__ == "OutOfMemoryError"
-                                                or ("alloc" in str(e) and "memory" in str(e))):
+    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
+        if not is_out_of_memory(e):
             raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1

@@ -137,16 +137,32 @@ def test_every_bad_input_is_one_line(capsys, tiny, prompt_file, tmp_path, small_
         assert out == ""
 
 
-def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
+# what torch raises when memory runs out: on a GPU, and from its CPU allocator (a plain RuntimeError)
+OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                 RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+                              "you tried to allocate 4294967296 bytes."),
+                 MemoryError()]
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu-allocator", "python"])
+def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file, error):
     from fafo_cli.api import Engine
 
     def exhausted(self, *args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise error
         yield
 
     monkeypatch.setattr(Engine, "stream", exhausted)
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file)
     assert code == 1 and err.startswith("error: out of memory") and err.count("\n") == 1
+
+
+def test_is_out_of_memory_tells_memory_from_other_runtime_errors():
+    from fafo_cli.errors import is_out_of_memory
+
+    assert all(is_out_of_memory(e) for e in OUT_OF_MEMORY)
+    assert not any(is_out_of_memory(e) for e in [RuntimeError("shape mismatch"), ValueError("out of memory"),
+                                                 RuntimeError("the memory layout is not contiguous")])
 
 
 def test_config_commands(capsys, tmp_path, monkeypatch):

@@ -453,6 +453,19 @@ def test_bad_input_gets_an_openai_error(served, endpoint, body, status, where):
             assert where in (error["param"], error["code"]), error
 
 
+def test_out_of_memory_is_its_own_error(served, monkeypatch):
+    """Memory running out (here: torch's CPU allocator, a plain RuntimeError) is a 500 `out_of_memory`, not a bug."""
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
+                           "tried to allocate 4294967296 bytes.")
+        yield
+
+    monkeypatch.setattr(served.server.engine, "generate", exhausted)
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        error = _check_error(http.post("/completions", json={"prompt": TEXT, "max_tokens": 3}), 500)
+    assert error["code"] == "out_of_memory"
+
+
 def test_wrong_routes_and_oversized_bodies(served):
     with httpx.Client(base_url=served.url, timeout=30) as http:
         _check_error(http.get("/chat/completions"), 405)

@@ -14,10 +14,8 @@ import threading
 import time
 from collections import deque
 
-import torch
-
 from ..api import Engine
-from ..errors import FafoError
+from ..errors import FafoError, is_out_of_memory
 from ..runtime.events import Step
 from .errors import ApiError, shutting_down
 from .schema import Job
@@ -152,10 +150,11 @@ class Worker:
             return self._failed(ticket, e)
         except FafoError as e:
             return self._failed(ticket, ApiError(400, str(e), code="invalid_value"))
-        except (torch.OutOfMemoryError, MemoryError):
-            return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
-                                                 code="out_of_memory"))
-        except Exception as e:  # a bug: the client gets a 500 without the traceback, the log keeps it
+        except Exception as e:
+            if is_out_of_memory(e):
+                return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
+                                                     code="out_of_memory"))
+            # a bug: the client gets a 500 without the traceback, the log keeps it
             log.error("%s failed: %s: %s", ticket.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return self._failed(ticket, ApiError(500, f"internal error ({type(e).__name__}); the server's log has "
                                                       "the details", code="internal_error"))
