@@ -30,7 +30,7 @@ from .runtime.events import Result, Step
 from .runtime.model import Model
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
-from .errors import FafoError
+from .errors import FafoError, first_line
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
@@ -210,7 +210,7 @@ def _load_model(name: str | None, config: config_mod.Config, device: torch.devic
                 weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
                 use_safetensors=None if config.allow_pickle else True)
     except (OSError, ValueError) as e:
-        raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
+        raise FafoError(f"cannot load the model in {folder}: {first_line(e)}") from None
     hf_model.to(device).eval()
     return tokenizer, hf_model, folder
 

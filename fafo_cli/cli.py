@@ -16,7 +16,7 @@ from rich.markup import escape
 from . import __version__
 from . import config as config_mod
 from . import hub
-from .errors import FafoError, is_out_of_memory
+from .errors import FafoError, first_line, is_out_of_memory
 from .files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -380,10 +380,6 @@ def cacheback_build_table(
           f"in {len(texts)} file(s)")
 
 
-def _one_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid usage"
-
-
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
@@ -404,7 +400,7 @@ def entrypoint(argv: list[str] | None = None) -> int:
             print(ctx.get_help())
             return 0
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        print(f"error: {_one_line(e.format_message())}{hint}", file=sys.stderr)
+        print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -14,3 +14,13 @@ def is_out_of_memory(error: BaseException) -> bool:
     message = str(error).lower()
     return isinstance(error, RuntimeError) and ("out of memory" in message
                                                 or ("alloc" in message and "memory" in message))
+
+
+def first_line(what: BaseException | str, *, named: bool = False) -> str:
+    """An error's message (or a text) cut to its first line, at most 300 characters (a compiler's or the hub's
+    first line can run on); an error without a message gives its type's name. `named`: "TypeError: message"."""
+    text = str(what).strip()
+    line = text.splitlines()[0] if text else ""
+    if isinstance(what, BaseException) and (named or not line):
+        line = f"{type(what).__name__}: {line}" if line else type(what).__name__
+    return line[:300]

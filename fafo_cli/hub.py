@@ -14,13 +14,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import FafoError
+from .errors import FafoError, first_line
+from .files import publish_dir
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
@@ -86,7 +86,7 @@ def gguf_header(path: Path) -> GgufHeader:
     try:
         header = read_header(path)
     except (OSError, ValueError) as e:
-        raise FafoError(f"cannot read {path} as a GGUF model: {_first_line(e)}") from None
+        raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
     if header.architecture is None:
         raise FafoError(f"cannot read {path} as a GGUF model: its header names no architecture")
     return header
@@ -104,19 +104,10 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
-    try:
+    with publish_dir(target, "config.json") as staging:
         write_gguf_as_hf(path, staging)
         record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
         (staging / SOURCE_MARKER).write_text(json.dumps(record))
-        try:
-            os.rename(staging, target)  # atomic: the folder appears complete or not at all
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -134,26 +125,19 @@ def weights_in(folder: Path, dtype: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=folder))
     try:
-        for item in folder.iterdir():
-            if item.is_file() and item.name != "model.safetensors":
-                shutil.copy2(item, staging / item.name)
-        config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
-        (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
-        with safe_open(folder / "model.safetensors", framework="pt") as weights:
-            tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
-            metadata = weights.metadata()
-        save_file(tensors, staging / "model.safetensors", metadata=metadata)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # not a concurrent copy that won the race
-                raise
+        with publish_dir(target, "model.safetensors") as staging:
+            for item in folder.iterdir():
+                if item.is_file() and item.name != "model.safetensors":
+                    shutil.copy2(item, staging / item.name)
+            config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+            (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
+            with safe_open(folder / "model.safetensors", framework="pt") as weights:
+                tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
+                metadata = weights.metadata()
+            save_file(tensors, staging / "model.safetensors", metadata=metadata)
     except OSError as e:
         raise FafoError(f"cannot write {target}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -242,7 +226,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as e:
-            raise FafoError(f"cannot read {path} as a GGUF model: {str(e).splitlines()[0]}") from None
+            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
         _check_architecture(config.to_dict(), str(path))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -306,17 +290,13 @@ def _hub_error(repo_id: str, error: Exception) -> str:
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
     if _broken_off(error):
-        return (f"the download of {repo_id} broke off ({_first_line(error)}); pull again: the files already "
+        return (f"the download of {repo_id} broke off ({first_line(error)}); pull again: the files already "
                 "downloaded are kept")
     if isinstance(error, errors.HfHubHTTPError):
-        return f"the hub refused {repo_id}: {_first_line(error)}"
+        return f"the hub refused {repo_id}: {first_line(error)}"
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"
-    return f"downloading {repo_id} failed: {_first_line(error)}"
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"downloading {repo_id} failed: {first_line(error)}"
 
 
 def _broken_off(error: Exception) -> bool:

@@ -165,6 +165,15 @@ def test_is_out_of_memory_tells_memory_from_other_runtime_errors():
                                                  RuntimeError("the memory layout is not contiguous")])
 
 
+def test_first_line():
+    from fafo_cli.errors import first_line
+
+    assert first_line(ValueError("bad value\n  at line 3")) == "bad value"
+    assert first_line(KeyError()) == "KeyError" and first_line("  \n") == ""
+    assert first_line(OSError("no file\nmore"), named=True) == "OSError: no file"
+    assert first_line(RuntimeError(), named=True) == "RuntimeError" and len(first_line("x" * 1000)) == 300
+
+
 def test_config_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     code, shown, _ = run_cli(capsys, "config", "show")

@@ -335,6 +335,25 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
+def test_a_published_folder_appears_whole_once(tmp_path):
+    from fafo_cli.files import publish_dir
+
+    target = tmp_path / "models" / "m"
+    with publish_dir(target, "config.json") as staging:
+        (staging / "config.json").write_text("first")
+    with publish_dir(target, "config.json") as staging:  # a concurrent writer that finished second
+        (staging / "config.json").write_text("second")
+    assert (target / "config.json").read_text() == "first" and [p.name for p in target.parent.iterdir()] == ["m"]
+    with pytest.raises(RuntimeError), publish_dir(tmp_path / "models" / "n", "config.json") as staging:
+        (staging / "config.json").write_text("half")
+        raise RuntimeError("killed")
+    (tmp_path / "models" / "o").mkdir()
+    (tmp_path / "models" / "o" / "other").write_text("")
+    with pytest.raises(OSError), publish_dir(tmp_path / "models" / "o", "config.json") as staging:
+        (staging / "config.json").write_text("new")  # the folder is taken, but not by a finished copy
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m", "o"]  # no staging folder left
+
+
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):
     import shutil
 
