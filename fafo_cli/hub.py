@@ -93,17 +93,18 @@ def gguf_header(path: Path) -> GgufHeader:
 
 
 def convert_gguf(path: Path, name: str | None = None) -> Path:
-    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. An
-    architecture we do not run is refused first, from the file's header (a conversion takes seconds to minutes)."""
-    header = gguf_header(path)
-    if header.architecture not in SUPPORTED:
-        raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
-                        f"architectures: {', '.join(SUPPORTED)})")
+    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. Before
+    a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
+    converted before is found without reading the file at all (the embedded default's every run)."""
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    header = gguf_header(path)
+    if header.architecture not in SUPPORTED:
+        raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
+                        f"architectures: {', '.join(SUPPORTED)})")
     with publish_dir(target, "config.json") as staging:
         write_gguf_as_hf(path, staging)
         record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}

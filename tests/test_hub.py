@@ -322,6 +322,9 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
+    with monkeypatch.context() as patch:  # found again without reading the file's header
+        patch.setattr(hub, "gguf_header", lambda path: pytest.fail("read the header of a converted model"))
+        assert hub.convert_gguf(gguf, name="Tiny") == folder
     assert hub.source_record(folder)["quantization"] == "Q4_1"  # recorded: listing reads no .gguf file
     assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [("Tiny", "gguf", "Q4_1")]
     assert hub.weights_format(folder, "bfloat16") == "Q4_1 GGUF, dequantized to bfloat16"
