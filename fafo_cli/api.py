@@ -131,8 +131,13 @@ class Engine:
         if config.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
         if config.chat_template and self.has_chat_template:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)
+            from jinja2 import TemplateError  # what transformers renders chat templates with
+
+            try:
+                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=True)
+            except TemplateError as e:  # e.g. Llama-2's and Mistral's on a system message or two user turns
+                raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])
         else:  # plain continuation of the text (the caller says so to the user)
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)

@@ -298,6 +298,23 @@ def test_chat_that_outgrows_the_context_drops_the_oldest_turns(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+# like Llama-2's and Mistral's templates: no system role
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                      "[INST] {{ m['content'] }} [/INST]{% endfor %}")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_one_line(capsys, tmp_path, prompt_file):
+    folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "2", "--dtype", "float32")
+    assert code == 0 and out.strip()  # a user message alone is fine
+    code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "2", "--dtype", "float32",
+                             "--system", "Be brief.")
+    assert code == 1 and out == ""
+    assert err == "error: the model's chat template refused the messages: System role not supported\n"
+
+
 def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, tmp_path, prompt_file):
     folder = build_tiny_model(tmp_path / "plain", "llama-gqa", chat_template=False)
     capsys.readouterr()

@@ -24,7 +24,7 @@ from fafo_cli import load
 from fafo_cli.cli import entrypoint
 from fafo_cli.serve import server as server_mod
 
-from .conftest import hf_greedy
+from .conftest import build_tiny_model, hf_greedy
 
 KEY = "sk-test-5ecret"
 ORIGIN = "http://page.example"
@@ -464,6 +464,21 @@ def test_out_of_memory_is_its_own_error(served, monkeypatch):
     with httpx.Client(base_url=served.url, timeout=30) as http:
         error = _check_error(http.post("/completions", json={"prompt": TEXT, "max_tokens": 3}), 500)
     assert error["code"] == "out_of_memory"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
+    from .test_cli import NO_SYSTEM_TEMPLATE
+
+    folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
+    live = _start(load(str(folder), dtype="float32"))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            error = _check_error(http.post("/chat/completions", json={"messages": CHAT, "max_tokens": 3}), 400)
+            assert error["message"] == "the model's chat template refused the messages: System role not supported"
+            fine = http.post("/chat/completions", json={"messages": CHAT[1:], "max_tokens": 3})
+            assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    finally:
+        _stop(live)
 
 
 def test_wrong_routes_and_oversized_bodies(served):
