@@ -284,9 +284,27 @@ def test_a_full_queue_answers_503(guarded):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
-def test_queue_zero_serves_one_request_at_a_time(tiny):
+def _slowed(monkeypatch, live: Live) -> None:
+    """The server's answers take 10 ms a step: a long one is still running however long the test takes."""
+    engine = live.server.engine
+    generate = engine.generate
+
+    def slow(*args, **kwargs):
+        steps = generate(*args, **kwargs)
+        try:
+            for step in steps:
+                time.sleep(0.01)
+                yield step
+        finally:
+            steps.close()
+
+    monkeypatch.setattr(engine, "generate", slow)
+
+
+def test_queue_zero_serves_one_request_at_a_time(tiny, monkeypatch):
     """--queue 0: nothing waits; a request to an idle server runs, one beside a running one gets 503."""
     live = _start(load(str(tiny), dtype="float32"), queue=0)
+    _slowed(monkeypatch, live)
     try:
         body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
         with httpx.Client(base_url=live.url, timeout=30) as http:
@@ -308,8 +326,9 @@ def test_queue_zero_serves_one_request_at_a_time(tiny):
         _stop(live)
 
 
-def test_a_client_that_leaves_the_queue_frees_its_place(guarded):
+def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
     """--queue 1: a waiting client that disconnects leaves the queue, so the next one may wait and is served."""
+    _slowed(monkeypatch, guarded)
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
     waited: dict = {}
@@ -329,10 +348,14 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded):
         with http.stream("POST", "/completions", json=body) as running:
             events = running.iter_lines()  # held: a dropped iterator would close the connection
             next(line for line in events if line.startswith("data: "))
-            impatient = httpx.Client(base_url=guarded.url, headers=auth, timeout=httpx.Timeout(30, read=1.0))
-            with impatient, pytest.raises(httpx.ReadTimeout):  # it waits in the queue, then gives up and leaves
-                impatient.post("/completions", json={"prompt": "impatient", "max_tokens": 3})
-            queued(0, http)
+            address = httpx.URL(guarded.url)
+            with socket.create_connection((address.host, address.port), timeout=30) as impatient:
+                payload = json.dumps({"prompt": "impatient", "max_tokens": 3}).encode()
+                impatient.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nAuthorization: Bearer "
+                                  f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                                  f"\r\n".encode() + payload)
+                queued(1, http)
+            queued(0, http)  # its client closed the connection while it waited
             waiter = threading.Thread(target=wait_in_queue)
             waiter.start()
             queued(1, http)
