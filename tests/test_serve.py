@@ -363,6 +363,45 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
+def test_closing_answers_every_waiting_request_and_starts_none(tiny):
+    """close(): each waiting request is answered `shutting_down` at once and never starts, the running one ends
+    after its step in flight, the worker stops and later requests are refused."""
+    import asyncio
+
+    from fafo_cli.serve import schema
+    from fafo_cli.serve.errors import ApiError
+    from fafo_cli.serve.worker import Worker
+
+    engine = load(str(tiny), dtype="float32")
+    started: list[str] = []
+    encode = engine.encode
+    engine.encode = lambda prompt, config: started.append(prompt) or encode(prompt, config)
+
+    def job(prompt: str, tokens: int):
+        return schema.parse({"prompt": prompt, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        worker = Worker(engine, max_waiting=4)
+        running = worker.submit(job("long", LONG), loop)
+        assert not isinstance(await running.next(), ApiError)  # it runs
+        waiting = [worker.submit(job(f"waiting {i}", 3), loop) for i in range(3)]
+        worker.close()
+        answers = [await asyncio.wait_for(ticket.next(), 10) for ticket in waiting]
+        last = await asyncio.wait_for(running.next(), 10)
+        while not isinstance(last, ApiError):
+            last = await asyncio.wait_for(running.next(), 10)
+        await loop.run_in_executor(None, worker.join, 10)
+        with pytest.raises(ApiError) as refused:
+            worker.submit(job("late", 3), loop)
+        return worker, answers, last, refused.value
+
+    worker, answers, last, refused = asyncio.run(scenario())
+    assert [(a.status, a.code) for a in answers] == [(503, "shutting_down")] * 3
+    assert (last.code, refused.code) == ("shutting_down", "shutting_down")
+    assert started == ["long"] and not worker._thread.is_alive()
+
+
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         assert http.get(guarded.health).status_code == 200  # open: a liveness probe

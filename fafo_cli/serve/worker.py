@@ -86,24 +86,27 @@ class Worker:
         """Stop a request: a waiting one leaves the queue, a running one ends after its current step. `ending`: what
         the client is told (None: the client is gone)."""
         with self._lock:
-            if ticket.cancelled:
-                return
-            ticket.ending = ending
-            ticket._cancelled.set()
-            if ticket in self._waiting:
-                self._waiting.remove(ticket)
-                if ending is not None:
-                    ticket.post(ending)
+            self._cancel(ticket, ending)
+
+    def _cancel(self, ticket: Ticket, ending: ApiError | None) -> None:  # holding the lock
+        if ticket.cancelled:
+            return
+        ticket.ending = ending
+        ticket._cancelled.set()
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+            if ending is not None:
+                ticket.post(ending)
 
     def close(self) -> None:
-        """Accept nothing more; cancel the waiting requests and the running one (safe from a signal handler: it
-        does not wait)."""
+        """Accept nothing more: in one step, every waiting request leaves the queue answered `shutting_down`, the
+        running one is cancelled (it ends after its step in flight) and the worker is told to start nothing new.
+        Does not wait. Not from a signal handler: the handler may interrupt this thread inside the lock."""
         with self._lock:
             self._closing = True
-            tickets = [*self._waiting, *([self._running] if self._running else [])]
+            for ticket in [*self._waiting, *([self._running] if self._running else [])]:
+                self._cancel(ticket, shutting_down())
             self._lock.notify()
-        for ticket in tickets:
-            self.cancel(ticket, shutting_down())
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -118,7 +121,7 @@ class Worker:
             with self._lock:
                 while not self._waiting and not self._closing:
                     self._lock.wait()
-                if not self._waiting:
+                if self._closing:  # close() answered the waiting requests
                     return
                 ticket = self._running = self._waiting.popleft()
             try:
