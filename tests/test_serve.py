@@ -363,6 +363,18 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_no_error(served):
+    address, logged = httpx.URL(served.url), len(served.log)
+    with socket.create_connection((address.host, address.port), timeout=30) as leaving:
+        leaving.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nContent-Type: application/json"
+                        f"\r\nContent-Length: 1000\r\n\r\n{{\"prompt\": \"half".encode())
+        time.sleep(0.2)  # the server is reading the body
+    served.logged("the client left while sending its body")
+    assert not [line for line in served.log[logged:] if "failed" in line or "ClientDisconnect" in line]
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        assert http.get(served.health).json() == {"status": "ok", "model": served.name, "running": 0, "waiting": 0}
+
+
 def test_closing_answers_every_waiting_request_and_starts_none(tiny):
     """close(): each waiting request is answered `shutting_down` at once and never starts, the running one ends
     after its step in flight, the worker stops and later requests are refused."""
