@@ -240,16 +240,38 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def cached_snapshot(repo_id: str) -> Path | None:
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The HF cache's snapshot of a hub model, if it holds a whole model (what `resolve` uses offline)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS,
+                                        local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError):
         return None
     except Exception as e:
         raise FafoError(_hub_error(repo_id, e)) from None
+    return folder if _has_model_files(folder) else None
+
+
+def _has_model_files(folder: Path) -> bool:
+    """Whether a snapshot holds config.json and its weights: model.safetensors, or every shard its index names (the
+    same for pickle weights). A pull cut off mid-way leaves the files it finished, and huggingface_hub before 2.x
+    returns such a snapshot offline without a word."""
+    if not (folder / "config.json").is_file():
+        return False
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return True
+        index = folder / f"{single}.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return False
+            return bool(shards) and all(isinstance(s, str) and (folder / s).is_file() for s in shards)
+    return any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())  # named otherwise, without an index
 
 
 def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False) -> Path:
@@ -369,19 +391,6 @@ def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _complete(repo_id: str, commit: str) -> bool:
-    """Whether a hub snapshot holds every model file its repository listed: what `resolve` would use offline (a
-    pull cut off mid-way leaves the files it finished, which are not a model yet)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        snapshot_download(repo_id, revision=commit, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True)
-    except LocalEntryNotFoundError:
-        return False
-    return True
-
-
 def cached_models() -> list[CachedModel]:
     """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
     from huggingface_hub import constants, scan_cache_dir
@@ -396,7 +405,10 @@ def cached_models() -> list[CachedModel]:
         if repo.repo_type != "model" or not repo.revisions:
             continue
         latest = max(repo.revisions, key=lambda r: r.last_modified)
-        if not _complete(repo.repo_id, latest.commit_hash):
+        try:
+            if cached_snapshot(repo.repo_id, latest.commit_hash) is None:  # not a whole model yet
+                continue
+        except FafoError:  # a snapshot huggingface_hub cannot read: not one to list
             continue
         found.append(CachedModel(repo.repo_id, repo.size_on_disk,
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),

@@ -277,6 +277,32 @@ def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, ti
     assert [m.name for m in hub.cached_models()] == ["org/tiny"]
 
 
+def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_path, monkeypatch):
+    import shutil
+
+    from huggingface_hub import _snapshot_download
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    fake_hub.add_folder("org/sharded", sharded)
+    folder = hub.pull("org/sharded")
+    assert [m.name for m in hub.cached_models()] == ["org/sharded"] and hub.cached_snapshot("org/sharded") == folder
+    # as huggingface_hub before 2.x (the floor is 1.0): a snapshot folder is returned offline unchecked
+    monkeypatch.setattr(_snapshot_download, "_raise_if_incomplete_snapshot", lambda **kwargs: None, raising=False)
+    (folder / shards[-1]).unlink()  # the pull was cut off before its last shard
+    assert hub.cached_models() == [] and hub.cached_snapshot("org/sharded") is None
+    assert hub.resolve("org/sharded") == folder and (folder / shards[-1]).is_file()  # the missing shard is fetched
+    assert [m.name for m in hub.cached_models()] == ["org/sharded"]
+    copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
+    (copy / "model.safetensors.index.json").write_text("{not json")
+    assert not hub._has_model_files(copy)
+
+
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
                                           ("output_norm.weight", "F32", 1, 64)])  # 3: llama.cpp's "mostly Q4_1"
 
