@@ -115,8 +115,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
 def weights_in(folder: Path, dtype: str) -> Path:
     """The folder to load `folder`'s model from in `dtype` ("bfloat16", ...): itself, or for a converted .gguf model
     (float32 weights) run in half precision, a copy of its weights in that dtype, made once beside them
-    (`<folder>/<dtype>/`, atomically). Loading then reads half the bytes and never holds the float32 file and
-    the half-precision weights at once; the values are the same (float32 rounded to the dtype, as a load does)."""
+    (`<folder>/<dtype>/`, atomically). After the first run (whose copy holds both), loading reads half the bytes
+    and never holds the float32 file and the half-precision weights at once; the values are the same (float32
+    rounded to the dtype, as a load does)."""
     if dtype == "float32" or not (folder / SOURCE_MARKER).is_file() or not (folder / "model.safetensors").is_file():
         return folder
     target = folder / dtype
