@@ -31,7 +31,7 @@ from .runtime.model import Model
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
 from .runtime.syncs import counted
-from .errors import FafoError
+from .errors import FafoError, first_line
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
@@ -140,8 +140,13 @@ class Engine:
         if config.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
         if config.chat_template and self.has_chat_template:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)
+            from jinja2 import TemplateError  # what transformers renders chat templates with
+
+            try:
+                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=True)
+            except TemplateError as e:  # e.g. Llama-2's and Mistral's on a system message or two user turns
+                raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])
         else:  # plain continuation of the text (the caller says so to the user)
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
@@ -276,7 +281,7 @@ def _load_model(name: str | None, config: config_mod.Config, device: torch.devic
                 weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
                 use_safetensors=None if config.allow_pickle else True, device_map=device_map)
     except (OSError, ValueError) as e:
-        raise FafoError(f"cannot load the model in {folder}: {str(e).splitlines()[0]}") from None
+        raise FafoError(f"cannot load the model in {folder}: {first_line(e)}") from None
     if device_map is None:
         hf_model.to(device)
     hf_model.eval()

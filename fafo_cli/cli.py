@@ -16,7 +16,7 @@ from rich.markup import escape
 from . import __version__
 from . import config as config_mod
 from . import hub
-from .errors import FafoError
+from .errors import FafoError, first_line, is_out_of_memory
 from .files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -431,10 +431,6 @@ def cacheback_build_table(
           f"in {len(texts)} file(s)")
 
 
-def _one_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid usage"
-
-
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
@@ -455,16 +451,13 @@ def entrypoint(argv: list[str] | None = None) -> int:
             print(ctx.get_help())
             return 0
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        print(f"error: {_one_line(e.format_message())}{hint}", file=sys.stderr)
+        print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (MemoryError, RuntimeError) as e:
-        # torch.OutOfMemoryError is a RuntimeError (named, not imported: only model commands load torch), and so
-        # are CPU allocator failures
-        if isinstance(e, RuntimeError) and not (type(e).__name__ == "OutOfMemoryError"
-                                                or ("alloc" in str(e) and "memory" in str(e))):
+    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
+        if not is_out_of_memory(e):
             raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1

@@ -1,5 +1,26 @@
-"""The one exception type users see: its message is printed as a single line, never a traceback."""
+"""The one exception type users see: its message is printed as a single line, never a traceback. Also which other
+exceptions mean memory ran out (torch-free: `fafo list` and `--help` never load torch)."""
 
 
 class FafoError(Exception):
     """A problem with the user's input or environment, explained in one line."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` means memory ran out: MemoryError; torch.OutOfMemoryError (CUDA, MPS), matched by name; or
+    the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate ...")."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in message
+                                                or ("alloc" in message and "memory" in message))
+
+
+def first_line(what: BaseException | str, *, named: bool = False) -> str:
+    """An error's message (or a text) cut to its first line, at most 300 characters (a compiler's or the hub's
+    first line can run on); an error without a message gives its type's name. `named`: "TypeError: message"."""
+    text = str(what).strip()
+    line = text.splitlines()[0] if text else ""
+    if isinstance(what, BaseException) and (named or not line):
+        line = f"{type(what).__name__}: {line}" if line else type(what).__name__
+    return line[:300]

@@ -14,13 +14,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import FafoError
+from .errors import FafoError, first_line
+from .files import publish_dir
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
@@ -86,45 +86,38 @@ def gguf_header(path: Path) -> GgufHeader:
     try:
         header = read_header(path)
     except (OSError, ValueError) as e:
-        raise FafoError(f"cannot read {path} as a GGUF model: {_first_line(e)}") from None
+        raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
     if header.architecture is None:
         raise FafoError(f"cannot read {path} as a GGUF model: its header names no architecture")
     return header
 
 
 def convert_gguf(path: Path, name: str | None = None) -> Path:
-    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. An
-    architecture we do not run is refused first, from the file's header (a conversion takes seconds to minutes)."""
-    header = gguf_header(path)
-    if header.architecture not in SUPPORTED:
-        raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
-                        f"architectures: {', '.join(SUPPORTED)})")
+    """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. Before
+    a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
+    converted before is found without reading the file at all (the embedded default's every run)."""
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
-    try:
+    header = gguf_header(path)
+    if header.architecture not in SUPPORTED:
+        raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
+                        f"architectures: {', '.join(SUPPORTED)})")
+    with publish_dir(target, "config.json") as staging:
         write_gguf_as_hf(path, staging)
         record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
         (staging / SOURCE_MARKER).write_text(json.dumps(record))
-        try:
-            os.rename(staging, target)  # atomic: the folder appears complete or not at all
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
 def weights_in(folder: Path, dtype: str) -> Path:
     """The folder to load `folder`'s model from in `dtype` ("bfloat16", ...): itself, or for a converted .gguf model
     (float32 weights) run in half precision, a copy of its weights in that dtype, made once beside them
-    (`<folder>/<dtype>/`, atomically). Loading then reads half the bytes and never holds the float32 file and
-    the half-precision weights at once; the values are the same (float32 rounded to the dtype, as a load does)."""
+    (`<folder>/<dtype>/`, atomically). After the first run (whose copy holds both), loading reads half the bytes
+    and never holds the float32 file and the half-precision weights at once; the values are the same (float32
+    rounded to the dtype, as a load does)."""
     if dtype == "float32" or not (folder / SOURCE_MARKER).is_file() or not (folder / "model.safetensors").is_file():
         return folder
     target = folder / dtype
@@ -134,26 +127,19 @@ def weights_in(folder: Path, dtype: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=folder))
     try:
-        for item in folder.iterdir():
-            if item.is_file() and item.name != "model.safetensors":
-                shutil.copy2(item, staging / item.name)
-        config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
-        (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
-        with safe_open(folder / "model.safetensors", framework="pt") as weights:
-            tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
-            metadata = weights.metadata()
-        save_file(tensors, staging / "model.safetensors", metadata=metadata)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # not a concurrent copy that won the race
-                raise
+        with publish_dir(target, "model.safetensors") as staging:
+            for item in folder.iterdir():
+                if item.is_file() and item.name != "model.safetensors":
+                    shutil.copy2(item, staging / item.name)
+            config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+            (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
+            with safe_open(folder / "model.safetensors", framework="pt") as weights:
+                tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
+                metadata = weights.metadata()
+            save_file(tensors, staging / "model.safetensors", metadata=metadata)
     except OSError as e:
         raise FafoError(f"cannot write {target}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -242,7 +228,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as e:
-            raise FafoError(f"cannot read {path} as a GGUF model: {str(e).splitlines()[0]}") from None
+            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
         _check_architecture(config.to_dict(), str(path))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -255,16 +241,38 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def cached_snapshot(repo_id: str) -> Path | None:
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The HF cache's snapshot of a hub model, if it holds a whole model (what `resolve` uses offline)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS,
+                                        local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError):
         return None
     except Exception as e:
         raise FafoError(_hub_error(repo_id, e)) from None
+    return folder if _has_model_files(folder) else None
+
+
+def _has_model_files(folder: Path) -> bool:
+    """Whether a snapshot holds config.json and its weights: model.safetensors, or every shard its index names (the
+    same for pickle weights). A pull cut off mid-way leaves the files it finished, and huggingface_hub before 2.x
+    returns such a snapshot offline without a word."""
+    if not (folder / "config.json").is_file():
+        return False
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return True
+        index = folder / f"{single}.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return False
+            return bool(shards) and all(isinstance(s, str) and (folder / s).is_file() for s in shards)
+    return any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())  # named otherwise, without an index
 
 
 def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False) -> Path:
@@ -306,17 +314,13 @@ def _hub_error(repo_id: str, error: Exception) -> str:
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
     if _broken_off(error):
-        return (f"the download of {repo_id} broke off ({_first_line(error)}); pull again: the files already "
+        return (f"the download of {repo_id} broke off ({first_line(error)}); pull again: the files already "
                 "downloaded are kept")
     if isinstance(error, errors.HfHubHTTPError):
-        return f"the hub refused {repo_id}: {_first_line(error)}"
+        return f"the hub refused {repo_id}: {first_line(error)}"
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"
-    return f"downloading {repo_id} failed: {_first_line(error)}"
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"downloading {repo_id} failed: {first_line(error)}"
 
 
 def _broken_off(error: Exception) -> bool:
@@ -388,19 +392,6 @@ def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _complete(repo_id: str, commit: str) -> bool:
-    """Whether a hub snapshot holds every model file its repository listed: what `resolve` would use offline (a
-    pull cut off mid-way leaves the files it finished, which are not a model yet)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        snapshot_download(repo_id, revision=commit, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True)
-    except LocalEntryNotFoundError:
-        return False
-    return True
-
-
 def cached_models() -> list[CachedModel]:
     """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
     from huggingface_hub import constants, scan_cache_dir
@@ -415,7 +406,10 @@ def cached_models() -> list[CachedModel]:
         if repo.repo_type != "model" or not repo.revisions:
             continue
         latest = max(repo.revisions, key=lambda r: r.last_modified)
-        if not _complete(repo.repo_id, latest.commit_hash):
+        try:
+            if cached_snapshot(repo.repo_id, latest.commit_hash) is None:  # not a whole model yet
+                continue
+        except FafoError:  # a snapshot huggingface_hub cannot read: not one to list
             continue
         found.append(CachedModel(repo.repo_id, repo.size_on_disk,
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),

@@ -75,15 +75,18 @@ def build_tokenizer(eos: bool = True):
 
 
 def build_tiny_model(folder: Path, variant: str, *, seed: int = 0, max_positions: int = 2048,
-                     eos: bool = False, chat_template: bool = True, **overrides) -> Path:
+                     eos: bool = False, chat_template: bool | str = True, **overrides) -> Path:
     """A random-weight model saved as a normal HF folder (safetensors). `eos=False`: no stop token, so
-    greedy outputs run to the token limit and comparisons stay long."""
+    greedy outputs run to the token limit and comparisons stay long. `chat_template`: False for none, or a
+    template of its own."""
     import transformers
 
     cls_name, extra = VARIANTS[variant]
     tokenizer = build_tokenizer(eos)
     if not chat_template:
         tokenizer.chat_template = None
+    elif isinstance(chat_template, str):
+        tokenizer.chat_template = chat_template
     settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -18,6 +18,14 @@ REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_s
             "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions"}
 
 
+def test_first_divergence():
+    from fafo_cli.bench.exactness import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and first_divergence([], []) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1, 2, 3], [1, 2]) == 2
+
+
 def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
     files = {kind: tmp_path / f"out.{kind}" for kind in ("json", "csv", "md", "png")}
     code = entrypoint(["bench", str(tiny), "--suites", "chat,math", "--methods", "fafo,prompt-lookup,quantspec",

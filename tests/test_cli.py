@@ -137,16 +137,41 @@ def test_every_bad_input_is_one_line(capsys, tiny, prompt_file, tmp_path, small_
         assert out == ""
 
 
-def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file):
+# what torch raises when memory runs out: on a GPU, and from its CPU allocator (a plain RuntimeError)
+OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                 RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+                              "you tried to allocate 4294967296 bytes."),
+                 MemoryError()]
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu-allocator", "python"])
+def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file, error):
     from fafo_cli.api import Engine
 
     def exhausted(self, *args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise error
         yield
 
     monkeypatch.setattr(Engine, "stream", exhausted)
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file)
     assert code == 1 and err.startswith("error: out of memory") and err.count("\n") == 1
+
+
+def test_is_out_of_memory_tells_memory_from_other_runtime_errors():
+    from fafo_cli.errors import is_out_of_memory
+
+    assert all(is_out_of_memory(e) for e in OUT_OF_MEMORY)
+    assert not any(is_out_of_memory(e) for e in [RuntimeError("shape mismatch"), ValueError("out of memory"),
+                                                 RuntimeError("the memory layout is not contiguous")])
+
+
+def test_first_line():
+    from fafo_cli.errors import first_line
+
+    assert first_line(ValueError("bad value\n  at line 3")) == "bad value"
+    assert first_line(KeyError()) == "KeyError" and first_line("  \n") == ""
+    assert first_line(OSError("no file\nmore"), named=True) == "OSError: no file"
+    assert first_line(RuntimeError(), named=True) == "RuntimeError" and len(first_line("x" * 1000)) == 300
 
 
 def test_config_commands(capsys, tmp_path, monkeypatch):
@@ -271,6 +296,23 @@ def test_chat_that_outgrows_the_context_drops_the_oldest_turns(tmp_path):
     assert "this message alone does not fit the model's context (160 tokens)" in result.stderr
     assert "7 turns" in result.stdout  # every message that fits was answered
     assert "Traceback" not in result.stderr
+
+
+# like Llama-2's and Mistral's templates: no system role
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                      "[INST] {{ m['content'] }} [/INST]{% endfor %}")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_one_line(capsys, tmp_path, prompt_file):
+    folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "2", "--dtype", "float32")
+    assert code == 0 and out.strip()  # a user message alone is fine
+    code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "2", "--dtype", "float32",
+                             "--system", "Be brief.")
+    assert code == 1 and out == ""
+    assert err == "error: the model's chat template refused the messages: System role not supported\n"
 
 
 def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, tmp_path, prompt_file):

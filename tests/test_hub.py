@@ -277,6 +277,32 @@ def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, ti
     assert [m.name for m in hub.cached_models()] == ["org/tiny"]
 
 
+def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_path, monkeypatch):
+    import shutil
+
+    from huggingface_hub import _snapshot_download
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    fake_hub.add_folder("org/sharded", sharded)
+    folder = hub.pull("org/sharded")
+    assert [m.name for m in hub.cached_models()] == ["org/sharded"] and hub.cached_snapshot("org/sharded") == folder
+    # as huggingface_hub before 2.x (the floor is 1.0): a snapshot folder is returned offline unchecked
+    monkeypatch.setattr(_snapshot_download, "_raise_if_incomplete_snapshot", lambda **kwargs: None, raising=False)
+    (folder / shards[-1]).unlink()  # the pull was cut off before its last shard
+    assert hub.cached_models() == [] and hub.cached_snapshot("org/sharded") is None
+    assert hub.resolve("org/sharded") == folder and (folder / shards[-1]).is_file()  # the missing shard is fetched
+    assert [m.name for m in hub.cached_models()] == ["org/sharded"]
+    copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
+    (copy / "model.safetensors.index.json").write_text("{not json")
+    assert not hub._has_model_files(copy)
+
+
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
                                           ("output_norm.weight", "F32", 1, 64)])  # 3: llama.cpp's "mostly Q4_1"
 
@@ -322,6 +348,9 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
+    with monkeypatch.context() as patch:  # found again without reading the file's header
+        patch.setattr(hub, "gguf_header", lambda path: pytest.fail("read the header of a converted model"))
+        assert hub.convert_gguf(gguf, name="Tiny") == folder
     assert hub.source_record(folder)["quantization"] == "Q4_1"  # recorded: listing reads no .gguf file
     assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [("Tiny", "gguf", "Q4_1")]
     assert hub.weights_format(folder, "bfloat16") == "Q4_1 GGUF, dequantized to bfloat16"
@@ -333,6 +362,25 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [(folder.name, "gguf", None)]
         assert hub.gguf_source(folder) is None
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
+
+
+def test_a_published_folder_appears_whole_once(tmp_path):
+    from fafo_cli.files import publish_dir
+
+    target = tmp_path / "models" / "m"
+    with publish_dir(target, "config.json") as staging:
+        (staging / "config.json").write_text("first")
+    with publish_dir(target, "config.json") as staging:  # a concurrent writer that finished second
+        (staging / "config.json").write_text("second")
+    assert (target / "config.json").read_text() == "first" and [p.name for p in target.parent.iterdir()] == ["m"]
+    with pytest.raises(RuntimeError), publish_dir(tmp_path / "models" / "n", "config.json") as staging:
+        (staging / "config.json").write_text("half")
+        raise RuntimeError("killed")
+    (tmp_path / "models" / "o").mkdir()
+    (tmp_path / "models" / "o" / "other").write_text("")
+    with pytest.raises(OSError), publish_dir(tmp_path / "models" / "o", "config.json") as staging:
+        (staging / "config.json").write_text("new")  # the folder is taken, but not by a finished copy
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m", "o"]  # no staging folder left
 
 
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):

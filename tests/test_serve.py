@@ -24,7 +24,7 @@ from fafo_cli import load
 from fafo_cli.cli import entrypoint
 from fafo_cli.serve import server as server_mod
 
-from .conftest import hf_greedy
+from .conftest import build_tiny_model, hf_greedy
 
 KEY = "sk-test-5ecret"
 ORIGIN = "http://page.example"
@@ -284,6 +284,136 @@ def test_a_full_queue_answers_503(guarded):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
+def _slowed(monkeypatch, live: Live) -> None:
+    """The server's answers take 10 ms a step: a long one is still running however long the test takes."""
+    engine = live.server.engine
+    generate = engine.generate
+
+    def slow(*args, **kwargs):
+        steps = generate(*args, **kwargs)
+        try:
+            for step in steps:
+                time.sleep(0.01)
+                yield step
+        finally:
+            steps.close()
+
+    monkeypatch.setattr(engine, "generate", slow)
+
+
+def test_queue_zero_serves_one_request_at_a_time(tiny, monkeypatch):
+    """--queue 0: nothing waits; a request to an idle server runs, one beside a running one gets 503."""
+    live = _start(load(str(tiny), dtype="float32"), queue=0)
+    _slowed(monkeypatch, live)
+    try:
+        body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            for _ in range(3):  # one after another: each finds the engine free, even while it closes the last one
+                alone = http.post("/completions", json={"prompt": "alone", "max_tokens": 3})
+                assert alone.status_code == 200 and alone.json()["usage"]["completion_tokens"] == 3
+            with http.stream("POST", "/completions", json=body) as running:
+                events = running.iter_lines()  # held: a dropped iterator would close the connection
+                next(line for line in events if line.startswith("data: "))
+                refused = http.post("/completions", json={"prompt": "beside", "max_tokens": 3})
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+            deadline = time.monotonic() + 10  # the dropped stream ends after the step in flight
+            while http.get(live.health).json()["running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            after = http.post("/completions", json={"prompt": "after", "max_tokens": 3})
+            assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    finally:
+        _stop(live)
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
+    """--queue 1: a waiting client that disconnects leaves the queue, so the next one may wait and is served."""
+    _slowed(monkeypatch, guarded)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    waited: dict = {}
+
+    def wait_in_queue() -> None:
+        with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
+            response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
+            waited.update(status=response.status_code, body=response.json())
+
+    def queued(count: int, http: httpx.Client) -> None:
+        deadline = time.monotonic() + 10
+        while http.get(guarded.health).json()["waiting"] != count:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as running:
+            events = running.iter_lines()  # held: a dropped iterator would close the connection
+            next(line for line in events if line.startswith("data: "))
+            address = httpx.URL(guarded.url)
+            with socket.create_connection((address.host, address.port), timeout=30) as impatient:
+                payload = json.dumps({"prompt": "impatient", "max_tokens": 3}).encode()
+                impatient.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nAuthorization: Bearer "
+                                  f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                                  f"\r\n".encode() + payload)
+                queued(1, http)
+            queued(0, http)  # its client closed the connection while it waited
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            queued(1, http)
+    waiter.join(30)  # the running answer was dropped: the waiting one is answered
+    assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_error(served):
+    address, logged = httpx.URL(served.url), len(served.log)
+    with socket.create_connection((address.host, address.port), timeout=30) as leaving:
+        leaving.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nContent-Type: application/json"
+                        f"\r\nContent-Length: 1000\r\n\r\n{{\"prompt\": \"half".encode())
+        time.sleep(0.2)  # the server is reading the body
+    served.logged("the client left while sending its body")
+    assert not [line for line in served.log[logged:] if "failed" in line or "ClientDisconnect" in line]
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        assert http.get(served.health).json() == {"status": "ok", "model": served.name, "running": 0, "waiting": 0}
+
+
+def test_closing_answers_every_waiting_request_and_starts_none(tiny):
+    """close(): each waiting request is answered `shutting_down` at once and never starts, the running one ends
+    after its step in flight, the worker stops and later requests are refused."""
+    import asyncio
+
+    from fafo_cli.serve import schema
+    from fafo_cli.serve.errors import ApiError
+    from fafo_cli.serve.worker import Worker
+
+    engine = load(str(tiny), dtype="float32")
+    started: list[str] = []
+    encode = engine.encode
+    engine.encode = lambda prompt, config: started.append(prompt) or encode(prompt, config)
+
+    def job(prompt: str, tokens: int):
+        return schema.parse({"prompt": prompt, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        worker = Worker(engine, max_waiting=4)
+        running = worker.submit(job("long", LONG), loop)
+        assert not isinstance(await running.next(), ApiError)  # it runs
+        waiting = [worker.submit(job(f"waiting {i}", 3), loop) for i in range(3)]
+        worker.close()
+        answers = [await asyncio.wait_for(ticket.next(), 10) for ticket in waiting]
+        last = await asyncio.wait_for(running.next(), 10)
+        while not isinstance(last, ApiError):
+            last = await asyncio.wait_for(running.next(), 10)
+        await loop.run_in_executor(None, worker.join, 10)
+        with pytest.raises(ApiError) as refused:
+            worker.submit(job("late", 3), loop)
+        return worker, answers, last, refused.value
+
+    worker, answers, last, refused = asyncio.run(scenario())
+    assert [(a.status, a.code) for a in answers] == [(503, "shutting_down")] * 3
+    assert (last.code, refused.code) == ("shutting_down", "shutting_down")
+    assert started == ["long"] and not worker._thread.is_alive()
+
+
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         assert http.get(guarded.health).status_code == 200  # open: a liveness probe
@@ -395,6 +525,34 @@ def test_bad_input_gets_an_openai_error(served, endpoint, body, status, where):
         error = _check_error(http.post(path, content=content, headers={"Content-Type": "application/json"}), status)
         if where is not None:
             assert where in (error["param"], error["code"]), error
+
+
+def test_out_of_memory_is_its_own_error(served, monkeypatch):
+    """Memory running out (here: torch's CPU allocator, a plain RuntimeError) is a 500 `out_of_memory`, not a bug."""
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
+                           "tried to allocate 4294967296 bytes.")
+        yield
+
+    monkeypatch.setattr(served.server.engine, "generate", exhausted)
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        error = _check_error(http.post("/completions", json={"prompt": TEXT, "max_tokens": 3}), 500)
+    assert error["code"] == "out_of_memory"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
+    from .test_cli import NO_SYSTEM_TEMPLATE
+
+    folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
+    live = _start(load(str(folder), dtype="float32"))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            error = _check_error(http.post("/chat/completions", json={"messages": CHAT, "max_tokens": 3}), 400)
+            assert error["message"] == "the model's chat template refused the messages: System role not supported"
+            fine = http.post("/chat/completions", json={"messages": CHAT[1:], "max_tokens": 3})
+            assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    finally:
+        _stop(live)
 
 
 def test_wrong_routes_and_oversized_bodies(served):

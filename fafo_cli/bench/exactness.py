@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.conversations import shared_prefix
 from ..runtime.model import causal_attention, prefix_causal_mask
 
 CALIBRATION_ROWS = 9  # rows per pass when measuring the rounding noise (FAFO's default step)
@@ -33,10 +34,9 @@ class Divergence:
 
 
 def first_divergence(ours: list[int], reference: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        if a != b:
-            return i
-    return None if len(ours) == len(reference) else min(len(ours), len(reference))
+    """Where the two token lists first differ (one ending earlier included); None where they are equal."""
+    same = shared_prefix(ours, reference)
+    return None if same == len(ours) == len(reference) else same
 
 
 @torch.inference_mode()

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import first_line
 from ..files import atomic_path
 from ..runtime.model import Model
 from . import packed
@@ -174,18 +175,13 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
     except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
-        raise CompileError(_first_line(error)) from error
+        raise CompileError(first_line(error, named=True)) from error
 
 
 def load_kernels(model: Model, folder: Path) -> None:
     """Our own kernels, which the CPU graphs call: compiled into `folder` once (seconds), loaded per process."""
     if model.device.type == "cpu":
         loader.load(folder)
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def identity(model: Model, source: str) -> str:

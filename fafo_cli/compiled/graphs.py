@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
-from .build import _first_line
+from ..errors import first_line
 from .steps import bucket
 
 WARMUP = 2  # runs on a side stream before capture (cuBLAS workspaces, lazy initialisation)
@@ -160,7 +160,7 @@ class GraphSteps:
         except Exception as error:  # noqa: BLE001 - whatever capture refused: every step runs eager from now on
             self.failed = True
             self._static.clear()
-            self.notify(f"CUDA graph capture failed, decoding eager: {_first_line(error)}")
+            self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
             return None
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         return static.logits[:rows].clone()  # the next replay overwrites the graph's output

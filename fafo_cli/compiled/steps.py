@@ -9,10 +9,11 @@ from typing import Callable
 
 import torch
 
+from ..errors import first_line
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
-from .build import MIN_LENGTH, CompileError, _first_line, build, load_kernels, load_package, stored_dtype
+from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, stored_dtype
 from .timing import Timing, measure, read_step_costs
 from . import packed
 
@@ -63,8 +64,8 @@ class CompiledSteps:
                 try:
                     self._packed = packed.pack_model(self.model, self.gguf)
                 except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
-                    self.notify_once(f"cannot read the packed weights of {self.gguf.name} ({_first_line(error)}); "
-                                     "compiling with bf16 weights")
+                    self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
+                                     f"({first_line(error, named=True)}); compiling with bf16 weights")
         return self._packed
 
     def step_ms(self, rows: int) -> float | None:
@@ -103,7 +104,7 @@ class CompiledSteps:
                 return load_package(package)
             except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
                 if self.mode == "auto":
-                    self.notify(f"compiled step unusable ({_first_line(error)}); running eager")
+                    self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
                     return None
         if self.mode != "on":
             return None
@@ -117,7 +118,7 @@ class CompiledSteps:
             timing.build_s = time.perf_counter() - started
             timing.write(record)
         except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
-            reason = error if isinstance(error, CompileError) else _first_line(error)
+            reason = error if isinstance(error, CompileError) else first_line(error, named=True)
             self.notify(f"compilation failed, running eager: {reason}")
             return None
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
@@ -177,7 +178,7 @@ class CompiledSteps:
         try:
             logits = runner(ids, positions, local, sees_cache, sees_view, view_mask, self._layer_views[1], self._layer_views[2])
         except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
-            self.notify(f"compiled step failed, running eager: {_first_line(error)}")
+            self.notify(f"compiled step failed, running eager: {first_line(error, named=True)}")
             self._runners[size] = None
             return None
         self.calls += 1

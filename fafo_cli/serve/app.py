@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -46,7 +46,12 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         return await _complete(request, "text")
 
     async def _complete(request: Request, kind: str) -> Response:
-        job = schema.parse(schema.read_json(await request.body()), kind, engine, served)
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # nothing was submitted: no error, nobody to tell
+            log.debug("%s %s: the client left while sending its body", request.method, request.url.path)
+            return Response(status_code=499)
+        job = schema.parse(schema.read_json(body), kind, engine, served)
         ticket = worker.submit(job, asyncio.get_running_loop())
         try:
             first = await _unless_gone(request, ticket.next())

@@ -8,6 +8,7 @@ flight to close and exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import errno
@@ -103,6 +104,7 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine, worker: Worker, options: Options):
         super().__init__(config)
         self.engine, self.worker, self.options = engine, worker, options
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, while signals are captured
 
     def serve_on(self, sock: socket.socket) -> None:
         log.info("serving %s on %s (method %s, context %d tokens, queue %d); Ctrl-C stops", self.engine.name,
@@ -120,7 +122,9 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
-        self.worker.close()
+        # A signal handler runs between two bytecodes of the main thread, which runs the event loop, maybe inside
+        # the worker's lock in submit(): the queue is closed by the loop as its next callback, not from here.
+        self._loop.call_soon_threadsafe(self.worker.close)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -128,12 +132,14 @@ class Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
             yield
             return
+        self._loop = asyncio.get_running_loop()  # entered by uvicorn's serve(), on the loop
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._loop = None
 
 
 def setup_logging(verbose: bool) -> None:

@@ -14,10 +14,8 @@ import threading
 import time
 from collections import deque
 
-import torch
-
 from ..api import Engine
-from ..errors import FafoError
+from ..errors import FafoError, is_out_of_memory
 from ..runtime.events import Step
 from .errors import ApiError, shutting_down
 from .schema import Job
@@ -38,6 +36,7 @@ class Ticket:
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.ending: ApiError | None = None  # told to the client when the server cancels the request
+        self.answered = False  # its last event (a finish_reason or an error) is handed over
 
     @property
     def cancelled(self) -> bool:
@@ -45,6 +44,8 @@ class Ticket:
 
     def post(self, item: Step | ApiError) -> None:
         """From the worker's thread: hand an event to the request's loop."""
+        if isinstance(item, ApiError) or item.finish_reason:
+            self.answered = True
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -70,7 +71,10 @@ class Worker:
         with self._lock:
             if self._closing:
                 raise shutting_down()
-            if len(self._waiting) >= self.max_waiting:
+            # A worker that is idle, or only closing the stream of a request it has answered, takes the first
+            # waiting request next: that one is not waiting (else a client's next request could find it "busy").
+            busy = self._running is not None and not self._running.answered
+            if len(self._waiting) >= self.max_waiting + (not busy):
                 raise ApiError(503, f"the server is busy: {len(self._waiting)} requests are waiting (--queue "
                                     f"{self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
             ticket = Ticket(job, loop)
@@ -82,24 +86,27 @@ class Worker:
         """Stop a request: a waiting one leaves the queue, a running one ends after its current step. `ending`: what
         the client is told (None: the client is gone)."""
         with self._lock:
-            if ticket.cancelled:
-                return
-            ticket.ending = ending
-            ticket._cancelled.set()
-            if ticket in self._waiting:
-                self._waiting.remove(ticket)
-                if ending is not None:
-                    ticket.post(ending)
+            self._cancel(ticket, ending)
+
+    def _cancel(self, ticket: Ticket, ending: ApiError | None) -> None:  # holding the lock
+        if ticket.cancelled:
+            return
+        ticket.ending = ending
+        ticket._cancelled.set()
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+            if ending is not None:
+                ticket.post(ending)
 
     def close(self) -> None:
-        """Accept nothing more; cancel the waiting requests and the running one (safe from a signal handler: it
-        does not wait)."""
+        """Accept nothing more: in one step, every waiting request leaves the queue answered `shutting_down`, the
+        running one is cancelled (it ends after its step in flight) and the worker is told to start nothing new.
+        Does not wait. Not from a signal handler: the handler may interrupt this thread inside the lock."""
         with self._lock:
             self._closing = True
-            tickets = [*self._waiting, *([self._running] if self._running else [])]
+            for ticket in [*self._waiting, *([self._running] if self._running else [])]:
+                self._cancel(ticket, shutting_down())
             self._lock.notify()
-        for ticket in tickets:
-            self.cancel(ticket, shutting_down())
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -114,7 +121,7 @@ class Worker:
             with self._lock:
                 while not self._waiting and not self._closing:
                     self._lock.wait()
-                if not self._waiting:
+                if self._closing:  # close() answered the waiting requests
                     return
                 ticket = self._running = self._waiting.popleft()
             try:
@@ -146,10 +153,11 @@ class Worker:
             return self._failed(ticket, e)
         except FafoError as e:
             return self._failed(ticket, ApiError(400, str(e), code="invalid_value"))
-        except (torch.OutOfMemoryError, MemoryError):
-            return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
-                                                 code="out_of_memory"))
-        except Exception as e:  # a bug: the client gets a 500 without the traceback, the log keeps it
+        except Exception as e:
+            if is_out_of_memory(e):
+                return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
+                                                     code="out_of_memory"))
+            # a bug: the client gets a 500 without the traceback, the log keeps it
             log.error("%s failed: %s: %s", ticket.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return self._failed(ticket, ApiError(500, f"internal error ({type(e).__name__}); the server's log has "
                                                       "the details", code="internal_error"))
