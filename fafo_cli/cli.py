@@ -138,7 +138,7 @@ def run(
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err, weights=engine.weights)
     with view:
-        view.consume(engine.stream(text, seed=request.seed))
+        view.consume(engine.stream(text, seed=request.seed, on_prefill=view.prefill))
 
 
 @app.command()

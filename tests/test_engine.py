@@ -162,3 +162,20 @@ def test_sampling_defaults_come_from_the_model(tmp_path):
     assert result.settings["temperature"] == 0.6 and result.settings["top_p"] == 0.9
     plain = load(str(build_tiny_model(tmp_path / "g", "llama-gqa")), dtype="float32").request_config()
     assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.seed) == (0.0, 1.0, 0, 0.0, None)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "fafo", "prompt-lookup"])
+def test_prefill_progress_is_told_after_each_chunk(tiny, monkeypatch, method):
+    monkeypatch.setattr(session_mod, "PREFILL_CHUNK", 16)
+    engine = load(str(tiny), dtype="float32", method=method, chat_template=False)
+    prompt = PROMPT * 3
+    total = len(engine.encode(prompt))
+    events = []
+    steps = list(engine.stream(prompt, max_tokens=20, on_prefill=events.append))
+    assert [e.done for e in events] == [*range(16, total, 16), total] and {e.total for e in events} == {total}
+    assert all(a.elapsed_s <= b.elapsed_s for a, b in zip(events, events[1:]))
+    assert [t for s in steps for t in s.token_ids] == hf_greedy(tiny, engine.encode(prompt), 20)
+    assert steps[-1].stats.peak_memory_mb > 0
+    events.clear()  # the next request reuses the cached prompt: only its new tokens are prefilled
+    list(engine.stream(prompt + " More.", max_tokens=4, on_prefill=events.append))
+    assert events[0].done > 16 * (total // 16) and events[-1].done == events[-1].total

@@ -61,7 +61,8 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     model, cache, sampling = session.model, session.cache, request.sampling
     generator = sampling.generator(model.device)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + drafter.max_rows + 1,
-                                     observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows)
+                                     observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows,
+                                     progress=emitter.prefilling)
     anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]
     drafter.start(session, request, text, generator)

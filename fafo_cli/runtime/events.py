@@ -79,6 +79,14 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """A request's prefill so far, after each chunk: what a face shows while a long prompt is read."""
+    done: int  # prompt tokens in the cache (those reused from the previous request included)
+    total: int  # prompt tokens
+    elapsed_s: float  # since the request started
+
+
+@dataclass(frozen=True)
 class Step:
     token_ids: tuple[int, ...]  # emitted by this step
     text: str  # the text these tokens add (may lag a token behind for incomplete UTF-8)

@@ -165,7 +165,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
-                                     observe=getattr(compressor, "observe_prefill", None))
+                                     observe=getattr(compressor, "observe_prefill", None),
+                                     progress=emitter.prefilling)
     compressor.rebuild(cache)
     emitter.prefilled(reused)
     view = CompressedView(cache, compressor, model.scaling,
