@@ -258,3 +258,15 @@ def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):
         outputs.append(model.forward(torch.tensor(step.ids), start + step.layout.offsets, session.cache,
                                      view.attention(step.layout)))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_the_copy_of_ckv_counts_in_draft_memory(tiny, compressor):
+    engine = fafo_engine(tiny)
+    result = engine.complete(LONG, max_tokens=40, compressor=compressor, **OPTIONS)
+    model, cache = engine.model, engine.session.cache
+    view = 2 * len(model.layers) * 96 * model.n_kv_heads * model.head_dim * cache.keys.element_size()  # B keys+values
+    if compressor == "none":  # the window rows read the cache itself
+        assert result.stats.draft_memory_mb == 0
+    else:  # at least B positions' keys and values in every layer, and less than the whole cache beside it
+        assert view <= result.stats.draft_memory_mb * 2**20 < cache.nbytes(), compressor
