@@ -157,8 +157,9 @@ def _longest(task: str, build: Callable[[int], list[dict] | None], cuts: list[in
     return best
 
 
-def build(context: int, document: int, answer: int, encode: Encode) -> list[LongPrompt]:
-    """The three tasks at `context` tokens (prompt plus an `answer` of that many tokens) from document `document`."""
+def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple[str, ...] = TASKS
+          ) -> list[LongPrompt]:
+    """The `tasks` at `context` tokens (prompt plus an `answer` of that many tokens) from document `document`."""
     limit = context - answer
     chars = limit * CHARS_PER_TOKEN
     lines, functions = _sources(document, chars)
@@ -173,7 +174,7 @@ def build(context: int, document: int, answer: int, encode: Encode) -> list[Long
                 "summary": (lambda k: _summary(docs, k), doc_cuts),
                 "edit": (lambda k: _edit(lines, functions, k), code_cuts)}
     prompts = []
-    for task in TASKS:
+    for task in tasks:
         make, cuts = builders[task]
         messages, length = _longest(task, make, cuts, limit, encode)
         prompts.append(LongPrompt(task, context, document, tuple(messages), length))
