@@ -126,8 +126,8 @@ class TriForce:
         self.bottom = bottom
         self.queries: dict[int, torch.Tensor] = {}  # layer -> the latest query [heads, dim] (prefill, then drafts)
         self.rebuilds = 0
-        self.period = [0, 0]  # drafted and accepted tokens since the last rebuild, and the rounds
-        self.rounds = 0
+        self.period = [0, 0]  # drafted and accepted tokens since the last rebuild
+        self.rounds = 0  # draft rounds since the last rebuild
         self.before: float | None = None  # the acceptance rate of the period before the last rebuild
 
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
