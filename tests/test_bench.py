@@ -12,6 +12,7 @@ import yaml
 from fafo_cli import load
 from fafo_cli.bench import suites
 from fafo_cli.cli import entrypoint
+from fafo_cli.errors import FafoError
 
 FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
 REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_speedup", "speedup_by_prompt", "tau",
@@ -315,3 +316,36 @@ def test_long_suite_at_4k_and_8k_fits_smollm2_with_its_answer(smollm2):
         room = int(sample.id.split("-")[1]) - 512
         assert 0.8 * room <= len(encode(list(sample.messages))) <= room, sample.id
     _far_back_and_middle(*(s.messages[0]["content"] for s in samples[3:]))
+
+
+def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
+    from fafo_cli.bench import long
+
+    source = tmp_path / "mine.py"
+    body = "".join(f"    value = value + {j}\n" for j in range(6))  # nine lines a function: edit wants 8 or more
+    functions = [f"def helper_{i}(value):\n    \"\"\"Step {i}.\"\"\"\n{body}    return value * 2\n\n" for i in range(80)]
+    source.write_text("".join(functions))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("".join(f"Paragraph {i}: the meeting moved to room {i}.\n\n" for i in range(400)))
+    engine = load(str(tiny), dtype="float32")
+    settings = suites.LongSettings(engine.encode, engine.model.max_context, answer=64, context=1536,
+                                   documents=(str(source), str(notes)))
+    recall, summary, edit = (s.messages[0]["content"] for s in suites.long_suite(settings, documents=1))
+    assert recall.startswith("```python\ndef helper_0(value):") and "named `helper_0`" in recall
+    assert "Paragraph 0: the meeting" in summary and "Module " not in summary  # the user's text, not the library's
+    assert "# file: mine.py" in edit
+    capsys.readouterr()
+    short = tmp_path / "short.py"
+    short.write_text(functions[0])
+    for files, message in (([str(tmp_path / "none.py")], "--documents: file not found"),
+                           ([str(notes.with_suffix(".py"))], "file not found"),
+                           ([str(short)], "your files' text gives the long suite's recall prompt only")):
+        argv = [arg for path in files for arg in ("--documents", path)]
+        code = entrypoint(["bench", str(tiny), "--suites", "long", "--context", "1536", *FAST, *argv])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and message in err, err
+    (tmp_path / "bad.py").write_text("def broken(:\n")
+    with pytest.raises(FafoError, match="bad.py is not valid Python"):
+        long.user_files([str(tmp_path / "bad.py")])
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--documents", str(source), *FAST])
+    assert code == 1 and "add long to --suites" in capsys.readouterr().err

@@ -39,6 +39,7 @@ class BenchOptions:
     markdown_path: str | None
     plot_path: str | None
     context: int | None = None  # the long suite's prompt-and-answer length in tokens (None: its defaults)
+    documents: tuple[str, ...] = ()  # the long suite's source files (empty: the standard library)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    long_settings = suites.LongSettings(engine.encode, engine.model.max_context, options.tokens, options.context)
+    long_settings = suites.LongSettings(engine.encode, engine.model.max_context, options.tokens, options.context,
+                                        options.documents)
     samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts, long_settings),
                              options.tokens, lambda line: err_console.print(f"[yellow]{line}[/]"))
     if not samples:

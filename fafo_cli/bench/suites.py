@@ -154,14 +154,15 @@ class LongSettings:
     max_context: int
     answer: int  # tokens each answer may take (--tokens)
     context: int | None = None  # --context; None: long.DEFAULT_CONTEXTS that fit
+    documents: tuple[str, ...] = ()  # --documents: the user's files to build from instead of the standard library
 
 
 def long_suite(settings: LongSettings, documents: int) -> list[Sample]:
     """Each task at each length, from `documents` different documents."""
-    return [Sample("long", prompt.id, prompt.messages)
-            for context in long.contexts(settings.context, settings.max_context, settings.answer)
-            for document in range(documents)
-            for prompt in long.build(context, document, settings.answer, settings.encode)]
+    lengths = long.contexts(settings.context, settings.max_context, settings.answer)
+    material = long.user_files(list(settings.documents)) if settings.documents else long.standard_library()
+    return [Sample("long", prompt.id, prompt.messages) for context in lengths for document in range(documents)
+            for prompt in long.build(context, document, settings.answer, settings.encode, material=material)]
 
 
 def load_suite(name: str) -> list[Sample]:
