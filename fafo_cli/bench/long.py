@@ -5,7 +5,7 @@ Three tasks per document, each filling the context but for the answer (`--tokens
 - `recall`: a long module's source from one of its functions on, then a question about that function (far back);
 - `summary`: the documentation (docstrings) of several modules, to summarize;
 - `edit`: a long module's source, then the request to rewrite one function from its middle with type hints.
-A document is cut between functions or at a blank line so that the chat-templated prompt is as long as fits (found by bisection on
+A document is cut at a line break (code) or between paragraphs (documentation) so that the chat-templated prompt is as long as fits (found by bisection on
 its lines with the model's own tokenizer): the same Python and model give the same prompts.
 """
 
@@ -218,9 +218,9 @@ def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple
     chars = limit * CHARS_PER_TOKEN
     lines, functions = _sources(document, chars, material)
     docs = _documentation(document, chars, material)
-    # between functions, or at a blank line (the tasks' functions are whole: the builders check)
-    code_cuts = sorted({line for start, end, _ in functions for line in (start, end + 1)}
-                       | {i + 1 for i, line in enumerate(lines) if not line.strip()})
+    # at any line: a long function without blank lines would leave a gap of hundreds of tokens (the tasks' own
+    # functions are whole: the builders check)
+    code_cuts = list(range(1, len(lines) + 1))
     doc_cuts = [i + 1 for i, line in enumerate(docs) if not line.strip()]  # between paragraphs
     skip = _recall_start(functions, material)
     first = next((start - skip, end - skip, name) for start, end, name in functions if start == skip)
