@@ -87,7 +87,8 @@ def main() -> None:
                 measured.append(engine.complete(messages, max_tokens=args.tokens, **settings).stats)
             stats = measured[len(measured) // 2]
             ms = statistics.median(common.ms_per_step(s) for s in measured)
-            print(f"{stats.prompt_tokens:7d} {name:12} {ms:8.1f} {statistics.median(s.tokens_per_s for s in measured):7.1f} "
+            speed = statistics.median(s.tokens_per_s for s in measured)
+            print(f"{stats.prompt_tokens:7d} {name:12} {ms:8.1f} {speed:7.1f} "
                   f"{stats.tokens_per_step:5.2f} {stats.fumble_positions or '-':>11} "
                   f"{stats.draft_memory_mb or 0:8.2f} {statistics.median(s.prefill_s for s in measured):9.1f}",
                   flush=True)

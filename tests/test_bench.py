@@ -323,7 +323,8 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
 
     source = tmp_path / "mine.py"
     body = "".join(f"    value = value + {j}\n" for j in range(6))  # nine lines a function: edit wants 8 or more
-    functions = [f"def helper_{i}(value):\n    \"\"\"Step {i}.\"\"\"\n{body}    return value * 2\n\n" for i in range(80)]
+    functions = [f"def helper_{i}(value):\n    \"\"\"Step {i}.\"\"\"\n{body}    return value * 2\n\n"
+                 for i in range(80)]
     source.write_text("".join(functions))
     notes = tmp_path / "notes.txt"
     notes.write_text("".join(f"Paragraph {i}: the meeting moved to room {i}.\n\n" for i in range(400)))

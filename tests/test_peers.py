@@ -220,7 +220,8 @@ def test_triforce_retrieval_cache_stays_its_size_and_is_rebuilt(tiny, monkeypatc
         assert result.token_ids == hf_greedy(tiny, ids, tokens)
         memory.append(result.stats.draft_memory_mb)
         drafter = made[-1]
-        assert drafter.retrieval.length <= 64 and drafter.retrieval.capacity == 64 + 4 + 2 + 1  # budget + a round (γ2 + γ1 + 1)
+        # the budget and a round's rows (γ2 + γ1 + 1), never more
+        assert drafter.retrieval.length <= 64 and drafter.retrieval.capacity == 64 + 4 + 2 + 1
     assert memory[0] == memory[1]  # bounded: ten times the answer, the same memory
     assert drafter.rebuilds >= 400 // 8  # every 8 accepted tokens at least (after the prefill's first)
     # acceptance halving since the last rebuild rebuilds before the room is full; holding up does not

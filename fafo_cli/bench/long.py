@@ -5,8 +5,9 @@ Three tasks per document, each filling the context but for the answer (`--tokens
 - `recall`: a long module's source from one of its functions on, then a question about that function (far back);
 - `summary`: the documentation (docstrings) of several modules, to summarize;
 - `edit`: a long module's source, then the request to rewrite one function from its middle with type hints.
-A document is cut at a line break (code) or between paragraphs (documentation) so that the chat-templated prompt is as long as fits (found by bisection on
-its lines with the model's own tokenizer): the same Python and model give the same prompts.
+A document is cut at a line break (code) or between paragraphs (documentation) so that the chat-templated prompt
+is as long as fits (found by bisection with the model's own tokenizer): the same Python and model give the same
+prompts.
 """
 
 from __future__ import annotations
