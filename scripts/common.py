@@ -21,10 +21,13 @@ SHORT_KEYS = {"W": "streams", "k": "ngram", "G": "guesses", "P": "prefix", "B": 
 
 def parse_setting(spec: str) -> dict:
     """Config keywords for `engine.complete` from "W=2,k=4,M=cacheback,cacheback_budget=24" (method fafo unless
-    M names another; values are read as int, else float, else text)."""
+    M names another; values are read as true/false, else int, else float, else text)."""
     settings = {"method": "fafo"}
     for part in filter(None, spec.split(",")):
         key, value = part.split("=")
+        if value in ("true", "false"):
+            settings[SHORT_KEYS.get(key, key)] = value == "true"
+            continue
         for kind in (int, float, str):
             try:
                 settings[SHORT_KEYS.get(key, key)] = kind(value)

@@ -1,6 +1,9 @@
 """Per-step cost against context length: plain decoding, and FAFO with `none` and with each compressor, on the long
 suite's recall prompt cut to each length (1K, 2K, 4K, 8K tokens by default): ms per step, tokens/s, τ, the
-positions the window rows see, draft memory, and the prefill's time (time to first token).
+positions the window rows see, draft memory, and the prefill's time (time to first token). FAFO's planner picks
+each step's rows (`rows`: their mean), so ms/step compares whole steps as decoding runs them; `--settings
+planner=false` holds every step to the same rows, for the cost of the attention alone (the check's profiled runs
+use the same settings).
 
 Eager runs also check, with torch's profiler, what the window rows' attention really reads on the split path: the
 keys of every attention call of a few steps. Where a compressor is active, the window rows' call must read at most
@@ -70,14 +73,17 @@ def main() -> None:
                         help="prompt lengths in tokens")
     parser.add_argument("--compressors", nargs="+", default=list(COMPRESSORS), choices=COMPRESSORS)
     parser.add_argument("--budget", type=int, default=Config().budget, help="FAFO's budget B in tokens")
+    parser.add_argument("--settings", default="", metavar="SETTING",
+                        help="more settings for every FAFO row, e.g. planner=false,W=2 (scripts/README.md's syntax)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the profiled check of what the window rows read")
     args = parser.parse_args()
     engine = common.load_engine(args)
     variants = {"vanilla": dict(method="vanilla")}
-    variants.update({f"fafo-{c}": dict(method="fafo", compressor=c, budget=args.budget) for c in args.compressors})
-    print(f"{'context':>7} {'row':12} {'ms/step':>8} {'tok/s':>7} {'τ':>5} {'window sees':>11} {'draft MB':>8} "
-          f"{'prefill s':>9}", flush=True)
+    extra = common.parse_setting(args.settings)
+    variants.update({f"fafo-{c}": {**extra, "compressor": c, "budget": args.budget} for c in args.compressors})
+    print(f"{'context':>7} {'row':12} {'ms/step':>8} {'rows':>5} {'tok/s':>7} {'τ':>5} {'window sees':>11} "
+          f"{'draft MB':>8} {'prefill s':>9}", flush=True)
     for context in args.contexts:
         messages = prompt_at(engine, context, args.tokens)
         for name, settings in variants.items():
@@ -88,7 +94,7 @@ def main() -> None:
             stats = measured[len(measured) // 2]
             ms = statistics.median(common.ms_per_step(s) for s in measured)
             speed = statistics.median(s.tokens_per_s for s in measured)
-            print(f"{stats.prompt_tokens:7d} {name:12} {ms:8.1f} {speed:7.1f} "
+            print(f"{stats.prompt_tokens:7d} {name:12} {ms:8.1f} {stats.mean_rows or 1:5.1f} {speed:7.1f} "
                   f"{stats.tokens_per_step:5.2f} {stats.fumble_positions or '-':>11} "
                   f"{stats.draft_memory_mb or 0:8.2f} {statistics.median(s.prefill_s for s in measured):9.1f}",
                   flush=True)
