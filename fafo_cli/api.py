@@ -26,7 +26,7 @@ from .decoders import DECODERS
 from .compiled.steps import CompiledSteps
 from .compiled.build import identity
 from .compiled.timing import read_step_costs
-from .runtime.events import Result, Step
+from .runtime.events import Prefill, Result, Step
 from .runtime.model import Model
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
@@ -170,13 +170,16 @@ class Engine:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 
-    def stream(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Iterator[Step]:
+    def stream(self, prompt: Prompt, *, stop: Sequence[str] = (), on_prefill: Callable[[Prefill], None] | None = None,
+               **overrides) -> Iterator[Step]:
         """Generate an answer, yielding one Step per forward pass (the last one has `finish_reason`). `stop`: strings
-        that end the answer where one first appears (it is not included; finish_reason "stop")."""
+        that end the answer where one first appears (it is not included; finish_reason "stop"). `on_prefill` is told
+        the prefill's progress after each chunk of a long prompt."""
         config = self.request_config(**overrides)
-        yield from self.generate(self.encode(prompt, config), config, stop)
+        yield from self.generate(self.encode(prompt, config), config, stop, on_prefill)
 
-    def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = ()) -> Iterator[Step]:
+    def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = (),
+                 on_prefill: Callable[[Prefill], None] | None = None) -> Iterator[Step]:
         """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
         if self.model.spread:
             check_spread(config)
@@ -186,7 +189,7 @@ class Engine:
         if not all(stop):
             raise FafoError("a stop string must not be empty")
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
-        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop))
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop), on_prefill)
         self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
         steps = DECODERS[config.method](self.session, request, emitter)

@@ -165,7 +165,7 @@ class Repl:
         view = StreamView(self.out, method=method_label(self.engine.request_config(**self.settings)),
                           live=self.interactive,
                           show_footer=self.interactive, weights=self.engine.weights)
-        stream = self.engine.stream(self.messages, **self.settings)
+        stream = self.engine.stream(self.messages, on_prefill=view.prefill, **self.settings)
         answer = []
         try:
             with view:

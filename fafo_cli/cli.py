@@ -139,7 +139,7 @@ def run(
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err, weights=engine.weights)
     with view:
-        view.consume(engine.stream(text, seed=request.seed))
+        view.consume(engine.stream(text, seed=request.seed, on_prefill=view.prefill))
 
 
 @app.command()
@@ -199,8 +199,15 @@ def serve(
 @config_options("bench")
 def bench(
     config: ConfigOpt = None,
-    suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit "
-                                                  "(default: all).", show_default=False)] = None,
+    suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit, long "
+                                                  "(default: all but long).", show_default=False)] = None,
+    context: Annotated[Optional[int], typer.Option(help="The long suite's prompts at this many tokens, the answer "
+                                                   "included (default: 4096 and 8192, where the model's context "
+                                                   "allows).", show_default=False)] = None,
+    documents: Annotated[Optional[list[str]], typer.Option(help="The long suite's text from these files instead of "
+                                                           "the standard library: .py files for the recall and edit "
+                                                           "tasks, any other text for the summary (repeatable).",
+                                                           show_default=False)] = None,
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: fafo, prompt-lookup, "
                                                    "suffix; --full: all). vanilla always runs: it is the reference.",
                                                    show_default=False)] = None,
@@ -243,14 +250,20 @@ def bench(
 
     settings = config_mod.resolve(config, **flags)
     matrix = command.FULL if full else command.QUICK
+    chosen = parse_suites(suites)
+    if context is not None and "long" not in chosen:
+        raise FafoError("--context sets the long suite's prompt length: add long to --suites")
+    if documents and "long" not in chosen:
+        raise FafoError("--documents gives the long suite its text: add long to --suites")
     options = command.BenchOptions(
-        suites=parse_suites(suites),
+        suites=chosen,
         methods=command.parse_list("--methods", methods, config_mod.METHODS, list(matrix.methods)),
         compressors=command.parse_list("--compressors", compressors, config_mod.COMPRESSORS, [settings.compressor]),
         tokens=tokens, repeats=matrix.repeats if repeats is None else repeats, warmup=warmup,
         samples=matrix.samples if samples is None else samples, prompts=prompts, temperature=temperature,
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,
-        csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file)
+        csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file, context=context,
+        documents=tuple(documents or ()))
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod

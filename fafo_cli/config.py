@@ -169,8 +169,12 @@ class Config:
     suffix_outputs: int = _opt(256, "suffix: earlier answers of this session drafted from too (0 = only the "
                                     "request's own text)", low=0, high=100_000)
     triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
-    triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens (first chunk, top chunks, last "
-                                     "partial chunk; at least two chunks)", low=2)
+    triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens, fixed: chunks of the context chosen "
+                                     "by the latest query, then the recent positions (at least two chunks and "
+                                     "triforce_recent)", low=2)
+    triforce_recent: int = _opt(32, "triforce: retrieval-cache slots for recent tokens: each rebuild keeps the last "
+                                    "half of them, and the cache is rebuilt from the whole context when new tokens "
+                                    "fill the other half, or sooner when acceptance halves", low=2)
     triforce_gamma1: int = _opt(2, "triforce: tokens the draft model proposes per middle-level check", low=1,
                                 high=32)
     triforce_gamma2: int = _opt(2, "triforce: tokens the middle level drafts per full-model check", low=1, high=32)
@@ -237,9 +241,10 @@ def _check_together(config: Config) -> None:
     """The chosen compressor's parts must fit in its budget (checked here when the budget is in tokens)."""
     if config.kernel % 2 == 0:
         raise FafoError(f"config key 'kernel' must be odd (got {config.kernel})")
-    if config.triforce_budget < 2 * config.triforce_chunk:
-        raise FafoError(f"config key 'triforce_budget' ({config.triforce_budget}) must hold at least two chunks "
-                        f"(2 × triforce_chunk = {2 * config.triforce_chunk}): the first and the last")
+    if config.triforce_budget < 2 * config.triforce_chunk + config.triforce_recent:
+        raise FafoError(f"config key 'triforce_budget' ({config.triforce_budget}) must hold two chunks and the recent "
+                        f"tokens (2 × triforce_chunk + triforce_recent = "
+                        f"{2 * config.triforce_chunk + config.triforce_recent})")
     if not isinstance(config.budget, int) or config.compressor not in MIN_BUDGET:
         return
     what, least = MIN_BUDGET[config.compressor](config)

@@ -12,12 +12,14 @@ from typing import Iterable
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .runtime.events import Stats, Step
+from .runtime.events import Prefill, Stats, Step
 
 REFRESH_PER_SECOND = 8
+PREFILL_BAR_AFTER_S = 1.0  # a prefill shorter than this shows no bar (it would only flicker)
 
 
 def _memory(stats: Stats) -> str:
@@ -118,12 +120,26 @@ class StreamView:
         self.show_footer = show_footer
         self.last: Step | None = None
         self._pending = ""  # the unfinished line, shown inside the live area
+        self._prefill: Prefill | None = None  # a long prefill's progress, shown until the first token
         self._live: Live | None = None
         self._wrote_text = False
 
     def _renderable(self):
         stats = self.last.stats if self.last else Stats()
-        return Group(Text(self._pending), stats_panel(stats, self.method, self.weights))
+        parts = [Text(self._pending)]
+        prefill = self._prefill
+        if prefill is not None:
+            bar = Table.grid(padding=(0, 1))
+            bar.add_row("reading the prompt", ProgressBar(total=prefill.total, completed=prefill.done, width=40),
+                        f"{prefill.done:,}/{prefill.total:,} tokens · {prefill.elapsed_s:.1f} s")
+            parts.append(bar)
+        return Group(*parts, stats_panel(stats, self.method, self.weights))
+
+    def prefill(self, event: Prefill) -> None:
+        """A prefill chunk is done: the bar shows once the prefill has taken PREFILL_BAR_AFTER_S (Live's refresh
+        thread draws it; torch releases the interpreter while it computes the next chunk)."""
+        if self._live and event.elapsed_s >= PREFILL_BAR_AFTER_S:
+            self._prefill = event if event.done < event.total else None
 
     def __enter__(self) -> "StreamView":
         if self.live_enabled:
@@ -136,6 +152,7 @@ class StreamView:
 
     def show(self, step: Step) -> None:
         self.last = step
+        self._prefill = None
         if not step.text:
             return
         self._wrote_text = True

@@ -21,10 +21,13 @@ SHORT_KEYS = {"W": "streams", "k": "ngram", "G": "guesses", "P": "prefix", "B": 
 
 def parse_setting(spec: str) -> dict:
     """Config keywords for `engine.complete` from "W=2,k=4,M=cacheback,cacheback_budget=24" (method fafo unless
-    M names another; values are read as int, else float, else text)."""
+    M names another; values are read as true/false, else int, else float, else text)."""
     settings = {"method": "fafo"}
     for part in filter(None, spec.split(",")):
         key, value = part.split("=")
+        if value in ("true", "false"):
+            settings[SHORT_KEYS.get(key, key)] = value == "true"
+            continue
         for kind in (int, float, str):
             try:
                 settings[SHORT_KEYS.get(key, key)] = kind(value)
@@ -83,12 +86,14 @@ def load_engine(args: argparse.Namespace, **settings):
     return load(getattr(args, "model", None), **settings)
 
 
-def prompts(args: argparse.Namespace) -> list[suites.Sample]:
-    """The prompts to run: each --prompts file whole (suite "file"), or the first --samples of each of --suites."""
-    if args.prompts:
+def prompts(args: argparse.Namespace, engine) -> list[suites.Sample]:
+    """The prompts to run: each --prompts file whole (suite "file"), or the first --samples of each of --suites (the
+    long suite's built with `engine`'s tokenizer, with room for --tokens)."""
+    if getattr(args, "prompts", None):
         return [suites.Sample("file", path, ({"role": "user", "content": Path(path).read_text(encoding="utf-8")},))
                 for path in args.prompts]
-    return suites.collect(suites.parse_suites(args.suites), args.samples, None)
+    long_settings = suites.LongSettings(engine.encode, engine.model.max_context, args.tokens)
+    return suites.collect(suites.parse_suites(args.suites), args.samples, None, long_settings)
 
 
 def ms_per_step(stats) -> float:

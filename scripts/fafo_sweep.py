@@ -26,7 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = common.load_engine(args)
     runs = [("vanilla", dict(method="vanilla"))] + [(s, common.parse_setting(s)) for s in args.settings]
-    for sample in common.prompts(args):
+    for sample in common.prompts(args, engine):
         prompt = list(sample.messages)
         results: dict[str, list] = {name: [] for name, _ in runs}
         reference = None

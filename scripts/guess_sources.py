@@ -23,7 +23,7 @@ def main() -> None:
     engine = common.load_engine(args)
     for spec in args.settings:
         settings = common.parse_setting(spec)
-        for suite, samples in itertools.groupby(common.prompts(args), key=lambda sample: sample.suite):
+        for suite, samples in itertools.groupby(common.prompts(args, engine), key=lambda sample: sample.suite):
             samples = list(samples)
             for name, source in SOURCES.items():
                 taus, drafts, accepted = [], [], {"text": 0, "window": 0}

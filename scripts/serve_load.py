@@ -65,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     from openai import OpenAI
 
-    samples = common.prompts(args)
     engine = common.load_engine(args, compile="off")
+    samples = common.prompts(args, engine)
     server, url = start_server(args)
     try:
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)

@@ -18,7 +18,7 @@ def main() -> None:
                            settings=["M=vanilla", "M=fafo", "M=prompt-lookup"])
     args = parser.parse_args()
     engine = common.load_engine(args, compile="on")
-    samples = common.prompts(args)
+    samples = common.prompts(args, engine)
     for spec in args.settings:
         settings = common.parse_setting(spec)
         # untimed: loads the packages this setting runs in (building those missing), which its first step would do

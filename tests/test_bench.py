@@ -12,6 +12,7 @@ import yaml
 from fafo_cli import load
 from fafo_cli.bench import suites
 from fafo_cli.cli import entrypoint
+from fafo_cli.errors import FafoError
 
 FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
 REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_speedup", "speedup_by_prompt", "tau",
@@ -283,3 +284,99 @@ def test_tune_tries_wide_windows_only_where_rows_are_nearly_free():
     assert tune.candidates(accelerator=False) == tune.CANDIDATES and max(w for w, _, _ in tune.CANDIDATES) <= 3
     wide = tune.candidates(accelerator=True)
     assert wide[:len(tune.CANDIDATES)] == tune.CANDIDATES and max(w for w, _, _ in wide) >= 16
+
+
+def _far_back_and_middle(recall: str, summary: str, edit: str, middle: bool = True) -> None:
+    name = recall.split("function named `")[1].split("`")[0]
+    assert recall.index(f"def {name}(") < 100  # the question's detail opens the document: far back
+    asked = edit.split("Rewrite the function `")[1].split("`")[0]
+    assert edit.count(f"def {asked}(") == 1  # unambiguous
+    if middle:
+        assert 0.25 < edit.index(f"def {asked}(") / len(edit) < 0.75
+    assert summary.startswith("Summarize") and "Module " in summary
+
+
+def test_long_suite_fills_the_context_with_far_back_questions(tiny):
+    from fafo_cli.bench import long
+
+    engine = load(str(tiny), dtype="float32")
+    settings = suites.LongSettings(engine.encode, engine.model.max_context, answer=64, context=1536)
+    samples = suites.long_suite(settings, documents=2)
+    assert [s.id for s in samples] == ["recall-1536", "summary-1536", "edit-1536",
+                                       "recall-1536-2", "summary-1536-2", "edit-1536-2"]
+    for sample in samples:  # never longer than fits; the tiny model's byte tokens make a line ~40 tokens: coarse
+        length = len(engine.encode(list(sample.messages)))
+        assert 0.5 * (1536 - 64) <= length <= 1536 - 64, (sample.id, length)
+    _far_back_and_middle(*(s.messages[0]["content"] for s in samples[:3]), middle=False)
+    assert suites.long_suite(settings, documents=2) == samples  # deterministic
+    # the default lengths, where the model's context holds them: 4096 and 8192 do not fit in 2048
+    assert long.contexts(None, 8192, 512) == [4096, 8192] and long.contexts(None, 2048, 512) == [2048]
+
+
+def test_bench_long_suite_runs_exactly_and_checks_context(tiny, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "long", "--context", "2048", "--methods", "fafo",
+                       "--no-external", *FAST, "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    records = json.loads(out.read_text())
+    assert {(r["suite"], r["exact"]) for r in records if r["row"] != "vanilla"} == {("long", "3/3")}
+    assert records[0]["context"] == 2048
+    capsys.readouterr()
+    for flags, message in ((["--context", "100"], "--context 100: choose from 1024 to the model's context, 2048"),
+                           (["--context", "4096"], "--context 4096: choose from 1024"),
+                           (["--context", "1024", "--tokens", "512"], "leaves 512 prompt tokens beside --tokens 512"),
+                           (["--suites", "chat", "--context", "1024"], "add long to --suites")):
+        code = entrypoint(["bench", str(tiny), "--suites", "long", *FAST, *flags])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.slow
+def test_long_suite_at_4k_and_8k_fits_smollm2_with_its_answer(smollm2):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+
+    def encode(messages):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    samples = suites.long_suite(suites.LongSettings(encode, 8192, answer=512), documents=1)
+    assert [s.id for s in samples] == [f"{task}-{n}" for n in (4096, 8192) for task in ("recall", "summary", "edit")]
+    for sample in samples:
+        room = int(sample.id.split("-")[1]) - 512
+        assert 0.8 * room <= len(encode(list(sample.messages))) <= room, sample.id
+    _far_back_and_middle(*(s.messages[0]["content"] for s in samples[3:]))
+
+
+def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
+    from fafo_cli.bench import long
+
+    source = tmp_path / "mine.py"
+    body = "".join(f"    value = value + {j}\n" for j in range(6))  # nine lines a function: edit wants 8 or more
+    functions = [f"def helper_{i}(value):\n    \"\"\"Step {i}.\"\"\"\n{body}    return value * 2\n\n"
+                 for i in range(80)]
+    source.write_text("".join(functions))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("".join(f"Paragraph {i}: the meeting moved to room {i}.\n\n" for i in range(400)))
+    engine = load(str(tiny), dtype="float32")
+    settings = suites.LongSettings(engine.encode, engine.model.max_context, answer=64, context=1536,
+                                   documents=(str(source), str(notes)))
+    recall, summary, edit = (s.messages[0]["content"] for s in suites.long_suite(settings, documents=1))
+    assert recall.startswith("```python\ndef helper_0(value):") and "named `helper_0`" in recall
+    assert "Paragraph 0: the meeting" in summary and "Module " not in summary  # the user's text, not the library's
+    assert "# file: mine.py" in edit
+    capsys.readouterr()
+    short = tmp_path / "short.py"
+    short.write_text(functions[0])
+    for files, message in (([str(tmp_path / "none.py")], "--documents: file not found"),
+                           ([str(notes.with_suffix(".py"))], "file not found"),
+                           ([str(short)], "your files' text gives the long suite's recall prompt only")):
+        argv = [arg for path in files for arg in ("--documents", path)]
+        code = entrypoint(["bench", str(tiny), "--suites", "long", "--context", "1536", *FAST, *argv])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and message in err, err
+    (tmp_path / "bad.py").write_text("def broken(:\n")
+    with pytest.raises(FafoError, match="bad.py is not valid Python"):
+        long.user_files([str(tmp_path / "bad.py")])
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--documents", str(source), *FAST])
+    assert code == 1 and "add long to --suites" in capsys.readouterr().err

@@ -321,3 +321,32 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "4", "--dtype", "float32")
     assert code == 0 and out.strip()
     assert err == f"note: {folder} has no chat template; the prompt is continued as plain text\n"
+
+
+def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):
+    from rich.console import Console
+
+    from fafo_cli import load, ui
+    from fafo_cli.runtime import session
+
+    monkeypatch.setattr(session, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(ui, "PREFILL_BAR_AFTER_S", 0.0)  # a tiny model's prefill is never slow
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    screens = []
+    view = ui.StreamView(console, method="fafo", live=True, show_footer=False)
+
+    def prefilled(event):
+        view.prefill(event)
+        screen = Console(file=io.StringIO(), force_terminal=False, width=120)
+        screen.print(view._renderable())
+        screens.append(screen.file.getvalue())
+
+    with view:
+        for step in engine.stream("Tell me about the quick brown fox. " * 3, max_tokens=4, on_prefill=prefilled):
+            view.show(step)
+        after = Console(file=io.StringIO(), width=120)
+        after.print(view._renderable())
+    assert "reading the prompt" in screens[0] and "16/" in screens[0] and " tokens · " in screens[0]
+    assert "reading the prompt" not in screens[-1]  # the last chunk: done
+    assert "reading the prompt" not in after.file.getvalue()  # decoding: the bar is gone

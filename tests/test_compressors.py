@@ -286,3 +286,15 @@ def test_block_path_window_rows_list_only_the_compressed_view_blocks(tiny):
     verify_blocks, window_blocks = indices[0][:counts[0]], indices[1][:counts[1]]
     assert window_blocks == [0, 1]  # the leading region only
     assert min(verify_blocks) == lead // KV_BLOCK and max(verify_blocks) * KV_BLOCK < lead + length + 256
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_the_copy_of_ckv_counts_in_draft_memory(tiny, compressor):
+    engine = fafo_engine(tiny)
+    result = engine.complete(LONG, max_tokens=40, compressor=compressor, **OPTIONS)
+    model, cache = engine.model, engine.session.cache
+    view = 2 * len(model.layers) * 96 * model.n_kv_heads * model.head_dim * cache.keys.element_size()  # B keys+values
+    if compressor == "none":  # the window rows read the cache itself
+        assert result.stats.draft_memory_mb == 0
+    else:  # at least B positions' keys and values in every layer, and less than the whole cache beside it
+        assert view <= result.stats.draft_memory_mb * 2**20 < cache.nbytes(), compressor

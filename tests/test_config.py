@@ -118,7 +118,7 @@ def _sample(spec) -> Any:
     elif spec.metadata["choices"]:
         candidates = list(spec.metadata["choices"])
     else:
-        by_type = {"int": [3, 5, 2, 9, 17, 1, 0], "float": [0.5], "str": ["some text"], "bool": [False, True]}
+        by_type = {"int": [3, 5, 2, 9, 17, 1, 0, 300], "float": [0.5], "str": ["some text"], "bool": [False, True]}
         candidates = [value for name in spec.type.split(" | ") if name != "None" for value in by_type[name]]
     for value in candidates:
         try:

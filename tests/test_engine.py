@@ -193,3 +193,33 @@ def test_prefill_loads_only_the_package_the_decoder_runs_in(tiny, method, compre
     engine.session.compiled = requests = _PackageRequests()
     engine.complete("Once upon a time", max_tokens=6, method=method, compressor=compressor)
     assert requests.asked == asked
+
+
+@pytest.mark.parametrize("method", ["vanilla", "fafo", "prompt-lookup"])
+def test_prefill_progress_is_told_after_each_chunk(tiny, monkeypatch, method):
+    monkeypatch.setattr(session_mod, "PREFILL_CHUNK", 16)
+    engine = load(str(tiny), dtype="float32", method=method, chat_template=False)
+    prompt = PROMPT * 3
+    total = len(engine.encode(prompt))
+    events = []
+    steps = list(engine.stream(prompt, max_tokens=20, on_prefill=events.append))
+    assert [e.done for e in events] == [*range(16, total, 16), total] and {e.total for e in events} == {total}
+    assert all(a.elapsed_s <= b.elapsed_s for a, b in zip(events, events[1:]))
+    assert [t for s in steps for t in s.token_ids] == hf_greedy(tiny, engine.encode(prompt), 20)
+    assert steps[-1].stats.peak_memory_mb > 0
+    events.clear()  # the next request reuses the cached prompt: only its new tokens are prefilled
+    list(engine.stream(prompt + " More.", max_tokens=4, on_prefill=events.append))
+    assert events[0].done > 16 * (total // 16) and events[-1].done == events[-1].total
+
+
+@pytest.mark.parametrize("settings", [dict(method="vanilla"), dict(method="fafo", compressor="snapkv"),
+                                      dict(method="triforce")])
+def test_prompt_longer_than_the_real_prefill_chunk(tiny, settings):
+    engine = load(str(tiny), dtype="float32", chat_template=False, **settings)
+    prompt = PROMPT * 12  # byte-level tokens: over 700, two chunks of 512
+    ids = engine.encode(prompt)
+    assert len(ids) > session_mod.PREFILL_CHUNK
+    events = []
+    result = engine.stream(prompt, max_tokens=40, on_prefill=events.append)
+    assert [t for step in result for t in step.token_ids] == hf_greedy(tiny, ids, 40)
+    assert [e.done for e in events] == [session_mod.PREFILL_CHUNK, len(ids)]

@@ -54,12 +54,13 @@ def test_triforce_with_a_draft_model_matches_transformers(tiny_models, draft_mod
     engine = engine_for(target, draft_models["other"] if draft == "other" else target)
     for prompt in (SHORT, LONG):
         ids = engine.encode(prompt)
-        result = engine.complete(prompt, max_tokens=TOKENS, method="triforce", triforce_budget=64,
+        budget = 64 if prompt is LONG else 320  # SHORT: its answer fits in the retrieval cache too
+        result = engine.complete(prompt, max_tokens=TOKENS, method="triforce", triforce_budget=budget,
                                  triforce_gamma1=3, triforce_gamma2=5, triforce_draft_cache=48)
         assert result.token_ids == hf_greedy(target, ids, TOKENS), (variant, draft, len(ids))
         # every middle-level check is one pass; the draft model adds its own
         assert result.stats.draft_passes > result.stats.steps
-        if prompt is SHORT:  # within the budget the middle level reads the whole cache: it agrees with the top
+        if prompt is SHORT:  # within its budget the middle level reads the whole cache: it agrees with the top
             assert result.stats.tokens_per_step > 4
 
 
@@ -97,7 +98,7 @@ def test_peer_chat_turns_equal_generate_on_each_turns_history(tiny, peer):
 
 def test_triforce_draft_model_follows_the_chat(tiny, draft_models):
     engine = load(str(tiny), dtype="float32", method="triforce", draft_model=str(draft_models["other"]),
-                  triforce_budget=32, triforce_draft_cache=24)
+                  triforce_budget=32, triforce_recent=8, triforce_draft_cache=24)
     messages = []
     for turn in ("Name a fruit. " * 4, "Another one?", "Why that one? " * 3):
         messages.append({"role": "user", "content": turn})
@@ -139,7 +140,7 @@ def test_second_caches_are_reported(tiny, draft_models):
     quantspec = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["quantspec"]).stats
     triforce = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats
     with_draft = engine_for(tiny, draft_models["other"]).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats
-    assert 0 < quantspec.draft_memory_mb < triforce.draft_memory_mb < with_draft.draft_memory_mb
+    assert 0 < quantspec.draft_memory_mb and 0 < triforce.draft_memory_mb < with_draft.draft_memory_mb
     assert engine_for(tiny).complete(LONG, max_tokens=8, **PEERS["prompt-lookup"]).stats.draft_memory_mb == 0
 
 
@@ -199,3 +200,36 @@ def test_suffix_drafts_from_earlier_answers_until_reset(tiny):
     assert engine.complete(SHORT, max_tokens=64).stats.steps < first.stats.steps  # nor forgotten
     engine.reset()  # forgets the history too
     assert engine.complete(SHORT, max_tokens=64).stats.steps == first.stats.steps
+
+
+def test_triforce_retrieval_cache_stays_its_size_and_is_rebuilt(tiny, monkeypatch):
+    from fafo_cli.decoders import triforce
+
+    made = []
+
+    class Recorded(triforce.TriForce):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(triforce, "TriForce", Recorded)
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    settings = dict(PEERS["triforce"], triforce_recent=16)  # budget 64: 40 chosen, 8 recent, room for 8 new tokens
+    ids = engine.encode(LONG)
+    memory = []
+    for tokens in (40, 400):
+        result = engine.complete(LONG, max_tokens=tokens, **settings)
+        assert result.token_ids == hf_greedy(tiny, ids, tokens)
+        memory.append(result.stats.draft_memory_mb)
+        drafter = made[-1]
+        # the budget and a round's rows (γ2 + γ1 + 1), never more
+        assert drafter.retrieval.length <= 64 and drafter.retrieval.capacity == 64 + 4 + 2 + 1
+    assert memory[0] == memory[1]  # bounded: ten times the answer, the same memory
+    assert drafter.rebuilds >= 400 // 8  # every 8 accepted tokens at least (after the prefill's first)
+    # acceptance halving since the last rebuild rebuilds before the room is full; holding up does not
+    for accepted, rebuilt in ((1, True), (7, False)):
+        drafter.synced = drafter.rebuilt_at = drafter.main.length
+        drafter.before, drafter.period, drafter.rounds = 0.9, [8, accepted], drafter.MIN_ROUNDS
+        before = drafter.rebuilds
+        drafter.accepted([], 1)  # a round that emitted only the model's own token
+        assert drafter.rebuilds == before + rebuilt, accepted

@@ -215,3 +215,42 @@ def test_head_dim_not_divisible_raises():
     with pytest.raises(ValueError):
         QuantizedKV(2, 2, 15, group=32, device=CPU)  # odd head_dim cannot be packed
     QuantizedKV(2, 2, 48, group=16, device=CPU)  # 48 = 3 groups of 16 is fine
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_int4_weights_are_group_wise_and_their_product_matches(fused):
+    from fafo_cli.decoders.weights4 import Int4Linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 192, generator=generator)  # 37 outputs: not a multiple of the kernel's 16
+    bias = torch.randn(37, generator=generator)
+    layer = Int4Linear(weight, bias, fused=fused)
+    assert layer.group == 64  # 128 does not divide 192
+    grouped = weight.view(37, 3, 64)
+    scale = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / 15
+    error = (layer.dequantized(torch.float32).view(37, 3, 64) - grouped).abs()
+    assert (error <= scale / 2 * 1.02 + 1e-2).all()  # half a step (scales and zeros kept in bf16 when fused)
+    x = torch.randn(5, 192, generator=generator)
+    expected = x @ layer.dequantized(torch.float32).t() + bias
+    assert torch.allclose(layer(x), expected, rtol=2e-2, atol=0.2)  # bf16 activations in the fused kernel
+    assert layer.nbytes() < weight.nbytes / 4  # 4 bits a weight, and a scale and zero per 64
+
+
+def test_quantspec_drafts_from_int4_weights_and_keeps_g_to_2g_exact(tiny, monkeypatch):
+    from fafo_cli import load
+    from fafo_cli.decoders import quantspec
+
+    buffers = []
+
+    class Recorded(quantspec.QuantSpec):
+        def _sync(self):
+            super()._sync()
+            buffers.append(self.cache.length - self.quantized.length)
+
+    monkeypatch.setattr(quantspec, "QuantSpec", Recorded)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="quantspec", quantspec_group=16)
+    result = engine.complete("The cat sat on the mat. " * 12, max_tokens=80)
+    assert len(buffers) > 10 and all(16 <= n < 32 for n in buffers)  # the double full-precision buffer
+    weights = quantspec.int4_weights(engine.model)
+    assert set(weights.layers) >= {id(engine.model.lm_head), id(engine.model.layers[0].mlp.down_proj)}
+    assert result.stats.draft_memory_mb * 2**20 > weights.nbytes()  # the 4-bit weights count as draft memory

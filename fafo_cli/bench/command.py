@@ -38,6 +38,8 @@ class BenchOptions:
     csv_path: str | None
     markdown_path: str | None
     plot_path: str | None
+    context: int | None = None  # the long suite's prompt-and-answer length in tokens (None: its defaults)
+    documents: tuple[str, ...] = ()  # the long suite's source files (empty: the standard library)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def _meta(engine, options: BenchOptions, config) -> dict:
 
     return {"model": engine.name, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "device": str(engine.model.device), "tokens": options.tokens, "repeats": options.repeats,
-            "samples": options.samples, "temperature": options.temperature,
+            "samples": options.samples, "temperature": options.temperature, "context": options.context,
             "settings": {k: v for k, v in config.to_dict().items() if k not in ("model", "method")},
             "versions": {"fafo-cli": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
@@ -136,7 +138,9 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts),
+    long_settings = suites.LongSettings(engine.encode, engine.model.max_context, options.tokens, options.context,
+                                        options.documents)
+    samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts, long_settings),
                              options.tokens, lambda line: err_console.print(f"[yellow]{line}[/]"))
     if not samples:
         raise FafoError("no prompt fits the model's context with --tokens "

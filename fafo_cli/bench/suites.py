@@ -6,6 +6,8 @@
   "fafo-cli[bench]"`); the package is located, not imported.
 - `summarize` / `edit`: long inputs taken from the Python standard library on this machine: documentation
   (module and function docstrings) to condense, and source code to rewrite.
+- `long`: prompts of 4K and 8K tokens (or `--context N`) from the standard library's sources and documentation
+  (`bench/long.py`); not among the default suites, since each prompt takes a long prefill.
 - `--prompts FILE.jsonl`: the user's own, one object per line: {"prompt": "..."} or {"messages": [...]},
   optionally with "id" and "suite".
 """
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FafoError
+from . import long
 
-SUITES = ("chat", "math", "code", "summarize", "edit")
+SUITES = ("chat", "math", "code", "summarize", "edit", "long")
+DEFAULT_SUITES = SUITES[:-1]  # long: asked for by name
 DATA = Path(__file__).parent / "data"
 LONG_INPUT_CHARS = 5000  # about 1,200-1,500 tokens: long for a chat model, short enough to prefill quickly
 
@@ -143,6 +147,24 @@ def _edit() -> list[Sample]:
     return samples
 
 
+@dataclass(frozen=True)
+class LongSettings:
+    """What the long suite's prompts are built for: the model's tokenizer (chat template included) and context."""
+    encode: long.Encode
+    max_context: int
+    answer: int  # tokens each answer may take (--tokens)
+    context: int | None = None  # --context; None: long.DEFAULT_CONTEXTS that fit
+    documents: tuple[str, ...] = ()  # --documents: the user's files to build from instead of the standard library
+
+
+def long_suite(settings: LongSettings, documents: int) -> list[Sample]:
+    """Each task at each length, from `documents` different documents."""
+    lengths = long.contexts(settings.context, settings.max_context, settings.answer)
+    material = long.user_files(list(settings.documents)) if settings.documents else long.standard_library()
+    return [Sample("long", prompt.id, prompt.messages) for context in lengths for document in range(documents)
+            for prompt in long.build(context, document, settings.answer, settings.encode, material=material)]
+
+
 def load_suite(name: str) -> list[Sample]:
     if name in ("chat", "math"):
         return read_jsonl(DATA / f"{name}.jsonl", name)
@@ -152,12 +174,14 @@ def load_suite(name: str) -> list[Sample]:
         return _summarize()
     if name == "edit":
         return _edit()
+    if name == "long":
+        raise FafoError("the long suite is built for a model's tokenizer (suites.long_suite), not loaded")
     raise FafoError(f"unknown suite '{name}' (suites: {', '.join(SUITES)})")
 
 
 def parse_suites(spec: str | None) -> list[str]:
     if spec is None:
-        return list(SUITES)
+        return list(DEFAULT_SUITES)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [s for s in names if s not in SUITES]
     if unknown or not names:
@@ -165,9 +189,14 @@ def parse_suites(spec: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def collect(suites: list[str], samples: int, prompts_file: str | None) -> list[Sample]:
-    """The first `samples` of each suite (then the user's file, if any, all of it)."""
-    chosen = [s for name in suites for s in load_suite(name)[:samples]]
+def collect(suites: list[str], samples: int, prompts_file: str | None, long_settings: LongSettings | None = None
+            ) -> list[Sample]:
+    """The first `samples` of each suite (the long suite: each task at each length from `samples` documents), then
+    the user's file, if any, all of it."""
+    if "long" in suites and long_settings is None:
+        raise FafoError("the long suite needs the model's tokenizer: pass LongSettings")
+    chosen = [s for name in suites for s in (long_suite(long_settings, samples) if name == "long"
+                                             else load_suite(name)[:samples])]
     if prompts_file is not None:
         chosen += read_jsonl(Path(prompts_file).expanduser(), "custom")
     return chosen

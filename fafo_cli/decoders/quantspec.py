@@ -1,8 +1,9 @@
 """QuantSpec: self-speculation through a 4-bit copy of the KV cache.
 
-The draft is the model itself reading a 4-bit quantized copy of the cache (`engine.quant`: keys per
-channel, values per token, in groups) plus, in full precision, the newest positions that do not fill a
-group yet (read straight from the exact cache, so the buffer costs nothing extra). It drafts
+The draft is the model itself reading a 4-bit quantized copy of the cache (keys per channel, values per
+token, in groups of G = `quantspec_group`) plus, in full precision, the newest G to 2G - 1 positions (the
+paper's double buffer; read straight from the exact cache, so it costs nothing extra), and through a 4-bit
+group-wise copy of the model's weights (`weights4.py`). It drafts
 `quantspec_gamma` tokens, one pass each; one pass of the model over the exact cache verifies them. Unlike
 the paper's target (which reads an 8-bit cache), ours reads the exact cache: the 4-bit copy is extra memory.
 """
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from ..runtime.events import Step
 from .quantiser import QuantizedKV
+from .weights4 import int4_weights
 from ..runtime.session import Emitter, Request, Session
 from ..errors import FafoError
 from . import speculative
@@ -33,12 +35,18 @@ class QuantSpec:
         self.model, self.cache = session.model, session.cache
         self.sampling, self.generator = request.sampling, generator
         model = self.model
+        self.weights = int4_weights(model)
         try:
             self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
         except ValueError:
             raise FafoError(f"quantspec_group ({self.group}) must be at least the model's head dimension "
                             f"({model.head_dim}) or divide it") from None
-        self.quantized.sync(self.cache.keys, self.cache.values, self.cache.length)
+        self._sync()
+
+    def _sync(self) -> None:
+        """Quantize what leaves the full-precision buffer: as in the paper's double buffer, the newest G to 2G - 1
+        positions stay exact (G = quantspec_group), and a whole group moves into the 4-bit copy once 2G are held."""
+        self.quantized.sync(self.cache.keys, self.cache.values, max(0, self.cache.length - self.group))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One draft row: the 4-bit copy's positions dequantized, then the exact newest ones."""
@@ -54,14 +62,14 @@ class QuantSpec:
         if n <= 0:
             return Draft()
         tokens, drafts = draft_chain(self.model, self.cache, self.attend, text[-1], len(text) - 1, n, self.sampling,
-                                     self.generator)
+                                     self.generator, linear=self.weights.linear)
         return Draft.chain(tokens, drafts, passes=n)
 
     def accepted(self, text: list[int], new: int) -> None:
-        self.quantized.sync(self.cache.keys, self.cache.values, self.cache.length)
+        self._sync()
 
     def nbytes(self) -> int:
-        return self.quantized.nbytes()
+        return self.quantized.nbytes() + self.weights.nbytes()
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:

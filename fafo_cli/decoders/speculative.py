@@ -61,7 +61,8 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     model, cache, sampling = session.model, session.cache, request.sampling
     generator = sampling.generator(model.device)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + drafter.max_rows + 1,
-                                     observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows)
+                                     observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows,
+                                     progress=emitter.prefilling)
     anchor = next_token(logits, sampling, generator)
     text = list(request.prompt_ids) + [anchor]
     drafter.start(session, request, text, generator)
@@ -97,8 +98,9 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
 
 
 def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int, n: int, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor] | None]:
-    """A self-draft: `n` tokens after `anchor` (at `position`), one forward pass each over `cache` with `attend`.
+                generator: torch.Generator | None, linear=None) -> tuple[list[int], list[torch.Tensor] | None]:
+    """A self-draft: `n` tokens after `anchor` (at `position`), one forward pass each over `cache` with `attend`
+    (and `linear`, Model.forward's, for weights other than the model's own).
 
     Each pass's row is committed so the next one sees it, and the cache is cut back afterwards: draft keys
     and values are never kept. Returns the tokens and, when sampling, the distributions they were drawn from.
@@ -111,7 +113,8 @@ def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int
     try:
         for j in range(n):
             logits = model.forward(torch.tensor([token], device=model.device),
-                                   torch.tensor([position + j], device=model.device), cache, attend)
+                                   torch.tensor([position + j], device=model.device), cache, attend,
+                                   linear=linear)
             cache.commit(1)
             token, probs = draw(logits[-1], sampling, generator)
             tokens.append(token)

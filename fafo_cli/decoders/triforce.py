@@ -1,8 +1,11 @@
 """TriForce: hierarchical self-speculation through a retrieval KV cache.
 
-Middle level: the model's own weights attending to a retrieval cache, a second KV cache holding the
-prompt's best chunks (`engine.retrieval`) and then the full-cache keys and values of every accepted token.
-It drafts `triforce_gamma2` tokens for the top level, one full-cache pass that verifies them exactly.
+Middle level: the model's own weights attending to a retrieval cache, a second KV cache of fixed size
+(`triforce_budget`): the context's chunks that score best against the latest query, the most recent positions,
+and room for the tokens accepted since (their full-cache keys and values). When that room fills, or when the
+acceptance since the last rebuild falls to half of the period before's, the cache is rebuilt from the whole
+context, so its memory stays bounded however long the answer. It drafts `triforce_gamma2` tokens for the top
+level, one full-cache pass that verifies them exactly.
 Bottom level (with `--draft-model`): a small model sharing the tokenizer, with a StreamingLLM cache (sink +
 recent positions), proposes `triforce_gamma1` tokens at a time that the middle level checks in one pass.
 Every level verifies the one below with the same rules as the top, so the output is plain decoding's.
@@ -112,13 +115,20 @@ class StreamingDraftModel:
 
 class TriForce:
     runs_model = True
+    MIN_ROUNDS = 4  # rounds since a rebuild before their acceptance may call for the next one
 
     def __init__(self, config, bottom: StreamingDraftModel | None):
         self.chunk, self.budget = config.triforce_chunk, config.triforce_budget
+        self.keep = config.triforce_recent // 2  # recent positions each rebuild keeps verbatim
+        self.room = config.triforce_recent - self.keep  # new tokens appended until the next rebuild
         self.gamma1, self.gamma2 = config.triforce_gamma1, config.triforce_gamma2
         self.max_rows = self.gamma2
         self.bottom = bottom
-        self.queries: dict[int, torch.Tensor] = {}  # layer -> the last prompt token's query [heads, dim]
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> the latest query [heads, dim] (prefill, then drafts)
+        self.rebuilds = 0
+        self.period = [0, 0]  # drafted and accepted tokens since the last rebuild
+        self.rounds = 0  # draft rounds since the last rebuild
+        self.before: float | None = None  # the acceptance rate of the period before the last rebuild
 
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
         self.queries[layer] = q[:, -1].clone()  # the last chunk's last row is the last prompt token
@@ -126,19 +136,30 @@ class TriForce:
     def start(self, session: Session, request: Request, text: list[int], generator) -> None:
         self.model, self.main = session.model, session.cache
         self.sampling, self.generator = request.sampling, generator
-        length = self.main.length
         # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
         slack = self.gamma2 + self.gamma1 + 1
-        self.retrieval = self.model.new_cache(initial_slots=self.budget + slack,
-                                              max_slots=self.model.max_context + slack)
+        self.retrieval = self.model.new_cache(initial_slots=self.budget + slack, max_slots=self.budget + slack)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Select the retrieval cache from the whole context: the best chunks before the last `keep` positions by the
+        latest query (the first chunk always), then those positions."""
+        length, keys, values = self.main.length, self.main.keys, self.main.values
+        keep = min(self.keep, length)
+        cut = length - keep
+        recent = torch.arange(cut, length, device=keys.device)
         for layer in range(len(self.model.layers)):
-            positions = select_positions(self.main.keys[layer, :length], self.queries[layer], self.chunk, self.budget)
+            chosen = (select_positions(keys[layer, :cut], self.queries[layer], self.chunk,
+                                       self.budget - self.keep - self.room) if cut else
+                      recent[:0].expand(keys.shape[2], 0))
+            positions = torch.cat([chosen, recent.expand(chosen.shape[0], -1)], dim=1)
             kept = positions.shape[1]  # whole chunks: up to a chunk less than the budget
-            self.retrieval.keys[layer, :kept] = gather_positions(self.main.keys[layer, :length], positions)
-            self.retrieval.values[layer, :kept] = gather_positions(self.main.values[layer, :length], positions)
+            self.retrieval.keys[layer, :kept] = gather_positions(keys[layer, :length], positions)
+            self.retrieval.values[layer, :kept] = gather_positions(values[layer, :length], positions)
+        self.retrieval.truncate(0)
         self.retrieval.commit(kept)
-        self.queries.clear()
-        self.synced = length  # main-cache positions copied into the retrieval cache
+        self.synced = self.rebuilt_at = length  # main-cache positions the retrieval cache has seen
+        self.rebuilds += 1
 
     def draft(self, text: list[int], room: int) -> Draft:
         n = min(self.gamma2, room)
@@ -146,12 +167,28 @@ class TriForce:
             return Draft()
         anchor, position = text[-1], len(text) - 1
         if self.bottom is None:
-            tokens, drafts = draft_chain(self.model, self.retrieval, causal_attention(None, self.model.scaling),
-                                         anchor, position, n, self.sampling, self.generator)
+            tokens, drafts = draft_chain(self.model, self.retrieval,
+                                         self._recording(causal_attention(None, self.model.scaling)), anchor,
+                                         position, n, self.sampling, self.generator)
             passes = n
         else:
             tokens, drafts, passes = self._draft_hierarchically(text, n)
+        self.period[0] += n
         return Draft.chain(tokens, drafts, passes)
+
+    def _recording(self, attend):
+        """`attend`, keeping each layer's anchor query (a round's first row) for the next rebuild's selection. Over
+        the retrieval cache it is the model's query of that token but for the layers below: close enough to choose
+        chunks by, and free, unlike a pass over the whole cache."""
+        fresh: set[int] = set()
+
+        def recorded(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer not in fresh:
+                fresh.add(layer)
+                self.queries[layer] = q[0, :, 0].clone()
+            return attend(layer, q, k, v)
+
+        return recorded
 
     def _draft_hierarchically(self, text: list[int], n: int) -> tuple[list[int], list[torch.Tensor] | None, int]:
         """The middle level's n tokens, each check of the bottom level's proposals one middle pass."""
@@ -169,9 +206,10 @@ class TriForce:
                 rows = [pending] + proposed
                 cache.reserve(cache.length + len(rows))
                 mask = prefix_causal_mask(cache.length, len(rows), model.device)
+                attend = causal_attention(mask, model.scaling)
                 logits = model.forward(torch.tensor(rows, device=model.device),
                                        torch.arange(position, position + len(rows), device=model.device), cache,
-                                       causal_attention(mask, model.scaling))
+                                       self._recording(attend) if not tokens else attend)
                 passes += 1
                 emitted = check_chain(logits, proposed, proposed_q, sampling, self.generator)
                 if not sampling.greedy:  # what the middle level emitted was drawn from its own distribution
@@ -186,11 +224,21 @@ class TriForce:
         return tokens[:n], (drafts[:n] if not sampling.greedy else None), passes + bottom.passes - bottom_passes
 
     def accepted(self, text: list[int], new: int) -> None:
-        """Append the full-cache keys and values of the newly committed tokens to the retrieval cache."""
+        """Append the full-cache keys and values of the newly committed tokens to the retrieval cache; rebuild it
+        when they fill its room or when acceptance has halved since the last rebuild."""
+        self.period[1] += new - 1  # the emitted tokens but the model's own last one were accepted guesses
+        self.rounds += 1
         length = self.main.length
         added = length - self.synced
         start = self.retrieval.length
-        self.retrieval.reserve(start + added)
+        rate = self.period[1] / self.period[0] if self.period[0] else None
+        dropped = (self.before is not None and rate is not None and self.rounds >= self.MIN_ROUNDS
+                   and rate < self.before / 2)
+        if length - self.rebuilt_at > self.room or dropped:  # the room is full: at most budget slots in use
+            self.before = rate
+            self.period, self.rounds = [0, 0], 0
+            self._rebuild()
+            return
         self.retrieval.keys[:, start:start + added] = self.main.keys[:, self.synced:length]
         self.retrieval.values[:, start:start + added] = self.main.values[:, self.synced:length]
         self.retrieval.commit(added)

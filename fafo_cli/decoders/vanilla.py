@@ -11,7 +11,8 @@ from ..runtime.session import Emitter, Request, Session
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     generator = request.sampling.generator(session.model.device)
-    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens, steps=1)
+    logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens, steps=1,
+                                     progress=emitter.prefilling)
     emitter.prefilled(reused)
     while True:
         token = next_token(logits, request.sampling, generator)

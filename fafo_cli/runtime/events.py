@@ -26,8 +26,9 @@ class Stats:
     streams: int | None = None  # FAFO's lookahead streams W in this request (`streams: auto` resolved)
     draft_passes: int | None = None  # forward passes spent drafting (a self-draft or a draft model; not in steps)
     draft_memory_mb: float | None = None  # device memory drafting holds beyond the model and its cache (second
-    # caches, a draft model), and SuffixDecoding's host-side indexes (estimated: they grow with the text); also inside
-    # peak_memory_mb, which alone covers host-side n-gram tables
+    # caches, a draft model, FAFO's copy of C(kv) with its compressor's scores), and SuffixDecoding's host-side
+    # indexes (estimated: they grow with the text); also inside peak_memory_mb, which alone covers host-side n-gram
+    # tables
     prefill_s: float = 0.0  # time to prefill the uncached prompt tokens
     ttft_s: float = 0.0  # request start to the first emitted token
     decode_s: float = 0.0  # first emitted token to the last one
@@ -82,6 +83,14 @@ class Stats:
                     prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
                     mean_draft=self.mean_draft, mean_rows=self.mean_rows, syncs_per_step=self.syncs_per_step)
         return data
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A request's prefill so far, after each chunk: what a face shows while a long prompt is read."""
+    done: int  # prompt tokens in the cache (those reused from the previous request included)
+    total: int  # prompt tokens
+    elapsed_s: float  # since the request started
 
 
 @dataclass(frozen=True)

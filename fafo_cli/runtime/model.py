@@ -19,6 +19,8 @@ from .cache import KVCache
 # attend(layer, queries [1, heads, rows, dim], keys [1, kv_heads, slots, dim], values) -> [1, heads, rows, dim]
 # (4-D with a batch axis: torch's fused CPU attention kernel needs it; 3-D inputs fall back to a slow path)
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# linear(module, x) -> module's product with x, from weights other than the module's own (QuantSpec's 4-bit draft)
+Linear = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
 def max_context(config) -> int:
@@ -28,6 +30,10 @@ def max_context(config) -> int:
     if window and getattr(config, "use_sliding_window", True):
         limit = min(limit, int(window))
     return limit
+
+
+def _own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,15 +91,17 @@ class Model:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend: Attention,
                 logit_rows: torch.Tensor | slice | None = None, *,
                 rotation: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                as_float: bool = True) -> torch.Tensor:
+                as_float: bool = True, linear: Linear | None = None) -> torch.Tensor:
         """Run `ids` (1-D) at `positions` against `cache`; return logits [rows, vocab] (float32, or the model's
         dtype if not `as_float`).
 
         The rows' keys and values are written after the committed prefix but not committed.
         `logit_rows` limits the (large) vocabulary projection to the rows the caller will read.
-        `rotation` computes the rotary factors in place of `self.rotation`.
+        `rotation` computes the rotary factors in place of `self.rotation`. `linear` computes every linear layer's
+        product (the projections, the MLP's and the vocabulary's) in place of the modules' own weights.
         """
         rows = ids.shape[0]
+        lin = linear or _own
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
         for i, layer in enumerate(self.layers):
@@ -101,9 +109,9 @@ class Model:
                 x, cos, sin = (t.to(self.layer_devices[i]) for t in (x, cos, sin))
             attn = layer.self_attn
             h = layer.input_layernorm(x)[0]
-            q = attn.q_proj(h).view(rows, self.n_heads, self.head_dim)
-            k = attn.k_proj(h).view(rows, self.n_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(rows, self.n_kv_heads, self.head_dim)
+            q = lin(attn.q_proj, h).view(rows, self.n_heads, self.head_dim)
+            k = lin(attn.k_proj, h).view(rows, self.n_kv_heads, self.head_dim)
+            v = lin(attn.v_proj, h).view(rows, self.n_kv_heads, self.head_dim)
             if self.has_qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -111,8 +119,13 @@ class Model:
             keys, values = cache.write(i, k, v)
             out = attend(i, q.to(self.attention_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
                          values.transpose(0, 1)[None])
-            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + lin(attn.o_proj, out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
+            h = layer.post_attention_layernorm(x)
+            if linear is None:
+                x = x + layer.mlp(h)
+            else:  # the gated MLP of every supported architecture, spelled out
+                mlp = layer.mlp
+                x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
         if self.spread:
             x = x.to(self.norm.weight.device)
         x = self.norm(x)[0]
@@ -120,7 +133,7 @@ class Model:
             x = x[logit_rows]
         if self.spread:
             return self._spread_logits(x, as_float)
-        logits = self.lm_head(x)
+        logits = lin(self.lm_head, x)
         return logits.float() if as_float else logits
 
     def _spread_logits(self, x: torch.Tensor, as_float: bool) -> torch.Tensor:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .cache import KVCache
 from .conversations import KeptConversation, KeptConversations, shared_prefix
 from .detok import Detokenizer
-from .events import Stats, Step
+from .events import Prefill, Stats, Step
 from .memory import PeakMemory
 from .masks import PrefixMasks, prefix_attention
 from .model import Model, causal_attention, prefix_causal_mask
@@ -42,6 +42,7 @@ class Request:
     stop_ids: frozenset[int]
     config: Any = None  # the request's Config: method-specific settings for the decoder
     stop_strings: tuple[str, ...] = ()  # the answer ends before the first of these in its text
+    on_prefill: Callable[[Prefill], None] | None = None  # told after each prefill chunk (a face's progress bar)
 
 
 class CompiledStepRunner(Protocol):
@@ -115,14 +116,17 @@ class Session:
         self.cache.truncate(length)
         del self.ids[length:]
 
-    def prefill(self, prompt_ids: list[int], reserve: int, observe=None,
-                steps: int | None = None) -> tuple[torch.Tensor, int]:
+    def prefill(self, prompt_ids: list[int], reserve: int, observe=None, steps: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
         """Bring the cache to `prompt_ids` and return the last prompt token's logits; reserve slots beyond.
 
         `observe(layer, q [heads, rows, dim], keys [slots, kv_heads, dim], first_position)` sees each
         prefilled chunk's queries (compressors that learn from the prompt use it). `steps`: the rows the
         decoder's steps are padded to, where they run compiled; their package is loaded first, so that its load
         counts in the time to the first token, not in decoding speed (None: the decoder loads its own).
+        `progress(done, total)` is told after each chunk. Chunks of PREFILL_CHUNK rows bound what a long prompt
+        holds at once: a chunk's activations and its attention over the cache (never a score matrix over the whole
+        prompt).
         Returns (logits of the last prompt token, number of prompt tokens reused from the cache).
         """
         if self.compiled is not None and steps is not None:
@@ -138,6 +142,8 @@ class Session:
                 attend = _observed(attend, observe, self.cache, start)
             logits = self.forward(chunk, attend, last_only=True)
             self.commit(chunk)
+            if progress is not None:
+                progress(self.cache.length, len(prompt_ids))
         return logits[-1], reused
 
     def forward(self, ids: list[int], attend, *, last_only: bool = False) -> torch.Tensor:
@@ -207,6 +213,13 @@ class Emitter:
         self.first_token_at: float | None = None
         self.finish_reason: str | None = None
         self._memory_at = float("-inf")  # when memory was last sampled
+
+    def prefilling(self, done: int, total: int) -> None:
+        """After a prefill chunk: the chunk's memory is sampled (its activations are freed by the first token) and the
+        request's `on_prefill` told."""
+        self.stats.peak_memory_mb = self.memory.sample()
+        if self.request.on_prefill is not None:
+            self.request.on_prefill(Prefill(done, total, time.perf_counter() - self.started))
 
     def prefilled(self, reused: int) -> None:
         self.stats.cached_prompt_tokens = reused

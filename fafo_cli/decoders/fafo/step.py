@@ -193,7 +193,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
-                                     observe=getattr(compressor, "observe_prefill", None))
+                                     observe=getattr(compressor, "observe_prefill", None),
+                                     progress=emitter.prefilling)
     compressor.rebuild(cache)
     emitter.prefilled(reused)
     view = CompressedView(cache, compressor, model.scaling,
@@ -210,6 +211,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     window = (LookaheadWindow(settings.streams, settings.ngram, settings.prefix, request.prompt_ids)
               if settings.streams else None)
     stats.accepted_from = dict.fromkeys(SOURCES, 0)
+    stats.draft_memory_mb = compressor.nbytes() / 2**20
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -244,6 +246,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         sources = planner.observe(plan, emitted, path)
         planner.costs.observe(plan.rows, plan.window, (time.perf_counter() - began) * 1e3)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
+        stats.draft_memory_mb = compressor.nbytes() / 2**20  # the copy of C(kv): created, and grown, as needed
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
         yield step
         anchor = emitted[-1]

@@ -42,6 +42,9 @@ class Compressor(Protocol):
     def view_mask(self, cache: KVCache) -> torch.Tensor | None:
         """C(kv) as booleans [length, layers] (the compiled step's one masked attention call), or None."""
 
+    def nbytes(self) -> int:
+        """Memory held beside the cache: the copy of C(kv) and the selection's own state (draft_memory_mb)."""
+
     # Optional: `needs_query = True` and observe(layer, anchor_query [heads, dim], cached_keys) to learn from
     # the anchor row each step; observe_prefill(layer, q [heads, rows, dim], keys, first_position) to learn
     # from the prefill's queries.

@@ -26,6 +26,9 @@ class H2OCompressor(ViewCompressor):
         self.mass = ObservationScores(window, prompt_length, scale)
         self.observe_prefill = self.mass.observe_prefill
 
+    def state(self) -> list[torch.Tensor]:
+        return self.mass.tensors()
+
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         self.mass.add(layer, attention_weights(q[:, None], keys, self.scale))
 

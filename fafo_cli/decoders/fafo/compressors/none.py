@@ -25,3 +25,6 @@ class NoCompressor:
 
     def view_mask(self, cache: KVCache) -> None:
         return None
+
+    def nbytes(self) -> int:
+        return 0  # no copy: the fumble rows read the cache itself

@@ -55,6 +55,9 @@ class QuestCompressor(ViewCompressor):
             self.page_min[:, page] = block.amin(1)
             self.page_max[:, page] = block.amax(1)
 
+    def state(self) -> list[torch.Tensor]:
+        return [t for t in (self.page_min, self.page_max, *self.query) if t is not None]
+
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
         self.observe(layer, q[:, -1], keys)
 

@@ -42,6 +42,9 @@ class ObservationScores:
             total = self.scores[layer] = grown
         total[:weights.shape[0]] += weights
 
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.scores.values())
+
     def layer(self, layer: int, length: int) -> torch.Tensor:
         scores = self.scores.get(layer)
         out = torch.zeros(length)
@@ -61,6 +64,9 @@ class SnapKVCompressor(ViewCompressor):
         self.tail_rows = tail_rows
         self.prefix = 0  # slots holding the prompt selection
         self.prefilled = 0  # cache length at the selection
+
+    def state(self) -> list[torch.Tensor]:
+        return self.observed.tensors()
 
     def select_prompt(self, cache: KVCache) -> torch.Tensor:
         """[layers, n] prompt positions: the pooled top scores plus the observation window."""

@@ -91,6 +91,11 @@ class SlotView:
     def selected(self, layer: int) -> list[int]:
         return sorted(self.positions[layer, :self.size].tolist())
 
+    def nbytes(self) -> int:
+        """The copy of C(kv) (its own buffers, or the cache's leading region that holds it), positions and mask."""
+        keys = self.keys
+        return 2 * keys.nbytes + self.positions.nbytes + self._selected.nbytes
+
 
 class ViewCompressor:
     """What compressors keeping a SlotView share: while the whole cache fits in the budget they are inactive
@@ -117,6 +122,14 @@ class ViewCompressor:
 
     def view_mask(self, cache: KVCache) -> torch.Tensor | None:
         return self.slots.mask(cache.length) if self.active else None
+
+    def nbytes(self) -> int:
+        """Memory the compressor holds beside the cache: the slot view and what `state` names."""
+        return (self.slots.nbytes() if self.slots is not None else 0) + sum(t.nbytes for t in self.state())
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors a compressor keeps beside its view (page bounds, attention scores)."""
+        return []
 
     def selected_positions(self, cache: KVCache, layer: int = 0) -> list[int]:
         """C(kv) as sorted positions (for tests and inspection)."""

@@ -1,0 +1,236 @@
+"""The `long` suite: prompts of a chosen length in tokens, built from the Python standard library on this machine
+(or from the user's files: `--documents`).
+
+Three tasks per document, each filling the context but for the answer (`--tokens`):
+- `recall`: a long module's source from one of its functions on, then a question about that function (far back);
+- `summary`: the documentation (docstrings) of several modules, to summarize;
+- `edit`: a long module's source, then the request to rewrite one function from its middle with type hints.
+A document is cut at a line break (code) or between paragraphs (documentation) so that the chat-templated prompt
+is as long as fits (found by bisection with the model's own tokenizer): the same Python and model give the same
+prompts.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import FafoError
+
+DEFAULT_CONTEXTS = (4096, 8192)  # FAFO's and QuantSpec's papers' shorter long contexts; SmolLM2's whole context
+MIN_CONTEXT = 1024
+MIN_PROMPT = 768  # --context minus --tokens must leave this much: room for a function far back and one in the middle
+CHARS_PER_TOKEN = 5  # more than any tokenizer's, so that the material gathered always covers the target
+# Long pure-Python modules (one document per --samples index, the next ones appended while more text is needed),
+# those that hold both tasks' functions at short lengths (1K tokens) too first
+SOURCE_MODULES = ("logging", "email.message", "pydoc", "tarfile", "http.client", "statistics", "argparse", "difflib",
+                  "zipfile", "configparser", "dataclasses", "inspect")
+DOC_MODULES = ("argparse", "pathlib", "collections", "functools", "itertools", "inspect", "logging", "difflib",
+               "textwrap", "json", "re", "string", "datetime", "os", "shutil", "subprocess", "enum")
+TASKS = ("recall", "summary", "edit")
+
+Encode = Callable[[list[dict]], list[int]]  # chat messages -> prompt token ids (Engine.encode)
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    task: str
+    context: int
+    document: int  # which --samples index it was built from
+    messages: tuple[dict, ...]
+    tokens: int  # its prompt's length in tokens
+
+    @property
+    def id(self) -> str:
+        return f"{self.task}-{self.context}" + (f"-{self.document + 1}" if self.document else "")
+
+
+def contexts(context: int | None, max_context: int, answer: int) -> list[int]:
+    """The lengths to build: `context` checked against the model (one clear error), else the defaults that fit."""
+    if context is None:
+        return [c for c in DEFAULT_CONTEXTS if c <= max_context] or [max_context]
+    if not MIN_CONTEXT <= context <= max_context:
+        raise FafoError(f"--context {context}: choose from {MIN_CONTEXT} to the model's context, {max_context} tokens")
+    if context - answer < MIN_PROMPT:
+        raise FafoError(f"--context {context} leaves {context - answer} prompt tokens beside --tokens {answer}; "
+                        f"the long suite needs at least {MIN_PROMPT}")
+    return [context]
+
+
+@dataclass(frozen=True)
+class Material:
+    """What the documents are cut from: Python sources (recall, edit) and prose (summary), each (name, text)."""
+    code: tuple[tuple[str, str], ...]
+    prose: tuple[tuple[str, str], ...]
+    where: str  # in error messages: "the standard library's", "your files'"
+
+
+def _module_docs(name: str) -> str:
+    """A module's docstring and its public functions' and classes' docstrings."""
+    module = importlib.import_module(name)
+    parts = [f"{inspect.getdoc(module) or ''}\n"]
+    for attribute, value in sorted(vars(module).items()):
+        doc = inspect.getdoc(value) if inspect.isfunction(value) or inspect.isclass(value) else None
+        if doc and not attribute.startswith("_") and getattr(value, "__module__", None) == name:
+            parts.append(f"{name}.{attribute}:\n{doc}\n")
+    return "\n".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def standard_library() -> Material:
+    """The standard library's sources and documentation on this machine (read once per process)."""
+    return Material(tuple((f"{name.replace('.', '/')}.py", inspect.getsource(importlib.import_module(name)))
+                          for name in SOURCE_MODULES),
+                    tuple((f"Module {name}", _module_docs(name)) for name in DOC_MODULES),
+                    "the standard library's")
+
+
+def user_files(paths: list[str]) -> Material:
+    """The user's files: Python sources (.py) for the recall and edit tasks, any other text for the summary; a kind
+    not given comes from the standard library."""
+    code, prose = [], []
+    for given in paths:
+        path = Path(given).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FafoError(f"--documents: file not found: {given}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise FafoError(f"--documents: cannot read {given}: {getattr(e, 'strerror', None) or e}") from None
+        if path.suffix == ".py":
+            try:
+                ast.parse(text)
+            except SyntaxError as e:
+                raise FafoError(f"--documents: {given} is not valid Python (line {e.lineno})") from None
+            code.append((path.name, text))
+        elif text.strip():
+            prose.append((path.name, text))
+    fallback = standard_library()
+    return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose, "your files'")
+
+
+def _sources(first: int, chars: int, material: Material) -> tuple[list[str], list[tuple[int, int, str]]]:
+    """Lines of the sources from the `first`-th on (round the list), at least `chars` long, and their functions as
+    (first line, last line, name), 0-based, in order. Each file from its first definition on: a docstring and
+    imports would push the recall task's function away from the document's beginning."""
+    lines: list[str] = []
+    functions: list[tuple[int, int, str]] = []
+    for offset in range(len(material.code)):
+        name, source = material.code[(first + offset) % len(material.code)]
+        tree = ast.parse(source)
+        tops = [min([node.lineno, *(d.lineno for d in node.decorator_list)]) for node in tree.body
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+        top = min(tops, default=1)
+        start = len(lines) + 1 - (top - 1)  # where the file's line 1 would be, after the file header line
+        lines += [f"# file: {name}\n", *source.splitlines(keepends=True)[top - 1:], "\n"]
+        functions += sorted((start + node.lineno - 1, start + node.end_lineno - 1, node.name)
+                            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+        if sum(map(len, lines)) >= chars:
+            break
+    return lines, functions
+
+
+def _documentation(first: int, chars: int, material: Material) -> list[str]:
+    parts: list[str] = []
+    for offset in range(len(material.prose)):
+        title, text = material.prose[(first + offset) % len(material.prose)]
+        parts.append(f"{title}\n\n{text}")
+        if sum(map(len, parts)) >= chars:
+            break
+    return "\n".join(parts).splitlines(keepends=True)
+
+
+def _code(lines: list[str]) -> str:
+    return "```python\n" + "".join(lines).rstrip("\n") + "\n```"
+
+
+def _recall_start(functions, material: Material) -> int:
+    """Where the recall task's document starts: at the first function of four lines or more whose name is defined
+    once, so that it is the document's very first lines, however long the document."""
+    names = [f[2] for f in functions]
+    first = next((start for start, end, name in functions if end - start >= 3 and names.count(name) == 1), None)
+    if first is None:
+        raise FafoError(f"{material.where} Python sources hold no function of four lines or more with a name of its "
+                        "own, for the long suite's recall task")
+    return first
+
+
+def _recall(lines, first: tuple[int, int, str], kept: int) -> list[dict] | None:
+    """Ask about `first` (the document's first function) once the document holds all of it."""
+    if kept <= first[1]:
+        return None
+    return [{"role": "user", "content": f"{_code(lines[:kept])}\n\nIn the code above, near its beginning, a function "
+             f"named `{first[2]}` is defined. Quote its signature exactly, then explain in a few sentences what it "
+             "does and what it returns."}]
+
+
+def _edit(lines, functions, kept: int) -> list[dict] | None:
+    """Rewrite the function of 8-80 lines, of a name defined once, that lies nearest the middle of the kept lines."""
+    names = [f[2] for f in functions if f[1] < kept]
+    fitting = [f for f in functions if f[1] < kept and 8 <= f[1] - f[0] + 1 <= 80 and names.count(f[2]) == 1]
+    if not fitting:
+        return None
+    _, _, name = min(fitting, key=lambda f: (abs((f[0] + f[1]) / 2 - kept / 2), f[0]))
+    return [{"role": "user", "content": f"{_code(lines[:kept])}\n\nRewrite the function `{name}` from the code above "
+             "with type hints added to its signature. Keep everything else in it exactly as it is, including its "
+             "docstring and comments, and output only that function's code."}]
+
+
+def _summary(lines, kept: int) -> list[dict]:
+    return [{"role": "user", "content": "Summarize the following documents in a few paragraphs, one per "
+             "document:\n\n" + "".join(lines[:kept])}]
+
+
+def _longest(task: str, build: Callable[[int], list[dict] | None], cuts: list[int], limit: int, encode: Encode,
+             where: str) -> tuple[list[dict], int]:
+    """The prompt of the most lines, cut at one of `cuts` (line counts, increasing; found by bisection), whose
+    tokens are at most `limit`, and its length. All of the text fitting means it is too short to fill the context."""
+    low, high, best = 0, len(cuts) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        messages = build(cuts[middle])
+        length = len(encode(messages)) if messages is not None else None
+        if length is not None and length <= limit:
+            if middle == len(cuts) - 1:
+                raise FafoError(f"{where} text gives the long suite's {task} prompt only {length} tokens, short of "
+                                f"{limit}: add documents or choose a smaller --context")
+            best, low = (messages, length), middle + 1
+        elif messages is None:
+            low = middle + 1  # too few lines to hold the task's function: more lines
+        else:
+            high = middle - 1
+    if best is None:
+        raise FafoError(f"cannot build the long suite's {task} prompt in {limit} tokens from {where} text: a "
+                        "larger --context (or fewer --tokens) leaves it more room, as do longer documents")
+    return best
+
+
+def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple[str, ...] = TASKS,
+          material: Material | None = None) -> list[LongPrompt]:
+    """The `tasks` at `context` tokens (prompt plus an `answer` of that many tokens) from document `document` of
+    `material` (default: the standard library)."""
+    material = material or standard_library()
+    limit = context - answer
+    chars = limit * CHARS_PER_TOKEN
+    lines, functions = _sources(document, chars, material)
+    docs = _documentation(document, chars, material)
+    # at any line: a long function without blank lines would leave a gap of hundreds of tokens (the tasks' own
+    # functions are whole: the builders check)
+    code_cuts = list(range(1, len(lines) + 1))
+    doc_cuts = [i + 1 for i, line in enumerate(docs) if not line.strip()]  # between paragraphs
+    skip = _recall_start(functions, material)
+    first = next((start - skip, end - skip, name) for start, end, name in functions if start == skip)
+    builders = {"recall": (lambda k: _recall(lines[skip:], first, k), [c - skip for c in code_cuts if c > skip]),
+                "summary": (lambda k: _summary(docs, k), doc_cuts),
+                "edit": (lambda k: _edit(lines, functions, k), code_cuts)}
+    prompts = []
+    for task in tasks:
+        make, cuts = builders[task]
+        messages, length = _longest(task, make, cuts, limit, encode, material.where)
+        prompts.append(LongPrompt(task, context, document, tuple(messages), length))
+    return prompts
