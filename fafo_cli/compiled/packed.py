@@ -1,11 +1,13 @@
 """A GGUF model's quantized weights, kept packed for compiled CPU steps (fafo::packed_linear, packed_linear.cpp).
 
-A .gguf model is dequantized once to float32 (hub.convert_gguf) and loaded in bf16, so each weight of a Q4_1
-tensor is bf16(d * q + m) and each of a Q8_0 tensor bf16(d * q): 16 bits that 6 or 9 determine. A compiled
-step is bound by reading weights, so its projections and vocabulary head read the file's blocks instead,
-rebuilt exactly in the kernel. Packing reads the blocks again, puts the rows in the loaded model's order
-(transformers permutes the rows of q and k for its rotary layout) and keeps a matrix packed only when the
-kernel's rebuild equals the loaded weight bit for bit; any other matrix, and every model not from a .gguf
+A .gguf model is dequantized once to float32 by gguf's own dequantizer (hub.convert_gguf) and loaded in bf16, so
+each weight is bf16 of a float32 that a few bits of the file determine: bf16(d * q + m) per block of 32 for Q4_1,
+bf16(d * q) for Q8_0 and Q5_0 (q - 16), bf16((d * sc) * q - dmin * m) per 32 for Q4_K, bf16((d * s) * (q - 32))
+per 16 for Q6_K. A compiled step is bound by reading weights, so its projections and vocabulary head read the
+file's blocks instead, repacked into the kernel's entries (64 columns of one row each, about the file's bytes)
+and rebuilt exactly in the kernel. Packing puts the rows in the loaded model's order (transformers permutes the
+rows of q and k for its rotary layout) and keeps a matrix packed only when the kernel's rebuild equals the loaded
+weight bit for bit; any other matrix, one of a type not read here (say Q5_1), and every model not from a .gguf
 file, stays dense.
 """
 
