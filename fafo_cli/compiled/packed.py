@@ -32,9 +32,10 @@ TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per ta
 
 
 def supported(model: Model) -> bool:
-    """Whether this model's steps can use packed weights: a bf16 model on a CPU (the kernel's AVX-512 and AMX
-    paths where the CPU has them, its plain one elsewhere)."""
-    return model.device.type == "cpu" and model.dtype == torch.bfloat16
+    """Whether this model's steps use packed weights: a bf16 model on a CPU the kernel's AMX or AVX-512 path was
+    built for (our library must be loaded). Its plain path computes the same weights everywhere, but multiplies
+    3.5-6x slower than a dense bf16 matrix at one row (docs/benchmarks.md): other CPUs keep dense weights."""
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
 
 
 def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -76,7 +76,7 @@ inline uint32_t word_at(const uint8_t* p) {
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
-  static void plain(const uint8_t* e, float* w) {  // d * q is exact: fused or not, one rounding
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {  // d * q is exact: fused or not, one rounding
     for (int half = 0; half < 2; ++half) {
       const float d = float_at(e + 32 + 8 * half), m = float_at(e + 36 + 8 * half);
       for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
@@ -109,7 +109,7 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
     m = -(half_at(e + 38) * static_cast<float>(e[33 + 2 * half]));
   }
 
-  static void plain(const uint8_t* e, float* w) {
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
     for (int half = 0; half < 2; ++half) {
       float d, m;
       scales(e, half, d, m);
@@ -130,19 +130,25 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
 #endif
 };
 
-// The 5- or 6-bit code of weight i (0..63) of an S5 or S6 entry: low 4 bits, then the bit planes
-inline int code_at(const uint8_t* e, int i, int planes) {
-  const int half = i / 32, j = i % 32;
-  int q = (e[j] >> (4 * half)) & 15;
-  for (int p = 0; p < planes; ++p) q |= ((word_at(e + 32 + 8 * p + 4 * half) >> j) & 1) << (4 + p);
-  return q;
+// The 5- or 6-bit codes of an S5 or S6 entry's block `half` (A: 0), less `offset`: low 4 bits, then the bit planes
+// (loops the compiler vectorizes)
+inline void codes_of(const uint8_t* __restrict e, int half, int planes, int offset, int32_t* __restrict q) {
+  const uint32_t fifth = word_at(e + 32 + 4 * half), sixth = planes > 1 ? word_at(e + 40 + 4 * half) : 0;
+  for (int j = 0; j < 32; ++j)
+    q[j] = static_cast<int32_t>(((e[j] >> (4 * half)) & 15) | (((fifth >> j) & 1) << 4) | (((sixth >> j) & 1) << 5)) -
+           offset;
 }
 
 struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
   static constexpr int64_t entry = 44;
 
-  static void plain(const uint8_t* e, float* w) {
-    for (int i = 0; i < 64; ++i) w[i] = half_at(e + 40 + 2 * (i / 32)) * static_cast<float>(code_at(e, i, 1) - 16);
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    int32_t q[32];
+    for (int half = 0; half < 2; ++half) {
+      const float d = half_at(e + 40 + 2 * half);
+      codes_of(e, half, 1, 16, q);
+      for (int j = 0; j < 32; ++j) w[32 * half + j] = d * static_cast<float>(q[j]);
+    }
   }
 #if FAFO_PACKED
   // bf16(d * (q - 16)) for q = 0..31: the 32-entry table a permute reads with the 5-bit codes
@@ -168,11 +174,15 @@ struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
 struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights (exact: 11-bit by 8-bit)
   static constexpr int64_t entry = 56;
 
-  static void plain(const uint8_t* e, float* w) {
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
     const float d = half_at(e + 52);
-    for (int i = 0; i < 64; ++i) {
-      const float scale = d * static_cast<float>(static_cast<int8_t>(e[48 + i / 16]));
-      w[i] = scale * static_cast<float>(code_at(e, i, 2) - 32);
+    int32_t q[32];
+    for (int half = 0; half < 2; ++half) {
+      codes_of(e, half, 2, 32, q);
+      for (int k = 0; k < 2; ++k) {
+        const float scale = d * static_cast<float>(static_cast<int8_t>(e[48 + 2 * half + k]));
+        for (int j = 0; j < 16; ++j) w[32 * half + 16 * k + j] = scale * static_cast<float>(q[16 * k + j]);
+      }
     }
   }
 #if FAFO_PACKED
@@ -203,8 +213,11 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
 struct Q8_0 {
   static constexpr int64_t entry = 68;
 
-  static void plain(const uint8_t* e, float* w) {
-    for (int i = 0; i < 64; ++i) w[i] = static_cast<float>(static_cast<int8_t>(e[i])) * half_at(e + 64 + 2 * (i / 32));
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    for (int half = 0; half < 2; ++half) {
+      const float d = half_at(e + 64 + 2 * half);
+      for (int j = 0; j < 32; ++j) w[32 * half + j] = static_cast<float>(static_cast<int8_t>(e[32 * half + j])) * d;
+    }
   }
 #if FAFO_PACKED
   static __m512i block(const uint8_t* codes, float d) {  // bf16(d * q) of 32 int8 codes, in order
@@ -439,9 +452,20 @@ void rebuild_row(const uint8_t* entry, at::BFloat16* row) {  // one entry's 64 w
 }
 #endif
 
+// x rounded to bf16 as at::BFloat16 rounds it (to nearest even; a NaN becomes 0x7FC0), as a float: in a form the
+// compiler vectorizes
+inline float bf16_value(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = x != x ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
 // The plain path: each weight rebuilt by `plain` and rounded to bf16 (as at::BFloat16 rounds: to nearest even),
-// products and sums in float32. A weight row's sum with an input row runs over 16 lanes in a fixed order
-// (lane j takes columns j, j + 16, ...), then adds the lanes in order: the same for every row count.
+// products and sums in float32. A weight row's sum with an input row runs over 64 lanes in a fixed order
+// (lane j takes columns j, j + 64, ...), then adds the lanes in order: the same for every row count.
 template <class F>
 at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
@@ -456,7 +480,7 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  constexpr int64_t kLanes = 16;
+  constexpr int64_t kLanes = kGroup;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> lanes(kTile * rows * kLanes);  // [weight row][input row][lane]
     float w[kGroup];
@@ -465,12 +489,11 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t t = 0; t < kTile; ++t) {
           F::plain(wp + ((tile * groups + g) * kTile + t) * F::entry, w);
-          for (int64_t j = 0; j < kGroup; ++j) w[j] = static_cast<float>(at::BFloat16(w[j]));
+          for (int64_t j = 0; j < kGroup; ++j) w[j] = bf16_value(w[j]);
           for (int64_t r = 0; r < rows; ++r) {
-            const float* xr = xp + r * in_features + g * kGroup;
-            float* lane = lanes.data() + (t * rows + r) * kLanes;
-            for (int64_t j0 = 0; j0 < kGroup; j0 += kLanes)
-              for (int64_t j = 0; j < kLanes; ++j) lane[j] += xr[j0 + j] * w[j0 + j];
+            const float* __restrict xr = xp + r * in_features + g * kGroup;
+            float* __restrict lane = lanes.data() + (t * rows + r) * kLanes;
+            for (int64_t j = 0; j < kLanes; ++j) lane[j] += xr[j] * w[j];
           }
         }
       for (int64_t t = 0; t < kTile && tile * kTile + t < out_features; ++t) {
