@@ -13,7 +13,8 @@ import pytest
 import torch
 
 KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
-SCALES = {"Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_1": (0, 2)}  # float16 fields' offsets
+# the offsets of each type's float16 fields in a block
+SCALES = {"Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_1": (0, 2)}
 # float16 scales at the edges: zeros of both signs, the largest, the smallest normal and subnormals, negatives
 EDGES = np.array([0.0, -0.0, 65504.0, -65504.0, 6.1035e-05, -6.1035e-05, 6e-08, -3e-07, 1.0, -1.0], np.float16)
 
@@ -227,8 +228,9 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
         cache.commit(context), dense_cache.commit(context)
         cache.store_as(stored_dtype(model))
         ids = torch.tensor([65])
-        compiled = step(ids, torch.tensor([context]), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, dtype=torch.bool),
-                        torch.zeros(1, dtype=torch.bool), torch.zeros(context, len(model.layers), dtype=torch.bool),
+        compiled = step(ids, torch.tensor([context]), torch.ones(1, 1, dtype=torch.bool),
+                        torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool),
+                        torch.zeros(context, len(model.layers), dtype=torch.bool),
                         list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0].float()
         from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 

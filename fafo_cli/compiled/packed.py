@@ -167,7 +167,8 @@ def _q6_k(raw: np.ndarray) -> np.ndarray:
 
 # GGUF type -> its entries (packed_linear.cpp's formats) from the blocks [rows, blocks per row, bytes per block]
 FORMATS = {"Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
-ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}  # per 64 weights (the file: 40, 68, 44, 36, 52.5)
+# bytes per 64 weights of each format (the file's: 40, 68, 44, 36, 52.5)
+ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}
 
 
 def entries(tensor) -> np.ndarray | None:

@@ -165,8 +165,10 @@ struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
     uint16_t bits[2];
     std::memcpy(bits, entry + 40, 4);
     const __m512i qa = _mm512_and_si512(codes, _mm512_set1_epi16(15)), qb = _mm512_srli_epi16(codes, 4);
-    a = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qa, word_at(entry + 32), qa, sixteen), values(_cvtsh_ss(bits[0])));
-    b = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qb, word_at(entry + 36), qb, sixteen), values(_cvtsh_ss(bits[1])));
+    a = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qa, word_at(entry + 32), qa, sixteen),
+                                 values(_cvtsh_ss(bits[0])));
+    b = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qb, word_at(entry + 36), qb, sixteen),
+                                 values(_cvtsh_ss(bits[1])));
   }
 #endif
 };
@@ -193,7 +195,8 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
     q = _mm512_sub_epi16(q, _mm512_set1_epi16(32));
     const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
     const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, _mm512_set1_ps(d1)), _mm512_mul_ps(low, _mm512_set1_ps(d0)));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, _mm512_set1_ps(d1)),
+                                        _mm512_mul_ps(low, _mm512_set1_ps(d0)));
   }
 
   static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
@@ -204,7 +207,8 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
     const int8_t* s = reinterpret_cast<const int8_t*>(entry + 48);
     float scale[4];
     for (int k = 0; k < 4; ++k) scale[k] = d * static_cast<float>(s[k]);
-    a = block(_mm512_and_si512(codes, _mm512_set1_epi16(15)), word_at(entry + 32), word_at(entry + 40), scale[0], scale[1]);
+    a = block(_mm512_and_si512(codes, _mm512_set1_epi16(15)), word_at(entry + 32), word_at(entry + 40), scale[0],
+              scale[1]);
     b = block(_mm512_srli_epi16(codes, 4), word_at(entry + 36), word_at(entry + 44), scale[2], scale[3]);
   }
 #endif
