@@ -212,8 +212,8 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
     # layer 0: q, k, v of three formats and gate, up of two (5 calls) and o, down; layer 1: qkv, gate+up, down; head
     assert len(packed.kernels(modules)) == 7 + 3 + 1
     unread = [n for n in notices if "stay dense" in n]
-    assert unread == [f"{tiny_gguf.name}: 1 Q5_1 matrices stay dense bf16 in compiled steps (packed blocks are "
-                      "read for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]
+    assert unread == [f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense bf16 in compiled steps (packed "
+                      "blocks are read for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]
 
     step = engine.compiled.runner(1)
     assert step is not None, notices

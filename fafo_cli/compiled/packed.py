@@ -34,7 +34,7 @@ TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per ta
 def supported(model: Model) -> bool:
     """Whether this model's steps use packed weights: a bf16 model on a CPU the kernel's AMX or AVX-512 path was
     built for (our library must be loaded). Its plain path computes the same weights everywhere, but multiplies
-    3.5-6x slower than a dense bf16 matrix at one row (docs/benchmarks.md): other CPUs keep dense weights."""
+    2.5-4.5x slower than a dense bf16 matrix (docs/benchmarks.md): other CPUs keep dense weights."""
     return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
 
 
@@ -249,9 +249,9 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
                 unread.setdefault(tensor.tensor_type.name, 0)
                 unread[tensor.tensor_type.name] += 1
     if unread and notify is not None:
-        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(unread.items()))
-        notify(f"{gguf.name}: {kinds} matrices stay dense bf16 in compiled steps (packed blocks are read for "
-               f"{', '.join(FORMATS)})")
+        kinds = ", ".join(f"{kind} ({count})" for kind, count in sorted(unread.items()))
+        notify(f"{gguf.name}: the matrices of type {kinds} stay dense bf16 in compiled steps (packed blocks are "
+               f"read for {', '.join(FORMATS)})")
     for i in range(len(model.layers)):
         for group in SHARED_INPUT:
             names = [f"model.layers.{i}.{module}" for module in group]
