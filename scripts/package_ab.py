@@ -8,6 +8,7 @@ each step our attention kernel and our packed GGUF matrices (packed_linear.cpp) 
     python scripts/package_ab.py --rows 1 --calls  # one package: our flat call against the package's own call
     python scripts/package_ab.py --rows 1 6        # a plain and FAFO's default step, and their attention's share
     python scripts/package_ab.py --rows 6 --against ~/.cache/fafo/compiled/OLD  # packages of another build
+    python scripts/package_ab.py --model Q.gguf --rows 1 --dense /tmp/dense  # packed GGUF weights against dense
 """
 
 from __future__ import annotations
@@ -31,10 +32,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--against", type=Path, help="a folder of packages of the same model to compare with, "
                         "row count for row count (e.g. built before a change)")
+    parser.add_argument("--dense", type=Path, help="a folder for packages of the same model with dense bf16 "
+                        "weights instead of packed GGUF blocks: built there where missing, then compared as --against")
     args = parser.parse_args()
     engine = common.load_engine(args, compile="on")  # on: always a CompiledSteps; nothing is built
     model, folder = engine.model, engine.compiled.folder
     compiled.load_kernels(model, folder.parent)
+    if args.dense:
+        for rows in args.rows:
+            if not (args.dense / f"rows{rows}.pt2").exists():
+                started = time.perf_counter()
+                compiled.build(model, rows, args.dense / f"rows{rows}.pt2", packed_modules={})
+                print(f"built the dense {rows}-row package in {time.perf_counter() - started:.0f} s")
+        args.against = args.dense
     paths = {rows: folder / f"rows{rows}.pt2" for rows in args.rows}
     for rows, path in paths.items():
         if not path.exists():

@@ -7,6 +7,7 @@ kernel built without AMX (its AVX-512 path), each under its own op namespace.
 
     python scripts/packed_matrices.py --rows 1 6 9
     python scripts/packed_matrices.py --rows 1 6 9 --base HEAD --no-amx
+    python scripts/packed_matrices.py --model Q.gguf --rows 1 6 --plain
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--base", help="git revision whose kernel to time as well")
     parser.add_argument("--no-amx", action="store_true", help="also the kernel's AVX-512 path instead of AMX")
+    parser.add_argument("--plain", action="store_true", help="also the kernel's plain C++ path")
     args = parser.parse_args()
     engine = common.load_engine(args, dtype="bfloat16")  # the weights the packed blocks rebuild exactly
     loader.load(hub.cache_dir() / "compiled")
     gguf = hub.gguf_source(engine.folder)
     if gguf is None or not packed.supported(engine.model):
-        raise SystemExit("needs a model from a .gguf file, in bf16, on a CPU with AVX512-BF16")
+        raise SystemExit("needs a model from a .gguf file, in bf16, on a CPU")
     modules = packed.pack_model(engine.model, gguf)
     stacked = [(m.packed, m.out_features, m.bias) for m in packed.kernels(modules)]
     separate = one_per_matrix(modules)
@@ -62,6 +64,9 @@ def main() -> None:
         if args.no_amx:
             kernels["tree, no AMX"] = loader.load_as(loader.SOURCES[1].read_text(), "fafo_noamx", Path(folder),
                                                      "#define FAFO_NO_AMX 1\n").packed_linear.default
+        if args.plain:
+            kernels["tree, plain"] = loader.load_as(loader.SOURCES[1].read_text(), "fafo_plain", Path(folder),
+                                                    "#define FAFO_PLAIN 1\n").packed_linear.default
         print(f"{len(separate)} packed matrices, as {len(stacked)} calls (stacked) or one call each; "
               f"median of {args.rounds} rounds, ms for all of them")
         with torch.inference_mode():

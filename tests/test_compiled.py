@@ -277,7 +277,7 @@ def test_attention_kernel_matches_torch(compiled_cache, vector_attend, rows, slo
     # value sum takes the probabilities rounded to bf16 (as a bf16 attention does), elsewhere as they are
     q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
     exact, rounded = (_attention_reference(q16, k16, v16, mask, 0.3, rounding) for rounding in (False, True))
-    by_pairs = torch.ops.fafo.packed_supported() and dim % 32 == 0  # the kernels are built alike (-march=native)
+    by_pairs = torch.ops.fafo.packed_kernel() != "plain" and dim % 32 == 0  # the kernels are built alike (-march=native)
     for attend in (torch.ops.fafo.attend, vector_attend):  # with AMX where the CPU has it, and without
         compact = attend(q16, k16, v16, sees_all, sees_part, visible, local, 0.3)
         assert compact.dtype == torch.float32
@@ -407,50 +407,6 @@ def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
-def _quantized(kind: str, out_features: int, in_features: int, seed: int):
-    """A GGUF-quantized random matrix as the reader hands it to packing, and gguf's own dequantization of it."""
-    import types
-
-    import numpy as np
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = getattr(GGMLQuantizationType, kind)
-    weights = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32) * 0.05
-    data = quants.quantize(weights, qtype)
-    tensor = types.SimpleNamespace(tensor_type=qtype, shape=(in_features, out_features), data=data)
-    return tensor, torch.from_numpy(quants.dequantize(data, qtype)).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
-def test_packed_linear_multiplies_gguf_weights_exactly(compiled_cache, kind, out_features, with_bias):
-    """A GGUF model's projections read its blocks in compiled steps: the kernel rebuilds exactly the bf16 weights
-    gguf's own dequantizer gives (bit for bit), multiplies them like a bf16 linear, and each row's result does
-    not depend on the other rows of the step (17: more rows than one AMX tile holds)."""
-    from fafo_cli.compiled.kernels import loader
-    from fafo_cli.compiled import packed
-
-    loader.load(compiled_cache / "compiled")
-    if not torch.ops.fafo.packed_supported():
-        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
-    tensor, expected = _quantized(kind, out_features, 192, seed=out_features)
-    codes, d, m = packed.q4_1_blocks(tensor)
-    weight = packed.pack(codes, d, m)
-    assert torch.equal(torch.ops.fafo.packed_weight(weight, out_features), expected)
-    bias = torch.randn(out_features) if with_bias else None
-    x = torch.randn(17, 192).bfloat16()
-    y = packed.PackedLinear(weight, out_features, bias)(x[None])[0]
-    reference = torch.nn.functional.linear(x.double(), expected.double(), None if bias is None else bias.double())
-    torch.testing.assert_close(y.double(), reference, atol=0.02, rtol=0.01)
-    for first in (1, 5, 6, 7, 16):
-        alone = torch.ops.fafo.packed_linear(x[:first].contiguous(), weight, out_features, bias)
-        assert torch.equal(alone, y[:first]), first
-    dense = torch.nn.Linear(192, out_features, bias=with_bias).bfloat16()
-    dense.weight.data = expected.clone()
-    dense.weight.data[3, 5] += 1.0  # a weight that differs from the file's: that matrix stays dense
-    assert packed.packed_linear(tensor, dense) is None
-
-
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     """A layer's q, k and v (gate and up) are stacked into one packed matrix: each part gives bit for bit what its
@@ -459,12 +415,12 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     from fafo_cli.compiled.kernels import loader
     from fafo_cli.compiled import packed
 
+    from .test_packed import random_matrix
+
     loader.load(compiled_cache / "compiled")
-    if not torch.ops.fafo.packed_supported():
-        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
 
     def part(out_features: int, seed: int, bias: bool = with_bias) -> packed.PackedLinear:
-        weight = packed.pack(*packed.q4_1_blocks(_quantized("Q4_1", out_features, 192, seed)[0]))
+        weight = packed.tiled(packed.entries(random_matrix("Q4_1", out_features, 192, seed, edges=False)))
         return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
 
     alone = [part(48, 1), part(32, 2), part(16, 3)]
@@ -501,8 +457,8 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
-    if not torch.ops.fafo.packed_supported():
-        pytest.skip("this CPU lacks AVX512-BF16: packed weights are not used here")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
     built = []
 
     def build(model, rows, path, packed_modules=None):  # what a build would trace, without the minutes
@@ -545,7 +501,7 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     from fafo_cli.compiled.build import stored_dtype
 
     loader.load(compiled_cache / "compiled")
-    if not torch.ops.fafo.packed_supported():
+    if torch.ops.fafo.packed_kernel() == "plain":
         pytest.skip("this CPU lacks AVX512-BF16: no packed steps (autotuned GEMMs may differ by row count)")
     notices: list[str] = []
     engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)

@@ -1,11 +1,13 @@
 """A GGUF model's quantized weights, kept packed for compiled CPU steps (fafo::packed_linear, packed_linear.cpp).
 
-A .gguf model is dequantized once to float32 (hub.convert_gguf) and loaded in bf16, so each weight of a Q4_1
-tensor is bf16(d * q + m) and each of a Q8_0 tensor bf16(d * q): 16 bits that 6 or 9 determine. A compiled
-step is bound by reading weights, so its projections and vocabulary head read the file's blocks instead,
-rebuilt exactly in the kernel. Packing reads the blocks again, puts the rows in the loaded model's order
-(transformers permutes the rows of q and k for its rotary layout) and keeps a matrix packed only when the
-kernel's rebuild equals the loaded weight bit for bit; any other matrix, and every model not from a .gguf
+A .gguf model is dequantized once to float32 by gguf's own dequantizer (hub.convert_gguf) and loaded in bf16, so
+each weight is bf16 of a float32 that a few bits of the file determine: bf16(d * q + m) per block of 32 for Q4_1,
+bf16(d * q) for Q8_0 and Q5_0 (q - 16), bf16((d * sc) * q - dmin * m) per 32 for Q4_K, bf16((d * s) * (q - 32))
+per 16 for Q6_K. A compiled step is bound by reading weights, so its projections and vocabulary head read the
+file's blocks instead, repacked into the kernel's entries (64 columns of one row each, about the file's bytes)
+and rebuilt exactly in the kernel. Packing puts the rows in the loaded model's order (transformers permutes the
+rows of q and k for its rotary layout) and keeps a matrix packed only when the kernel's rebuild equals the loaded
+weight bit for bit; any other matrix, one of a type not read here (say Q5_1), and every model not from a .gguf
 file, stays dense.
 """
 
@@ -30,9 +32,10 @@ TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per ta
 
 
 def supported(model: Model) -> bool:
-    """Whether this model's steps can use packed weights: a bf16 model on a CPU the kernel was built for
-    (our library must be loaded)."""
-    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_supported()
+    """Whether this model's steps use packed weights: a bf16 model on a CPU the kernel's AMX or AVX-512 path was
+    built for (our library must be loaded). Its plain path computes the same weights everywhere, but multiplies
+    2.5-4.5x slower than a dense bf16 matrix (docs/benchmarks.md): other CPUs keep dense weights."""
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
 
 
 def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -100,29 +103,94 @@ class FusedPart(torch.nn.Module):
         return self.fused.outputs(x)[self.index]
 
 
-def q4_1_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """A Q4_1 or Q8_0 tensor [out, in] as codes [out, in / 32, 32], d and m [out, in / 32] (float32; m None
-    for Q8_0); None for other types."""
-    from gguf import GGMLQuantizationType as Type
+def _halves(raw: np.ndarray, at: int) -> np.ndarray:
+    """Little-endian float16 bytes at `at` of each block, as float32 (as gguf reads them)."""
+    return raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
+
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    """[..., 64] codes -> 32 bytes: byte i = (code i & 15) | (code 32 + i & 15) << 4 (blocks A and B)."""
+    return (codes[..., :32] & 15) | ((codes[..., 32:] & 15) << 4)
+
+
+def _plane(codes: np.ndarray, bit: int) -> np.ndarray:
+    """[..., 64] codes -> 8 bytes: `bit` of A's 32 codes as a little-endian uint32 (bit i: code i), then B's."""
+    bits = ((codes >> bit) & 1).astype(np.uint8).reshape(*codes.shape[:-1], 2, 32)
+    return np.packbits(bits, axis=-1, bitorder="little").reshape(*codes.shape[:-1], 8)
+
+
+def _q4_1(raw: np.ndarray) -> np.ndarray:  # blocks: d, m (float16), 16 bytes: code j low nibble, j + 16 high
+    pairs = raw.reshape(*raw.shape[:-2], -1, 2, 20)
+    codes = np.concatenate([pairs[..., 4:] & 15, pairs[..., 4:] >> 4], axis=-1).reshape(*pairs.shape[:-2], 64)
+    scales = np.stack([_halves(pairs, 0), _halves(pairs, 2)], axis=-1).reshape(*pairs.shape[:-2], 4)
+    return np.concatenate([_nibbles(codes), scales.view(np.uint8)], axis=-1)
+
+
+def _q8_0(raw: np.ndarray) -> np.ndarray:  # blocks: d (float16), 32 int8: A's codes, B's, dA, dB
+    pairs = raw.reshape(*raw.shape[:-2], -1, 2, 34)
+    flat = lambda part: part.reshape(*pairs.shape[:-2], -1)  # noqa: E731
+    return np.concatenate([flat(pairs[..., 2:]), flat(pairs[..., :2])], axis=-1)
+
+
+def _q5_0(raw: np.ndarray) -> np.ndarray:  # blocks: d (float16), the fifth bits (uint32), 16 bytes as Q4_1's
+    pairs = raw.reshape(*raw.shape[:-2], -1, 2, 22)
+    flat = lambda part: part.reshape(*pairs.shape[:-2], -1)  # noqa: E731
+    low = np.concatenate([pairs[..., 6:] & 15, pairs[..., 6:] >> 4], axis=-1)
+    return np.concatenate([_nibbles(flat(low)), flat(pairs[..., 2:6]), flat(pairs[..., :2])], axis=-1)
+
+
+def _q4_k(raw: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: d, dmin (float16), 12 bytes of 6-bit scales and minimums, 128 bytes of codes whose
+    32-byte run k holds sub-block 2k in its low nibbles and 2k + 1 in its high ones: one entry's codes as they are."""
+    from gguf.quants import Q4_K
+
+    rows, supers = raw.shape[:-1]
+    sc, m = Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))  # gguf's own unpacking, [blocks, 8] each
+    scales = np.stack([sc, m], axis=-1).reshape(rows, supers, 4, 4)  # per entry: scA, mA, scB, mB
+    codes = raw[..., 16:].reshape(rows, supers, 4, 32)
+    head = np.broadcast_to(raw[..., None, :4], (rows, supers, 4, 4))
+    return np.concatenate([codes, scales.astype(np.uint8), head], axis=-1).reshape(rows, supers * 4, 40)
+
+
+def _q6_k(raw: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: ql (128 bytes), qh (64), 16 int8 scales, d (float16); the codes unpacked as gguf does."""
+    rows, supers = raw.shape[:-1]
+    blocks = raw.reshape(-1, 210)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).reshape(rows, supers * 4, 64)
+    scales = raw[..., 192:208].reshape(rows, supers * 4, 4)
+    d = np.broadcast_to(raw[..., None, 208:210], (rows, supers, 4, 2)).reshape(rows, supers * 4, 2)
+    return np.concatenate([_nibbles(codes), _plane(codes, 4), _plane(codes, 5), scales, d,
+                           np.zeros((rows, supers * 4, 2), np.uint8)], axis=-1)
+
+
+# GGUF type -> its entries (packed_linear.cpp's formats) from the blocks [rows, blocks per row, bytes per block]
+FORMATS = {"Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+# bytes per 64 weights of each format (the file's: 40, 68, 44, 36, 52.5)
+ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}
+
+
+def entries(tensor) -> np.ndarray | None:
+    """A GGUF matrix [out, in] as packed_linear's entries [out, in / 64, entry bytes]; None for a type we do not
+    read (or a shape whose blocks do not fit whole entries)."""
+    from gguf import GGML_QUANT_SIZES
+
+    kind = tensor.tensor_type.name
     out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])
-    if tensor.tensor_type == Type.Q4_1:  # d, m (float16), 16 bytes: weight j in the low nibble, j + 16 high
-        raw = np.asarray(tensor.data).reshape(out_features, in_features // BLOCK, 20)
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = np.concatenate([raw[..., 4:] & 15, raw[..., 4:] >> 4], axis=-1)
-        return codes, raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32), m
-    if tensor.tensor_type == Type.Q8_0:  # d (float16), 32 int8
-        raw = np.asarray(tensor.data).reshape(out_features, in_features // BLOCK, 34)
-        return raw[..., 2:].copy().view(np.int8), raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32), None
-    return None
+    if kind not in FORMATS or in_features % GROUP:
+        return None
+    block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+    raw = np.asarray(tensor.data).reshape(out_features, in_features // block, size)
+    return np.ascontiguousarray(FORMATS[kind](raw))
 
 
-def dequantized(codes: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> torch.Tensor:
-    """What GGUF's dequantizer computes in float32 (d * q [+ m]), rounded to bf16 as the model was loaded."""
-    values = d[..., None] * codes.astype(np.float32)
-    if m is not None:
-        values = values + m[..., None]
-    return torch.from_numpy(values.reshape(codes.shape[0], -1)).to(torch.bfloat16)
+def reference(tensor) -> torch.Tensor:
+    """gguf's own dequantization of a matrix, rounded to bf16 as the model was loaded."""
+    from gguf import quants
+
+    values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return torch.from_numpy(values.reshape(int(tensor.shape[1]), int(tensor.shape[0]))).to(torch.bfloat16)
 
 
 def _row_order(source: torch.Tensor, target: torch.Tensor) -> list[int] | None:
@@ -134,57 +202,56 @@ def _row_order(source: torch.Tensor, target: torch.Tensor) -> list[int] | None:
     return None if None in order else order
 
 
-def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> torch.Tensor:
-    """Blocks -> packed_linear's layout [out / TILE, in / GROUP, TILE, entry] (out padded with zero rows).
-    An entry holds two blocks, A and B: Q4_1 (m given): byte i = A's code i | B's code i << 4, then dA, mA, dB,
-    mB; Q8_0: A's codes, B's codes, dA, dB (scales as float32)."""
-    rows, blocks, _ = codes.shape
-    pad = -rows % TILE
-    d, m = d.astype(np.float32), None if m is None else m.astype(np.float32)
+def tiled(rows: np.ndarray) -> torch.Tensor:
+    """Entries [out, in / 64, entry] -> packed_linear's layout [out / TILE, in / 64, TILE, entry] (out padded
+    with zero rows)."""
+    out_features, groups, size = rows.shape
+    pad = -out_features % TILE
     if pad:
-        codes = np.concatenate([codes, np.zeros((pad, blocks, BLOCK), codes.dtype)])
-        d = np.concatenate([d, np.zeros((pad, blocks), np.float32)])
-        m = None if m is None else np.concatenate([m, np.zeros((pad, blocks), np.float32)])
-    rows, groups = rows + pad, blocks // 2
-    pairs = codes.view(np.uint8).reshape(rows, groups, 2, BLOCK)
-    if m is None:
-        code_bytes, scales = pairs.reshape(rows, groups, 2 * BLOCK), d.reshape(rows, groups, 2)
-    else:
-        code_bytes = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-        scales = np.stack([d.reshape(rows, groups, 2), m.reshape(rows, groups, 2)], axis=-1).reshape(rows, groups, 4)
-    entries = np.concatenate([code_bytes, np.ascontiguousarray(scales).view(np.uint8)], axis=-1)
-    tiled = entries.reshape(rows // TILE, TILE, groups, entries.shape[-1]).transpose(0, 2, 1, 3)
-    return torch.from_numpy(np.ascontiguousarray(tiled))
+        rows = np.concatenate([rows, np.zeros((pad, groups, size), np.uint8)])
+    tiles = rows.reshape(-1, TILE, groups, size).transpose(0, 2, 1, 3)
+    return torch.from_numpy(np.ascontiguousarray(tiles))
 
 
 def packed_linear(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     """`linear` as packed `tensor`'s blocks, when they rebuild its weight exactly."""
-    blocks = None if tensor is None or linear.in_features % GROUP else q4_1_blocks(tensor)
-    if blocks is None:
+    rows = None if tensor is None else entries(tensor)
+    if rows is None or rows.shape[0] != linear.out_features or rows.shape[1] * GROUP != linear.in_features:
         return None
-    codes, d, m = blocks
-    if codes.shape[0] != linear.out_features or codes.shape[1] * BLOCK != linear.in_features:
-        return None
-    order = _row_order(dequantized(codes, d, m), linear.weight.data)
+    order = _row_order(reference(tensor), linear.weight.data)
     if order is None:
         return None
-    weight = pack(codes[order], d[order], None if m is None else m[order])
-    if not torch.equal(torch.ops.fafo.packed_weight(weight, linear.out_features), linear.weight.data):
+    weight = tiled(rows[order])
+    rebuilt = torch.ops.fafo.packed_weight(weight, linear.out_features)
+    if not torch.equal(rebuilt.view(torch.int16), linear.weight.data.view(torch.int16)):  # bits: -0 is not 0
         return None  # the kernel would multiply other values than the model's: keep this one dense
     return PackedLinear(weight, linear.out_features, linear.bias)
 
 
-def pack_model(model: Model, gguf: Path) -> dict[str, torch.nn.Module]:
+def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Module]:
     """The projections and the vocabulary head that can be packed exactly, by their module's name in the
     transformers model ("model.layers.3.mlp.up_proj", "lm_head"): PackedLinear, or FusedPart where a layer's
-    matrices that read the same input could be stacked."""
+    matrices that read the same input could be stacked. Matrices of a type we do not read stay dense: `notify`
+    hears of them in one line."""
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
-    wanted = {f"model.layers.{i}.{module}": tensors.get(f"blk.{i}.{name}.weight")
+    wanted = {f"model.layers.{i}.{module}": [tensors.get(f"blk.{i}.{name}.weight")]
               for i in range(len(model.layers)) for name, module in LAYER_MODULES.items()}
-    wanted["lm_head"] = next((tensors[name] for name in HEAD_TENSORS if name in tensors), None)
-    packed = {name: packed_linear(tensor, model.hf.get_submodule(name)) for name, tensor in wanted.items()}
+    wanted["lm_head"] = [tensors[name] for name in HEAD_TENSORS if name in tensors]
+    packed, unread = {}, {}
+    for name, candidates in wanted.items():
+        linear = model.hf.get_submodule(name)
+        # the head's own matrix, else the embedding it is tied to: the first whose blocks rebuild its weight
+        packed[name] = next(filter(None, (packed_linear(t, linear) for t in candidates if t is not None)), None)
+        for tensor in candidates:
+            if tensor is not None and tensor.tensor_type.name not in FORMATS and packed[name] is None:
+                unread.setdefault(tensor.tensor_type.name, 0)
+                unread[tensor.tensor_type.name] += 1
+    if unread and notify is not None:
+        kinds = ", ".join(f"{kind} ({count})" for kind, count in sorted(unread.items()))
+        notify(f"{gguf.name}: the matrices of type {kinds} stay dense bf16 in compiled steps (packed blocks are "
+               f"read for {', '.join(FORMATS)})")
     for i in range(len(model.layers)):
         for group in SHARED_INPUT:
             names = [f"model.layers.{i}.{module}" for module in group]

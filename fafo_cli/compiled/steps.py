@@ -62,7 +62,7 @@ class CompiledSteps:
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
                 try:
-                    self._packed = packed.pack_model(self.model, self.gguf)
+                    self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
                 except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
                     self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                                      f"({first_line(error, named=True)}); compiling with bf16 weights")

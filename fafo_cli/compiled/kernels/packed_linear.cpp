@@ -1,31 +1,47 @@
-// fafo::packed_linear: y = x W^T where W is kept as a GGUF file's blocks (Q4_1 or Q8_0), on the CPU.
+// fafo::packed_linear: y = x W^T where W is kept as a GGUF file's blocks, on the CPU.
 //
-// Why: a decoding step on a CPU is bound by reading the weights. A GGUF model's bf16 weights are
-// bf16(d * q + m) per block of 32 (Q4_1: q a 4-bit code, d and m the block's scale and minimum) or bf16(d * q)
-// (Q8_0: q an int8), so 6 or 9 bits per weight rebuild all 16 exactly: a step reads a third or a half of
-// the bytes. d * q is exact in float32, so one FMA (or product) is the float32 value GGUF's own dequantizer
-// computes, and the conversion to bf16 rounds to nearest even as torch does. A Q4_1 block's 16 possible
-// values are computed once and looked up by code with one permute per 32 weights. The weights multiplied
-// are therefore exactly the model's; only the order of the additions is ours.
+// Why: a decoding step on a CPU is bound by reading the weights. A GGUF model is dequantized by gguf's own
+// dequantizer to float32 and loaded in bf16, so each of its weights is bf16 of a float32 that a few bits of
+// the file determine; the step reads those bits and rebuilds the 16 exactly. Every float32 value gguf computes
+// for the types below is one rounding away from exact arithmetic (a product of a float16 scale and a small
+// integer is exact in float32, and so is that times a 4- to 6-bit code), so computing the same products in
+// any order, fused or not, gives gguf's float32 bits; the conversion to bf16 rounds to nearest even as torch
+// does. The weights multiplied are therefore exactly the model's; only the order of the additions is ours.
 //
 // Products: AMX tiles where the CPU has them (the rebuilt weights are stored as a 16 x 32 tile and multiplied
-// with all the step's rows at once), else AVX-512 pair dot products. Either way each output depends only on
-// its own input row: every row's sums run the same instructions in the same order whatever the number of
-// rows, so a verifying row computes bit for bit what a plain step would.
+// with all the step's rows at once), else AVX-512 pair dot products, else (no AVX512-BF16) plain C++ that
+// rebuilds the same values one by one. Each output depends only on its own input row: every row's sums run the
+// same instructions in the same order whatever the number of rows, so a verifying row computes bit for bit
+// what a plain step would.
 //
 // Layout of a packed weight (uint8 [out / kTile, in / 64, kTile, entry bytes]): per tile of kTile weight rows
-// and per 64 columns (two blocks, A and B), one entry per row. Q4_1: 32 bytes of codes (byte i = A's code i |
-// B's code i << 4), then dA, mA, dB, mB as float32 (48 bytes). Q8_0: A's and B's 32 codes, dA, dB (72 bytes).
+// and per 64 columns (two blocks of 32, A and B), one entry per row. Its size names its format (the GGUF types
+// it serves, bytes per weight against the file's):
+//   Q4_1 (48: Q4_1, 0.75 vs 0.625): 32 bytes of codes (byte i = A's code i | B's code i << 4), then dA, mA, dB,
+//        mB as float32; w = bf16(d * q + m).
+//   K4   (40: Q4_K, 0.625 vs 0.5625): codes as Q4_1's; scA, mA, scB, mB (the 6-bit sub-block scale and minimum,
+//        one byte each); d, dmin (float16, the super-block's); w = bf16((d * sc) * q - dmin * m).
+//   S5   (44: Q5_0, 0.6875 as the file): the codes' low 4 bits as Q4_1's; A's and B's fifth bits (uint32, bit i
+//        for weight i); dA, dB (float16); w = bf16(d * (q - 16)).
+//   S6   (56: Q6_K, 0.875 vs 0.82): the codes' low 4 bits as Q4_1's; A's, B's fifth bits, A's, B's sixth bits
+//        (uint32 each); the four 16-weight sub-blocks' scales s (int8); d (float16); 2 bytes of padding;
+//        w = bf16((d * s) * (q - 32)).
+//   Q8_0 (68: Q8_0, 1.0625 as the file): A's and B's 32 int8 codes, dA, dB (float16); w = bf16(d * q).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// (built with -DFAFO_PLAIN, any CPU runs the plain path: how the tests check it on CPUs that have the others)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__) && !defined(FAFO_PLAIN)
 #include <immintrin.h>
 #define FAFO_PACKED 1
 #endif
@@ -38,30 +54,176 @@ constexpr int64_t kRows = 6;        // input rows per AVX-512 register block (6 
 constexpr int64_t kGroup = 64;      // columns per entry: two blocks
 constexpr int64_t kPrefetch = 8192;  // bytes ahead: the weights stream from memory (measured: 2.5x at 1 row)
 
-#if FAFO_PACKED
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+inline float float_at(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
-// Each format rebuilds one weight row's 64 columns of an entry as two vectors of 32 bf16 (blocks A and B).
+// Each format gives one weight row's 64 columns of an entry: `plain` as the 64 float32 values gguf's
+// dequantizer computes (the caller rounds them to bf16), `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks
+// A and B), the same values rounded the same way.
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {  // d * q is exact: fused or not, one rounding
+    for (int half = 0; half < 2; ++half) {
+      const float d = float_at(e + 32 + 8 * half), m = float_at(e + 36 + 8 * half);
+      for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
+    }
+  }
+#if FAFO_PACKED
   // bf16(d * q + m) for q = 0..15, in both halves of a 32-entry table (the permute reads 5 index bits)
-  static __m512i values(const float* dm) {
+  static __m512i values(float d, float m) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 v = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[1]));
+    const __m512 v = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));
     return (__m512i)_mm512_cvtne2ps_pbh(v, v);
   }
 
   static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
     const float* dm = reinterpret_cast<const float*>(entry + 32);
-    a = _mm512_permutexvar_epi16(codes, values(dm));
-    b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values(dm + 2));
+    a = _mm512_permutexvar_epi16(codes, values(dm[0], dm[1]));
+    b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values(dm[2], dm[3]));
   }
+#endif
+};
+
+struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D = d * sc, M = -(dmin * m)
+  static constexpr int64_t entry = 40;
+
+  // D and M of block A (half 0) or B: exact products (11-bit by 6-bit), so gguf's float32 values; gguf's
+  // D * q - dmin * m is then D * q + M exactly (subtraction is addition of the negation)
+  static void scales(const uint8_t* e, int half, float& d, float& m) {
+    d = half_at(e + 36) * static_cast<float>(e[32 + 2 * half]);
+    m = -(half_at(e + 38) * static_cast<float>(e[33 + 2 * half]));
+  }
+
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    for (int half = 0; half < 2; ++half) {
+      float d, m;
+      scales(e, half, d, m);
+      for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
+    }
+  }
+#if FAFO_PACKED
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
+    const uint8_t* s = entry + 32;
+    uint16_t bits[2];
+    std::memcpy(bits, entry + 36, 4);
+    const float d = _cvtsh_ss(bits[0]), dmin = _cvtsh_ss(bits[1]);
+    a = _mm512_permutexvar_epi16(codes, Q4_1::values(d * static_cast<float>(s[0]), -(dmin * static_cast<float>(s[1]))));
+    b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4),
+                                 Q4_1::values(d * static_cast<float>(s[2]), -(dmin * static_cast<float>(s[3]))));
+  }
+#endif
+};
+
+// The 5- or 6-bit codes of an S5 or S6 entry's block `half` (A: 0), less `offset`: low 4 bits, then the bit planes
+// (loops the compiler vectorizes)
+inline void codes_of(const uint8_t* __restrict e, int half, int planes, int offset, int32_t* __restrict q) {
+  const uint32_t fifth = word_at(e + 32 + 4 * half), sixth = planes > 1 ? word_at(e + 40 + 4 * half) : 0;
+  for (int j = 0; j < 32; ++j)
+    q[j] = static_cast<int32_t>(((e[j] >> (4 * half)) & 15) | (((fifth >> j) & 1) << 4) | (((sixth >> j) & 1) << 5)) -
+           offset;
+}
+
+struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
+  static constexpr int64_t entry = 44;
+
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    int32_t q[32];
+    for (int half = 0; half < 2; ++half) {
+      const float d = half_at(e + 40 + 2 * half);
+      codes_of(e, half, 1, 16, q);
+      for (int j = 0; j < 32; ++j) w[32 * half + j] = d * static_cast<float>(q[j]);
+    }
+  }
+#if FAFO_PACKED
+  // bf16(d * (q - 16)) for q = 0..31: the 32-entry table a permute reads with the 5-bit codes
+  static __m512i values(float d) {
+    const __m512 low = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m512 high = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(d);
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, scale), _mm512_mul_ps(low, scale));
+  }
+
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
+    const __m512i sixteen = _mm512_set1_epi16(16);
+    uint16_t bits[2];
+    std::memcpy(bits, entry + 40, 4);
+    const __m512i qa = _mm512_and_si512(codes, _mm512_set1_epi16(15)), qb = _mm512_srli_epi16(codes, 4);
+    a = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qa, word_at(entry + 32), qa, sixteen),
+                                 values(_cvtsh_ss(bits[0])));
+    b = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(qb, word_at(entry + 36), qb, sixteen),
+                                 values(_cvtsh_ss(bits[1])));
+  }
+#endif
+};
+
+struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights (exact: 11-bit by 8-bit)
+  static constexpr int64_t entry = 56;
+
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    const float d = half_at(e + 52);
+    int32_t q[32];
+    for (int half = 0; half < 2; ++half) {
+      codes_of(e, half, 2, 32, q);
+      for (int k = 0; k < 2; ++k) {
+        const float scale = d * static_cast<float>(static_cast<int8_t>(e[48 + 2 * half + k]));
+        for (int j = 0; j < 16; ++j) w[32 * half + 16 * k + j] = scale * static_cast<float>(q[16 * k + j]);
+      }
+    }
+  }
+#if FAFO_PACKED
+  // 32 weights: their codes' low 4 bits (16-bit lanes), fifth and sixth bits, the two halves' scales
+  static __m512i block(__m512i q, __mmask32 fifth, __mmask32 sixth, float d0, float d1) {
+    q = _mm512_mask_add_epi16(q, fifth, q, _mm512_set1_epi16(16));
+    q = _mm512_mask_add_epi16(q, sixth, q, _mm512_set1_epi16(32));
+    q = _mm512_sub_epi16(q, _mm512_set1_epi16(32));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, _mm512_set1_ps(d1)),
+                                        _mm512_mul_ps(low, _mm512_set1_ps(d0)));
+  }
+
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
+    uint16_t bits;
+    std::memcpy(&bits, entry + 52, 2);
+    const float d = _cvtsh_ss(bits);
+    const int8_t* s = reinterpret_cast<const int8_t*>(entry + 48);
+    float scale[4];
+    for (int k = 0; k < 4; ++k) scale[k] = d * static_cast<float>(s[k]);
+    a = block(_mm512_and_si512(codes, _mm512_set1_epi16(15)), word_at(entry + 32), word_at(entry + 40), scale[0],
+              scale[1]);
+    b = block(_mm512_srli_epi16(codes, 4), word_at(entry + 36), word_at(entry + 44), scale[2], scale[3]);
+  }
+#endif
 };
 
 struct Q8_0 {
-  static constexpr int64_t entry = 72;
+  static constexpr int64_t entry = 68;
 
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    for (int half = 0; half < 2; ++half) {
+      const float d = half_at(e + 64 + 2 * half);
+      for (int j = 0; j < 32; ++j) w[32 * half + j] = static_cast<float>(static_cast<int8_t>(e[32 * half + j])) * d;
+    }
+  }
+#if FAFO_PACKED
   static __m512i block(const uint8_t* codes, float d) {  // bf16(d * q) of 32 int8 codes, in order
     auto half = [&](int at) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at));
@@ -71,11 +233,31 @@ struct Q8_0 {
   }
 
   static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
-    const float* d = reinterpret_cast<const float*>(entry + 64);
-    a = block(entry, d[0]);
-    b = block(entry + 32, d[1]);
+    uint16_t bits[2];
+    std::memcpy(bits, entry + 64, 4);
+    a = block(entry, _cvtsh_ss(bits[0]));
+    b = block(entry + 32, _cvtsh_ss(bits[1]));
   }
+#endif
 };
+
+// f(F{}) for the format whose entries are `entry` bytes
+template <class Op>
+auto by_format(int64_t entry, Op f) {
+  switch (entry) {
+    case K4::entry: return f(K4{});
+    case S5::entry: return f(S5{});
+    case Q4_1::entry: return f(Q4_1{});
+    case S6::entry: return f(S6{});
+    default: return f(Q8_0{});  // check_packed has admitted only these sizes
+  }
+}
+
+bool known_entry(int64_t entry) {
+  return entry == K4::entry || entry == S5::entry || entry == Q4_1::entry || entry == S6::entry || entry == Q8_0::entry;
+}
+
+#if FAFO_PACKED
 
 // bf16 of 16 floats, rounded to nearest even exactly as at::BFloat16 does (a NaN becomes 0x7FC0)
 inline __m256i to_bf16(__m512 v) {
@@ -266,31 +448,100 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 }
 
 template <class F>
+void rebuild_row(const uint8_t* entry, at::BFloat16* row) {  // one entry's 64 weights, in order
+  __m512i a, b;
+  F::rebuild(entry, a, b);
+  _mm512_storeu_si512(row, a);
+  _mm512_storeu_si512(row + 32, b);
+}
+#endif
+
+// x rounded to bf16 as at::BFloat16 rounds it (to nearest even; a NaN becomes 0x7FC0), as a float: in a form the
+// compiler vectorizes
+inline float bf16_value(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = x != x ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
+// The plain path: each weight rebuilt by `plain` and rounded to bf16 (as at::BFloat16 rounds: to nearest even),
+// products and sums in float32. A weight row's sum with an input row runs over 64 lanes in a fixed order
+// (lane j takes columns j, j + 64, ...), then adds the lanes in order: the same for every row count.
+template <class F>
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                        const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), in_features = x.size(1), tiles = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
+              "fafo::packed_linear: x and the packed weight do not fit");
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  constexpr int64_t kLanes = kGroup;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> lanes(kTile * rows * kLanes);  // [weight row][input row][lane]
+    float w[kGroup];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      std::fill(lanes.begin(), lanes.end(), 0.0f);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t t = 0; t < kTile; ++t) {
+          F::plain(wp + ((tile * groups + g) * kTile + t) * F::entry, w);
+          for (int64_t j = 0; j < kGroup; ++j) w[j] = bf16_value(w[j]);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* __restrict xr = xp + r * in_features + g * kGroup;
+            float* __restrict lane = lanes.data() + (t * rows + r) * kLanes;
+            for (int64_t j = 0; j < kLanes; ++j) lane[j] += xr[j] * w[j];
+          }
+        }
+      for (int64_t t = 0; t < kTile && tile * kTile + t < out_features; ++t) {
+        const int64_t n = tile * kTile + t;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* lane = lanes.data() + (t * rows + r) * kLanes;
+          float sum = 0.0f;
+          for (int64_t j = 0; j < kLanes; ++j) sum += lane[j];
+          yp[r * out_features + n] = at::BFloat16(bias_p ? sum + bias_p[n] : sum);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+template <class F>
 at::Tensor weight_as(const at::Tensor& packed, int64_t out_features) {
   const int64_t tiles = packed.size(0), groups = packed.size(1);
   at::Tensor w = at::empty({tiles * kTile, groups * kGroup}, at::TensorOptions().dtype(at::kBFloat16));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   at::BFloat16* out = w.data_ptr<at::BFloat16>();
-  for (int64_t tile = 0; tile < tiles; ++tile)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t t = 0; t < kTile; ++t) {
-        __m512i a, b;
-        F::rebuild(wp + ((tile * groups + g) * kTile + t) * F::entry, a, b);
-        at::BFloat16* row = out + (tile * kTile + t) * groups * kGroup + g * kGroup;
-        _mm512_storeu_si512(row, a);
-        _mm512_storeu_si512(row + 32, b);
-      }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float values[kGroup];
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t t = 0; t < kTile; ++t) {
+          const uint8_t* entry = wp + ((tile * groups + g) * kTile + t) * F::entry;
+          at::BFloat16* row = out + (tile * kTile + t) * groups * kGroup + g * kGroup;
+#if FAFO_PACKED
+          rebuild_row<F>(entry, row);  // what the vector kernels multiply with
+#else
+          F::plain(entry, values);
+          for (int64_t j = 0; j < kGroup; ++j) row[j] = at::BFloat16(values[j]);
+#endif
+        }
+  });
   return w.narrow(0, 0, out_features).clone();
 }
-#endif
 
 void check_packed(const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(2) == kTile &&
-              (packed.size(3) == 48 || packed.size(3) == 72) && packed.is_contiguous(),
+              known_entry(packed.size(3)) && packed.is_contiguous(),
               "fafo::packed_linear: not a packed weight");
-#if !FAFO_PACKED
-  TORCH_CHECK(false, "fafo::packed_linear needs a CPU with AVX512-BF16");
-#endif
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -298,30 +549,32 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   check_packed(packed);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "fafo::packed_linear: x must be a contiguous bf16 [rows, in_features]");
+  return by_format(packed.size(3), [&](auto format) {
+    using F = decltype(format);
 #if FAFO_PACKED
-  return packed.size(3) == Q4_1::entry ? linear_as<Q4_1>(x, packed, out_features, bias)
-                                       : linear_as<Q8_0>(x, packed, out_features, bias);
+    return linear_as<F>(x, packed, out_features, bias);
 #else
-  return at::Tensor();  // not reached: check_packed throws
+    return plain_linear<F>(x, packed, out_features, bias);
 #endif
+  });
 }
 
 // The dense bf16 weight [out_features, in_features] a packed weight multiplies with, rebuilt by the same
 // code: packing checks it against the model's own weight, bit for bit.
 at::Tensor packed_weight(const at::Tensor& packed, int64_t out_features) {
   check_packed(packed);
-#if FAFO_PACKED
-  return packed.size(3) == Q4_1::entry ? weight_as<Q4_1>(packed, out_features) : weight_as<Q8_0>(packed, out_features);
-#else
-  return at::Tensor();  // not reached: check_packed throws
-#endif
+  return by_format(packed.size(3), [&](auto format) { return weight_as<decltype(format)>(packed, out_features); });
 }
 
-bool packed_supported() {
+// Which path packed_linear takes on this CPU: "amx", "avx512-bf16" or "plain"
+std::string packed_kernel() {
+#if FAFO_AMX
+  if (fafo_amx::ready()) return "amx";
+#endif
 #if FAFO_PACKED
-  return true;
+  return "avx512-bf16";
 #else
-  return false;
+  return "plain";
 #endif
 }
 
@@ -330,7 +583,7 @@ bool packed_supported() {
 TORCH_LIBRARY_FRAGMENT(fafo, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("packed_weight(Tensor packed, int out_features) -> Tensor");
-  m.def("packed_supported() -> bool", &packed_supported);  // built for a CPU with AVX512-BF16
+  m.def("packed_kernel() -> str", &packed_kernel);
 }
 
 TORCH_LIBRARY_IMPL(fafo, CPU, m) {

@@ -1,0 +1,242 @@
+"""Packed GGUF blocks (compiled/packed.py, packed_linear.cpp): for every block type the kernels read, the weights
+they rebuild equal gguf's own dequantizer's bit for bit after the bf16 rounding the model loads with (random
+blocks, edge scales, negative scales and minimums), their products are a bf16 linear's, and each row's result
+does not depend on the other rows of the call. Both the kernel built for this CPU (AMX or AVX-512 where it has
+them) and its plain path (what CPUs without AVX512-BF16 would run; their steps keep dense weights)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+# the offsets of each type's float16 fields in a block
+SCALES = {"Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_1": (0, 2)}
+# float16 scales at the edges: zeros of both signs, the largest, the smallest normal and subnormals, negatives
+EDGES = np.array([0.0, -0.0, 65504.0, -65504.0, 6.1035e-05, -6.1035e-05, 6e-08, -3e-07, 1.0, -1.0], np.float16)
+
+
+def random_matrix(kind: str, rows: int, columns: int, seed: int, edges: bool = True):
+    """A GGUF matrix [rows, columns] of `kind` as GGUFReader hands it over: random bytes for every block (codes,
+    6-bit scales and minimums, fifth and sixth bits), its float16 scales random (negative ones included) or, with
+    `edges`, one in four drawn from EDGES."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        scale = (rng.standard_normal(raw.shape[:2]) * (0.02 if kind in ("Q4_1", "Q8_0", "Q5_0") else 0.002))
+        scale = scale.astype(np.float16)
+        if edges:
+            pick = rng.random(raw.shape[:2]) < 0.25
+            scale[pick] = rng.choice(EDGES, int(pick.sum()))
+        raw[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return types.SimpleNamespace(tensor_type=qtype, shape=(columns, rows), data=raw.reshape(rows, -1))
+
+
+@pytest.fixture(scope="module")
+def kernels(compiled_folder, tmp_path_factory):
+    """The kernel built for this CPU (torch.ops.fafo) and its plain path (built with FAFO_PLAIN, own namespace)."""
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_folder / "compiled")
+    plain = loader.load_as(loader.SOURCES[1].read_text(), "fafo_plain", tmp_path_factory.mktemp("plain-packed"),
+                           "#define FAFO_PLAIN 1\n")
+    assert plain.packed_kernel() == "plain"
+    return {"native": torch.ops.fafo, "plain": plain}
+
+
+@pytest.mark.parametrize("path", ["native", "plain"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path):
+    from gguf import quants
+
+    from fafo_cli.compiled import packed
+
+    ops = kernels[path]
+    for seed, (rows, columns) in enumerate([(48, 256), (37, 512)]):
+        tensor = random_matrix(kind, rows, columns, seed)
+        expected = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type)).to(torch.bfloat16)
+        assert torch.equal(packed.reference(tensor), expected)
+        weight = packed.tiled(packed.entries(tensor))
+        assert weight.shape == (-(-rows // 16), columns // 64, 16, packed.ENTRY_BYTES[kind])
+        rebuilt = ops.packed_weight(weight, rows)
+        differ = (rebuilt.view(torch.int16) != expected.view(torch.int16)).nonzero()
+        assert len(differ) == 0, f"{len(differ)} weights differ, first at {differ[0].tolist()}"
+    assert (expected.float() < 0).any() and (expected.float() > 0).any()
+
+
+@pytest.mark.parametrize("path", ["native", "plain"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
+def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias):
+    """A bf16 linear with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
+    1, 5, 6, 7 or 16 rows in the call; a weight that differs from the file's keeps its matrix dense."""
+    from fafo_cli.compiled import packed
+
+    ops = kernels[path]
+    tensor = random_matrix(kind, out_features, 256, seed=out_features, edges=False)
+    expected = packed.reference(tensor)
+    weight = packed.tiled(packed.entries(tensor))
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(17, 256).bfloat16()
+    y = ops.packed_linear(x, weight, out_features, bias)
+    reference = torch.nn.functional.linear(x.double(), expected.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(y.double(), reference, atol=0.02 * reference.abs().max().item(), rtol=0.01)
+    for first in (1, 5, 6, 7, 16):
+        assert torch.equal(ops.packed_linear(x[:first].contiguous(), weight, out_features, bias), y[:first]), first
+    if path == "native":
+        dense = torch.nn.Linear(256, out_features, bias=with_bias).bfloat16()
+        dense.weight.data = expected.clone()
+        assert isinstance(packed.packed_linear(tensor, dense), packed.PackedLinear)
+        dense.weight.data[3, 5] += 1.0
+        assert packed.packed_linear(tensor, dense) is None
+
+
+def test_the_paths_give_the_same_weights_and_close_products(kernels):
+    """The native and plain kernels multiply the same weights; their sums differ only in the order of additions."""
+    from fafo_cli.compiled import packed
+
+    x = torch.randn(3, 512).bfloat16()
+    for kind in KINDS:
+        weight = packed.tiled(packed.entries(random_matrix(kind, 32, 512, seed=7, edges=False)))
+        native, plain = kernels["native"], kernels["plain"]
+        assert torch.equal(native.packed_weight(weight, 32), plain.packed_weight(weight, 32))
+        torch.testing.assert_close(native.packed_linear(x, weight, 32, None).float(),
+                                   plain.packed_linear(x, weight, 32, None).float(), atol=0.05, rtol=0.02)
+
+
+def test_types_we_do_not_read_are_refused():
+    from fafo_cli.compiled import packed
+
+    tensor = random_matrix("Q8_0", 16, 256, seed=1)
+    assert packed.entries(types.SimpleNamespace(**{**vars(tensor), "shape": (96, 16)})) is None  # not whole entries
+    from gguf import GGMLQuantizationType
+
+    for kind in ("Q5_1", "Q2_K", "F16"):
+        assert packed.entries(types.SimpleNamespace(tensor_type=GGMLQuantizationType[kind], shape=(256, 16),
+                                                    data=None)) is None
+
+
+# The tiny Qwen2 GGUF's matrix types: every type the kernels read, stacked and alone, and one they do not (Q5_1)
+TINY_TYPES = {0: dict(attn_q="Q4_K", attn_k="Q5_0", attn_v="Q6_K", attn_output="Q8_0", ffn_gate="Q4_1",
+                      ffn_up="Q4_K", ffn_down="Q6_K"),
+              1: dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q5_0", attn_output="Q5_1", ffn_gate="Q6_K",
+                      ffn_up="Q6_K", ffn_down="Q4_K")}
+TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn_output=(256, 256),
+                   ffn_gate=(512, 256), ffn_up=(512, 256), ffn_down=(256, 512))  # [out, in]
+
+
+def write_tiny_gguf(path, seed: int = 0):
+    """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a tied Q8_0
+    embedding), its matrices random blocks of TINY_TYPES with scales that keep activations moderate."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from .conftest import CHAT_TEMPLATE
+
+    rng = np.random.default_rng(seed)
+    tokens = list(bytes_to_unicode().values()) + ["th", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name("tiny-qwen2")
+    writer.add_context_length(512)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_block_count(len(TINY_TYPES))
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3)
+    writer.add_token_merges(["t h"])
+    writer.add_bos_token_id(len(tokens) - 2)  # no end-of-text token: greedy runs go to their token limit
+    writer.add_pad_token_id(len(tokens) - 3)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def matrix(name: str, kind: str, rows: int, columns: int):
+        tensor = random_matrix(kind, rows, columns, int(rng.integers(1 << 30)), edges=False)
+        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+
+    matrix("token_embd.weight", "Q8_0", len(tokens), 256)
+    for layer, kinds in TINY_TYPES.items():
+        for name, kind in kinds.items():
+            matrix(f"blk.{layer}.{name}.weight", kind, *TINY_SHAPES[name])
+        for name, size in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128)):
+            writer.add_tensor(f"blk.{layer}.{name}.bias", rng.standard_normal(size).astype(np.float32) * 0.1)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{name}.weight", 1 + rng.standard_normal(256).astype(np.float32) * 0.1)
+    writer.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-qwen2.gguf")
+
+
+def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf):
+    """The tiny Qwen2 GGUF in bf16 with compiled steps: every matrix of a type the kernels read is packed in its
+    format (q, k and v stacked where they share one), the Q5_1 one stays dense and one notice says so, and the
+    compiled one-row step's logits are those of the model's own (dense) weights up to the order of additions."""
+    from fafo_cli import load
+    from fafo_cli.compiled import packed
+    from fafo_cli.compiled.build import stored_dtype
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+    notices: list[str] = []
+    engine = load(str(tiny_gguf), dtype="bfloat16", compile="on", notify=notices.append)
+    model = engine.model
+    modules = engine.compiled.packed_modules()
+    names = {f"model.layers.{layer}.{packed.LAYER_MODULES[name]}": kind
+             for layer, kinds in TINY_TYPES.items() for name, kind in kinds.items()}
+    assert set(modules) == {name for name, kind in names.items() if kind != "Q5_1"} | {"lm_head"}
+    for name, module in modules.items():
+        weight = module.fused.packed if isinstance(module, packed.FusedPart) else module.packed
+        assert weight.shape[-1] == packed.ENTRY_BYTES[names.get(name, "Q8_0")], name  # the head: the tied embedding
+    # layer 0: q, k, v of three formats and gate, up of two (5 calls) and o, down; layer 1: qkv, gate+up, down; head
+    assert len(packed.kernels(modules)) == 7 + 3 + 1
+    unread = [n for n in notices if "stay dense" in n]
+    assert unread == [f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense bf16 in compiled steps (packed "
+                      "blocks are read for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]
+
+    step = engine.compiled.runner(1)
+    assert step is not None, notices
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        context = 40
+        cache = model.new_cache(context + 1, context + 1)
+        for part in (cache.keys, cache.values):  # values a bf16 cache holds exactly
+            part.copy_(torch.randn(part.shape, generator=gen).bfloat16())
+        dense_cache = model.new_cache(context + 1, context + 1)
+        dense_cache.keys.copy_(cache.keys), dense_cache.values.copy_(cache.values)
+        cache.commit(context), dense_cache.commit(context)
+        cache.store_as(stored_dtype(model))
+        ids = torch.tensor([65])
+        compiled = step(ids, torch.tensor([context]), torch.ones(1, 1, dtype=torch.bool),
+                        torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool),
+                        torch.zeros(context, len(model.layers), dtype=torch.bool),
+                        list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0].float()
+        from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
+
+        attend = causal_attention(prefix_causal_mask(context, 1, model.device), model.scaling)
+        dense = model.forward(ids, torch.tensor([context]), dense_cache, attend)[0].float()
+    assert compiled.argmax() == dense.argmax()
+    assert (compiled - dense).abs().mean() < 0.05 * dense.abs().mean()
+    result = engine.complete("one two three four", max_tokens=12, method="vanilla")
+    assert len(result.token_ids) == 12 and engine.compiled.calls == 11
