@@ -6,6 +6,7 @@ panel are redrawn, at a bounded rate (never per token), so long answers stay che
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Iterable
 
@@ -186,6 +187,15 @@ class StreamView:
                 print(line, file=self.stats_console.file, flush=True)
 
 
+PIPED_WIDTH = 200  # a table written to a file or a pipe is read whole later: never cut to a terminal's 80 columns
+
+
 def consoles() -> tuple[Console, Console]:
     """(stdout, stderr) consoles; colour and live display only where the stream is a terminal."""
-    return Console(file=sys.stdout, highlight=False), Console(file=sys.stderr, highlight=False)
+    return _console(sys.stdout), _console(sys.stderr)
+
+
+def _console(stream) -> Console:
+    terminal = getattr(stream, "isatty", lambda: False)()
+    wide = None if terminal or os.environ.get("COLUMNS") else PIPED_WIDTH
+    return Console(file=stream, highlight=False, width=wide)

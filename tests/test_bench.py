@@ -51,7 +51,8 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
     markdown = files["md"].read_text()
     assert markdown.count("\n| chat |") == len(rows) and "| suite | method | tokens/s |" in markdown
     assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "fafo-stream" in out and "hf-prompt-lookup" in out  # the Rich tables
+    assert "fafo-stream" in out and "hf-prompt-lookup" in out  # the Rich tables, whole on a pipe (not cut to 80)
+    assert "…" not in out and "acceptance" in out and "peak memory" in out
     assert not list(tmp_path.glob("*.partial*"))
 
 
