@@ -24,7 +24,7 @@ from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from ..errors import first_line
-from .steps import bucket
+from .steps import OnceNotices, bucket
 
 WARMUP = 2  # runs on a side stream before capture (cuBLAS workspaces, lazy initialisation)
 
@@ -102,7 +102,7 @@ class _Static:
         return graph.replay
 
 
-class GraphSteps:
+class GraphSteps(OnceNotices):
     """Decoding steps as CUDA graphs, per step size (compiled.steps' row buckets); None where a step cannot run
     as one (more rows than the largest bucket, a cache spread over devices, a capture that failed)."""
 
@@ -113,11 +113,6 @@ class GraphSteps:
         self.failed = False
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
-
-    def notify_once(self, message: str) -> None:
-        if message not in self._said:
-            self._said.add(message)
-            self.notify(message)
 
     def serves(self, rows: int) -> bool:
         return not self.failed and bucket(rows) is not None

@@ -28,7 +28,19 @@ def bucket(rows: int) -> int | None:
     return next((b for b in ROW_BUCKETS if b >= rows), None)
 
 
-class CompiledSteps:
+class OnceNotices:
+    """`notify_once`: a notice that would repeat every step (a fallback, a refusal) is told once per process."""
+
+    notify: Callable[[str], None]
+    _said: set[str]
+
+    def notify_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.notify(message)
+
+
+class CompiledSteps(OnceNotices):
     """The compiled steps of one model: a package per row count, loaded from disk or built on first need.
 
     mode "on" builds what is missing; "auto" uses only packages that measured faster than eager when they
@@ -49,11 +61,6 @@ class CompiledSteps:
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
-
-    def notify_once(self, message: str) -> None:
-        if message not in self._said:
-            self._said.add(message)
-            self.notify(message)
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py); read once."""

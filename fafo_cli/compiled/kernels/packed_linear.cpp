@@ -384,16 +384,30 @@ void amx_tile(const at::BFloat16* pairs, int64_t rows, const uint8_t* tile, int6
 
 #endif
 
+// A packed product's shapes, checked, and its bias in float32 (bias_p: nullptr where there is none).
+struct Product {
+  int64_t rows, in_features, tiles, groups;
+  at::Tensor bias_f;
+  const float* bias_p = nullptr;
+
+  Product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& bias)
+      : rows(x.size(0)), in_features(x.size(1)), tiles(packed.size(0)), groups(packed.size(1)) {
+    TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
+                "fafo::packed_linear: x and the packed weight do not fit");
+    if (bias.has_value()) {
+      bias_f = bias->to(at::kFloat).contiguous();
+      bias_p = bias_f.data_ptr<float>();
+    }
+  }
+};
+
 #if FAFO_PACKED
 template <class F>
 at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                      const c10::optional<at::Tensor>& bias) {
-  const int64_t rows = x.size(0), in_features = x.size(1), tiles = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
-              "fafo::packed_linear: x and the packed weight do not fit");
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const Product p(x, packed, out_features, bias);
+  const int64_t rows = p.rows, in_features = p.in_features, tiles = p.tiles, groups = p.groups;
+  const float* bias_p = p.bias_p;
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -473,12 +487,9 @@ inline float bf16_value(float x) {
 template <class F>
 at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
-  const int64_t rows = x.size(0), in_features = x.size(1), tiles = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
-              "fafo::packed_linear: x and the packed weight do not fit");
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const Product p(x, packed, out_features, bias);
+  const int64_t rows = p.rows, in_features = p.in_features, tiles = p.tiles, groups = p.groups;
+  const float* bias_p = p.bias_p;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   at::Tensor y = at::empty({rows, out_features}, x.options());
