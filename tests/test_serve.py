@@ -254,21 +254,23 @@ def test_a_client_that_leaves_frees_the_engine(served):
             time.sleep(0.02)
 
 
+def _wait_in_queue(url: str, auth: dict, waited: dict) -> None:
+    """A client whose short request waits behind a running one; its answer lands in `waited`."""
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+        response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
+        waited.update(status=response.status_code, body=response.json())
+
+
 def test_a_full_queue_answers_503(guarded):
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
     waited: dict = {}
 
-    def wait_in_queue() -> None:
-        with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
-            response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
-            waited.update(status=response.status_code, body=response.json())
-
     with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
         with http.stream("POST", "/completions", json=body) as running:
             events = running.iter_lines()  # held: a dropped iterator would close the connection
             next(line for line in events if line.startswith("data: "))
-            waiter = threading.Thread(target=wait_in_queue)
+            waiter = threading.Thread(target=_wait_in_queue, args=(guarded.url, auth, waited))
             waiter.start()
             deadline = time.monotonic() + 10
             while http.get(guarded.health).json()["waiting"] < 1:
@@ -333,11 +335,6 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
     body = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
     waited: dict = {}
 
-    def wait_in_queue() -> None:
-        with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
-            response = http.post("/completions", json={"prompt": "waiting", "max_tokens": 3})
-            waited.update(status=response.status_code, body=response.json())
-
     def queued(count: int, http: httpx.Client) -> None:
         deadline = time.monotonic() + 10
         while http.get(guarded.health).json()["waiting"] != count:
@@ -356,7 +353,7 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
                                   f"\r\n".encode() + payload)
                 queued(1, http)
             queued(0, http)  # its client closed the connection while it waited
-            waiter = threading.Thread(target=wait_in_queue)
+            waiter = threading.Thread(target=_wait_in_queue, args=(guarded.url, auth, waited))
             waiter.start()
             queued(1, http)
     waiter.join(30)  # the running answer was dropped: the waiting one is answered
