@@ -27,7 +27,8 @@ def test_first_divergence():
     assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1, 2, 3], [1, 2]) == 2
 
 
-def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys):
+def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # as in a user's shell (pytest-xdist's workers set it to 80)
     files = {kind: tmp_path / f"out.{kind}" for kind in ("json", "csv", "md", "png")}
     code = entrypoint(["bench", str(tiny), "--suites", "chat,math", "--methods", "fafo,prompt-lookup,quantspec",
                        "--compressors", "stream,none", "--external", *FAST, "--json", str(files["json"]), "--csv",
