@@ -13,7 +13,7 @@ from ..errors import first_line
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
-from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, stored_dtype
+from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
 from .timing import Timing, measure, read_step_costs
 from . import packed
 
@@ -52,6 +52,7 @@ class CompiledSteps(OnceNotices):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
+        self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
@@ -74,6 +75,13 @@ class CompiledSteps(OnceNotices):
                     self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                                      f"({first_line(error, named=True)}); compiling with bf16 weights")
         return self._packed
+
+    def constants(self) -> dict | None:
+        """The model's tensors its packages read, shared by all of them (build.step_constants); None: each package
+        holds its own copy (a model with dense matrices)."""
+        if self._constants is False:
+            self._constants = step_constants(self.model, self.packed_modules())
+        return self._constants
 
     def step_ms(self, rows: int) -> float | None:
         """What a step in the package serving `rows` rows takes: as `fafo bench --tune` timed the packages side by
@@ -108,7 +116,7 @@ class CompiledSteps(OnceNotices):
                 return None
             try:
                 load_kernels(self.model, self.folder.parent)
-                return load_package(package)
+                return load_package(package, self.constants())
             except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
                 if self.mode == "auto":
                     self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
@@ -119,8 +127,8 @@ class CompiledSteps(OnceNotices):
                     "load it)")
         started = time.perf_counter()
         try:
-            build(self.model, rows, package, self.packed_modules())
-            runner = load_package(package)
+            build(self.model, rows, package, self.packed_modules(), shared_constants=self.constants() is not None)
+            runner = load_package(package, self.constants())
             timing = measure(self.model, runner, rows)
             timing.build_s = time.perf_counter() - started
             timing.write(record)
