@@ -424,7 +424,7 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
         return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
 
     alone = [part(48, 1), part(32, 2), part(16, 3)]
-    fused = packed.FusedPackedLinear(alone)
+    fused = packed.FusedPackedLinear.stacked(alone)
     parts = [fused.part(i) for i in range(3)]
 
     class Layer(torch.nn.Module):
@@ -490,6 +490,32 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     assert torch.equal(swapped.argmax(-1), dense.argmax(-1))
     # bf16 activations round differently after other orders of addition, through 30 layers: close on average
     assert (swapped - dense).abs().mean() < 0.05 * dense.abs().mean()
+
+
+def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, monkeypatch):
+    """The embedded model's packed modules are read from the .gguf file and checked once, then read back from the
+    file kept beside its packages: the same modules, stacks and bits, without reading the .gguf file again."""
+    from fafo_cli.compiled import packed, steps
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+    first = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled
+    packed_first = first.packed_modules()
+    assert (first.folder / steps.PACKED_FILE).exists()
+    monkeypatch.setattr(packed, "pack_model", lambda *a, **k: pytest.fail("the .gguf file was read again"))
+    again = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled.packed_modules()
+    assert list(again) == list(packed_first)
+    for name, module in packed_first.items():
+        other = again[name]
+        assert type(other) is type(module) and other.out_features == module.out_features, name
+        if isinstance(module, packed.FusedPart):
+            assert other.index == module.index and other.fused.sizes == module.fused.sizes
+            module, other = module.fused, other.fused
+        assert torch.equal(other.packed, module.packed) and (other.bias is None) == (module.bias is None), name
+    stacks = {id(m.fused) for m in again.values() if isinstance(m, packed.FusedPart)}
+    assert len(stacks) == len({id(m.fused) for m in packed_first.values() if isinstance(m, packed.FusedPart)})
 
 
 def test_a_packed_models_packages_share_its_weights(compiled_cache, smollm2):

@@ -21,6 +21,7 @@ from . import packed
 # A decoder names the size each step is padded to (its largest step's, or, for FAFO's planner, one of a few sizes).
 # Padding rows see no cached position but cost matrix arithmetic, which a many-row step on a CPU is bound by, so
 # small steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
+PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modules (packed.save)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -64,17 +65,30 @@ class CompiledSteps(OnceNotices):
         self._said: set[str] = set()
 
     def packed_modules(self) -> dict:
-        """The projections that run on packed GGUF blocks in this model's graphs (packed.py); read once."""
+        """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
+        file and checked once per model (seconds), kept beside its packages, read from there afterwards."""
         if self._packed is None:
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
+                kept = self.folder / PACKED_FILE
                 try:
-                    self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
+                    if kept.exists():
+                        self._packed = packed.load(kept)
+                    else:
+                        self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
+                        self._keep_packed(kept)
                 except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
                     self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                                      f"({first_line(error, named=True)}); compiling with bf16 weights")
         return self._packed
+
+    def _keep_packed(self, path: Path) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            packed.save(self._packed, path)
+        except OSError:  # a full or read-only disk: the next process packs them again
+            pass
 
     def constants(self) -> dict | None:
         """The model's tensors its packages read, shared by all of them (build.step_constants); None: each package
