@@ -38,8 +38,9 @@ def main() -> None:
         # as `fafo run --compile` builds it (a model from a .gguf file multiplies with its packed blocks), with each
         # generated kernel named after its graph node and timed on its own
         with inductor_config.patch({"cpp.enable_kernel_profile": True, "cpp.descriptive_names": "inductor_node"}):
-            compiled.build(model, rows, package, engine.compiled.packed_modules())
-        profile_step(compiled.load_package(package), model, args)
+            compiled.build(model, rows, package, engine.compiled.packed_modules(),
+                           shared_constants=engine.compiled.constants() is not None)
+        profile_step(compiled.load_package(package, engine.compiled.constants()), model, args)
 
 
 def profile_step(runner, model, args) -> None:

@@ -38,6 +38,7 @@ def main() -> None:
     engine = common.load_engine(args, compile="on")  # on: always a CompiledSteps; nothing is built
     model, folder = engine.model, engine.compiled.folder
     compiled.load_kernels(model, folder.parent)
+    constants = engine.compiled.constants()  # a packed model's packages read the model's own weights
     if args.dense:
         for rows in args.rows:
             if not (args.dense / f"rows{rows}.pt2").exists():
@@ -51,17 +52,17 @@ def main() -> None:
             raise SystemExit(f"no {rows}-row package in {folder}: build it first (fafo run --compile, ...)")
     if args.calls:
         path = paths[args.rows[0]]
-        runners = {"package call": torch._inductor.aoti_load_package(str(path)),
-                   "flat call": compiled.load_package(path)}
+        flat = compiled.load_package(path, constants)
+        runners = {"package call": flat.package, "flat call": flat}
         sizes = dict.fromkeys(runners, args.rows[0])
     elif args.against:
         runners, sizes = {}, {}
         for rows, path in paths.items():
             for name, package in ((f"{rows} rows", path), (f"{rows} rows ({args.against.name})",
                                                             args.against / path.name)):
-                runners[name], sizes[name] = compiled.load_package(package), rows
+                runners[name], sizes[name] = compiled.load_package(package, constants), rows
     else:
-        runners = {f"{rows} rows": compiled.load_package(path) for rows, path in paths.items()}
+        runners = {f"{rows} rows": compiled.load_package(path, constants) for rows, path in paths.items()}
         sizes = dict(zip(runners, args.rows))
     shared = min(sizes.values())  # the rows every runner computes
     with torch.inference_mode():

@@ -424,7 +424,7 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
         return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
 
     alone = [part(48, 1), part(32, 2), part(16, 3)]
-    fused = packed.FusedPackedLinear(alone)
+    fused = packed.FusedPackedLinear.stacked(alone)
     parts = [fused.part(i) for i in range(3)]
 
     class Layer(torch.nn.Module):
@@ -461,7 +461,7 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
         pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
     built = []
 
-    def build(model, rows, path, packed_modules=None):  # what a build would trace, without the minutes
+    def build(model, rows, path, packed_modules=None, **options):  # what a build would trace, without the minutes
         built.append(packed_modules)
         raise CompileError("not built in this test")
 
@@ -490,6 +490,49 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     assert torch.equal(swapped.argmax(-1), dense.argmax(-1))
     # bf16 activations round differently after other orders of addition, through 30 layers: close on average
     assert (swapped - dense).abs().mean() < 0.05 * dense.abs().mean()
+
+
+def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, monkeypatch):
+    """The embedded model's packed modules are read from the .gguf file and checked once, then read back from the
+    file kept beside its packages: the same modules, stacks and bits, without reading the .gguf file again."""
+    from fafo_cli.compiled import packed, steps
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+    first = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled
+    packed_first = first.packed_modules()
+    assert (first.folder / steps.PACKED_FILE).exists()
+    monkeypatch.setattr(packed, "pack_model", lambda *a, **k: pytest.fail("the .gguf file was read again"))
+    again = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled.packed_modules()
+    assert list(again) == list(packed_first)
+    for name, module in packed_first.items():
+        other = again[name]
+        assert type(other) is type(module) and other.out_features == module.out_features, name
+        if isinstance(module, packed.FusedPart):
+            assert other.index == module.index and other.fused.sizes == module.fused.sizes
+            module, other = module.fused, other.fused
+        assert torch.equal(other.packed, module.packed) and (other.bias is None) == (module.bias is None), name
+    stacks = {id(m.fused) for m in again.values() if isinstance(m, packed.FusedPart)}
+    assert len(stacks) == len({id(m.fused) for m in packed_first.values() if isinstance(m, packed.FusedPart)})
+
+
+def test_a_packed_models_packages_share_its_weights(compiled_cache, smollm2):
+    """Every matrix of the embedded model is packed, so its packages are built without copies of the weights and
+    loaded with the model's own tensors: one set of weights in memory however many packages a method loads."""
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights (each package holds its own)")
+    engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None)
+    constants = engine.compiled.constants()
+    assert constants is not None and any(name.endswith(".packed") for name in constants)
+    plain, wide = engine.compiled.runner(1), engine.compiled.runner(6)
+    assert plain.constants is constants and wide.constants is constants
+    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in constants.values()}.values())
+    assert engine.compiled.paths(1)[0].stat().st_size < weights / 4  # kernels only, no weights
 
 
 def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2):

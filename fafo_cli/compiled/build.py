@@ -42,22 +42,46 @@ from .kernels import bf16_gemm, loader
 
 
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-GRAPH_VERSION = 8  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 9  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 
 
-def load_package(path: Path) -> Callable:
+def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
     """A package as a function of the step's inputs. Calling the loaded package directly re-reads its input
     and output specs (JSON) and walks the argument tree on every call, a visible share of a small step. The flat
-    call below passes the same tensors in the same order (ids ... view_mask, then the layers' keys and values)."""
+    call below passes the same tensors in the same order (ids ... view_mask, then the layers' keys and values).
+
+    `constants` (step_constants): the tensors a package built without its own copies reads, by name; the package
+    holds pointers to them, so they are kept alive with it."""
     package = torch._inductor.aoti_load_package(str(path))
     aoti = getattr(package, "loader", None)
+    if constants is not None and hasattr(aoti, "load_constants"):
+        names = aoti.get_constant_fqns()
+        missing = sorted(set(names) - set(constants))
+        if missing:
+            raise CompileError(f"the package reads constants the model does not have ({missing[0]}, ...)")
+        aoti.load_constants({name: constants[name] for name in names}, False, True, True)  # user-managed
+        package.shared_constants = constants
     if not hasattr(aoti, "boxed_run"):  # another torch: its own call path
         return package
 
     def run(ids, positions, local, sees_cache, sees_view, view_mask, keys, values):
         return aoti.boxed_run([ids, positions, local, sees_cache, sees_view, view_mask, *keys, *values])[0]
 
+    run.package, run.constants = package, constants  # the package points into them: they live as long as it does
     return run
+
+
+def step_constants(model: Model, packed_modules: dict) -> dict[str, torch.Tensor] | None:
+    """The tensors a step's graph reads (weights, packed blocks, rotary tables), by the names a package gives them,
+    where every one of them is the model's own: then each package is built without copies of them and loaded with
+    these, so a model's packages share one set of weights with it instead of holding one each. None where a matrix
+    stays dense: inductor lays dense weights out its own way for its GEMMs (new tensors the model does not have)."""
+    with packed.swapped_in(model, packed_modules):
+        if any(isinstance(module, torch.nn.Linear) for module in model.hf.modules()):
+            return None
+        step = _Step(model)
+        return {**dict(step.named_parameters(remove_duplicate=False)),
+                **dict(step.named_buffers(remove_duplicate=False))}
 
 
 def uses_kernel(model: Model) -> bool:
@@ -148,9 +172,11 @@ def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
             list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
 
 
-def build(model: Model, rows: int, path: Path, packed_modules: dict | None = None) -> None:
+def build(model: Model, rows: int, path: Path, packed_modules: dict | None = None, *,
+          shared_constants: bool = False) -> None:
     """Trace, compile and package the `rows`-row step at `path` (atomically). Minutes on a CPU.
-    `packed_modules` (packed.pack_model) replace the model's projections in the traced graph."""
+    `packed_modules` (packed.pack_model) replace the model's projections in the traced graph. `shared_constants`:
+    the package holds no copy of the weights; it is loaded with the model's own (step_constants)."""
     from torch.export import Dim
 
     length = Dim("length", min=MIN_LENGTH, max=model.max_context)
@@ -169,7 +195,8 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
             # different logits, so compiled FAFO parted from compiled plain decoding at near-ties; with it each
             # row is bit for bit the eager step's with the same kernels, whatever the row count (no slower).
             options = {"freezing": True, "autotune_num_choices_displayed": 0,
-                       "max_autotune_report_choices_stats": False, "emulate_precision_casts": True}
+                       "max_autotune_report_choices_stats": False, "emulate_precision_casts": True,
+                       "aot_inductor.package_constants_in_so": not shared_constants}
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest

@@ -13,6 +13,7 @@ file, stays dense.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,14 +64,19 @@ class FusedPackedLinear(torch.nn.Module):
     for q, k and v, share the latest call. Every output row's sums are those its own matrix gives alone (the
     kernel works tile by tile of 16 weight rows), so this changes no bit, only the number of calls."""
 
-    def __init__(self, parts: list[PackedLinear]):
+    def __init__(self, packed: torch.Tensor, sizes: list[int], bias: torch.Tensor | None):
         super().__init__()
-        self.sizes = [p.out_features for p in parts]
+        self.sizes = list(sizes)
         self.out_features = sum(self.sizes)
-        self.register_buffer("packed", torch.cat([p.packed for p in parts]))
-        biases = [p.bias for p in parts]
-        self.register_buffer("bias", None if biases[0] is None else torch.cat(biases))
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", bias)
         self._latest: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (input, outputs)
+
+    @classmethod
+    def stacked(cls, parts: list[PackedLinear]) -> "FusedPackedLinear":
+        biases = [p.bias for p in parts]
+        return cls(torch.cat([p.packed for p in parts]), [p.out_features for p in parts],
+                   None if biases[0] is None else torch.cat(biases))
 
     @staticmethod
     def fits(parts: list[PackedLinear | None]) -> bool:
@@ -256,9 +262,53 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
         for group in SHARED_INPUT:
             names = [f"model.layers.{i}.{module}" for module in group]
             if FusedPackedLinear.fits([packed[name] for name in names]):
-                fused = FusedPackedLinear([packed[name] for name in names])
+                fused = FusedPackedLinear.stacked([packed[name] for name in names])
                 packed.update((name, fused.part(index)) for index, name in enumerate(names))
     return {name: module for name, module in packed.items() if module is not None}
+
+
+def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
+    """Write pack_model's modules to a safetensors file (atomically), so later processes read them in a moment
+    instead of reading and checking the .gguf file's blocks again (seconds)."""
+    from safetensors.torch import save_file
+
+    from ..files import atomic_path
+
+    tensors, layout, fused_names = {}, {}, {}
+    for name, module in modules.items():
+        if isinstance(module, FusedPart):
+            key = fused_names.setdefault(id(module.fused), name)  # the first part's name keys the stack
+            layout[name] = {"fused": key, "index": module.index}
+            module = module.fused
+            if key != name:
+                continue
+            layout[key]["sizes"] = module.sizes
+        else:
+            layout[name] = {"out_features": module.out_features}
+        tensors[f"{name}.packed"] = module.packed
+        if module.bias is not None:
+            tensors[f"{name}.bias"] = module.bias
+    with atomic_path(path) as partial:
+        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout)})
+
+
+def load(path: Path) -> dict[str, torch.nn.Module]:
+    """The modules `save` wrote."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        layout = json.loads(file.metadata()["layout"])
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+    modules, stacks = {}, {}
+    for name, entry in layout.items():  # the stacks' first parts come first (save's order)
+        if "fused" not in entry:
+            modules[name] = PackedLinear(tensors[f"{name}.packed"], entry["out_features"], tensors.get(f"{name}.bias"))
+            continue
+        key = entry["fused"]
+        if key not in stacks:
+            stacks[key] = FusedPackedLinear(tensors[f"{key}.packed"], layout[key]["sizes"], tensors.get(f"{key}.bias"))
+        modules[name] = stacks[key].part(entry["index"])
+    return modules
 
 
 def kernels(modules: dict[str, torch.nn.Module]) -> list[PackedLinear | FusedPackedLinear]:

@@ -13,7 +13,7 @@ from ..errors import first_line
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
-from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, stored_dtype
+from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
 from .timing import Timing, measure, read_step_costs
 from . import packed
 
@@ -21,6 +21,7 @@ from . import packed
 # A decoder names the size each step is padded to (its largest step's, or, for FAFO's planner, one of a few sizes).
 # Padding rows see no cached position but cost matrix arithmetic, which a many-row step on a CPU is bound by, so
 # small steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
+PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modules (packed.save)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -52,6 +53,7 @@ class CompiledSteps(OnceNotices):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
+        self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
@@ -63,17 +65,37 @@ class CompiledSteps(OnceNotices):
         self._said: set[str] = set()
 
     def packed_modules(self) -> dict:
-        """The projections that run on packed GGUF blocks in this model's graphs (packed.py); read once."""
+        """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
+        file and checked once per model (seconds), kept beside its packages, read from there afterwards."""
         if self._packed is None:
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
+                kept = self.folder / PACKED_FILE
                 try:
-                    self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
+                    if kept.exists():
+                        self._packed = packed.load(kept)
+                    else:
+                        self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
+                        self._keep_packed(kept)
                 except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
                     self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                                      f"({first_line(error, named=True)}); compiling with bf16 weights")
         return self._packed
+
+    def _keep_packed(self, path: Path) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            packed.save(self._packed, path)
+        except OSError:  # a full or read-only disk: the next process packs them again
+            pass
+
+    def constants(self) -> dict | None:
+        """The model's tensors its packages read, shared by all of them (build.step_constants); None: each package
+        holds its own copy (a model with dense matrices)."""
+        if self._constants is False:
+            self._constants = step_constants(self.model, self.packed_modules())
+        return self._constants
 
     def step_ms(self, rows: int) -> float | None:
         """What a step in the package serving `rows` rows takes: as `fafo bench --tune` timed the packages side by
@@ -108,7 +130,7 @@ class CompiledSteps(OnceNotices):
                 return None
             try:
                 load_kernels(self.model, self.folder.parent)
-                return load_package(package)
+                return load_package(package, self.constants())
             except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
                 if self.mode == "auto":
                     self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
@@ -119,8 +141,8 @@ class CompiledSteps(OnceNotices):
                     "load it)")
         started = time.perf_counter()
         try:
-            build(self.model, rows, package, self.packed_modules())
-            runner = load_package(package)
+            build(self.model, rows, package, self.packed_modules(), shared_constants=self.constants() is not None)
+            runner = load_package(package, self.constants())
             timing = measure(self.model, runner, rows)
             timing.build_s = time.perf_counter() - started
             timing.write(record)
