@@ -504,6 +504,7 @@ def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, mo
     first = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled
     packed_first = first.packed_modules()
     assert (first.folder / steps.PACKED_FILE).exists()
+    pack_model = packed.pack_model
     monkeypatch.setattr(packed, "pack_model", lambda *a, **k: pytest.fail("the .gguf file was read again"))
     again = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled.packed_modules()
     assert list(again) == list(packed_first)
@@ -516,6 +517,10 @@ def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, mo
         assert torch.equal(other.packed, module.packed) and (other.bias is None) == (module.bias is None), name
     stacks = {id(m.fused) for m in again.values() if isinstance(m, packed.FusedPart)}
     assert len(stacks) == len({id(m.fused) for m in packed_first.values() if isinstance(m, packed.FusedPart)})
+    monkeypatch.setattr(packed, "pack_model", pack_model)
+    (first.folder / steps.PACKED_FILE).write_bytes(b"cut short")  # a damaged file is packed again and replaced
+    repacked = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None).compiled.packed_modules()
+    assert list(repacked) == list(packed_first) == list(packed.load(first.folder / steps.PACKED_FILE))
 
 
 def test_a_packed_models_packages_share_its_weights(compiled_cache, smollm2):

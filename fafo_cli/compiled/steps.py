@@ -71,17 +71,23 @@ class CompiledSteps(OnceNotices):
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
-                kept = self.folder / PACKED_FILE
+                self._packed = self._kept_packed() or {}
                 try:
-                    if kept.exists():
-                        self._packed = packed.load(kept)
-                    else:
+                    if not self._packed:
                         self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
-                        self._keep_packed(kept)
+                        self._keep_packed(self.folder / PACKED_FILE)
                 except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
                     self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                                      f"({first_line(error, named=True)}); compiling with bf16 weights")
         return self._packed
+
+    def _kept_packed(self) -> dict | None:
+        """The packed modules kept beside the packages; None where there are none or they cannot be read (a damaged
+        file is packed again from the .gguf file)."""
+        try:
+            return packed.load(self.folder / PACKED_FILE)
+        except Exception:  # noqa: BLE001 - none yet, cut short, or another version's: pack again and replace it
+            return None
 
     def _keep_packed(self, path: Path) -> None:
         try:
