@@ -71,14 +71,8 @@ class CompiledSteps(OnceNotices):
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
-                self._packed = self._kept_packed() or {}
-                try:
-                    if not self._packed:
-                        self._packed = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
-                        self._keep_packed(self.folder / PACKED_FILE)
-                except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
-                    self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
-                                     f"({first_line(error, named=True)}); compiling with bf16 weights")
+                kept = self._kept_packed()
+                self._packed = kept if kept is not None else self._pack()
         return self._packed
 
     def _kept_packed(self) -> dict | None:
@@ -89,12 +83,21 @@ class CompiledSteps(OnceNotices):
         except Exception:  # noqa: BLE001 - none yet, cut short, or another version's: pack again and replace it
             return None
 
-    def _keep_packed(self, path: Path) -> None:
+    def _pack(self) -> dict:
+        """The .gguf file's blocks read and checked (seconds), kept beside the packages for later processes (even
+        when none could be packed, so that no later start reads the file again)."""
+        try:
+            modules = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
+        except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
+            self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
+                             f"({first_line(error, named=True)}); compiling with bf16 weights")
+            return {}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            packed.save(self._packed, path)
+            packed.save(modules, self.folder / PACKED_FILE)
         except OSError:  # a full or read-only disk: the next process packs them again
             pass
+        return modules
 
     def constants(self) -> dict | None:
         """The model's tensors its packages read, shared by all of them (build.step_constants); None: each package
