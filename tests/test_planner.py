@@ -123,3 +123,15 @@ def test_observe_credits_accepted_tokens_to_their_source():
     assert planner.observe(plan, [1, 2, 8], [text_node, text_node + 1]) == ["text", "text"]
     window_node = plan.tree.tokens.index(3)
     assert planner.observe(plan, [3, 9], [window_node]) == ["window"]
+
+
+def test_a_copy_runs_at_most_twice_its_match():
+    from fafo_cli.decoders.fafo.step import text_chains
+    from fafo_cli.decoders.suffix_index import SuffixIndex
+
+    index = SuffixIndex()
+    index.extend([5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 5])  # the ending [5] occurred once before: a 1-token match
+    assert text_chains(index, copies=2, draft_tokens=16) == [Chain("text", 1, (6, 7))]
+    index.extend([6, 7])  # now [5, 6, 7]: three tokens
+    assert text_chains(index, copies=1, draft_tokens=16) == [Chain("text", 3, (8, 9, 10, 11, 12, 13))]
+    assert text_chains(index, copies=1, draft_tokens=4) == [Chain("text", 3, (8, 9, 10, 11))]

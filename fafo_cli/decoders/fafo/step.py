@@ -139,6 +139,19 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
     return eager_costs(session)
 
 
+# A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α):
+# a short match is a weak hint, and a long continuation of one takes the draft rows of a better candidate
+COPY_FACTOR = 2
+
+
+def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chain]:
+    """The continuations of the `copies` longest earlier occurrences of the text's ending, each at most
+    COPY_FACTOR × its match length and `draft_tokens` long."""
+    return [Chain("text", match.length,
+                  tuple(index.continuation(match.end, min(draft_tokens, COPY_FACTOR * match.length))))
+            for match in index.matches(copies)]
+
+
 @dataclass
 class Conversation:
     """What FAFO learns from a conversation: the window's n-grams, the index of the text, how often guesses were
@@ -218,8 +231,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         began = time.perf_counter()  # the step's whole cost, host work included, teaches the planner its costs
         start = cache.length
         compressor.prepare(cache)
-        candidates = [Chain("text", match.length, tuple(index.continuation(match.end, settings.draft_tokens)))
-                      for match in index.matches(settings.copies)]
+        candidates = text_chains(index, settings.copies, settings.draft_tokens)
         candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
         plan = planner.plan(candidates, room=model.max_context - start)
         tree, shape = plan.tree, window.layout if plan.window else None
