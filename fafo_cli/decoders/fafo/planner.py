@@ -14,13 +14,17 @@ threads or another shape of cost than when it was measured is planned for as it 
 the package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single
 row. The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs
 in bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
-run for a while runs a burst anyway (less often each time a burst's n-grams earn nothing), and guesses that have
+run for a while runs a burst anyway (less often each time the window's n-grams earned fewer tokens than its
+steps cost since the previous such burst: the time of its rows, in the tokens those steps were expected to
+emit), and guesses that have
 not been verified for a while get their likeliest token verified, so that what they are worth stays measured.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -35,8 +39,8 @@ HISTORY = 256.0  # tries remembered per statistic (older evidence halves away: t
 WINDOW_PRIOR = 0.3  # tokens per step the window is worth before it is measured
 EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway; doubled after a burst that earned
 EXPLORE_MOST = 128  # nothing, up to this
-LEARN_RATE = 0.1  # weight of a step's time in the learned cost correction once a few steps are in
-OUTLIER = 4.0  # a step time counts at most this factor off the estimate (a page fault, another process's burst)
+RECENT = 32  # step times a learned cost correction keeps (the median of those counts: see StepCosts)
+CLASS_PRIOR = 8  # steps of a class after which its own times count as much as all steps' (StepCosts)
 
 
 def _prior(source: str, match: int) -> tuple[float, float]:
@@ -134,18 +138,22 @@ class StepCosts:
     """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
     fewer rows are padded up); None: any count (eager), costs between measured points interpolated.
 
-    `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of steps (by rows: each package
-    size; eager, 1 to 4 rows each and then powers of two; and whether the window ran, as its attention reads the
-    compressed view besides), the ratio of observed to measured time, averaged over the recent steps; classes not
-    run yet take the ratio of all steps (which leaves their relative cost as measured)."""
+    `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of
+    steps (by rows: each package size; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
+    as its attention reads the compressed view besides), the ratio of observed to measured time, the median of the
+    class's RECENT last steps, drawn towards the median of all recent steps by CLASS_PRIOR steps' worth; classes not
+    run yet take the latter (which leaves their relative cost as measured). Medians, because single steps are
+    sometimes several times slower (a page fault, a burst of another process, the cache growing) and a mean
+    would let one of them make a class look dearer than one of twice its rows."""
 
     def __init__(self, ms: dict[int, float], sizes: Sequence[int] | None = None):
         if not ms:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
-        self._ratios: dict[tuple[int, bool], tuple[float, int]] = {}  # step class -> (observed / measured, steps)
-        self._overall: tuple[float, int] | None = None
+        self._ratios: dict[tuple[int, bool], deque[float]] = {}  # step class -> its recent observed / measured
+        self._overall: deque[float] = deque(maxlen=RECENT)
+        self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
@@ -153,8 +161,17 @@ class StepCosts:
         measured = self._measured(rows)
         if measured is None:
             return None
-        ratio = self._ratios.get(self._class(rows, window), self._overall)
-        return measured * ratio[0] if ratio else measured
+        ratio = self._ratio(self._class(rows, window))
+        return measured * ratio if ratio else measured
+
+    def _ratio(self, step_class: tuple[int, bool]) -> float | None:
+        if not self._overall:
+            return None
+        overall, own = statistics.median(self._overall), self._ratios.get(step_class)
+        if not own:
+            return overall
+        seen = self._seen[step_class]
+        return overall + (statistics.median(own) - overall) * seen / (seen + CLASS_PRIOR)
 
     def observe(self, rows: int, window: bool, ms: float) -> None:
         """A step of `rows` rows (with the window's or not) took `ms` (the same units as the curve)."""
@@ -165,11 +182,9 @@ class StepCosts:
         if step_class not in self._warm:  # a class's first step carries one-time costs (a package's first call,
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
-        estimate = self._ratios.get(step_class, self._overall)
-        if estimate:
-            ratio = min(max(ratio, estimate[0] / OUTLIER), estimate[0] * OUTLIER)
-        self._overall = _average(self._overall, ratio)
-        self._ratios[step_class] = _average(self._ratios.get(step_class), ratio)
+        self._overall.append(ratio)
+        self._ratios.setdefault(step_class, deque(maxlen=RECENT)).append(ratio)
+        self._seen[step_class] = self._seen.get(step_class, 0) + 1
 
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
         size = self.size(rows)
@@ -198,15 +213,6 @@ class StepCosts:
         next to nothing. Relative units (only ratios matter)."""
         per_row = 0.002 if accelerator else 0.04
         return cls({1: 1.0, 64: 1.0 + 63 * per_row}, sizes)
-
-
-def _average(current: tuple[float, int] | None, value: float) -> tuple[float, int]:
-    """A running mean of the first few values, then an exponential average of the recent ones."""
-    if current is None:
-        return value, 1
-    mean, seen = current
-    seen += 1
-    return mean + (value - mean) * max(LEARN_RATE, 1 / seen), seen
 
 
 @dataclass
@@ -252,6 +258,7 @@ class Planner:
         self.burst_left = 0
         self.bursts = 0  # bursts begun because the window had been idle
         self.window_earned = 0  # window-found tokens accepted since the last such burst began
+        self.window_price = 0.0  # and what the window's steps since then cost, in tokens (see plan)
         self.unverified = 0  # steps since guesses were last verified
 
     def plan(self, chains: Sequence[Chain], room: int) -> Plan:
@@ -265,11 +272,11 @@ class Planner:
         window_value = self.acceptance.window_value()
         idle = self.window_rows > 0 and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
         if idle:  # a burst because the window has been idle: back off while bursts earn nothing
-            if self.bursts:
-                earned = self.window_earned > 0
-                self.explore_every = EXPLORE_EVERY if earned else min(2 * self.explore_every, EXPLORE_MOST)
+            if self.bursts:  # tried as often as before only while its tokens paid for its steps
+                paid = self.window_earned > 0 and self.window_earned >= self.window_price
+                self.explore_every = EXPLORE_EVERY if paid else min(2 * self.explore_every, EXPLORE_MOST)
             self.bursts += 1
-            self.window_earned = 0
+            self.window_earned, self.window_price = 0, 0.0
         forced = self.fixed or idle or self.burst_left > 0
         options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
         best = (-1.0, 0, False)
@@ -289,6 +296,10 @@ class Planner:
         elif n == 0 and order and self.unverified >= EXPLORE_EVERY and 2 + (self.window_rows if window else 0) <= room \
                 and self.costs.of(2 + (self.window_rows if window else 0)) is not None:
             n = 1  # now and then the likeliest guess is verified anyway, so its statistics stay measured
+        if window:  # the tokens this step would have emitted in the time its window's rows took
+            with_window, without = self.costs.of(1 + n + self.window_rows, True), self.costs.of(1 + n)
+            if with_window and without:
+                self.window_price += (1 + gains[n]) * max(0.0, with_window / without - 1)
         kept = sorted(order[:n])  # parents before children
         tree, index = DraftTree(), {ROOT: ROOT}
         for node in kept:
