@@ -16,8 +16,8 @@ row. The window's value is what its n-grams were accepted for afterwards, per st
 in bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
 run for a while runs a burst anyway (less often each time the window's n-grams earned fewer tokens than its
 steps cost since the previous such burst: the time of its rows, in the tokens those steps were expected to
-emit), and guesses that have
-not been verified for a while get their likeliest token verified, so that what they are worth stays measured.
+emit), and guesses that have not been verified for a while get their likeliest token verified, so that what
+they are worth stays measured.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # statistics are kept pe
 PRIOR_WEIGHT = 4.0
 HISTORY = 256.0  # tries remembered per statistic (older evidence halves away: the text changes character)
 WINDOW_PRIOR = 0.3  # tokens per step the window is worth before it is measured
-EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway; doubled after a burst that earned
-EXPLORE_MOST = 128  # nothing, up to this
+EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway; doubled after a burst that did
+EXPLORE_MOST = 128  # not pay for itself, up to this
 RECENT = 32  # step times a learned cost correction keeps (the median of those counts: see StepCosts)
 CLASS_PRIOR = 8  # steps of a class after which its own times count as much as all steps' (StepCosts)
 
