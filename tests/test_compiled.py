@@ -577,5 +577,6 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     vanilla = engine.complete(list(sample.messages), max_tokens=48, method="vanilla")
     engine.reset()  # both prefill the whole prompt (a reused one prefills its last token alone: other roundings)
     fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo", draft_tokens=3)
-    assert fafo.stats.streams == 1 and fafo.stats.steps < vanilla.stats.steps  # W=1 on compiled steps: 1, 3, 6 rows
+    # W=1 on compiled steps (1, 3, 6 rows); guesses were verified in several-row steps, whether or not any held
+    assert fafo.stats.streams == 1 and fafo.stats.drafted_tokens > 0 and max(map(int, fafo.stats.step_rows)) > 1
     assert fafo.token_ids == vanilla.token_ids
