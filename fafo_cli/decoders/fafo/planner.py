@@ -154,6 +154,7 @@ class StepCosts:
         self._ratios: dict[tuple[int, bool], deque[float]] = {}  # step class -> its recent observed / measured
         self._overall: deque[float] = deque(maxlen=RECENT)
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
+        self._ratio_of: dict[tuple[int, bool], float | None] = {}  # _ratio's answers since the last observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
@@ -165,6 +166,12 @@ class StepCosts:
         return measured * ratio if ratio else measured
 
     def _ratio(self, step_class: tuple[int, bool]) -> float | None:
+        # a step's plan asks for many costs between two observations: each class's median is taken once
+        if step_class not in self._ratio_of:
+            self._ratio_of[step_class] = self._learned_ratio(step_class)
+        return self._ratio_of[step_class]
+
+    def _learned_ratio(self, step_class: tuple[int, bool]) -> float | None:
         if not self._overall:
             return None
         overall, own = statistics.median(self._overall), self._ratios.get(step_class)
@@ -183,6 +190,7 @@ class StepCosts:
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
         self._overall.append(ratio)
+        self._ratio_of.clear()
         self._ratios.setdefault(step_class, deque(maxlen=RECENT)).append(ratio)
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
 
