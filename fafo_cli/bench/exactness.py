@@ -53,8 +53,7 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int]) -> float
     single = [logits]
     for token in text[len(prompt_ids):-1]:
         single.append(session.step(token))
-    engine.reset()
-    session.prefill(prompt_ids[:-1], reserve=len(text))
+    session.rollback(len(prompt_ids) - 1)  # the prompt's cache kept: a long prompt is prefilled once
     multi = []
     for start in range(len(prompt_ids) - 1, len(text) - 1, CALIBRATION_ROWS):
         rows = text[start:start + CALIBRATION_ROWS]
@@ -71,13 +70,13 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int]) -> float
 def classify(engine, prompt_ids: list[int], reference: list[int], ours: list[int], position: int,
              tolerance: float) -> Divergence:
     """Vanilla's logits at the divergence (the prompt and vanilla's tokens before it, prefilled): a near-tie
-    when the row's token is within `tolerance` (`rounding_noise`) of vanilla's own."""
+    when the row's token is within `tolerance` (`rounding_noise`) of vanilla's own. The cache is not reset: what it
+    holds of this text is reused (classify one prompt's rows in turn after a reset, and its long prompt is prefilled
+    once for all of them)."""
     ours_token = ours[position] if position < len(ours) else None
     reference_token = reference[position] if position < len(reference) else None
     if ours_token is None or reference_token is None:  # one stopped earlier: a different token decided that
         return Divergence(position, ours_token, reference_token, None, False)
-    engine.reset()
     logits, _ = engine.session.prefill(prompt_ids + reference[:position], reserve=1)
-    engine.reset()
     gap = abs(float(logits[reference_token] - logits[ours_token]))
     return Divergence(position, ours_token, reference_token, gap, gap <= tolerance)
