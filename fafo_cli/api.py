@@ -120,6 +120,18 @@ class Engine:
         return engine
 
     @cached_property
+    def hf_model(self):
+        """This model as transformers' own class (the bench's hf-generate rows): loaded once, on first use, where
+        our modules run it."""
+        from transformers import PreTrainedModel
+
+        if isinstance(self.model.hf, PreTrainedModel):
+            return self.model.hf
+        weights = hub.weights_in(self.folder, str(self.model.dtype).removeprefix("torch."))
+        with hub.quiet_transformers():
+            return transformers_model(weights, self.config, self.model.dtype, self.model.device)
+
+    @cached_property
     def steps_folder(self) -> Path:
         """Where this model's compiled steps and measured step costs live."""
         return _compiled_folder(self.model, self.folder)
@@ -272,23 +284,38 @@ def _spread_map(config: config_mod.Config, weights: Path, device: torch.device, 
 def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
     """(tokenizer, transformers model on `device` or spread over `gpus` GPUs, folder) for a hub id, folder or .gguf
     (None: the embedded one)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from .runtime import llama
 
     folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
     weights = hub.weights_in(folder, str(dtype).removeprefix("torch."))
     device_map = _spread_map(config, weights, device, dtype)
     try:
         with hub.quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                use_safetensors=None if config.allow_pickle else True, device_map=device_map)
+            # our own modules where they compute the checkpoint exactly: transformers' model classes cost seconds
+            # to import; a model spread over GPUs or with code of its own loads through transformers
+            lean = None if device_map is not None or config.trust_remote_code else llama.load(weights, dtype, device)
+            # the model's config given to the tokenizer spares transformers loading its own (a second of imports)
+            known = {"config": llama.Config(**{**vars(lean.config), "_name_or_path": str(folder)})} if lean else {}
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
+            model = lean if lean is not None else transformers_model(weights, config, dtype, device, device_map)
     except (OSError, ValueError) as e:
         raise FafoError(f"cannot load the model in {folder}: {first_line(e)}") from None
+    return tokenizer, model, folder
+
+
+def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dtype, device: torch.device,
+                       device_map: dict | None = None):
+    """The checkpoint as transformers' own model class (hf-generate rows, models our modules do not cover)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
+        use_safetensors=None if config.allow_pickle else True, device_map=device_map)
     if device_map is None:
-        hf_model.to(device)
-    hf_model.eval()
-    return tokenizer, hf_model, folder
+        model.to(device)
+    return model.eval()
 
 
 def _compiled_folder(model: Model, folder: Path) -> Path:

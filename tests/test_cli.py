@@ -221,7 +221,8 @@ def test_live_panel_renders_on_a_terminal(tiny):
     from fafo_cli import load
     from fafo_cli.ui import StreamView
 
-    engine = load(str(tiny), dtype="float32", chat_template=False)
+    # a fixed window: `streams: auto` and the planner choose from measured step times, which a loaded machine moves
+    engine = load(str(tiny), dtype="float32", chat_template=False, streams=2, planner=False)
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=100)
     view = StreamView(console, method="fafo · stream B=256", live=True, show_footer=True, weights=engine.weights)

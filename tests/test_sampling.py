@@ -134,7 +134,7 @@ def test_min_p_matches_transformers():
 
 def _exact_first_two(engine, prompt_ids, sampling):
     """The model's own distribution of the first two tokens, by enumeration over the allowed first tokens."""
-    model = engine.model.hf
+    model = engine.hf_model  # transformers' own class: the oracle
     with torch.inference_mode():
         first = target_probs(model(torch.tensor([prompt_ids])).logits[0, -1], sampling)
         support = first.nonzero().flatten().tolist()

@@ -96,7 +96,7 @@ class _Timing:
 
 
 def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tuple[list[int], float, float]:
-    model = engine.model.hf
+    model = engine.hf_model
     memory = PeakMemory(engine.model.device)
     timing = _Timing(memory)
     prompt = torch.tensor([ids], device=engine.model.device)

@@ -1,7 +1,7 @@
-"""Our forward pass over a transformers Llama-family model's own modules.
+"""Our forward pass over a Llama-family model's modules: ours (llama.py) or, for a checkpoint they do not cover,
+transformers' own.
 
-We call the checkpoint's embedding, projections, norms, MLP and rotary embedding exactly as transformers
-built them (so rope scaling, qkv bias and Qwen3's q/k norms come for free), and own only what decoding
+We call the model's embedding, projections, norms, MLP and rotary embedding as built, and own only what decoding
 needs to control: which positions each query row sees, and where keys and values are stored. Nothing in
 transformers is patched. A step's rows are written after the cache's committed prefix; the caller commits.
 """

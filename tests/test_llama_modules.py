@@ -1,0 +1,113 @@
+"""Our own modules of the supported architectures (runtime/llama.py) against transformers' own, bit for bit in
+float32, and the checkpoints they leave to transformers."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fafo_cli.runtime import llama
+
+from .conftest import VARIANTS, build_tiny_model
+
+ROPES = {
+    "default": None,
+    "linear": dict(rope_type="linear", factor=4.0),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64),
+}
+
+
+def _both(folder):
+    from transformers import AutoModelForCausalLM
+
+    ours = llama.load(folder, torch.float32, torch.device("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return ours, theirs
+
+
+def _hidden(theirs, ids):
+    """transformers' hidden states before each layer, and its logits."""
+    with torch.inference_mode():
+        out = theirs(ids, output_hidden_states=True)
+    return out.hidden_states, out.logits
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_module_computes_what_transformers_computes(tiny_models, variant):
+    ours, theirs = _both(tiny_models[variant])
+    assert type(ours) is llama.CausalLM
+    assert {n for n, _ in ours.named_parameters()} == {n for n, _ in theirs.named_parameters()} - (
+        {"lm_head.weight"} if theirs.config.tie_word_embeddings else set())
+    ids = torch.randint(0, ours.config.vocab_size, (1, 12))
+    positions = torch.arange(12)[None] + 5
+    x = torch.randn(1, 12, ours.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(ours.model.embed_tokens(ids), theirs.model.embed_tokens(ids))
+        for mine, hf in zip(ours.model.rotary_emb(x, positions), theirs.model.rotary_emb(x, positions)):
+            assert torch.equal(mine, hf)
+        for a, b in zip(ours.model.layers, theirs.model.layers):
+            assert torch.equal(a.input_layernorm(x), b.input_layernorm(x))
+            assert torch.equal(a.post_attention_layernorm(x), b.post_attention_layernorm(x))
+            assert torch.equal(a.mlp(x), b.mlp(x))
+            for name in ("q_proj", "k_proj", "v_proj"):
+                assert torch.equal(getattr(a.self_attn, name)(x), getattr(b.self_attn, name)(x))
+            heads = x.view(1, 12, -1, a.self_attn.head_dim)[..., :ours.config.num_key_value_heads, :]
+            if hasattr(b.self_attn, "q_norm"):
+                assert torch.equal(a.self_attn.q_norm(heads), b.self_attn.q_norm(heads))
+            assert a.self_attn.scaling == b.self_attn.scaling and a.self_attn.head_dim == b.self_attn.head_dim
+        assert torch.equal(ours.lm_head(x), theirs.lm_head(x))
+    assert ours.generation_config.eos_token_id == theirs.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rotary_factors_equal_transformers_for_each_rope_type(tmp_path, rope):
+    folder = build_tiny_model(tmp_path / rope, "llama-gqa", max_positions=4096,
+                              **({} if ROPES[rope] is None else {"rope_parameters": {**ROPES[rope], "rope_theta": 5e5}}))
+    ours, theirs = _both(folder)
+    assert ours.model.rotary_emb.rope_type == rope
+    positions = torch.tensor([[0, 1, 7, 63, 64, 500, 4095]])
+    x = torch.zeros(1, 7, 8, dtype=torch.bfloat16)
+    for mine, hf in zip(ours.model.rotary_emb(x, positions), theirs.model.rotary_emb(x, positions)):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, hf)
+
+
+def test_the_older_config_form_reads_as_the_current_one(tmp_path):
+    """config.json written by transformers 4 (rope_theta and rope_scaling at the top) reads as rope_parameters."""
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", rope_parameters={**ROPES["llama3"], "rope_theta": 5e5})
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    (folder / "config.json").write_text(json.dumps(config))
+    assert llama.read_config(folder).rope_parameters == {**ROPES["llama3"], "rope_theta": 5e5}
+
+
+def test_checkpoints_the_modules_do_not_cover_load_through_transformers(tmp_path, tiny):
+    from fafo_cli import load
+
+    yarn = build_tiny_model(tmp_path / "yarn", "llama-gqa", rope_parameters=dict(
+        rope_type="yarn", factor=2.0, rope_theta=1e4, original_max_position_embeddings=1024))
+    assert llama.load(yarn, torch.float32, torch.device("cpu")) is None
+    engine = load(str(yarn), dtype="float32")
+    assert type(engine.model.hf).__name__ == "LlamaForCausalLM"
+    assert len(engine.complete("hello", max_tokens=4).token_ids) == 4
+
+    extra = tmp_path / "extra"  # a tensor our modules have no place for: never dropped silently
+    shutil.copytree(tiny, extra)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(extra / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, extra / "model.safetensors",
+              metadata={"format": "pt"})
+    assert llama.load(extra, torch.float32, torch.device("cpu")) is None
+
+
+def test_loading_the_embedded_model_imports_neither_the_compiler_nor_sympy():
+    """What a `fafo run` start costs: transformers' model classes pull in torch._dynamo and sympy (seconds)."""
+    code = ("import sys; from fafo_cli import load; e = load(); e.complete('Hi', max_tokens=2); "
+            "print(type(e.model.hf).__name__, 'torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["CausalLM", "False", "False"]
