@@ -90,6 +90,7 @@ class Engine:
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
+        self.packed_matrices = 0  # matrices every step reads as the .gguf file's blocks (compiled/packed.py)
         self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
 
     @classmethod
@@ -105,6 +106,7 @@ class Engine:
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
+            engine.packed_matrices = engine.compiled.install_packed()
         if config.draft_model is not None:
             if config.method != "triforce":
                 raise FafoError(f"--draft-model is used by method triforce only (the method is {config.method})")
@@ -143,7 +145,12 @@ class Engine:
     @cached_property
     def weights(self) -> str:
         """The weight format the model runs on, in words ("Q4_1 GGUF, dequantized to float32", "safetensors bf16")."""
-        return hub.weights_format(self.folder, str(self.model.dtype).removeprefix("torch."))
+        described = hub.weights_format(self.folder, str(self.model.dtype).removeprefix("torch."))
+        if not self.packed_matrices:
+            return described
+        matrices = len(self.model.layers) * 7 + 1  # a layer's projections and MLP, and the vocabulary head
+        dense = "" if self.packed_matrices == matrices else f", {matrices - self.packed_matrices} matrices dense"
+        return described.replace("dequantized to bfloat16", f"read as stored{dense}")
 
     def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
         """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""

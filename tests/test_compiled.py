@@ -450,8 +450,9 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
 
 def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, monkeypatch):
     """The embedded model (Q4_1 projections, a Q8_0 tied embedding): every projection and the vocabulary head are
-    packed, q's and k's rows in the order transformers loaded them, and handed to the package build; a step
-    through the packed modules picks the same tokens, and the model's own modules are back afterwards."""
+    packed, q's and k's rows in the order transformers loaded them, handed to the package build and put in the
+    model for every step (eager ones too): no dense matrix is left, each packed module rebuilds the one it replaced
+    bit for bit, and a pass through them picks the tokens the dense model picks."""
     from fafo_cli.compiled import packed, steps
     from fafo_cli.compiled.build import CompileError
     from fafo_cli.compiled.kernels import loader
@@ -473,23 +474,49 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
     assert len(packed.kernels(modules)) == 4 * len(model.layers) + 1  # q, k, v in one call; gate and up in one
     assert engine.compiled.runner(1) is None and built == [modules] and notices[-1].startswith("compilation failed")
+    assert engine.packed_matrices == len(modules) and model.lm_head is modules["lm_head"]
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.hf.modules())
+    assert engine.weights == "Q4_1 GGUF, read as stored"
+    dense_model = load(str(smollm2), dtype="bfloat16", compile="off").model
+    for name, module in modules.items():
+        original = dense_model.hf.get_submodule(name)
+        weight, bias = module.dense()
+        assert torch.equal(weight.view(torch.int16), original.weight.view(torch.int16)) and bias is None, name
     ids = torch.tensor(engine.encode("Name three colours."))
     positions = torch.arange(len(ids))
 
-    def logits() -> torch.Tensor:
+    def logits(model) -> torch.Tensor:
         from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
         attend = causal_attention(prefix_causal_mask(0, len(ids), model.device), model.scaling)
         return model.forward(ids, positions, model.new_cache(64), attend)
 
-    dense = logits()
-    with packed.swapped_in(model, modules):
-        assert model.lm_head is modules["lm_head"]
-        swapped = logits()
-    assert model.lm_head is model.hf.lm_head and not isinstance(model.layers[0].mlp.up_proj, packed.PackedLinear)
+    dense, swapped = logits(dense_model), logits(model)
     assert torch.equal(swapped.argmax(-1), dense.argmax(-1))
     # bf16 activations round differently after other orders of addition, through 30 layers: close on average
     assert (swapped - dense).abs().mean() < 0.05 * dense.abs().mean()
+
+
+def test_auto_reads_packed_weights_only_once_they_are_kept(compiled_cache, smollm2):
+    """`compile: auto` builds nothing unasked: with no packed file kept the model stays dense; once a compiled
+    run has kept one (and our kernel library), every step of a later start reads the packed blocks."""
+    from fafo_cli.compiled import steps
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel() == "plain":
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+    on = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None)
+    kept = on.compiled.folder / steps.PACKED_FILE
+    assert kept.is_file()
+    kept.rename(kept.with_suffix(".aside"))
+    try:
+        assert load(str(smollm2), dtype="bfloat16", compile="auto").packed_matrices == 0
+    finally:
+        kept.with_suffix(".aside").rename(kept)
+    auto = load(str(smollm2), dtype="bfloat16", compile="auto")
+    assert auto.packed_matrices == on.packed_matrices > 0
+    assert load(str(smollm2), dtype="bfloat16", compile="off").packed_matrices == 0
 
 
 def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, monkeypatch):

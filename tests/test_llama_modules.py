@@ -85,6 +85,25 @@ def test_the_older_config_form_reads_as_the_current_one(tmp_path):
     assert llama.read_config(folder).rope_parameters == {**ROPES["llama3"], "rope_theta": 5e5}
 
 
+@pytest.mark.parametrize("changes", [
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"type": "linear", "factor": 2.0}),
+    dict(rope_parameters={**ROPES["llama3"], "rope_theta": 5e5}, original_max_position_embeddings=32),
+    dict(rope_parameters={k: v for k, v in ROPES["llama3"].items() if k != "original_max_position_embeddings"}),
+    dict(num_key_value_heads=None),
+])
+def test_config_forms_read_as_transformers_reads_them(tmp_path, changes):
+    """Legacy rope_scaling beside rope_parameters, a top-level original context, a missing one, null kv heads."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    config = {**json.loads((folder / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    ours, theirs = llama.read_config(folder), AutoConfig.from_pretrained(folder)
+    assert ours.num_key_value_heads == theirs.num_key_value_heads and ours.head_dim == theirs.head_dim
+    assert torch.equal(llama.inverse_frequencies(ours), LlamaRotaryEmbedding(theirs).inv_freq)
+
+
 def test_checkpoints_the_modules_do_not_cover_load_through_transformers(tmp_path, tiny):
     from fafo_cli import load
 
@@ -102,6 +121,9 @@ def test_checkpoints_the_modules_do_not_cover_load_through_transformers(tmp_path
     tensors = load_file(extra / "model.safetensors")
     save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, extra / "model.safetensors",
               metadata={"format": "pt"})
+    assert llama.load(extra, torch.float32, torch.device("cpu")) is None
+    shaped = {**tensors, "model.norm.weight": torch.ones(32)}  # a shape the config does not give: not loaded
+    save_file(shaped, extra / "model.safetensors", metadata={"format": "pt"})
     assert llama.load(extra, torch.float32, torch.device("cpu")) is None
 
 

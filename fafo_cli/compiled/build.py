@@ -52,22 +52,24 @@ def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -
 
     `constants` (step_constants): the tensors a package built without its own copies reads, by name; the package
     holds pointers to them, so they are kept alive with it."""
-    package = torch._inductor.aoti_load_package(str(path))
-    aoti = getattr(package, "loader", None)
-    if constants is not None and hasattr(aoti, "load_constants"):
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is None or not hasattr(loader, "boxed_run"):  # another torch: its own load and call path
+        package = torch._inductor.aoti_load_package(str(path))
+        package.shared_constants = constants
+        return package
+    # torch's own loader without aoti_load_package's Python around it, which imports the compiler (about a second)
+    aoti = loader(str(path), "model", False, 1, -1)  # model name, single-threaded, runners, device index
+    if constants is not None:
         names = aoti.get_constant_fqns()
         missing = sorted(set(names) - set(constants))
         if missing:
             raise CompileError(f"the package reads constants the model does not have ({missing[0]}, ...)")
         aoti.load_constants({name: constants[name] for name in names}, False, True, True)  # user-managed
-        package.shared_constants = constants
-    if not hasattr(aoti, "boxed_run"):  # another torch: its own call path
-        return package
 
     def run(ids, positions, local, sees_cache, sees_view, view_mask, keys, values):
         return aoti.boxed_run([ids, positions, local, sees_cache, sees_view, view_mask, *keys, *values])[0]
 
-    run.package, run.constants = package, constants  # the package points into them: they live as long as it does
+    run.package, run.constants = aoti, constants  # the package points into them: they live as long as it does
     return run
 
 

@@ -57,6 +57,11 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _multiply(x, self.packed, self.out_features, self.bias)
 
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias of the nn.Linear this replaced, rebuilt bit for bit (what QuantSpec quantizes)."""
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return torch.ops.fafo.packed_weight(self.packed, self.out_features), bias
+
 
 class FusedPackedLinear(torch.nn.Module):
     """Packed matrices that read the same input, stacked: one packed_linear call computes all their outputs.
@@ -107,6 +112,12 @@ class FusedPart(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.outputs(x)[self.index]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        start = sum(self.fused.sizes[:self.index])
+        rows = slice(start, start + self.out_features)
+        weight = torch.ops.fafo.packed_weight(self.fused.packed, self.fused.out_features)[rows]
+        return weight, None if self.fused.bias is None else self.fused.bias[rows].to(torch.bfloat16)
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -318,6 +329,14 @@ def kernels(modules: dict[str, torch.nn.Module]) -> list[PackedLinear | FusedPac
         module = module.fused if isinstance(module, FusedPart) else module
         distinct[id(module)] = module
     return list(distinct.values())
+
+
+def install(model: Model, modules: dict[str, torch.nn.Module]) -> None:
+    """`modules` in place of the model's own for good: eager steps multiply with the packed blocks as compiled
+    ones do, and the dense bf16 matrices they replace are freed (the resident model is about the file's size)."""
+    for name, module in modules.items():
+        model.hf.set_submodule(name, module)
+    model.lm_head = modules.get("lm_head", model.lm_head)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
 from .timing import Timing, measure, read_step_costs
 from . import packed
+from .kernels import loader
 
 
 # A decoder names the size each step is padded to (its largest step's, or, for FAFO's planner, one of a few sizes).
@@ -74,6 +75,22 @@ class CompiledSteps(OnceNotices):
                 kept = self._kept_packed()
                 self._packed = kept if kept is not None else self._pack()
         return self._packed
+
+    def install_packed(self) -> int:
+        """Put the packed modules in the model for every step, eager ones too (packed.install): under "on" always
+        (reading the .gguf file's blocks first where none are kept), under "auto" once an earlier compiled run or
+        `fafo compile` has kept them and built our kernel library (nothing is built unasked). Returns how many
+        matrices are packed (0: the model keeps its dense weights)."""
+        kept = (self.folder / PACKED_FILE).is_file() and loader.library_path(self.folder.parent).is_file()
+        if self.gguf is None or (self.mode == "auto" and not kept):
+            return 0
+        try:
+            modules = self.packed_modules()
+        except Exception as error:  # noqa: BLE001 - no compiler for our kernels, say: every step stays dense
+            self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense bf16")
+            return 0
+        packed.install(self.model, modules)
+        return len(modules)
 
     def _kept_packed(self) -> dict | None:
         """The packed modules kept beside the packages; None where there are none or they cannot be read (a damaged

@@ -94,7 +94,9 @@ class Int4Weights:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        self.layers = {id(module): Int4Linear(module.weight, module.bias) for module in modules}
+        # a packed module (compiled/packed.py) rebuilds the dense weight it stands for
+        self.layers = {id(module): Int4Linear(*(module.dense() if hasattr(module, "dense") else
+                                                 (module.weight, module.bias))) for module in modules}
 
     def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.layers[id(module)](x)

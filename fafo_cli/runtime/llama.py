@@ -28,9 +28,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' defaults for the keys a checkpoint's config.json may leave out (its config classes' own)
 DEFAULTS = {
     "llama": dict(max_position_embeddings=2048),
-    "mistral": dict(max_position_embeddings=4096 * 32, sliding_window=4096),
-    "qwen2": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False),
-    "qwen3": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False),
+    "mistral": dict(max_position_embeddings=4096 * 32, sliding_window=4096, num_key_value_heads=8),
+    "qwen2": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False, num_key_value_heads=32),
+    "qwen3": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False, num_key_value_heads=32,
+                  head_dim=128),
 }
 COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
 
@@ -48,13 +49,24 @@ def read_config(folder: Path) -> Config | None:
     kind = raw.get("model_type")
     if kind not in SUPPORTED or kind not in DEFAULTS:
         return None
-    settings = {**COMMON, **DEFAULTS[kind], **raw}
+    # what transformers computes otherwise, or refuses: quantization on load, sliding-window layers, partial rotary
+    if (raw.get("quantization_config") or "sliding_attention" in (raw.get("layer_types") or ())
+            or raw.get("partial_rotary_factor", 1.0) != 1.0):
+        return None
+    settings = {**COMMON, **DEFAULTS[kind], **{key: value for key, value in raw.items() if value is not None}}
+    if raw.get("num_key_value_heads", 0) is None:  # null: as many as the query heads
+        settings["num_key_value_heads"] = settings["num_attention_heads"]
     settings.setdefault("num_key_value_heads", settings["num_attention_heads"])
-    if settings.get("head_dim") is None:
-        settings["head_dim"] = settings["hidden_size"] // settings["num_attention_heads"]
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})  # the current form, or the older one
+    settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
+    # the older form (rope_scaling beside rope_theta) wins over the current one where both are given, as in transformers
+    rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    if any(isinstance(value, dict) for value in rope.values()):  # per layer type: not a form these modules run
+        return None
     rope.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
     rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
+    if rope["rope_type"] == "llama3":  # the config's own value wins, as transformers standardizes it
+        rope["original_max_position_embeddings"] = raw.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings") or settings["max_position_embeddings"]
     settings["rope_parameters"] = rope
     if (rope["rope_type"] not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0
             or settings["hidden_act"] not in ACTIVATIONS):
@@ -204,8 +216,9 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM | N
                 if name.endswith("rotary_emb.inv_freq"):  # older checkpoints keep the buffer; it is computed
                     continue
                 tensors[name] = stored.get_tensor(name)
-    if set(tensors) != wanted:  # a tensor these modules lack, or one they need that is not there
-        return None
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if set(tensors) != wanted or any(tensors[name].shape != shapes[name] for name in wanted):
+        return None  # a tensor these modules lack or shape otherwise, or one they need that is not there
     model.load_state_dict({name: t.to(dtype) for name, t in tensors.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -217,10 +230,12 @@ def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files of the checkpoint: its index's, or the one `model.safetensors` (a folder may hold other
     files, such as Mistral's consolidated copy of the same weights)."""
     index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():  # transformers' first choice too
+        return [folder / "model.safetensors"]
     if index.is_file():
         shards = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()
         return [folder / name for name in sorted(set(shards))]
-    return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    return []
 
 
 def _generation_config(generation_config_class, folder: Path, config: Config):
