@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fafo_cli.runtime import llama
+from fafo_cli.runtime.model import max_context
 
 from .conftest import VARIANTS, build_tiny_model
 
@@ -90,6 +91,7 @@ def test_the_older_config_form_reads_as_the_current_one(tmp_path):
     dict(rope_parameters={**ROPES["llama3"], "rope_theta": 5e5}, original_max_position_embeddings=32),
     dict(rope_parameters={k: v for k, v in ROPES["llama3"].items() if k != "original_max_position_embeddings"}),
     dict(num_key_value_heads=None),
+    dict(model_type="mistral", sliding_window=None, head_dim=None),
 ])
 def test_config_forms_read_as_transformers_reads_them(tmp_path, changes):
     """Legacy rope_scaling beside rope_parameters, a top-level original context, a missing one, null kv heads."""
@@ -101,6 +103,7 @@ def test_config_forms_read_as_transformers_reads_them(tmp_path, changes):
     (folder / "config.json").write_text(json.dumps(config))
     ours, theirs = llama.read_config(folder), AutoConfig.from_pretrained(folder)
     assert ours.num_key_value_heads == theirs.num_key_value_heads and ours.head_dim == theirs.head_dim
+    assert max_context(ours) == max_context(theirs)  # a null window is none
     assert torch.equal(llama.inverse_frequencies(ours), LlamaRotaryEmbedding(theirs).inv_freq)
 
 

@@ -53,11 +53,11 @@ def read_config(folder: Path) -> Config | None:
     if (raw.get("quantization_config") or "sliding_attention" in (raw.get("layer_types") or ())
             or raw.get("partial_rotary_factor", 1.0) != 1.0):
         return None
-    settings = {**COMMON, **DEFAULTS[kind], **{key: value for key, value in raw.items() if value is not None}}
-    if raw.get("num_key_value_heads", 0) is None:  # null: as many as the query heads
+    settings = {**COMMON, **DEFAULTS[kind], **raw}  # a null stays null (`sliding_window: null`: no window)
+    if settings.get("num_key_value_heads") is None:  # absent or null: as many as the query heads
         settings["num_key_value_heads"] = settings["num_attention_heads"]
-    settings.setdefault("num_key_value_heads", settings["num_attention_heads"])
-    settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
+    if settings.get("head_dim") is None:
+        settings["head_dim"] = settings["hidden_size"] // settings["num_attention_heads"]
     # the older form (rope_scaling beside rope_theta) wins over the current one where both are given, as in transformers
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     if any(isinstance(value, dict) for value in rope.values()):  # per layer type: not a form these modules run
