@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // (built with -DFAFO_PLAIN, any CPU runs the plain path: how the tests check it on CPUs that have the others)
@@ -315,9 +316,34 @@ void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64
     for (int t = 0; t < kSub; ++t) sums[(sub * kSub + t) * ld + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+// A tile whose entries are rebuilt already: each entry's 64 bf16 weights (blocks A and B) as `rebuild` gave them
+struct Built {
+  static constexpr int64_t entry = 128;
+
+  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+    a = _mm512_loadu_si512(entry);
+    b = _mm512_loadu_si512(entry + 64);
+  }
+};
+
 template <class F>
 void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t* tile, int64_t groups,
                  float* sums) {
+  if constexpr (!std::is_same_v<F, Built>) {
+    if (rows > kRows) {  // several register blocks of rows: rebuild the tile's weights once, not once per block
+      thread_local std::vector<uint8_t> built;  // (the same bf16 values, multiplied in the same order: same bits)
+      built.resize(groups * kTile * Built::entry);
+      for (int64_t e = 0; e < groups * kTile; ++e) {
+        if (e % kTile == 0) prefetch<F, 2>(tile + e * F::entry);  // the weights stream from memory: ask ahead
+        __m512i a, b;
+        F::rebuild(tile + e * F::entry, a, b);
+        _mm512_storeu_si512(built.data() + e * Built::entry, a);
+        _mm512_storeu_si512(built.data() + e * Built::entry + 64, b);
+      }
+      avx512_tile<Built>(x, rows, ldx, built.data(), groups, sums);
+      return;
+    }
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += kRows)
     for (int sub = 0; sub < kTile / kSub; ++sub) {
       const at::BFloat16* xr = x + r0 * ldx;
