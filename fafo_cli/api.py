@@ -23,6 +23,7 @@ import torch
 from . import config as config_mod
 from . import hub
 from .decoders import DECODERS
+from .compiled.packed import LAYER_MODULES
 from .compiled.steps import CompiledSteps
 from .compiled.build import identity
 from .compiled.timing import read_step_costs
@@ -145,12 +146,11 @@ class Engine:
     @cached_property
     def weights(self) -> str:
         """The weight format the model runs on, in words ("Q4_1 GGUF, dequantized to float32", "safetensors bf16")."""
-        described = hub.weights_format(self.folder, str(self.model.dtype).removeprefix("torch."))
         if not self.packed_matrices:
-            return described
-        matrices = len(self.model.layers) * 7 + 1  # a layer's projections and MLP, and the vocabulary head
+            return hub.weights_format(self.folder, str(self.model.dtype).removeprefix("torch."))
+        matrices = len(self.model.layers) * len(LAYER_MODULES) + 1  # the layers' projections, the vocabulary head
         dense = "" if self.packed_matrices == matrices else f", {matrices - self.packed_matrices} matrices dense"
-        return described.replace("dequantized to bfloat16", f"read as stored{dense}")
+        return " ".join(filter(None, [hub.converted_quantization(self.folder), f"GGUF, read as stored{dense}"]))
 
     def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
         """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""

@@ -198,17 +198,16 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM | N
     """The checkpoint in `folder` (config.json, *.safetensors) on `device` in `dtype`; None where these modules do
     not compute it exactly (transformers loads it instead)."""
     from safetensors import safe_open
-    from transformers import GenerationConfig
 
     config = read_config(folder)
     files = checkpoint_files(folder)
     if config is None or not files:
         return None
     with torch.device("meta"):
-        model = CausalLM(config, None)
-    wanted = {name for name, _ in model.named_parameters()}
+        model = CausalLM(config, _generation_config(folder, config))
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the checkpoint must hold, exactly
     if config.tie_word_embeddings:
-        wanted.discard("lm_head.weight")
+        del shapes["lm_head.weight"]
     tensors = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as stored:
@@ -216,13 +215,11 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM | N
                 if name.endswith("rotary_emb.inv_freq"):  # older checkpoints keep the buffer; it is computed
                     continue
                 tensors[name] = stored.get_tensor(name)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if set(tensors) != wanted or any(tensors[name].shape != shapes[name] for name in wanted):
+    if set(tensors) != set(shapes) or any(tensors[name].shape != shape for name, shape in shapes.items()):
         return None  # a tensor these modules lack or shape otherwise, or one they need that is not there
     model.load_state_dict({name: t.to(dtype) for name, t in tensors.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.generation_config = _generation_config(GenerationConfig, folder, config)
     return model.to(device).eval()
 
 
@@ -238,8 +235,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return []
 
 
-def _generation_config(generation_config_class, folder: Path, config: Config):
+def _generation_config(folder: Path, config: Config):
     """generation_config.json, or as transformers derives one from the model's config where there is none."""
+    from transformers import GenerationConfig
+
     if (folder / "generation_config.json").is_file():
-        return generation_config_class.from_pretrained(folder)
-    return generation_config_class.from_model_config(vars(config))
+        return GenerationConfig.from_pretrained(folder)
+    return GenerationConfig.from_model_config(dict(vars(config)))  # a copy: it edits the dict it is given
