@@ -1,5 +1,5 @@
 """Host-device synchronisations per step (`fafo run --verbose` on CUDA): counted over the decoding steps only, and
-nothing counted off CUDA."""
+nothing counted off CUDA; the host's tensors reach the GPU without one, and attention avoids cuDNN's kernels there."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from fafo_cli import load
 from fafo_cli.runtime import syncs
 from fafo_cli.runtime.events import Stats, Step
+from fafo_cli.runtime.model import attention_kernels
 from fafo_cli.ui import footer
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,4 +47,29 @@ def test_syncs_are_counted_on_cuda(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False, device="cuda")
     engine.count_syncs = True
     stats = engine.complete("hello there", max_tokens=16, method="vanilla").stats
-    assert stats.syncs_per_step is not None and stats.syncs_per_step >= 1  # at least the read of the token
+    assert stats.syncs_per_step == 1  # the read of the token, no upload's
+
+
+@CUDA
+def test_upload_to_cuda_holds_the_values():
+    values = [[3, 1], [4, 1]]
+    assert syncs.upload(values, torch.device("cuda")).tolist() == values
+    mask = torch.tensor([True, False])
+    assert syncs.upload(mask, torch.device("cuda")).cpu().equal(mask)
+
+
+def test_upload_on_a_cpu_is_the_plain_tensor():
+    assert syncs.upload([5, 6], torch.device("cpu")).equal(torch.tensor([5, 6]))
+    mask = torch.tensor([[True, False]])
+    assert syncs.upload(mask, torch.device("cpu")) is mask
+
+
+def test_attention_on_cuda_leaves_cudnn_out_and_restores_the_choice():
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    with attention_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with attention_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]

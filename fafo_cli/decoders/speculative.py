@@ -23,6 +23,7 @@ from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.sampling import Sampling, argmax_ids, draw, next_token, target_probs
 from ..runtime.session import Emitter, Request, Session
+from ..runtime.syncs import upload
 from .tree import DraftTree
 from .verify import accept_greedy, accept_sampling, accept_speculative
 
@@ -112,8 +113,7 @@ def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int
     token = anchor
     try:
         for j in range(n):
-            logits = model.forward(torch.tensor([token], device=model.device),
-                                   torch.tensor([position + j], device=model.device), cache, attend,
+            logits = model.forward(upload([token], model.device), upload([position + j], model.device), cache, attend,
                                    linear=linear)
             cache.commit(1)
             token, probs = draw(logits[-1], sampling, generator)

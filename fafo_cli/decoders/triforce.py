@@ -23,6 +23,7 @@ from ..runtime.model import Model, causal_attention, prefix_causal_mask
 from .retrieval import gather_positions, select_positions
 from ..runtime.sampling import Sampling, draw, target_probs
 from ..runtime.session import PREFILL_CHUNK, Emitter, Request, Session
+from ..runtime.syncs import upload
 from . import speculative
 from .speculative import Draft, check_chain, draft_chain
 
@@ -54,7 +55,7 @@ class StreamingDraftModel:
         self.cache.reserve(cached + len(tokens))
         mask = prefix_causal_mask(cached, len(tokens), self.model.device) if len(tokens) > 1 else None
         positions = torch.arange(cached, cached + len(tokens), device=self.model.device)
-        logits = self.model.forward(torch.tensor(tokens, device=self.model.device), positions, self.cache,
+        logits = self.model.forward(upload(tokens, self.model.device), positions, self.cache,
                                     causal_attention(mask, self.model.scaling), slice(-1, None))[-1]
         self.logits = F.pad(logits, (0, self.pad), value=float("-inf")) if self.pad else logits
         self.passes += 1
@@ -207,7 +208,7 @@ class TriForce:
                 cache.reserve(cache.length + len(rows))
                 mask = prefix_causal_mask(cache.length, len(rows), model.device)
                 attend = causal_attention(mask, model.scaling)
-                logits = model.forward(torch.tensor(rows, device=model.device),
+                logits = model.forward(upload(rows, model.device),
                                        torch.arange(position, position + len(rows), device=model.device), cache,
                                        self._recording(attend) if not tokens else attend)
                 passes += 1

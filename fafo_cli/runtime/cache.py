@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .syncs import upload
+
 LEAD_ALIGN = 128  # the block-sparse attention's key block size
 
 
@@ -154,11 +156,11 @@ class KVCache:
             start = self.length
             if self.spread:
                 for keys, values in zip(self.keys.groups, self.values.groups):
-                    source = torch.tensor(rows, device=keys.device) + start
+                    source = upload(rows, keys.device) + start
                     keys[:, start:start + len(rows)] = keys[:, source]
                     values[:, start:start + len(rows)] = values[:, source]
             else:
-                source = torch.tensor(rows, device=self.device) + start
+                source = upload(rows, self.device) + start
                 self.keys[:, start:start + len(rows)] = self.keys[:, source]
                 self.values[:, start:start + len(rows)] = self.values[:, source]
         self.length += len(rows)

@@ -8,10 +8,12 @@ transformers is patched. A step's rows are written after the cache's committed p
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import KVCache
 
@@ -30,6 +32,15 @@ def max_context(config) -> int:
     if window and getattr(config, "use_sliding_window", True):
         limit = min(limit, int(window))
     return limit
+
+
+def attention_kernels(device: torch.device) -> ContextManager:
+    """On CUDA, attention runs on flash, memory-efficient or math kernels, never cuDNN's, which torch prefers on
+    recent GPUs: cuDNN builds a plan for every new key length, so once per layer in every decoding step (measured on
+    an H200: 1.7 ms of host time each, most of a plain step; docs/gpu.md)."""
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -104,28 +115,29 @@ class Model:
         lin = linear or _own
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
-        for i, layer in enumerate(self.layers):
-            if self.spread and x.device != self.layer_devices[i]:  # the next GPU's layers
-                x, cos, sin = (t.to(self.layer_devices[i]) for t in (x, cos, sin))
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)[0]
-            q = lin(attn.q_proj, h).view(rows, self.n_heads, self.head_dim)
-            k = lin(attn.k_proj, h).view(rows, self.n_kv_heads, self.head_dim)
-            v = lin(attn.v_proj, h).view(rows, self.n_kv_heads, self.head_dim)
-            if self.has_qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = cache.write(i, k, v)
-            out = attend(i, q.to(self.attention_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                         values.transpose(0, 1)[None])
-            x = x + lin(attn.o_proj, out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
-            h = layer.post_attention_layernorm(x)
-            if linear is None:
-                x = x + layer.mlp(h)
-            else:  # the gated MLP of every supported architecture, spelled out
-                mlp = layer.mlp
-                x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+        with attention_kernels(x.device):
+            for i, layer in enumerate(self.layers):
+                if self.spread and x.device != self.layer_devices[i]:  # the next GPU's layers
+                    x, cos, sin = (t.to(self.layer_devices[i]) for t in (x, cos, sin))
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)[0]
+                q = lin(attn.q_proj, h).view(rows, self.n_heads, self.head_dim)
+                k = lin(attn.k_proj, h).view(rows, self.n_kv_heads, self.head_dim)
+                v = lin(attn.v_proj, h).view(rows, self.n_kv_heads, self.head_dim)
+                if self.has_qk_norm:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+                keys, values = cache.write(i, k, v)
+                out = attend(i, q.to(self.attention_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                             values.transpose(0, 1)[None])
+                x = x + lin(attn.o_proj, out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
+                h = layer.post_attention_layernorm(x)
+                if linear is None:
+                    x = x + layer.mlp(h)
+                else:  # the gated MLP of every supported architecture, spelled out
+                    mlp = layer.mlp
+                    x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
         if self.spread:
             x = x.to(self.norm.weight.device)
         x = self.norm(x)[0]

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .syncs import upload
+
 if TYPE_CHECKING:
     from .model import Attention
 
@@ -104,15 +106,15 @@ def _layout(parents: tuple[int, ...], view_rows: ViewRows | None, device: torch.
         verify_local[row, row] = True
     offsets = [0, *depths]
     if view_rows is None:
-        return RowLayout(torch.tensor(offsets, device=device), verify_local.to(device), n_verify,
-                         verify_local.to(device), None, None, None)
+        on_device = upload(verify_local, device)
+        return RowLayout(upload(offsets, device), on_device, n_verify, on_device, None, None, None)
     n_view = len(view_rows.offsets)
     local = torch.zeros(n_verify + n_view, n_verify + n_view, dtype=torch.bool)
     local[:n_verify, :n_verify] = verify_local
     local[n_verify:, 0] = view_rows.local[:, 0]
     local[n_verify:, n_verify:] = view_rows.local[:, 1:]
     logit_rows = [*range(n_verify), *(n_verify + r for r in view_rows.read)]
-    return RowLayout(torch.tensor(offsets + list(view_rows.offsets), device=device), local.to(device), n_verify,
-                     verify_local.to(device), view_rows.local.to(device),
-                     (torch.arange(n_verify + n_view) < n_verify).to(device), torch.tensor(logit_rows, device=device))
+    return RowLayout(upload(offsets + list(view_rows.offsets), device), upload(local, device), n_verify,
+                     upload(verify_local, device), upload(view_rows.local, device),
+                     upload(torch.arange(n_verify + n_view) < n_verify, device), upload(logit_rows, device))
 

@@ -25,6 +25,7 @@ from .model import Model, causal_attention, prefix_causal_mask
 from .rows import StepRows, plain_step
 from .sampling import Sampling
 from .stops import StopStrings
+from .syncs import upload
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
 # A request that would cut fewer of the live conversation's tokens than this does not keep a copy of it: a chat turn
@@ -152,14 +153,14 @@ class Session:
         start = self.cache.length
         positions = torch.arange(start, start + len(ids), device=device)
         rows = slice(-1, None) if last_only else None
-        return self.model.forward(torch.tensor(ids, device=device), positions, self.cache, attend, rows)
+        return self.model.forward(upload(ids, device), positions, self.cache, attend, rows)
 
     def run(self, step: StepRows) -> torch.Tensor:
         """Run one decoding step, its rows written after the committed prefix (not committed); return the float32
         logits of the rows `step.layout.logit_rows` names (all when None). A compiled step runs it where one serves
         this many rows; else the eager forward pass."""
         layout = step.layout
-        ids, positions = torch.tensor(step.ids, device=self.model.device), self.cache.length + layout.offsets
+        ids, positions = upload(step.ids, self.model.device), self.cache.length + layout.offsets
         if self.compiled is not None and step.compiled:
             logits = self.compiled(step, ids, positions, self.cache)
             if logits is not None:  # in the model's dtype

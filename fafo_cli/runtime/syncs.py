@@ -4,6 +4,8 @@ A step should read from the GPU once (the accepted tokens); every other read sta
 drains. torch's sync debug mode reports each synchronising call it sees (a copy to the host, `.item()`,
 `.tolist()`, ...) as a warning: while counting, those warnings are recorded and counted instead of printed. Only
 on CUDA; elsewhere nothing is counted (None).
+
+`upload` is how a step hands the GPU what the host made for it (token ids, row indices, masks) without one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+
+def upload(values, device: torch.device) -> torch.Tensor:
+    """A small tensor made on the host (a list, or a CPU tensor) on `device`. To a GPU through pinned memory and
+    without waiting: a copy from pageable memory makes the host wait until the GPU's queue has drained (measured on
+    an H200: a second sync per plain step, docs/gpu.md), so the host could not queue the next step meanwhile."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class SyncCounter:

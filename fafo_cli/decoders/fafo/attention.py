@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ...runtime.cache import KVCache
 from ...runtime.masks import PrefixMasks
 from ...runtime.rows import RowLayout
+from ...runtime.syncs import upload
 
 
 class CompressedView:
@@ -48,8 +49,8 @@ class FafoAttention:
             self.view_size = compressor.view_size(cache)
             # the anchor's and the window rows' slots in the cache, copied after the view in each layer
             start = length + verify_rows
-            self.window_source = torch.cat([torch.tensor([length]),
-                                            torch.arange(start, start + layout.rows - verify_rows)]).to(cache.device)
+            self.window_source = upload(torch.cat([torch.tensor([length]),
+                                                   torch.arange(start, start + layout.rows - verify_rows)]), cache.device)
             if view.block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
                 self.kv_length = cache.lead + cache.capacity
                 self.block_mask = view.block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,

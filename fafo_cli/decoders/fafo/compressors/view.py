@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ....runtime.cache import KVCache
+from ....runtime.syncs import upload
 
 
 class SlotView:
@@ -60,7 +61,7 @@ class SlotView:
 
     def put(self, slots: list[int], positions: list[int]) -> None:
         """Store `positions` (the same in every layer) in `slots`."""
-        both = torch.tensor([slots, positions], device=self.positions.device)
+        both = upload([slots, positions], self.positions.device)
         self._grow_mask()
         self._selected[self.positions[:, both[0]], self._layer_index] = False
         self.positions[:, both[0]] = both[1]
@@ -81,7 +82,7 @@ class SlotView:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._uncopied:  # every layer's at once: one gather per step, not one per layer
-            slots = torch.tensor(sorted(self._uncopied), device=self.positions.device)
+            slots = upload(sorted(self._uncopied), self.positions.device)
             positions = self.positions[:, slots]
             self.keys[:, slots] = self.cache.readable(self.cache.keys[self._layer_index, positions])
             self.values[:, slots] = self.cache.readable(self.cache.values[self._layer_index, positions])
