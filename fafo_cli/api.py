@@ -101,8 +101,10 @@ class Engine:
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
         engine.session.step_costs = read_step_costs(engine.steps_folder)
-        if config.cuda_graphs:
-            engine.compiled = engine.session.compiled = _graph_steps(engine.model, config, notify or _print_notice)
+        if _use_graphs(engine.model, config):
+            from .compiled.graphs import GraphSteps
+
+            engine.compiled = engine.session.compiled = GraphSteps(engine.model, notify or _print_notice)
         elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
@@ -236,17 +238,19 @@ class Engine:
         self.session.keep_conversations(count, int(max_mb * 1e6))
 
 
-def _graph_steps(model: Model, config: config_mod.Config, notify: Callable[[str], None]):
-    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py), in place of compiled packages."""
-    from .compiled.graphs import GraphSteps
-
+def _use_graphs(model: Model, config: config_mod.Config) -> bool:
+    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py) in place of compiled packages; `auto` on
+    one CUDA GPU unless `compile: on` asks for packages, `on` refuses what it cannot do."""
+    usable = model.device.type == "cuda" and config.compile != "on" and not model.spread
+    if config.cuda_graphs != "on":
+        return usable and config.cuda_graphs == "auto"
     if model.device.type != "cuda":
         raise FafoError(f"--cuda-graphs needs a CUDA device; the device here is {model.device.type}")
     if config.compile == "on":
         raise FafoError("--cuda-graphs and --compile both replace eager steps; choose one")
     if model.spread:
         raise FafoError("--cuda-graphs captures one device's steps; not with --gpus")
-    return GraphSteps(model, notify)
+    return True
 
 
 def check_spread(config: config_mod.Config) -> None:

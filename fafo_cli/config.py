@@ -24,6 +24,7 @@ ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 COMPILE = ("auto", "on", "off")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 # The commands that generate text offer every key as a flag, and `compile`, whose builds follow the settings; a
@@ -80,8 +81,10 @@ class Config:
     gpus: int = _opt(1, "GPUs the model's layers are spread over (accelerate's device_map; each layer's KV cache "
                         "on its layer's GPU), for models larger than one GPU; 1: the whole model on `device`", low=1,
                      high=64, also=("bench", "doctor"))
-    cuda_graphs: bool = _opt(False, "run decoding steps as CUDA graphs, one captured per step size (CUDA only; never "
-                                    "measured yet)", also=("bench", "doctor"))
+    cuda_graphs: str = _opt("auto", "decoding steps as CUDA graphs, one captured per step size: auto uses them on a "
+                                    "CUDA GPU (not with --compile on or --gpus), on requires them, off runs eager "
+                                    "steps", choices=CUDA_GRAPHS, flag="--cuda-graphs/--no-cuda-graphs",
+                            switch=("on", "off"), also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
                                 "disk: on builds them when missing, auto uses those already built that measured "
                                 "faster than eager, off uses none", choices=COMPILE,

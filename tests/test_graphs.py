@@ -64,16 +64,28 @@ def test_cuda_graphs_need_cuda(tiny):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(FafoError, match="--cuda-graphs needs a CUDA device; the device here is cpu"):
-        load(str(tiny), cuda_graphs=True)
+        load(str(tiny), cuda_graphs="on")
+
+
+def test_graphs_are_used_only_where_they_can_run(tiny):
+    """auto: not on a CPU, and not beside compiled packages that `compile: on` asks for."""
+    from fafo_cli.errors import FafoError
+
+    engine = load(str(tiny), chat_template=False, device="cpu", compile="off")
+    assert engine.config.cuda_graphs == "auto" and not isinstance(engine.session.compiled, GraphSteps)
+    if torch.cuda.is_available():
+        assert isinstance(load(str(tiny), chat_template=False, device="cuda").session.compiled, GraphSteps)
+        with pytest.raises(FafoError, match="choose one"):
+            load(str(tiny), chat_template=False, device="cuda", cuda_graphs="on", compile="on")
 
 
 @CUDA
 @pytest.mark.parametrize("method", ["vanilla", "fafo"])
 def test_captured_cuda_graphs_equal_eager_steps(tiny, method):
     notices: list[str] = []
-    eager = load(str(tiny), device="cuda", dtype="float32", chat_template=False, compile="off")
-    graphs = load(str(tiny), device="cuda", dtype="float32", chat_template=False, cuda_graphs=True,
-                  notify=notices.append)
+    eager = load(str(tiny), device="cuda", dtype="float32", chat_template=False, compile="off", cuda_graphs="off")
+    graphs = load(str(tiny), device="cuda", dtype="float32", chat_template=False, notify=notices.append)
     options = dict(method=method, max_tokens=40, temperature=0.0, streams=2)
     assert graphs.complete(LONG, **options).token_ids == eager.complete(LONG, **options).token_ids
-    assert not notices and graphs.session.compiled.calls_by_size  # captured, replayed, no fallback
+    assert not notices and graphs.session.compiled.calls_by_size  # auto: captured, replayed, no fallback
+    assert eager.session.compiled is None
