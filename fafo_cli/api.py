@@ -133,8 +133,7 @@ class Engine:
         if isinstance(self.model.hf, PreTrainedModel):
             return self.model.hf
         weights = hub.weights_in(self.folder, str(self.model.dtype).removeprefix("torch."))
-        with hub.quiet_transformers():
-            return transformers_model(weights, self.config, self.model.dtype, self.model.device)
+        return transformers_model(weights, self.config, self.model.dtype, self.model.device)
 
     @cached_property
     def steps_folder(self) -> Path:
@@ -295,25 +294,38 @@ def _spread_map(config: config_mod.Config, weights: Path, device: torch.device, 
 def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
     """(tokenizer, transformers model on `device` or spread over `gpus` GPUs, folder) for a hub id, folder or .gguf
     (None: the embedded one)."""
-    from transformers import AutoTokenizer
-
     from .runtime import llama
 
     folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
     weights = hub.weights_in(folder, str(dtype).removeprefix("torch."))
     device_map = _spread_map(config, weights, device, dtype)
     try:
-        with hub.quiet_transformers():
-            # our own modules where they compute the checkpoint exactly: transformers' model classes cost seconds
-            # to import; a model spread over GPUs or with code of its own loads through transformers
-            lean = None if device_map is not None or config.trust_remote_code else llama.load(weights, dtype, device)
-            # the model's config given to the tokenizer spares transformers loading its own (a second of imports)
-            known = {"config": llama.Config(**{**vars(lean.config), "_name_or_path": str(folder)})} if lean else {}
-            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
-            model = lean if lean is not None else transformers_model(weights, config, dtype, device, device_map)
+        # our own modules where they compute the checkpoint exactly: transformers' model classes cost seconds
+        # to import; a model spread over GPUs or with code of its own loads through transformers
+        lean = None if device_map is not None or config.trust_remote_code else llama.load(weights, dtype, device)
+        tokenizer = load_tokenizer(folder, config, lean.config if lean is not None else None)
+        model = lean if lean is not None else transformers_model(weights, config, dtype, device, device_map)
     except (OSError, ValueError) as e:
         raise FafoError(f"cannot load the model in {folder}: {first_line(e)}") from None
     return tokenizer, model, folder
+
+
+def load_tokenizer(folder: Path, config: config_mod.Config, model_config=None):
+    """The folder's tokenizer: ours where tokenizer.json is the whole of it (half a second of transformers' imports
+    spared), else transformers'."""
+    from .runtime.tokenizer import lean_tokenizer
+
+    lean = lean_tokenizer(folder, hub.is_converted(folder), config.trust_remote_code)
+    if lean is not None:
+        return lean
+    from transformers import AutoTokenizer
+
+    from .runtime import llama
+
+    # the model's config given to the tokenizer spares transformers loading its own (a second of imports)
+    known = {"config": llama.Config(**{**vars(model_config), "_name_or_path": str(folder)})} if model_config else {}
+    with hub.quiet_transformers():
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
 
 
 def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dtype, device: torch.device,
@@ -321,9 +333,10 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
     """The checkpoint as transformers' own model class (hf-generate rows, models our modules do not cover)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
-        use_safetensors=None if config.allow_pickle else True, device_map=device_map)
+    with hub.quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
+            use_safetensors=None if config.allow_pickle else True, device_map=device_map)
     if device_map is None:
         model.to(device)
     return model.eval()

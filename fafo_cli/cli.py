@@ -433,10 +433,9 @@ def cacheback_build_table(
     settings = config_mod.resolve(config, model=model, **flags)
     texts = read_corpus(files)  # every file checked before the tokenizer loads
     folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
-    from transformers import AutoTokenizer
+    from .api import load_tokenizer
 
-    with hub.quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=settings.trust_remote_code)
+    tokenizer = load_tokenizer(folder, settings)
     streams = [tokenizer(text)["input_ids"] for text in texts]
     table = build_table(streams, settings.cacheback_leader, settings.cacheback_follower,
                         settings.cacheback_followers, settings.cacheback_leaders)

@@ -118,7 +118,7 @@ def weights_in(folder: Path, dtype: str) -> Path:
     (`<folder>/<dtype>/`, atomically). After the first run (whose copy holds both), loading reads half the bytes
     and never holds the float32 file and the half-precision weights at once; the values are the same (float32
     rounded to the dtype, as a load does)."""
-    if dtype == "float32" or not (folder / SOURCE_MARKER).is_file() or not (folder / "model.safetensors").is_file():
+    if dtype == "float32" or not is_converted(folder) or not (folder / "model.safetensors").is_file():
         return folder
     target = folder / dtype
     if (target / "model.safetensors").is_file():
@@ -193,10 +193,15 @@ def stored_precision(folder: Path) -> str | None:
     return SHORT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else None
 
 
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` is a .gguf model we converted (its tokenizer files were written by transformers)."""
+    return (folder / SOURCE_MARKER).is_file()
+
+
 def weights_format(folder: Path, dtype: str) -> str:
     """The weight format a model loaded from `folder` in `dtype` runs on, in words: "Q4_1 GGUF, dequantized to
     float32", "safetensors bf16", "safetensors bf16, loaded as float32"."""
-    if (folder / SOURCE_MARKER).is_file():
+    if is_converted(folder):
         return " ".join(filter(None, [converted_quantization(folder), f"GGUF, dequantized to {dtype}"]))
     files = "safetensors" if any(folder.glob("*.safetensors")) else "pickle (.bin)"
     stored = stored_precision(folder)

@@ -130,9 +130,29 @@ def test_checkpoints_the_modules_do_not_cover_load_through_transformers(tmp_path
     assert llama.load(extra, torch.float32, torch.device("cpu")) is None
 
 
-def test_loading_the_embedded_model_imports_neither_the_compiler_nor_sympy():
-    """What a `fafo run` start costs: transformers' model classes pull in torch._dynamo and sympy (seconds)."""
+def test_loading_the_embedded_model_imports_neither_transformers_nor_the_compiler_nor_sympy():
+    """What a `fafo run` start costs: transformers' model classes pull in torch._dynamo and sympy (seconds), its
+    package and tokenizer classes half a second."""
     code = ("import sys; from fafo_cli import load; e = load(); e.complete('Hi', max_tokens=2); "
-            "print(type(e.model.hf).__name__, 'torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
+            "print(type(e.model.hf).__name__, type(e.tokenizer).__name__, "
+            "*(m in sys.modules for m in ('transformers', 'torch._dynamo', 'sympy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["CausalLM", "False", "False"]
+    assert out == ["CausalLM", "Tokenizer", "False", "False", "False"]
+
+
+@pytest.mark.parametrize("given", [None, {"eos_token_id": [2, 3]},
+                                   {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 2}])
+def test_generation_settings_read_as_transformers_reads_them(tmp_path, given):
+    from transformers import GenerationConfig
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    path = folder / "generation_config.json"
+    if given is None:
+        path.unlink()
+        theirs = GenerationConfig.from_model_config(json.loads((folder / "config.json").read_text()))
+    else:
+        path.write_text(json.dumps(given))
+        theirs = GenerationConfig.from_pretrained(folder)
+    ours = llama.load(folder, torch.float32, torch.device("cpu")).generation_config
+    assert {key: getattr(ours, key) for key in llama.GENERATION_KEYS} == {
+        key: getattr(theirs, key) for key in llama.GENERATION_KEYS}

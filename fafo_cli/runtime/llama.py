@@ -33,6 +33,7 @@ DEFAULTS = {
     "qwen3": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False, num_key_value_heads=32,
                   head_dim=128),
 }
+GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "eos_token_id")  # what decoding reads
 COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
 
 
@@ -235,10 +236,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return []
 
 
-def _generation_config(folder: Path, config: Config):
-    """generation_config.json, or as transformers derives one from the model's config where there is none."""
-    from transformers import GenerationConfig
-
-    if (folder / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(folder)
-    return GenerationConfig.from_model_config(dict(vars(config)))  # a copy: it edits the dict it is given
+def _generation_config(folder: Path, config: Config) -> SimpleNamespace:
+    """What decoding reads of generation_config.json (sampling defaults, stop ids), or of the model's config where
+    there is none, as transformers derives one; a key left out is None, as transformers' default."""
+    path = folder / "generation_config.json"
+    given = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else vars(config)
+    return SimpleNamespace(**{key: given.get(key) for key in GENERATION_KEYS})

@@ -1,0 +1,112 @@
+"""Our tokenizer (runtime/tokenizer.py) against transformers' AutoTokenizer on the same folder: the ids of texts and
+of chat templates, decoding, the eos token and the vocabulary; and when transformers must build the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from fafo_cli import hub
+from fafo_cli.runtime.tokenizer import Tokenizer, lean_tokenizer
+
+from .conftest import build_tiny_model
+from .test_real_models import QWEN_GGUF
+
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines  ", "naïve café — 東京 🙂 ÅÆØ",
+         "def f(x):\n    return x ** 2  # square\n", "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+         "1234567890 3.14159 -42", ""]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another, in 日本語?"}],
+]
+
+
+def assert_same(folder: Path, converted: bool = False) -> None:
+    from transformers import AutoTokenizer
+
+    ours = lean_tokenizer(folder, converted, trust_remote_code=False)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, Tokenizer)
+    for text in TEXTS:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"], text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), text
+    for messages in CONVERSATIONS:
+        for prompt in (True, False):
+            options = dict(add_generation_prompt=prompt, tokenize=True, return_dict=True)
+            assert ours.apply_chat_template(messages, **options)["input_ids"] == list(
+                theirs.apply_chat_template(messages, **options)["input_ids"])
+            text = dict(add_generation_prompt=prompt, tokenize=False)
+            assert ours.apply_chat_template(messages, **text) == theirs.apply_chat_template(messages, **text)
+    assert ours.eos_token_id == theirs.eos_token_id and ours.get_vocab() == theirs.get_vocab()
+    assert len(ours) == len(theirs) and ours.chat_template == theirs.chat_template
+
+
+def test_tiny_models_tokenize_as_transformers(tiny):
+    assert_same(tiny)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_tokenizes_as_transformers(smollm2):
+    assert hub.is_converted(smollm2)
+    assert_same(smollm2, converted=True)
+
+
+@pytest.mark.slow
+def test_qwen_coder_tokenizes_as_transformers():
+    if not QWEN_GGUF.is_file():
+        pytest.skip(f"no Qwen2.5-Coder .gguf file at {QWEN_GGUF} (set FAFO_QWEN_GGUF to one)")
+    assert_same(hub.resolve(str(QWEN_GGUF)), converted=True)
+
+
+@pytest.mark.parametrize("change", ["LlamaTokenizer", "auto_map", "add_bos_token", "remote code", "no tokenizer.json"])
+def test_transformers_builds_what_tokenizer_json_may_not_hold(tmp_path, change):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    assert lean_tokenizer(folder, False, False) is not None
+    if change == "LlamaTokenizer":  # a class that builds its own pipeline: only our conversions are known exact
+        settings["tokenizer_class"] = change
+        assert lean_tokenizer(folder, True, False) is not None
+    elif change == "auto_map":
+        settings["auto_map"] = {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}
+    elif change == "add_bos_token":
+        settings["add_bos_token"] = True
+    elif change == "no tokenizer.json":
+        (folder / "tokenizer.json").unlink()
+    path.write_text(json.dumps(settings))
+    assert lean_tokenizer(folder, False, change == "remote code") is None
+
+
+def template_folder(tmp_path: Path, template: str) -> Tokenizer:
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=template)
+    tokenizer = lean_tokenizer(folder, False, False)
+    assert tokenizer is not None
+    return tokenizer
+
+
+def test_a_template_can_refuse_messages(tmp_path):
+    tokenizer = template_folder(tmp_path, "{% if messages[0]['role'] == 'system' %}"
+                                          "{{ raise_exception('no system messages') }}{% endif %}ok")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "ok"
+    with pytest.raises(jinja2.TemplateError, match="no system messages"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)
+
+
+def test_templates_render_generation_blocks_tojson_and_loop_controls(tmp_path):
+    tokenizer = template_folder(tmp_path, "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                                          "{% generation %}{{ m | tojson }}{% endgeneration %}{% endfor %}")
+    messages = [{"role": "user", "content": "é <b>"}, {"role": "user", "content": "second"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == '{"role": "user", "content": "é <b>"}'
+
+
+def test_templates_run_in_a_sandbox(tmp_path):
+    tokenizer = template_folder(tmp_path, "{{ messages.append(messages[0]) }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
