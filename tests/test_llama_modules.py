@@ -140,8 +140,10 @@ def test_loading_the_embedded_model_imports_neither_transformers_nor_the_compile
     assert out == ["CausalLM", "Tokenizer", "False", "False", "False"]
 
 
-@pytest.mark.parametrize("given", [None, {"eos_token_id": [2, 3]},
-                                   {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 2}])
+SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 2}
+
+
+@pytest.mark.parametrize("given", [None, {"eos_token_id": [2, 3]}, SAMPLING])
 def test_generation_settings_read_as_transformers_reads_them(tmp_path, given):
     from transformers import GenerationConfig
 

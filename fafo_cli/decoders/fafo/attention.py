@@ -49,8 +49,8 @@ class FafoAttention:
             self.view_size = compressor.view_size(cache)
             # the anchor's and the window rows' slots in the cache, copied after the view in each layer
             start = length + verify_rows
-            self.window_source = upload(torch.cat([torch.tensor([length]),
-                                                   torch.arange(start, start + layout.rows - verify_rows)]), cache.device)
+            sources = torch.cat([torch.tensor([length]), torch.arange(start, start + layout.rows - verify_rows)])
+            self.window_source = upload(sources, cache.device)
             if view.block_masks is not None:  # one FlexAttention call over [C(kv) region | positions]
                 self.kv_length = cache.lead + cache.capacity
                 self.block_mask = view.block_masks.get(lead=cache.lead, kv_length=self.kv_length, length=length,
