@@ -315,7 +315,10 @@ def load_tokenizer(folder: Path, config: config_mod.Config, model_config=None):
     spared), else transformers'."""
     from .runtime.tokenizer import lean_tokenizer
 
-    lean = lean_tokenizer(folder, hub.is_converted(folder), config.trust_remote_code)
+    try:
+        lean = lean_tokenizer(folder, hub.is_converted(folder), config.trust_remote_code)
+    except ValueError as e:
+        raise FafoError(first_line(e)) from None
     if lean is not None:
         return lean
     from transformers import AutoTokenizer

@@ -214,6 +214,8 @@ def _check(name: str, value: Any, spec) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise FafoError(f"config key '{name}' must be a number (got {value!r})")
         value = float(value)
+    elif isinstance(value, bool) and meta["switch"]:  # YAML reads `on`, `off`, `true` as booleans
+        value = meta["switch"][0] if value else meta["switch"][1]
     elif not isinstance(value, str):
         raise FafoError(f"config key '{name}' must be text (got {value!r})")
     if meta["choices"] and value not in meta["choices"]:

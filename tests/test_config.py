@@ -167,3 +167,13 @@ def test_flag_spellings():
     assert run["copies"].declarations == ("--copies",)
     assert run["trust_remote_code"].declarations == ("--trust-remote-code",)  # an opt-in: no --no- form
     assert run["model"].declarations == ()  # the positional argument
+
+
+@pytest.mark.parametrize("written,expected", [("on", "on"), ("off", "off"), ("true", "on"), ("false", "off"),
+                                              ("auto", "auto")])
+def test_yaml_booleans_are_the_on_off_choices(tmp_path, written, expected):
+    """YAML reads `on`, `off`, `true`, `false` as booleans: for an on/off key they mean its two choices."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"compile: {written}\ncuda_graphs: {written}\n")
+    config = config_mod.resolve(str(path))
+    assert (config.compile, config.cuda_graphs) == (expected, expected)

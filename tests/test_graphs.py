@@ -79,6 +79,27 @@ def test_graphs_are_used_only_where_they_can_run(tiny):
             load(str(tiny), chat_template=False, device="cuda", cuda_graphs="on", compile="on")
 
 
+@pytest.mark.parametrize("device,spread,compile,graphs,expected", [
+    ("cuda", False, "auto", "auto", True), ("cuda", False, "on", "auto", False), ("cuda", True, "auto", "auto", False),
+    ("cuda", False, "auto", "off", False), ("cpu", False, "auto", "auto", False), ("cuda", False, "auto", "on", True),
+    ("cpu", False, "auto", "on", "needs a CUDA device"), ("cuda", False, "on", "on", "choose one"),
+    ("cuda", True, "auto", "on", "not with --gpus")])
+def test_where_graphs_run(device, spread, compile, graphs, expected):
+    """auto: on one CUDA GPU unless compiled packages are asked for; on: there or a one-line refusal."""
+    from types import SimpleNamespace
+
+    from fafo_cli import api, config as config_mod
+    from fafo_cli.errors import FafoError
+
+    model, config = SimpleNamespace(device=torch.device(device), spread=spread), config_mod.Config(
+        compile=compile, cuda_graphs=graphs)
+    if isinstance(expected, str):
+        with pytest.raises(FafoError, match=expected):
+            api._use_graphs(model, config)
+    else:
+        assert api._use_graphs(model, config) is expected
+
+
 @CUDA
 @pytest.mark.parametrize("method", ["vanilla", "fafo"])
 def test_captured_cuda_graphs_equal_eager_steps(tiny, method):

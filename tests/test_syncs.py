@@ -66,10 +66,11 @@ def test_upload_on_a_cpu_is_the_plain_tensor():
 
 def test_attention_on_cuda_leaves_cudnn_out_and_restores_the_choice():
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
-    with attention_kernels(torch.device("cuda")):
+    with attention_kernels(torch.device("cuda"), 256):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
-    with attention_kernels(torch.device("cpu")):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    for device, rows in (("cpu", 1), ("cuda", 512)):  # a CPU, and a prefill chunk keep torch's choice
+        with attention_kernels(torch.device(device), rows):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]

@@ -110,3 +110,63 @@ def test_templates_run_in_a_sandbox(tmp_path):
     tokenizer = template_folder(tmp_path, "{{ messages.append(messages[0]) }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_saved_truncation_and_padding_are_not_applied(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {"strategy": {"Fixed": 9}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    assert_same(folder)
+    assert len(lean_tokenizer(folder, False, False)("a b a b a")["input_ids"]) == 9
+
+
+def test_special_tokens_tokenizer_json_lacks_go_through_transformers(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    path.write_text(json.dumps({**settings, "additional_special_tokens": ["<|not in the vocabulary|>"]}))
+    assert lean_tokenizer(folder, False, False) is None
+    path.write_text(json.dumps(settings))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert lean_tokenizer(folder, False, False) is None
+
+
+@pytest.mark.parametrize("names", [["default", "tool_use"], ["tool_use"]])
+def test_named_templates_in_the_config(tmp_path, names):
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    path = folder / "tokenizer_config.json"
+    templates = [{"name": name, "template": f"{name}:{{{{ messages[0]['content'] }}}}"} for name in names]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": templates}))
+    tokenizer = lean_tokenizer(folder, False, False)
+    if "default" not in names:  # transformers asks which one: not ours to choose
+        assert tokenizer is None
+        return
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "default:x"
+
+
+@pytest.mark.parametrize("template", ["{{ dict.update(messages[0], {'role': 'changed'}) }}",
+                                      "{{ messages[0].update({'role': 'changed'}) }}",
+                                      "{% set ns = namespace(__class__=1) %}", "{% set ns = namespace() %}"
+                                                                               "{% set ns._x = 1 %}"])
+def test_templates_cannot_change_the_messages_or_reach_internals(tmp_path, template):
+    tokenizer = template_folder(tmp_path, template)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(jinja2.TemplateError):  # the sandbox's SecurityError, or an undefined `dict.update`
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_unreadable_tokenizer_and_generation_files_are_one_line(tmp_path, broken):
+    from fafo_cli import load
+    from fafo_cli.errors import FafoError
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    (folder / broken).write_text("[1, 2]" if broken != "tokenizer.json" else "{not json")
+    with pytest.raises(FafoError, match=f"cannot (read|load) .*{folder}") as error:
+        load(str(folder), device="cpu", compile="off")
+    assert "\n" not in str(error.value)

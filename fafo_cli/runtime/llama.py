@@ -241,4 +241,6 @@ def _generation_config(folder: Path, config: Config) -> SimpleNamespace:
     there is none, as transformers derives one; a key left out is None, as transformers' default."""
     path = folder / "generation_config.json"
     given = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else vars(config)
+    if not isinstance(given, dict):
+        raise ValueError(f"{path.name} does not hold a JSON object")
     return SimpleNamespace(**{key: given.get(key) for key in GENERATION_KEYS})

@@ -34,11 +34,16 @@ def max_context(config) -> int:
     return limit
 
 
-def attention_kernels(device: torch.device) -> ContextManager:
-    """On CUDA, attention runs on flash, memory-efficient or math kernels, never cuDNN's, which torch prefers on
-    recent GPUs: cuDNN builds a plan for every new key length, so once per layer in every decoding step (measured on
-    an H200: 1.7 ms of host time each, most of a plain step; docs/gpu.md)."""
-    if device.type != "cuda":
+# the most rows a decoding step runs (compiled.steps' largest bucket); a prefill chunk has more
+STEP_ROWS = 256
+
+
+def attention_kernels(device: torch.device, rows: int) -> ContextManager:
+    """A decoding step's attention on CUDA runs on flash, memory-efficient or math kernels, never cuDNN's, which
+    torch prefers on recent GPUs: cuDNN builds a plan for every new key length, so once per layer in every step
+    (measured on an H200: 1.7 ms of host time each, most of a plain step; docs/gpu.md). A prefill chunk, planned
+    once, keeps torch's choice."""
+    if device.type != "cuda" or rows > STEP_ROWS:
         return nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
@@ -115,7 +120,7 @@ class Model:
         lin = linear or _own
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
-        with attention_kernels(x.device):
+        with attention_kernels(x.device, rows):
             for i, layer in enumerate(self.layers):
                 if self.spread and x.device != self.layer_devices[i]:  # the next GPU's layers
                     x, cos, sin = (t.to(self.layer_devices[i]) for t in (x, cos, sin))
