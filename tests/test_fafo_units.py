@@ -247,9 +247,10 @@ def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
     from fafo_cli.decoders.fafo.step import MOST_AUTO_STREAMS, widest_window
 
     settings = FafoSettings.from_config(config.build(streams="auto", ngram=4))
-    default = StepCosts.default(accelerator=True)  # each row 0.2% of a one-row step
-    assert window_streams(settings, None, default) == 31  # 1 + 123 · 0.002 ≤ 1.25 < 1 + 127 · 0.002
-    assert window_streams(replace(settings, ngram=3), None, default) == MOST_AUTO_STREAMS
+    default = StepCosts.default(accelerator=True)  # each row 0.5% of a one-row step
+    assert window_streams(settings, None, default) == 12  # 1 + 47 · 0.005 ≤ 1.25 < 1 + 51 · 0.005
+    assert window_streams(replace(settings, ngram=3), None, default) == 17  # 51 rows, then 54
+    assert widest_window(StepCosts({1: 1.0, 64: 1.0}), 3) == MOST_AUTO_STREAMS  # free rows: the widest
     flat = StepCosts({1: 10.0, 64: 12.0, 256: 17.0})  # a memory-bound GPU: 64 rows 20% dearer than one
     assert widest_window(flat, 4) == 20  # 80 rows cost 12 + 16·5/192 = 12.42 ms, 84 rows 12.52 (> 1.25 × 10 ms)
     assert window_streams(settings, None, flat) == 20
