@@ -99,6 +99,7 @@ def test_gpu_report_captures_cuda_graphs():
 
     report = gpu_report.run(torch.device("cuda"), "tiny", rows=(1, 8, 64), context=128)
     assert report["graphs"] and all(row["graph_ms"] > 0 for row in report["rows"].values())
+    assert report["fafo_64_rows_ms"]["split_graph"] > 0
 
 
 def test_doctor_checks_exactness_on_a_float32_copy_of_a_half_precision_model(tiny, isolated, capsys):
