@@ -1,4 +1,5 @@
-"""CUDA graphs of decoding steps (`cuda_graphs`, on a CUDA GPU by default): one captured graph per step size, replayed every step.
+"""CUDA graphs of decoding steps (`cuda_graphs`, on a CUDA GPU by default): one captured graph per step size,
+replayed every step.
 
 A replayed graph launches a step's hundreds of kernels at once instead of one by one from Python, which is most of
 a small model's GPU step. A graph replays fixed kernels on fixed memory, so the step it captures reads nothing from
