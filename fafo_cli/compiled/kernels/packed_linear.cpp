@@ -71,9 +71,30 @@ inline uint32_t word_at(const uint8_t* p) {
   return v;
 }
 
+constexpr int64_t kScales = 4;  // floats `scales` leaves per entry
+
+#if FAFO_PACKED
+// Stores scales computed in a vector for rebuild to read back from memory: each then reaches its table as a
+// broadcast load, where the compiler would otherwise move it out of the register with a permute (the shuffle
+// units are what a one-row step waits on)
+inline void store_scales(float* out, __m512 scales) {
+  _mm512_store_ps(out, scales);
+  asm volatile("" : : "r"(out) : "memory");
+}
+
+// The 32-bit words at `offset` of kSub consecutive entries of `size` bytes
+inline __m128i words(const uint8_t* first, int64_t size, int64_t offset) {
+  static_assert(kSub == 4, "words reads four entries");
+  return _mm_setr_epi32(word_at(first + offset), word_at(first + size + offset), word_at(first + 2 * size + offset),
+                        word_at(first + 3 * size + offset));
+}
+#endif
+
 // Each format gives one weight row's 64 columns of an entry: `plain` as the 64 float32 values gguf's
 // dequantizer computes (the caller rounds them to bf16), `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks
-// A and B), the same values rounded the same way.
+// A and B), the same values rounded the same way. `rebuild` reads an entry's scales as `scales` left them: those of
+// kSub consecutive entries are computed together, in vectors (one entry's alone took more instructions than its
+// 64 weights' table lookups; see rebuild_batch).
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
@@ -84,6 +105,8 @@ struct Q4_1 {
     }
   }
 #if FAFO_PACKED
+  static void scales(const uint8_t*, float*) {}  // d and m are float32 in the entry already
+
   // bf16(d * q + m) for q = 0..15, in both halves of a 32-entry table (the permute reads 5 index bits)
   static __m512i values(float d, float m) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -91,11 +114,16 @@ struct Q4_1 {
     return (__m512i)_mm512_cvtne2ps_pbh(v, v);
   }
 
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+  // Two blocks of 4-bit codes (byte i = A's code i | B's code i << 4) looked up in their tables (`dm`: dA, mA, dB,
+  // mB). (One table of A's and B's values takes a conversion less but two integer operations more: slower.)
+  static void lookup(const uint8_t* entry, const float* dm, __m512i& a, __m512i& b) {
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
-    const float* dm = reinterpret_cast<const float*>(entry + 32);
     a = _mm512_permutexvar_epi16(codes, values(dm[0], dm[1]));
     b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values(dm[2], dm[3]));
+  }
+
+  static void rebuild(const uint8_t* entry, const float*, __m512i& a, __m512i& b) {
+    lookup(entry, reinterpret_cast<const float*>(entry + 32), a, b);
   }
 #endif
 };
@@ -105,7 +133,7 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
 
   // D and M of block A (half 0) or B: exact products (11-bit by 6-bit), so gguf's float32 values; gguf's
   // D * q - dmin * m is then D * q + M exactly (subtraction is addition of the negation)
-  static void scales(const uint8_t* e, int half, float& d, float& m) {
+  static void block_scales(const uint8_t* e, int half, float& d, float& m) {
     d = half_at(e + 36) * static_cast<float>(e[32 + 2 * half]);
     m = -(half_at(e + 38) * static_cast<float>(e[33 + 2 * half]));
   }
@@ -113,21 +141,22 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
   static void plain(const uint8_t* __restrict e, float* __restrict w) {
     for (int half = 0; half < 2; ++half) {
       float d, m;
-      scales(e, half, d, m);
+      block_scales(e, half, d, m);
       for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
     }
   }
 #if FAFO_PACKED
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
-    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
-    const uint8_t* s = entry + 32;
-    uint16_t bits[2];
-    std::memcpy(bits, entry + 36, 4);
-    const float d = _cvtsh_ss(bits[0]), dmin = _cvtsh_ss(bits[1]);
-    a = _mm512_permutexvar_epi16(codes, Q4_1::values(d * static_cast<float>(s[0]), -(dmin * static_cast<float>(s[1]))));
-    b = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4),
-                                 Q4_1::values(d * static_cast<float>(s[2]), -(dmin * static_cast<float>(s[3]))));
+  // D, M of block A, then of B, per entry: block_scales' products, the same float32 values
+  static void scales(const uint8_t* first, float* out) {
+    const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(words(first, entry, 32)));  // scA mA scB mB
+    const __m256 halves = _mm256_cvtph_ps(words(first, entry, 36));  // d dmin of each entry
+    const __m512 both = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7),
+                                              _mm512_castps256_ps512(halves));
+    const __m512 negate = _mm512_castsi512_ps(_mm512_set4_epi32(INT32_MIN, 0, INT32_MIN, 0));  // the minimums
+    store_scales(out, _mm512_xor_ps(_mm512_mul_ps(both, codes), negate));
   }
+
+  static void rebuild(const uint8_t* entry, const float* dm, __m512i& a, __m512i& b) { Q4_1::lookup(entry, dm, a, b); }
 #endif
 };
 
@@ -160,7 +189,9 @@ struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, scale), _mm512_mul_ps(low, scale));
   }
 
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+  static void scales(const uint8_t*, float*) {}  // read with each entry: batching them measured slower
+
+  static void rebuild(const uint8_t* entry, const float*, __m512i& a, __m512i& b) {
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
     const __m512i sixteen = _mm512_set1_epi16(16);
     uint16_t bits[2];
@@ -200,14 +231,17 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
                                         _mm512_mul_ps(low, _mm512_set1_ps(d0)));
   }
 
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+  // D = d * s of each entry's four 16-weight sub-blocks (the padding after d is read and not used)
+  static void scales(const uint8_t* first, float* out) {
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(words(first, entry, 48)));
+    const __m256 halves = _mm256_cvtph_ps(words(first, entry, 52));  // d, padding, per entry
+    const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6),
+                                           _mm512_castps256_ps512(halves));
+    store_scales(out, _mm512_mul_ps(d, s));
+  }
+
+  static void rebuild(const uint8_t* entry, const float* scale, __m512i& a, __m512i& b) {
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry)));
-    uint16_t bits;
-    std::memcpy(&bits, entry + 52, 2);
-    const float d = _cvtsh_ss(bits);
-    const int8_t* s = reinterpret_cast<const int8_t*>(entry + 48);
-    float scale[4];
-    for (int k = 0; k < 4; ++k) scale[k] = d * static_cast<float>(s[k]);
     a = block(_mm512_and_si512(codes, _mm512_set1_epi16(15)), word_at(entry + 32), word_at(entry + 40), scale[0],
               scale[1]);
     b = block(_mm512_srli_epi16(codes, 4), word_at(entry + 36), word_at(entry + 44), scale[2], scale[3]);
@@ -233,7 +267,9 @@ struct Q8_0 {
     return (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0));
   }
 
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+  static void scales(const uint8_t*, float*) {}  // read with each entry: batching them measured slower
+
+  static void rebuild(const uint8_t* entry, const float*, __m512i& a, __m512i& b) {
     uint16_t bits[2];
     std::memcpy(bits, entry + 64, 4);
     a = block(entry, _cvtsh_ss(bits[0]));
@@ -284,6 +320,21 @@ void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0
   }
 }
 
+#if FAFO_PACKED
+// Rebuilds kSub consecutive entries from `first`, their scales computed together: use(t, a, b) for each. Every
+// vector path rebuilds weights through this, packing's check (packed_weight) included.
+template <class F, class Use>
+[[gnu::always_inline]] inline void rebuild_batch(const uint8_t* first, Use use) {
+  alignas(64) float scales[kSub * kScales];
+  F::scales(first, scales);
+  for (int t = 0; t < kSub; ++t) {
+    __m512i a, b;
+    F::rebuild(first + t * F::entry, scales + t * kScales, a, b);
+    use(t, a, b);
+  }
+}
+#endif
+
 // Ask for the group kPrefetch bytes past `group`: into L2 on the AVX-512 path (locality 2; AMD Zen 4, SmolLM2's 211
 // matrices for 1 / 6 rows: 7.1 / 12.2 ms into L1, 6.2 / 10.2 into L2), into L1 on the AMX path (3: as measured on
 // its CPU)
@@ -302,15 +353,13 @@ void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = tile + g * kTile * F::entry;
     if (sub == 0) prefetch<F, 2>(group);
-    for (int t = 0; t < kSub; ++t) {
-      __m512i a, b;
-      F::rebuild(group + (sub * kSub + t) * F::entry, a, b);
+    rebuild_batch<F>(group + sub * kSub * F::entry, [&](int t, __m512i a, __m512i b) {
       for (int r = 0; r < rows; ++r) {
         const at::BFloat16* xr = x + r * ldx + g * kGroup;
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr), (__m512bh)a);
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr + 32), (__m512bh)b);
       }
-    }
+    });
   }
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < kSub; ++t) sums[(sub * kSub + t) * ld + r] = _mm512_reduce_add_ps(acc[r][t]);
@@ -320,7 +369,9 @@ void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64
 struct Built {
   static constexpr int64_t entry = 128;
 
-  static void rebuild(const uint8_t* entry, __m512i& a, __m512i& b) {
+  static void scales(const uint8_t*, float*) {}
+
+  static void rebuild(const uint8_t* entry, const float*, __m512i& a, __m512i& b) {
     a = _mm512_loadu_si512(entry);
     b = _mm512_loadu_si512(entry + 64);
   }
@@ -333,12 +384,12 @@ void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t
     if (rows > kRows) {  // several register blocks of rows: rebuild the tile's weights once, not once per block
       thread_local std::vector<uint8_t> built;  // (the same bf16 values, multiplied in the same order: same bits)
       built.resize(groups * kTile * Built::entry);
-      for (int64_t e = 0; e < groups * kTile; ++e) {
-        if (e % kTile == 0) prefetch<F, 2>(tile + e * F::entry);  // the weights stream from memory: ask ahead
-        __m512i a, b;
-        F::rebuild(tile + e * F::entry, a, b);
-        _mm512_storeu_si512(built.data() + e * Built::entry, a);
-        _mm512_storeu_si512(built.data() + e * Built::entry + 64, b);
+      for (int64_t e0 = 0; e0 < groups * kTile; e0 += kSub) {
+        if (e0 % kTile == 0) prefetch<F, 2>(tile + e0 * F::entry);  // the weights stream from memory: ask ahead
+        rebuild_batch<F>(tile + e0 * F::entry, [&](int t, __m512i a, __m512i b) {
+          _mm512_storeu_si512(built.data() + (e0 + t) * Built::entry, a);
+          _mm512_storeu_si512(built.data() + (e0 + t) * Built::entry + 64, b);
+        });
       }
       avx512_tile<Built>(x, rows, ldx, built.data(), groups, sums);
       return;
@@ -390,12 +441,11 @@ void amx_tile(const at::BFloat16* pairs, int64_t rows, const uint8_t* tile, int6
     const uint8_t* group = tile + g * kTile * F::entry;
     prefetch<F, 3>(group);
     auto& w = weights[g & 1];
-    for (int t = 0; t < kTile; ++t) {
-      __m512i a, b;
-      F::rebuild(group + t * F::entry, a, b);
-      _mm512_store_si512(w[0][t], a);
-      _mm512_store_si512(w[1][t], b);
-    }
+    for (int t0 = 0; t0 < kTile; t0 += kSub)
+      rebuild_batch<F>(group + t0 * F::entry, [&](int t, __m512i a, __m512i b) {
+        _mm512_store_si512(w[0][t0 + t], a);
+        _mm512_store_si512(w[1][t0 + t], b);
+      });
     const at::BFloat16* x = pairs + g * kGroup * rows;
     _tile_loadd(1, w[0], 64);
     _tile_loadd(3, x, width);
@@ -487,13 +537,6 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   return y;
 }
 
-template <class F>
-void rebuild_row(const uint8_t* entry, at::BFloat16* row) {  // one entry's 64 weights, in order
-  __m512i a, b;
-  F::rebuild(entry, a, b);
-  _mm512_storeu_si512(row, a);
-  _mm512_storeu_si512(row + 32, b);
-}
 #endif
 
 // x rounded to bf16 as at::BFloat16 rounds it (to nearest even; a NaN becomes 0x7FC0), as a float: in a form the
@@ -558,19 +601,24 @@ at::Tensor weight_as(const at::Tensor& packed, int64_t out_features) {
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   at::BFloat16* out = w.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float values[kGroup];
+    [[maybe_unused]] float values[kGroup];
     for (int64_t tile = begin; tile < end; ++tile)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t t = 0; t < kTile; ++t) {
-          const uint8_t* entry = wp + ((tile * groups + g) * kTile + t) * F::entry;
-          at::BFloat16* row = out + (tile * kTile + t) * groups * kGroup + g * kGroup;
+      for (int64_t g = 0; g < groups; ++g) {
+        auto row = [&](int64_t t) { return out + (tile * kTile + t) * groups * kGroup + g * kGroup; };
+        const uint8_t* entries = wp + (tile * groups + g) * kTile * F::entry;
 #if FAFO_PACKED
-          rebuild_row<F>(entry, row);  // what the vector kernels multiply with
+        for (int64_t t0 = 0; t0 < kTile; t0 += kSub)  // what the vector kernels multiply with
+          rebuild_batch<F>(entries + t0 * F::entry, [&](int t, __m512i a, __m512i b) {
+            _mm512_storeu_si512(row(t0 + t), a);
+            _mm512_storeu_si512(row(t0 + t) + 32, b);
+          });
 #else
-          F::plain(entry, values);
-          for (int64_t j = 0; j < kGroup; ++j) row[j] = at::BFloat16(values[j]);
-#endif
+        for (int64_t t = 0; t < kTile; ++t) {
+          F::plain(entries + t * F::entry, values);
+          for (int64_t j = 0; j < kGroup; ++j) row(t)[j] = at::BFloat16(values[j]);
         }
+#endif
+      }
   });
   return w.narrow(0, 0, out_features).clone();
 }
