@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..runtime.events import Step
+from ..runtime.model import grouped_attention
 from .quantiser import QuantizedKV
 from .weights4 import int4_weights
 from ..runtime.session import Emitter, Request, Session
@@ -55,7 +55,7 @@ class QuantSpec:
             keys, values = self.quantized.dequantize(layer, k.dtype)
             k = torch.cat([keys.transpose(0, 1)[None], k[:, :, n:]], dim=2)
             v = torch.cat([values.transpose(0, 1)[None], v[:, :, n:]], dim=2)
-        return F.scaled_dot_product_attention(q, k, v, scale=self.model.scaling, enable_gqa=True)
+        return grouped_attention(q, k, v, None, self.model.scaling)
 
     def draft(self, text: list[int], room: int) -> Draft:
         n = min(self.gamma, room)

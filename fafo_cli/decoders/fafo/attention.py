@@ -10,10 +10,10 @@ placed after an all-visible prefix in a reused buffer, never rebuilt from scratc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...runtime.cache import KVCache
 from ...runtime.masks import PrefixMasks
+from ...runtime.model import grouped_attention
 from ...runtime.rows import RowLayout
 from ...runtime.syncs import upload
 
@@ -68,7 +68,7 @@ class FafoAttention:
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
         if not self.split:  # (the mask moves to a spread model's later GPUs)
             mask = self.mask if self.mask.device == q.device else self.mask.to(q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            return grouped_attention(q, k, v, mask, self.scaling)
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.view_size
@@ -87,11 +87,10 @@ class FafoAttention:
             out = self.flex(rows, keys, values, block_mask=self.block_mask, scale=self.scaling, enable_gqa=True)
             return torch.cat([out[:, :, :n_verify], out[:, :, window_at:window_at + q.shape[2] - n_verify]], dim=2)
         verify_end = start + n_verify
-        verify = F.scaled_dot_product_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end],
-                                                attn_mask=self.verify_mask, scale=self.scaling, enable_gqa=True)
-        fumble = F.scaled_dot_product_attention(q[:, :, n_verify:], view_k[:end].transpose(0, 1)[None],
-                                                view_v[:end].transpose(0, 1)[None], attn_mask=self.window_mask,
-                                                scale=self.scaling, enable_gqa=True)
+        verify = grouped_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end], self.verify_mask,
+                                   self.scaling)
+        fumble = grouped_attention(q[:, :, n_verify:], view_k[:end].transpose(0, 1)[None],
+                                   view_v[:end].transpose(0, 1)[None], self.window_mask, self.scaling)
         return torch.cat([verify, fumble], dim=2)
 
 
