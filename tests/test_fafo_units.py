@@ -260,3 +260,25 @@ def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
     assert window_streams(replace(settings, streams=5), None, flat) == 5
     noisy = StepCosts({1: 10.0, 8: 20.0, 16: 10.5, 64: 11.0})  # a busy machine's outlier at 8 rows
     assert widest_window(noisy, 4) == 1  # the 8-row window already costs too much: no wider one is trusted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_grouped_attention_folds_query_heads_into_rows(dtype, rows):
+    """The CPU path (query heads folded into their KV head's rows) against torch's own grouped-query attention, over
+    keys laid out as the cache holds them, with the step's own rows causal."""
+    from fafo_cli.runtime.model import grouped_attention
+
+    torch.manual_seed(0)
+    keys = 700
+    cached_k, cached_v = torch.randn(keys + 8, 3, 64, dtype=dtype), torch.randn(keys + 8, 3, 64, dtype=dtype)
+    k, v = cached_k[:keys].transpose(0, 1)[None], cached_v[:keys].transpose(0, 1)[None]
+    q = torch.randn(rows, 9, 64, dtype=dtype).transpose(0, 1)[None]
+    mask = torch.ones(rows, keys, dtype=torch.bool)
+    mask[:, keys - rows:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    for given in (mask, None):
+        folded = grouped_attention(q, k, v, given, 0.125)
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=0.125,
+                                                                     enable_gqa=True)
+        assert folded.shape == reference.shape
+        torch.testing.assert_close(folded, reference)

@@ -166,8 +166,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
     On a CPU the query heads that share a KV head are folded into that head's rows: torch's kernel then reads each
     KV head once for all of them, where with `enable_gqa` a single row took a path several times slower (bf16: 6x at
-    8K keys) and several rows repeated the keys per query head. Each row's result does not depend on the rows
-    beside it, so a verifying row still computes what a plain step's row does (tested)."""
+    8K keys) and several rows repeated the keys per query head. The result is enable_gqa's up to rounding (tested);
+    as before, torch's kernel may round a row differently with other rows beside it, so eager steps agree with
+    plain decoding token for token, not bit for bit (our compiled kernel does both)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if q.device.type != "cpu" or heads == kv_heads or (mask is not None and mask.dim() != 2):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
