@@ -2,7 +2,7 @@
 least (the weights' bytes) / (memory bandwidth). The bound here is the model file's size (a .gguf file's quantized
 blocks, as llama.cpp reads them) over the bandwidth of a large copy (bytes read + written per second, all threads),
 and, as a step only reads its weights, over that of a large sum (bytes read per second: on a 2-core VM the copy's
-figure was 1.6x the sum's); each mode's decoding speed is the same prompt's plain greedy answer, eager and compiled
+figure was 1.4-1.6x the sum's); each mode's decoding speed is the same prompt's plain greedy answer, eager and compiled
 alternated.
 
     python scripts/roofline.py --model qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --tokens 64 --repeats 3
