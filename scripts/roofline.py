@@ -11,25 +11,12 @@ alternated.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import common
-from fafo_cli.bench.gpu_report import bandwidth_gbs
-
-
-def read_bandwidth_gbs(megabytes: int) -> float:
-    """Bytes read per second by a sum over `megabytes` of float32 (all threads)."""
-    values = torch.ones((megabytes << 20) // 4)
-    values.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        values.sum()
-        times.append(time.perf_counter() - start)
-    return values.numel() * 4 / min(times) / 1e9
+from fafo_cli.bench.gpu_report import bandwidth_gbs, read_bandwidth_gbs
 
 
 def main() -> None:
@@ -42,7 +29,8 @@ def main() -> None:
     first = next(iter(engines.values()))
     source = Path(args.model) if args.model and Path(args.model).is_file() else None
     weights = source.stat().st_size if source else sum(p.numel() * p.element_size() for p in first.model.hf.parameters())
-    bandwidth, read = bandwidth_gbs(torch.device("cpu"), args.copy_mb), read_bandwidth_gbs(args.copy_mb)
+    cpu = torch.device("cpu")
+    bandwidth, read = bandwidth_gbs(cpu, args.copy_mb), read_bandwidth_gbs(cpu, args.copy_mb)
     bound_ms, read_ms = (weights / (gbs * 1e9) * 1e3 for gbs in (bandwidth, read))
     print(f"{first.name} · {first.weights} · {weights / 1e6:,.0f} MB read per token (the {'file' if source else 'weights'})"
           f" · bandwidth {bandwidth:.1f} GB/s (copy), {read:.1f} GB/s (sum) · bound {bound_ms:.1f} ms/token "

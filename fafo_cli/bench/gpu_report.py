@@ -56,19 +56,30 @@ def random_llama(shape: str, device: torch.device, dtype: torch.dtype) -> Model:
     return Model(hf.eval())
 
 
-def bandwidth_gbs(device: torch.device, megabytes: int) -> float:
-    """Memory bandwidth measured by copying `megabytes` between two buffers (bytes read + written per second)."""
-    source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)
+def _fastest_s(run, device: torch.device) -> float:
+    """The fastest of five timed runs of `run` (after an untimed one), in seconds."""
+    run()
     synchronize(device)
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        target.copy_(source)
+        run()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return 2 * source.numel() / min(times) / 1e9
+    return min(times)
+
+
+def bandwidth_gbs(device: torch.device, megabytes: int) -> float:
+    """Memory bandwidth measured by copying `megabytes` between two buffers (bytes read + written per second)."""
+    source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.numel() / _fastest_s(lambda: target.copy_(source), device) / 1e9
+
+
+def read_bandwidth_gbs(device: torch.device, megabytes: int) -> float:
+    """Memory bandwidth measured by a sum over `megabytes` of float32 (bytes read per second)."""
+    values = torch.ones((megabytes << 20) // 4, device=device)
+    return values.numel() * 4 / _fastest_s(values.sum, device) / 1e9
 
 
 def step_bytes(model: Model, context: int) -> int:
