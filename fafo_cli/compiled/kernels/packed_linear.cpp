@@ -92,9 +92,9 @@ inline __m128i words(const uint8_t* first, int64_t size, int64_t offset) {
 
 // Each format gives one weight row's 64 columns of an entry: `plain` as the 64 float32 values gguf's
 // dequantizer computes (the caller rounds them to bf16), `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks
-// A and B), the same values rounded the same way. `rebuild` reads an entry's scales as `scales` left them: those of
-// kSub consecutive entries are computed together, in vectors (one entry's alone took more instructions than its
-// 64 weights' table lookups; see rebuild_batch).
+// A and B), the same values rounded the same way. `rebuild` reads an entry's scales as `scales` left them: Q4_K's
+// and Q6_K's are computed for kSub consecutive entries together, in vectors (one entry's alone took more
+// instructions than its 64 weights' table lookups; see rebuild_batch); the other formats read theirs from the entry.
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
