@@ -497,26 +497,54 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     assert (swapped - dense).abs().mean() < 0.05 * dense.abs().mean()
 
 
-def test_auto_reads_packed_weights_only_once_they_are_kept(compiled_cache, smollm2):
-    """`compile: auto` builds nothing unasked: with no packed file kept the model stays dense; once a compiled
-    run has kept one (and our kernel library), every step of a later start reads the packed blocks."""
+def test_auto_prepares_packed_weights_once_and_builds_no_package(compiled_cache, smollm2, monkeypatch):
+    """`compile: auto` builds no package, but a .gguf model's eager steps read its blocks as stored: the first start
+    packs them (our kernel library too, were it missing) and says so once; later starts read them back in silence;
+    `off` keeps the dense weights."""
     from fafo_cli.compiled import steps
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
     if torch.ops.fafo.packed_kernel() == "plain":
         pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
-    on = load(str(smollm2), dtype="bfloat16", compile="on", notify=lambda _: None)
-    kept = on.compiled.folder / steps.PACKED_FILE
-    assert kept.is_file()
-    kept.rename(kept.with_suffix(".aside"))
-    try:
-        assert load(str(smollm2), dtype="bfloat16", compile="auto").packed_matrices == 0
-    finally:
-        kept.with_suffix(".aside").rename(kept)
-    auto = load(str(smollm2), dtype="bfloat16", compile="auto")
-    assert auto.packed_matrices == on.packed_matrices > 0
+
+    def build(*args, **kwargs):
+        raise AssertionError("compile: auto built a package")
+
+    monkeypatch.setattr(steps, "build", build)
+    notices: list[str] = []
+    first = load(str(smollm2), dtype="bfloat16", compile="auto", notify=notices.append)
+    kept = first.compiled.folder / steps.PACKED_FILE
+    kept.unlink(missing_ok=True)  # as on a first start (another test may have kept it)
+    notices.clear()
+    first = load(str(smollm2), dtype="bfloat16", compile="auto", notify=notices.append)
+    assert first.packed_matrices > 0 and kept.is_file() and first.weights == "Q4_1 GGUF, read as stored"
+    assert len(notices) == 1 and notices[0].startswith("preparing ") and "once" in notices[0], notices
+    again = load(str(smollm2), dtype="bfloat16", compile="auto", notify=notices.append)
+    assert again.packed_matrices == first.packed_matrices and len(notices) == 1
+    assert again.complete("Name a colour.", max_tokens=4, method="vanilla").token_ids  # eager, on packed blocks
     assert load(str(smollm2), dtype="bfloat16", compile="off").packed_matrices == 0
+
+
+def test_packing_is_prepared_only_where_the_kernel_can_serve(monkeypatch):
+    """No library is built for a model our kernel's fast paths cannot serve: float32, a CPU without AVX512-BF16 or
+    AMX, or no compiler."""
+    from types import SimpleNamespace
+
+    from fafo_cli.compiled import packed
+    from fafo_cli.compiled.kernels import loader
+
+    bf16 = SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16)
+    monkeypatch.setattr(loader, "compiler", lambda: "sh")  # a program every machine has
+    for flags, dtype, expected in (("fpu avx512bw avx512_bf16 f16c", torch.bfloat16, True),
+                                   ("fpu amx_tile amx_bf16", torch.bfloat16, True),
+                                   ("fpu avx2 fma f16c", torch.bfloat16, False),
+                                   ("fpu avx512bw avx512_bf16 f16c", torch.float32, False)):
+        monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: flags)
+        assert packed.worth_preparing(SimpleNamespace(device=bf16.device, dtype=dtype)) is expected, flags
+    monkeypatch.setattr(loader, "cpu_flags", lambda: "avx512bw avx512_bf16 f16c")
+    monkeypatch.setattr(loader, "compiler", lambda: "no-such-compiler-here")
+    assert not packed.worth_preparing(bf16)
 
 
 def test_packed_modules_are_kept_beside_the_packages(compiled_cache, smollm2, monkeypatch):

@@ -39,6 +39,22 @@ def supported(model: Model) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
 
 
+# the CPU features of packed_linear.cpp's fast paths (AVX512-BF16, AMX) as /proc/cpuinfo names them: one of these sets
+FAST_PATH_FLAGS = ({"avx512_bf16", "avx512bw", "f16c"}, {"amx_tile", "amx_bf16"})
+
+
+def worth_preparing(model: Model) -> bool:
+    """Whether packing this model's blocks could pay before our library is built to ask it (`supported`): a bf16
+    model on a CPU with the features of one of the kernel's fast paths, and a compiler to build the kernel with."""
+    import shutil
+
+    from .kernels import loader
+
+    flags = set(loader.cpu_flags().split())
+    return (model.device.type == "cpu" and model.dtype == torch.bfloat16 and any(f <= flags for f in FAST_PATH_FLAGS)
+            and shutil.which(loader.compiler()) is not None)
+
+
 def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a packed weight (packed_linear takes two dimensions): [..., out_features]."""
     y = torch.ops.fafo.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, out_features, bias)

@@ -23,6 +23,7 @@ from .kernels import loader
 # Padding rows see no cached position but cost matrix arithmetic, which a many-row step on a CPU is bound by, so
 # small steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
 PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modules (packed.save)
+PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
 
 
@@ -77,16 +78,20 @@ class CompiledSteps(OnceNotices):
         return self._packed
 
     def install_packed(self) -> int:
-        """Put the packed modules in the model for every step, eager ones too (packed.install): under "on" always
-        (reading the .gguf file's blocks first where none are kept), under "auto" once an earlier compiled run or
-        `fafo compile` has kept them and built our kernel library (nothing is built unasked). Returns how many
-        matrices are packed (0: the model keeps its dense weights)."""
-        kept = (self.folder / PACKED_FILE).is_file() and loader.library_path(self.folder.parent).is_file()
-        if self.gguf is None or (self.mode == "auto" and not kept):
+        """Put the packed modules in the model for every step, eager ones too (packed.install): a .gguf model's steps
+        read its quantized blocks as stored, eager or compiled, where our kernel's fast paths serve the CPU. Where
+        none are kept yet they are prepared once, under "auto" too (it builds no package): our kernel library, once
+        per machine and version (PREPARE_S here), and the file's blocks read and checked (seconds, once per model).
+        Returns how many matrices are packed (0: the model keeps its dense weights)."""
+        if self.gguf is None or not packed.worth_preparing(self.model):
             return 0
+        library = loader.library_path(self.folder.parent)
+        if not (self.folder / PACKED_FILE).is_file() or not library.is_file():
+            building = "" if library.is_file() else f" and fafo's CPU kernels (about {PREPARE_S} s)"
+            self.notify(f"preparing {self.gguf.name} for this CPU once: its quantized blocks{building}")
         try:
             modules = self.packed_modules()
-        except Exception as error:  # noqa: BLE001 - no compiler for our kernels, say: every step stays dense
+        except Exception as error:  # noqa: BLE001 - the compiler failed, say: every step stays dense
             self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense bf16")
             return 0
         packed.install(self.model, modules)
