@@ -80,10 +80,14 @@ def parser(doc: str, *flags: str, **defaults) -> argparse.ArgumentParser:
 
 def load_engine(args: argparse.Namespace, **settings):
     """The engine for --model and --dtype (where the script has them), compiled with --compile unless `settings`
-    says how."""
-    settings.setdefault("compile", "on" if getattr(args, "compile", False) else "off")
+    says how; without it, eager steps over the weights a default start reads (a .gguf model's packed blocks where
+    our kernel serves the CPU), never a package."""
+    settings.setdefault("compile", "on" if getattr(args, "compile", False) else "auto")
     settings.setdefault("dtype", getattr(args, "dtype", "bfloat16"))
-    return load(getattr(args, "model", None), **settings)
+    engine = load(getattr(args, "model", None), **settings)
+    if settings["compile"] == "auto":
+        engine.session.compiled = None  # packages that exist stay unused: every step eager
+    return engine
 
 
 def prompts(args: argparse.Namespace, engine) -> list[suites.Sample]:

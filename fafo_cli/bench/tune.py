@@ -38,28 +38,29 @@ NOISE = 0.03  # a setting must beat the current one by more than run-to-run nois
 
 
 def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
-    """Median milliseconds of one forward pass with each row count, after `context` cached tokens (the
-    first two timings of each are warm-up)."""
+    """Median milliseconds of one forward pass with each row count, after `context` cached tokens. The row counts
+    take turns (1, 2, 4, ... then again), so the machine's drift and the first passes' warm-up hit them all alike
+    (timed one count after another, the first count measured a one-row pass dearer than a two-row one); the first
+    two rounds are warm-up."""
     session, model = engine.session, engine.model
     engine.reset()
     ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
     session.prefill(ids, reserve=max(row_counts))
     length = session.cache.length
-    costs = {}
-    for rows in row_counts:
-        mask = torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)
-        times = []
-        for _ in range(repeats):
+    passes = {rows: (torch.zeros(rows, dtype=torch.long, device=model.device),
+                     torch.arange(length, length + rows, device=model.device),
+                     causal_attention(torch.ones(rows, length + rows, dtype=torch.bool, device=model.device),
+                                      model.scaling)) for rows in row_counts}
+    times: dict[int, list[float]] = {rows: [] for rows in row_counts}
+    for _ in range(repeats + 2):
+        for rows, (tokens, positions, attend) in passes.items():
             synchronize(model.device)
             start = time.perf_counter()
-            model.forward(torch.zeros(rows, dtype=torch.long, device=model.device),
-                          torch.arange(length, length + rows, device=model.device), session.cache,
-                          causal_attention(mask, model.scaling))  # written after the prefix, never committed
+            model.forward(tokens, positions, session.cache, attend)  # written after the prefix, never committed
             synchronize(model.device)
-            times.append(time.perf_counter() - start)
-        costs[rows] = statistics.median(times[2:]) * 1e3
+            times[rows].append(time.perf_counter() - start)
     engine.reset()
-    return costs
+    return {rows: statistics.median(t[2:]) * 1e3 for rows, t in times.items()}
 
 
 def synchronize(device: torch.device) -> None:
