@@ -98,6 +98,30 @@ def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_
         assert packed.packed_linear(tensor, dense) is None
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_packing_checks_a_slice_of_rows_at_a_time(kernels, kind, monkeypatch):
+    """Packing repacks, dequantizes and compares CHECK_ROWS rows at a time (a vocabulary matrix whole takes GBs):
+    the same blocks as in one go; rows in another order (q and k under transformers' rotary layout) matched whole;
+    a weight that differs in a later slice keeps the matrix dense."""
+    from fafo_cli.compiled import packed
+
+    tensor = random_matrix(kind, 80, 256, seed=3, edges=False)
+    whole = packed.tiled(packed.entries(tensor))
+    monkeypatch.setattr(packed, "CHECK_ROWS", 32)  # three slices, the last one short
+    assert torch.equal(packed.tiled(packed.entries(tensor)), whole)
+    assert torch.equal(packed.reference(tensor, 32, 64), packed.reference(tensor)[32:64])
+    dense = torch.nn.Linear(256, 80, bias=False).bfloat16()
+    dense.weight.data = packed.reference(tensor)
+    assert torch.equal(packed.packed_linear(tensor, dense).packed, whole)
+    order = torch.randperm(80)
+    dense.weight.data = packed.reference(tensor)[order]
+    permuted = packed.packed_linear(tensor, dense)
+    assert torch.equal(kernels["native"].packed_weight(permuted.packed, 80), dense.weight.data)
+    dense.weight.data = packed.reference(tensor)
+    dense.weight.data[70, 9] = -dense.weight.data[70, 9]
+    assert packed.packed_linear(tensor, dense) is None
+
+
 def test_the_paths_give_the_same_weights_and_close_products(kernels):
     """The native and plain kernels multiply the same weights; their sums differ only in the order of additions."""
     from fafo_cli.compiled import packed

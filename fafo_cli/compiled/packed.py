@@ -204,6 +204,14 @@ FORMATS = {"Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _
 ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}
 
 
+CHECK_ROWS = 4096  # rows repacked, dequantized and compared at once: a vocabulary matrix whole would take GBs
+
+
+def _blocks(tensor) -> np.ndarray:
+    """A GGUF matrix's bytes, one row of blocks per output row: [out, bytes per row]."""
+    return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+
+
 def entries(tensor) -> np.ndarray | None:
     """A GGUF matrix [out, in] as packed_linear's entries [out, in / 64, entry bytes]; None for a type we do not
     read (or a shape whose blocks do not fit whole entries)."""
@@ -214,25 +222,49 @@ def entries(tensor) -> np.ndarray | None:
     if kind not in FORMATS or in_features % GROUP:
         return None
     block, size = GGML_QUANT_SIZES[tensor.tensor_type]
-    raw = np.asarray(tensor.data).reshape(out_features, in_features // block, size)
-    return np.ascontiguousarray(FORMATS[kind](raw))
+    raw = _blocks(tensor)
+    parts = [FORMATS[kind](raw[start:start + CHECK_ROWS].reshape(-1, in_features // block, size))
+             for start in range(0, out_features, CHECK_ROWS)]
+    return np.ascontiguousarray(np.concatenate(parts)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
 
-def reference(tensor) -> torch.Tensor:
-    """gguf's own dequantization of a matrix, rounded to bf16 as the model was loaded."""
+def reference(tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """gguf's own dequantization of a matrix's rows `start:stop` (all by default), rounded to bf16 as the model was
+    loaded."""
     from gguf import quants
 
-    values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    return torch.from_numpy(values.reshape(int(tensor.shape[1]), int(tensor.shape[0]))).to(torch.bfloat16)
+    values = quants.dequantize(_blocks(tensor)[start:stop], tensor.tensor_type)
+    return torch.from_numpy(values.reshape(values.shape[0], int(tensor.shape[0]))).to(torch.bfloat16)
 
 
-def _row_order(source: torch.Tensor, target: torch.Tensor) -> list[int] | None:
-    """Indices i such that source[i] == target row by row, bit for bit; None when some row has no match."""
-    if torch.equal(source, target):
-        return list(range(source.shape[0]))
-    where = {row.view(torch.int16).numpy().tobytes(): i for i, row in enumerate(source)}
-    order = [where.get(row.view(torch.int16).numpy().tobytes()) for row in target]
+def _bits(weight: torch.Tensor) -> torch.Tensor:
+    return weight.view(torch.int16)  # compared as bits: -0 is not 0
+
+
+def _row_order(tensor, target: torch.Tensor) -> slice | list[int] | None:
+    """The file's rows that equal target's, bit for bit, in target's order: all in order (a slice), checked a slice
+    of rows at a time; where the order differs (transformers permutes the rows of q and k for its rotary layout),
+    matched row by row over the whole matrix; None when some row has no match."""
+    for start in range(0, target.shape[0], CHECK_ROWS):
+        if not torch.equal(_bits(reference(tensor, start, start + CHECK_ROWS)), _bits(target[start:start + CHECK_ROWS])):
+            break
+    else:
+        return slice(None)
+    where = {row.numpy().tobytes(): i for i, row in enumerate(_bits(reference(tensor)))}
+    order = [where.get(row.numpy().tobytes()) for row in _bits(target)]
     return None if None in order else order
+
+
+def _rebuilds(weight: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether the kernel rebuilds `target` from the tiled `weight` bit for bit (a slice of tiles at a time)."""
+    tiles = CHECK_ROWS // TILE
+    for first in range(0, weight.shape[0], tiles):
+        start = first * TILE
+        rows = min(target.shape[0] - start, tiles * TILE)
+        rebuilt = torch.ops.fafo.packed_weight(weight[first:first + tiles], rows)
+        if not torch.equal(_bits(rebuilt), _bits(target[start:start + rows])):
+            return False
+    return True
 
 
 def tiled(rows: np.ndarray) -> torch.Tensor:
@@ -251,12 +283,11 @@ def packed_linear(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     rows = None if tensor is None else entries(tensor)
     if rows is None or rows.shape[0] != linear.out_features or rows.shape[1] * GROUP != linear.in_features:
         return None
-    order = _row_order(reference(tensor), linear.weight.data)
+    order = _row_order(tensor, linear.weight.data)
     if order is None:
         return None
     weight = tiled(rows[order])
-    rebuilt = torch.ops.fafo.packed_weight(weight, linear.out_features)
-    if not torch.equal(rebuilt.view(torch.int16), linear.weight.data.view(torch.int16)):  # bits: -0 is not 0
+    if not _rebuilds(weight, linear.weight.data):
         return None  # the kernel would multiply other values than the model's: keep this one dense
     return PackedLinear(weight, linear.out_features, linear.bias)
 
