@@ -91,7 +91,6 @@ class Engine:
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
-        self.packed_matrices = 0  # matrices every step reads as the .gguf file's blocks (compiled/packed.py)
         self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
 
     @classmethod
@@ -109,7 +108,7 @@ class Engine:
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
-            engine.packed_matrices = engine.compiled.install_packed()
+            engine.compiled.install_packed()
         if config.draft_model is not None:
             if config.method != "triforce":
                 raise FafoError(f"--draft-model is used by method triforce only (the method is {config.method})")
@@ -143,6 +142,11 @@ class Engine:
     @property
     def name(self) -> str:
         return self.config.model or hub.EMBEDDED_NAME
+
+    @property
+    def packed_matrices(self) -> int:
+        """Matrices every step reads as the .gguf file's blocks (compiled/packed.py); 0: dense weights."""
+        return self.model.packed_matrices
 
     @cached_property
     def weights(self) -> str:

@@ -238,6 +238,7 @@ def test_auto_streams_follow_whether_the_step_runs_compiled():
     assert window_streams(settings, _Compiled({3})) == 1
     assert window_streams(replace(settings, ngram=4), _Compiled({3})) == 2  # a 4-row window step: eager, W=2
     assert window_streams(replace(settings, streams=3), _Compiled({3})) == 3  # a configured W is kept
+    assert window_streams(settings, None, packed=True) == 1  # eager over packed blocks: rows cost arithmetic too
 
 
 def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():

@@ -101,7 +101,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     compiled = compiled_for(engine.session.compiled, config.compressor)
     planned = FafoSettings.from_config(config)
-    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs), accelerator=accelerator))
+    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs), accelerator=accelerator,
+                                                      packed=engine.model.packed_matrices > 0))
     if hasattr(compiled, "runner") and compiled.serves(planned.max_rows):  # compiled packages (not CUDA graphs)
         packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
         measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})

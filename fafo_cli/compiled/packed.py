@@ -384,6 +384,7 @@ def install(model: Model, modules: dict[str, torch.nn.Module]) -> None:
     for name, module in modules.items():
         model.hf.set_submodule(name, module)
     model.lm_head = modules.get("lm_head", model.lm_head)
+    model.packed_matrices = len(modules)
 
 
 @contextmanager

@@ -77,14 +77,14 @@ class CompiledSteps(OnceNotices):
                 self._packed = kept if kept is not None else self._pack()
         return self._packed
 
-    def install_packed(self) -> int:
+    def install_packed(self) -> None:
         """Put the packed modules in the model for every step, eager ones too (packed.install): a .gguf model's steps
         read its quantized blocks as stored, eager or compiled, where our kernel's fast paths serve the CPU. Where
         none are kept yet they are prepared once, under "auto" too (it builds no package): our kernel library, once
         per machine and version (PREPARE_S here), and the file's blocks read and checked (seconds, once per model).
-        Returns how many matrices are packed (0: the model keeps its dense weights)."""
+        The model counts them (`Model.packed_matrices`; 0: it keeps its dense weights)."""
         if self.gguf is None or not packed.worth_preparing(self.model):
-            return 0
+            return
         library = loader.library_path(self.folder.parent)
         if not (self.folder / PACKED_FILE).is_file() or not library.is_file():
             building = "" if library.is_file() else f" and fafo's CPU kernels (about {PREPARE_S} s)"
@@ -93,9 +93,8 @@ class CompiledSteps(OnceNotices):
             modules = self.packed_modules()
         except Exception as error:  # noqa: BLE001 - the compiler failed, say: every step stays dense
             self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense bf16")
-            return 0
+            return
         packed.install(self.model, modules)
-        return len(modules)
 
     def _kept_packed(self) -> dict | None:
         """The packed modules kept beside the packages; None where there are none or they cannot be read (a damaged

@@ -83,6 +83,7 @@ class Model:
         # and the cache holds fp32 copies of the (exactly representable) half-precision keys and values
         # (compiled steps store them compact: KVCache.store_as). Elsewhere both match the model.
         self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
 
     def new_cache(self, initial_slots: int = 256, max_slots: int | None = None) -> KVCache:
         return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=max_slots or self.max_context,

@@ -89,20 +89,21 @@ class FafoSettings:
 
 # `streams: auto` on eager steps: the widest window whose step costs at most WINDOW_SHARE more than a plain step,
 # by the measured cost curve (a GPU's nearly free rows give a wide window), and never fewer than W=2, which measured
-# best for eager steps on CPUs, whose rows cost a few percent each (docs/benchmarks.md)
+# best for eager steps over dense weights on CPUs, whose rows cost a few percent each (docs/benchmarks.md)
 WINDOW_SHARE = 0.25
 EAGER_LEAST_STREAMS = 2
 MOST_AUTO_STREAMS = 32  # the paper ablates W 10-40 on a GPU
 
 
 def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None,
-                   eager: StepCosts | None = None, accelerator: bool = False) -> int:
-    """W as configured; `auto` picks 1 where the step runs compiled on a CPU (its rows cost arithmetic, and there
-    W=1 measured clearly faster than W=2: docs/benchmarks.md), else `widest_window` by the eager cost curve
-    (`eager`; before one is measured, the device's default curve)."""
+                   eager: StepCosts | None = None, accelerator: bool = False, packed: bool = False) -> int:
+    """W as configured; `auto` picks 1 on a CPU where the step's rows cost arithmetic: where it runs compiled, or
+    eager over packed GGUF blocks (`packed`: the same kernel; W=1 measured faster than W=2 on both:
+    docs/benchmarks.md), else `widest_window` by the eager cost curve (`eager`; before one is measured, the
+    device's default curve)."""
     if settings.streams != "auto":
         return settings.streams
-    if not accelerator and compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows):
+    if not accelerator and (packed or compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)):
         return 1
     return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
 
@@ -194,7 +195,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
     settings = replace(settings, streams=window_streams(settings, steps, eager_costs(session),
-                                                        accelerator=session.model.device.type != "cpu"))
+                                                        accelerator=session.model.device.type != "cpu",
+                                                        packed=session.model.packed_matrices > 0))
     stats = emitter.stats
     stats.streams = settings.streams
     sampling = request.sampling
