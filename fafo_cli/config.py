@@ -112,8 +112,10 @@ class Config:
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 0-64; 0: no window "
                                       "(guesses from the text only); auto: 1 on a CPU where the step's rows cost "
-                                      "arithmetic (compiled, or over a .gguf model's packed blocks), else the widest window (at least 2) whose step costs at "
-                                      "most 25% more than a plain step, by the measured cost (wide on a GPU)", low=0, high=64, allowed="auto or 0-64", short="-W")
+                                      "arithmetic (compiled, or over a .gguf model's packed blocks), else the widest "
+                                      "window (at least 2) whose step costs at most 25% more than a plain step, by "
+                                      "the measured cost (wide on a GPU)", low=0, high=64, allowed="auto or 0-64",
+                              short="-W")
     ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16, short="-k")
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
                         low=0, high=64, short="-G")

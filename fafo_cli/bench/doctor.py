@@ -98,7 +98,8 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     """The settings this cost curve calls for: the window width `streams: auto` derives from it."""
     settings = replace(FafoSettings.from_config(config), streams="auto")
     compiled = compiled_for(engine.session.compiled, config.compressor)
-    return {"streams": window_streams(settings, compiled, StepCosts(costs), accelerator=engine.model.device.type != "cpu",
+    return {"streams": window_streams(settings, compiled, StepCosts(costs),
+                                      accelerator=engine.model.device.type != "cpu",
                                       packed=engine.model.packed_matrices > 0)}
 
 

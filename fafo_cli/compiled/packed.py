@@ -246,7 +246,8 @@ def _row_order(tensor, target: torch.Tensor) -> slice | list[int] | None:
     of rows at a time; where the order differs (transformers permutes the rows of q and k for its rotary layout),
     matched row by row over the whole matrix; None when some row has no match."""
     for start in range(0, target.shape[0], CHECK_ROWS):
-        if not torch.equal(_bits(reference(tensor, start, start + CHECK_ROWS)), _bits(target[start:start + CHECK_ROWS])):
+        stop = start + CHECK_ROWS
+        if not torch.equal(_bits(reference(tensor, start, stop)), _bits(target[start:stop])):
             break
     else:
         return slice(None)

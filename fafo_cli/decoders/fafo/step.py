@@ -103,7 +103,8 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
     device's default curve)."""
     if settings.streams != "auto":
         return settings.streams
-    if not accelerator and (packed or compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)):
+    compiled_window = compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)
+    if not accelerator and (packed or compiled_window):
         return 1
     return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
 
