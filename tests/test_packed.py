@@ -122,6 +122,23 @@ def test_packing_checks_a_slice_of_rows_at_a_time(kernels, kind, monkeypatch):
     assert packed.packed_linear(tensor, dense) is None
 
 
+def test_a_prefill_chunk_multiplies_the_rebuilt_weight_densely(kernels):
+    """Past DENSE_ROWS rows (a prefill chunk) a packed matrix is rebuilt and multiplied as a dense bf16 linear, bit
+    for bit; up to it the kernel multiplies, its rows alike whatever the call's size; no compiled package has more."""
+    from fafo_cli.compiled import packed, steps
+
+    assert steps.ROW_BUCKETS[-1] <= packed.DENSE_ROWS
+    tensor = random_matrix("Q4_K", 48, 256, seed=5, edges=False)
+    bias = torch.randn(48)
+    module = packed.PackedLinear(packed.tiled(packed.entries(tensor)), 48, bias)
+    x = torch.randn(packed.DENSE_ROWS + 44, 256).bfloat16()
+    expected = torch.nn.functional.linear(x, packed.reference(tensor), bias.bfloat16())
+    assert torch.equal(module(x), expected)
+    few = x[:packed.DENSE_ROWS]
+    assert torch.equal(module(few)[:5], module(few[:5].contiguous()))
+    torch.testing.assert_close(module(few).float(), expected[:packed.DENSE_ROWS].float(), atol=0.05, rtol=0.02)
+
+
 def test_the_paths_give_the_same_weights_and_close_products(kernels):
     """The native and plain kernels multiply the same weights; their sums differ only in the order of additions."""
     from fafo_cli.compiled import packed

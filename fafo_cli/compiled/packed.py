@@ -55,9 +55,20 @@ def worth_preparing(model: Model) -> bool:
             and shutil.which(loader.compiler()) is not None)
 
 
+# Past this many rows (a prefill chunk) a matrix is rebuilt in bf16 and multiplied densely: packed_linear pays its
+# rebuild per row tile, a dense GEMM once (at 512 rows 1.55x faster, at 64 about even: docs/benchmarks.md). Every
+# compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
+DENSE_ROWS = 256
+
+
 def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a packed weight (packed_linear takes two dimensions): [..., out_features]."""
-    y = torch.ops.fafo.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, out_features, bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if flat.shape[0] > DENSE_ROWS:
+        weight = torch.ops.fafo.packed_weight(packed, out_features)
+        y = torch.nn.functional.linear(flat, weight, None if bias is None else bias.to(flat.dtype))
+    else:
+        y = torch.ops.fafo.packed_linear(flat, packed, out_features, bias)
     return y.view(*x.shape[:-1], out_features)
 
 
