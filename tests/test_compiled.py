@@ -524,6 +524,14 @@ def test_auto_prepares_packed_weights_once_and_builds_no_package(compiled_cache,
     assert again.packed_matrices == first.packed_matrices and len(notices) == 1
     assert again.complete("Name a colour.", max_tokens=4, method="vanilla").token_ids  # eager, on packed blocks
     assert load(str(smollm2), dtype="bfloat16", compile="off").packed_matrices == 0
+    # a kernel built without the fast paths (an old compiler, say) packs nothing: said nothing, start after start
+    from fafo_cli.compiled import packed
+
+    monkeypatch.setattr(packed, "supported", lambda model: False)
+    kept.unlink()
+    for _ in range(2):
+        assert load(str(smollm2), dtype="bfloat16", compile="auto", notify=notices.append).packed_matrices == 0
+    assert len(notices) == 1 and not kept.exists()
 
 
 def test_packing_is_prepared_only_where_the_kernel_can_serve(monkeypatch):

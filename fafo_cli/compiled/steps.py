@@ -85,11 +85,14 @@ class CompiledSteps(OnceNotices):
         The model counts them (`Model.packed_matrices`; 0: it keeps its dense weights)."""
         if self.gguf is None or not packed.worth_preparing(self.model):
             return
-        library = loader.library_path(self.folder.parent)
-        if not (self.folder / PACKED_FILE).is_file() or not library.is_file():
-            building = "" if library.is_file() else f" and fafo's CPU kernels (about {PREPARE_S} s)"
-            self.notify(f"preparing {self.gguf.name} for this CPU once: its quantized blocks{building}")
+        preparing = f"preparing {self.gguf.name} for this CPU once: its quantized blocks"
         try:
+            if not loader.library_path(self.folder.parent).is_file():
+                self.notify(f"{preparing} and fafo's CPU kernels (about {PREPARE_S} s)")
+            elif not (self.folder / PACKED_FILE).is_file():
+                load_kernels(self.model, self.folder.parent)
+                if packed.supported(self.model):  # else nothing is packed, nor kept: no notice on every start
+                    self.notify(preparing)
             modules = self.packed_modules()
         except Exception as error:  # noqa: BLE001 - the compiler failed, say: every step stays dense
             self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense bf16")
