@@ -212,8 +212,9 @@ def bench(
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: fafo, prompt-lookup, "
                                                    "suffix; --full: all). vanilla always runs: it is the reference.",
                                                    show_default=False)] = None,
-    compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor (default: the "
-                                                       "config's).", show_default=False)] = None,
+    compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor, auto included "
+                                                       "(default: the config's; a named one runs the window).",
+                                                       show_default=False)] = None,
     tokens: Annotated[int, typer.Option(help="New tokens per answer.", min=1)] = 512,
     repeats: Annotated[Optional[int], typer.Option(help="Repetitions per prompt, medians reported (default: 1; "
                                                    "--full: 3).", min=1, show_default=False)] = None,
@@ -259,7 +260,8 @@ def bench(
     options = command.BenchOptions(
         suites=chosen,
         methods=command.parse_list("--methods", methods, config_mod.METHODS, list(matrix.methods)),
-        compressors=command.parse_list("--compressors", compressors, config_mod.COMPRESSORS, [settings.compressor]),
+        compressors=command.parse_list("--compressors", compressors, ("auto",) + config_mod.COMPRESSORS,
+                                       [settings.compressor]),
         tokens=tokens, repeats=matrix.repeats if repeats is None else repeats, warmup=warmup,
         samples=matrix.samples if samples is None else samples, prompts=prompts, temperature=temperature,
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,

@@ -20,6 +20,9 @@ from .errors import FafoError
 
 METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
+# `compressor: auto`: no compressor named, so no window asked for where it does not pay (see `streams`); where a
+# window runs anyway, it sees this one
+AUTO_COMPRESSOR = "stream"
 ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -111,11 +114,12 @@ class Config:
                               flag="--allow-pickle", also=("bench", "pull", "doctor"))
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 0-64; 0: no window "
-                                      "(guesses from the text only); auto: 1 on a CPU where the step's rows cost "
-                                      "arithmetic (compiled, or over a .gguf model's packed blocks), else the widest "
-                                      "window (at least 2) whose step costs at most 25% more than a plain step, by "
-                                      "the measured cost (wide on a GPU)", low=0, high=64, allowed="auto or 0-64",
-                              short="-W")
+                                      "(guesses from the text only); auto: on a CPU none, unless a compressor is "
+                                      "named (its rows cost more than its guesses earned in every measurement on a "
+                                      "CPU), then 1 where the step's rows cost arithmetic (compiled, or over a .gguf "
+                                      "model's packed blocks); else the widest window (at least 2) whose step costs "
+                                      "at most 25% more than a plain step, by the measured cost (wide on a GPU)",
+                              low=0, high=64, allowed="auto or 0-64", short="-W")
     ngram: int = _opt(3, "fafo: guess length k (window levels, n-gram length)", low=2, high=16, short="-k")
     guesses: int = _opt(1, "fafo: candidate n-grams G verified per step (0 = window only feeds the pool)",
                         low=0, high=64, short="-G")
@@ -128,9 +132,10 @@ class Config:
                                "tokens per second; off: every step verifies every candidate and runs the window")
     draft_tokens: int = _opt(16, "fafo: most guessed tokens a step verifies (the draft tree's nodes; a copy from the "
                                  "text runs up to this long, and up to twice its match)", low=1, high=128, short="-D")
-    compressor: str = _opt("stream", "fafo: which cache positions the fumble rows see: none (the whole cache), "
-                                     "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
-                                     "end attends to), h2o (heavy hitters + recent)", choices=COMPRESSORS)
+    compressor: str = _opt("auto", "fafo: which cache positions the window's rows see: none (the whole cache), "
+                                   "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
+                                   "end attends to), h2o (heavy hitters + recent); naming one runs the window under "
+                                   "streams: auto; auto: stream, where a window runs", choices=("auto",) + COMPRESSORS)
     budget: int | float = _opt(256, "fafo: compressed budget B: tokens (>= 1) or a fraction of the prompt "
                                     "(e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
                                short="-B")
@@ -252,12 +257,18 @@ def _check_together(config: Config) -> None:
         raise FafoError(f"config key 'triforce_budget' ({config.triforce_budget}) must hold two chunks and the recent "
                         f"tokens (2 × triforce_chunk + triforce_recent = "
                         f"{2 * config.triforce_chunk + config.triforce_recent})")
-    if not isinstance(config.budget, int) or config.compressor not in MIN_BUDGET:
+    compressor = view_compressor(config.compressor)
+    if not isinstance(config.budget, int) or compressor not in MIN_BUDGET:
         return
-    what, least = MIN_BUDGET[config.compressor](config)
+    what, least = MIN_BUDGET[compressor](config)
     if config.budget < least:
-        raise FafoError(f"config key 'budget' ({config.budget}) is too small for the {config.compressor} "
+        raise FafoError(f"config key 'budget' ({config.budget}) is too small for the {compressor} "
                         f"compressor: it needs at least {what} = {least}")
+
+
+def view_compressor(name: str) -> str:
+    """The compressor a window runs with under config value `name` (`auto` names none)."""
+    return AUTO_COMPRESSOR if name == "auto" else name
 
 
 # compressor -> (what its budget must hold, the least budget in tokens)

@@ -57,7 +57,7 @@ def _drafts(stats: Stats) -> str:
 def method_label(config) -> str:
     """How the panel and footer name the method (fafo with its compressor and budget) and the sampling."""
     label = config.method
-    if config.method == "fafo":
+    if config.method == "fafo" and config.compressor != "auto":  # auto: no compressor named
         label += f" · {config.compressor}" + ("" if config.compressor == "none" else f" B={config.budget}")
     if config.temperature:
         label += f" · T={config.temperature:g} top-p {config.top_p:g}" + (f" top-k {config.top_k}" if config.top_k

@@ -82,12 +82,12 @@ def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_p
     assert entrypoint(["bench", str(tiny), "--suites", "chat,math", "--warmup", "0", "--tokens", "8", "--dtype",
                        "float32", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [r["row"] for r in records] == ["vanilla", "fafo-stream", "prompt-lookup", "suffix"] * 2
+    assert [r["row"] for r in records] == ["vanilla", "fafo", "prompt-lookup", "suffix"] * 2  # fafo: compressor auto
     assert {(r["samples"], r["repeats"]) for r in records} == {(1, 1)}
     assert entrypoint(["bench", str(tiny), "--suites", "chat", "--full", "--methods", "fafo", "--samples", "1",
                        "--warmup", "0", "--tokens", "8", "--dtype", "float32", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [r["row"] for r in records] == ["vanilla", "fafo-stream", "hf-generate", "hf-prompt-lookup"]
+    assert [r["row"] for r in records] == ["vanilla", "fafo", "hf-generate", "hf-prompt-lookup"]
     assert {(r["samples"], r["repeats"]) for r in records} == {(1, 3)}
 
 
@@ -138,10 +138,10 @@ def test_exactness_column_catches_a_corrupted_method(tiny, tmp_path, monkeypatch
     captured = capsys.readouterr()
     text = captured.out
     assert "prompt-lookup on chat-science: differs from vanilla at token 5 in float32" in captured.err
-    assert "fafo-stream on chat-science: differs" not in captured.err
+    assert "fafo on chat-science: differs" not in captured.err
     assert code == 1  # a divergence that is not a near-tie is a bug: non-zero exit
     records = {r["row"]: r for r in json.loads(out.read_text())}
-    assert records["fafo-stream"]["exact"] == "1/1" and records["prompt-lookup"]["exact"] == "0/1"
+    assert records["fafo"]["exact"] == "1/1" and records["prompt-lookup"]["exact"] == "0/1"
     divergence = records["prompt-lookup"]["divergences"][0]
     assert divergence["position"] == 5 and divergence["near_tie"] is False
     assert "prompt-lookup on chat-science: token 5" in text and "NOT a near-tie" in text

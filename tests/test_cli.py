@@ -50,7 +50,7 @@ def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
     assert code == 0, err
     data = json.loads(out)
     stats, settings = data["stats"], data["settings"]
-    assert settings["method"] == "fafo" and settings["compressor"] == "stream"
+    assert settings["method"] == "fafo" and settings["compressor"] == "auto"  # none named: a window's is stream
     assert (settings["streams"], settings["ngram"], settings["guesses"], settings["prefix"]) == (3, 4, 2, 2)
     assert (settings["budget"], settings["sink"]) == (16, 2)
     assert stats["pool_keys"] > 0 and stats["pool_ngrams"] >= stats["pool_keys"] // 2
@@ -65,7 +65,7 @@ def test_run_plain_output_when_not_a_terminal(capsys, tiny, prompt_file):
     assert code == 0 and out.strip() and err == ""
     code, out2, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32", "-v")
     assert out2 == out
-    assert err.startswith("fafo · stream B=256 · 8 tokens") and "stopped: length" in err
+    assert err.startswith("fafo · 8 tokens") and "stopped: length" in err
 
 
 def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
@@ -118,7 +118,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
          "the prompt is 40 tokens; the model's context is 16 tokens"),
         (["run", tiny], "Missing option '--prompt'"),
         (["run", tiny, "-p", prompt_file, "--frobnicate"], "No such option: --frobnicate"),
-        (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of none, stream, quest, snapkv, h2o"),
+        (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
         (["run", tiny, "-p", prompt_file, "--budget", "8", "--sink", "8"], "'budget' (8) is too small for the stream compressor: it needs at least sink + 1 = 9"),
         (["run", tiny, "-p", prompt_file, "-k", "1"], "'ngram' must be >= 2"),
         (["run", tiny, "-p", prompt_file, "--min-p", "1.5"], "'min_p' must be <= 1.0"),

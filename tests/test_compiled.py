@@ -44,7 +44,8 @@ def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine.complete(SHORT, max_tokens=8, method="vanilla")
     # the planner's sizes: 1 row, the window alone (W·k = 6), with D = 6 guesses (12)
     engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])
-    auto = engine.complete(SHORT, max_tokens=8, method="fafo", draft_tokens=3)  # streams: auto is W=1 compiled: 1, 3, 6
+    # streams: auto with a compressor named is W=1 compiled: 1, 3, 6 rows
+    auto = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="stream", draft_tokens=3)
     quest = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
     assert (auto.settings["streams"], auto.stats.streams, quest.stats.streams) == ("auto", 1, 2)
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
@@ -222,7 +223,7 @@ def test_bench_runs_eager_and_compiled_side_by_side(compiled_cache, compiled_eng
     capsys.readouterr()
     records = {r["row"]: r for r in json.loads(out.read_text())}
     assert code == 0
-    assert set(records) == {"vanilla", "vanilla+compiled", "fafo-stream", "fafo-stream+compiled"}
+    assert set(records) == {"vanilla", "vanilla+compiled", "fafo", "fafo+compiled"}
     assert all(r["exact"] == "1/1" and r["step_ms"] > 0 for r in records.values())
 
 
@@ -639,7 +640,7 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     sample = next(s for s in suites.load_suite("summarize") if s.id == "doc-json")
     vanilla = engine.complete(list(sample.messages), max_tokens=48, method="vanilla")
     engine.reset()  # both prefill the whole prompt (a reused one prefills its last token alone: other roundings)
-    fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo", draft_tokens=3)
-    # W=1 on compiled steps (1, 3, 6 rows); guesses were verified in several-row steps, whether or not any held
+    fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo", compressor="stream", draft_tokens=3)
+    # a named compressor: W=1 on compiled steps (1, 3, 6 rows); guesses were verified in several-row steps, whether or not any held
     assert fafo.stats.streams == 1 and fafo.stats.drafted_tokens > 0 and max(map(int, fafo.stats.step_rows)) > 1
     assert fafo.token_ids == vanilla.token_ids

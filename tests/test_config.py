@@ -63,7 +63,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
                                          "refresh = 32"),
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
     ("kernel: 4\n", "'kernel' must be odd"),
-    ("compressor: lz4\n", "'compressor' must be one of none, stream, quest, snapkv, h2o"),
+    ("compressor: lz4\n", "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
     ("streams: -1\n", "'streams' must be auto or an integer from 0 to 64 \\(got -1\\)"),
     ("streams: 65\n", "'streams' must be auto or an integer from 0 to 64"),
     ("streams: wide\n", "'streams' must be auto or an integer from 0 to 64 \\(got 'wide'\\)"),

@@ -46,7 +46,7 @@ def test_empty_stop_string_is_refused(tiny):
 
 @pytest.fixture(scope="module")
 def fafo_engine(tiny):
-    return load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=16, sink=2)
+    return load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=16, sink=2)
 
 
 def test_stop_string_inside_a_multi_token_step(fafo_engine):

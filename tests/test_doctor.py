@@ -37,7 +37,8 @@ def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, 
     assert report["exactness"] and all(check["equal"] and check["tokens"] == 64 for check in report["exactness"])
     assert sorted(map(int, report["step_ms"])) == [1, 2, 4, 8, 16, 32, 64]
     assert all(ms > 0 for ms in report["step_ms"].values())
-    assert 2 <= report["recommended"]["streams"] <= 32  # eager: never below the CPU's W=2
+    # a window's width eager: never below the CPU's W=2; none runs here unless a compressor is named
+    assert 2 <= report["recommended"]["streams"] <= 32 and report["recommended"]["window"] is False
     assert "written" not in report and isolated.read_text() == "# my settings\nmax_tokens: 100\n"
 
 
@@ -45,6 +46,11 @@ def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     from fafo_cli import config as config_mod
     from fafo_cli.compiled.timing import read_step_costs
 
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
+    out = capsys.readouterr().out
+    assert code == 0 and "Wrote the cost curve" in out  # no window on a CPU, none named: streams stays auto
+    assert config_mod.load_file(isolated).streams == "auto"
+    isolated.write_text(isolated.read_text() + "compressor: stream\n")
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
     out = capsys.readouterr().out
     assert code == 0

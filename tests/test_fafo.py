@@ -83,7 +83,7 @@ def test_fafo_matches_transformers_on_smollm2(smollm2, setting):
 
 
 def test_stop_token_inside_an_accepted_run(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64)
     full = engine.complete(LONG, max_tokens=120)
     steps = list(engine.stream(LONG, max_tokens=120))
     # find a step that emitted several tokens and stop on its second one
@@ -112,7 +112,7 @@ def test_context_end_falls_back_to_plain_steps(tmp_path):
 
 
 def test_fafo_chat_turns_reuse_the_cache(tiny):
-    engine = load(str(tiny), dtype="float32", method="fafo", budget=32)
+    engine = load(str(tiny), dtype="float32", method="fafo", compressor="stream", budget=32)
     messages = [{"role": "user", "content": "hello " * 20}]
     first = engine.complete(messages, max_tokens=60)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "again"}]
@@ -122,7 +122,7 @@ def test_fafo_chat_turns_reuse_the_cache(tiny):
 
 
 def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64, planner=False)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64, planner=False)
     settings = dict(max_tokens=120, temperature=0.8, top_p=0.95, min_p=0.02)
     a = engine.complete(LONG, seed=3, **settings)
     b = engine.complete(LONG, seed=3, **settings)
@@ -132,7 +132,7 @@ def test_fafo_sampling_is_reproducible_and_accepts_guesses(tiny):
 
 
 def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
-    engine = load(str(tiny), dtype="float32", method="fafo", budget=32, planner=False)  # the window runs every step
+    engine = load(str(tiny), dtype="float32", method="fafo", compressor="stream", budget=32, planner=False)  # the window runs every step
     messages = [{"role": "user", "content": "tell me about cats " * 6}]
     first = engine.complete(messages, max_tokens=40)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
@@ -145,7 +145,7 @@ def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
 
 
 def test_four_turn_chat_equals_generate_on_each_turns_history(tiny):
-    engine = load(str(tiny), dtype="float32", method="fafo", budget=48)
+    engine = load(str(tiny), dtype="float32", method="fafo", compressor="stream", budget=48)
     messages = [{"role": "system", "content": "You are terse."}]
     for turn in ("Name a fruit. " * 4, "Another one?", "Why that one? " * 3, "Thanks."):
         messages.append({"role": "user", "content": turn})
@@ -166,7 +166,7 @@ def test_min_p_reaches_the_sampler(tiny, method):
 
 
 def test_pool_and_guess_settings_take_effect(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", budget=64, copies=0, planner=False)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64, copies=0, planner=False)
     one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats
     assert one.pool_ngrams == one.pool_keys  # one n-gram per key
     assert one.drafted_tokens % 4 == 0 and one.drafted_tokens <= 2 * 4 * one.steps  # G candidates of k tokens

@@ -231,8 +231,19 @@ class _Compiled:
         return rows in self.sizes
 
 
+def test_auto_streams_run_no_window_on_a_cpu_unless_a_compressor_is_named():
+    unnamed = FafoSettings.from_config(config.build(streams="auto"))
+    assert (unnamed.compressor, unnamed.compressor_named) == ("stream", False)  # what a window would see
+    assert window_streams(unnamed, None) == window_streams(unnamed, _Compiled({3})) == 0
+    assert window_streams(unnamed, None, packed=True) == 0
+    assert window_streams(unnamed, None, accelerator=True) > 0  # a GPU's rows are nearly free: the widest window
+    assert window_streams(replace(unnamed, streams=2), None) == 2  # a configured W is kept
+    named = FafoSettings.from_config(config.build(streams="auto", compressor="stream"))
+    assert named.compressor_named and window_streams(named, None) == 2
+
+
 def test_auto_streams_follow_whether_the_step_runs_compiled():
-    settings = FafoSettings.from_config(config.build(streams="auto", ngram=3, draft_tokens=8))
+    settings = FafoSettings.from_config(config.build(streams="auto", ngram=3, draft_tokens=8, compressor="quest"))
     assert window_streams(settings, None) == 2  # eager: rows cost little, W=2
     # W=1 where its window's step, 1 + (3 - 1) = 3 rows, runs compiled (larger steps need not: they bound the draft)
     assert window_streams(settings, _Compiled({3})) == 1
@@ -247,7 +258,7 @@ def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
     from fafo_cli.decoders.fafo.planner import StepCosts
     from fafo_cli.decoders.fafo.step import MOST_AUTO_STREAMS, widest_window
 
-    settings = FafoSettings.from_config(config.build(streams="auto", ngram=4))
+    settings = FafoSettings.from_config(config.build(streams="auto", ngram=4, compressor="stream"))
     default = StepCosts.default(accelerator=True)  # each row 0.5% of a one-row step
     assert window_streams(settings, None, default) == 12  # 1 + 47 · 0.005 ≤ 1.25 < 1 + 51 · 0.005
     assert window_streams(replace(settings, ngram=3), None, default) == 17  # 51 rows, then 54

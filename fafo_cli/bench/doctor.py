@@ -95,18 +95,23 @@ def exact(engine) -> list[dict]:
 
 
 def recommend(engine, config, costs: dict[int, float]) -> dict:
-    """The settings this cost curve calls for: the window width `streams: auto` derives from it."""
+    """The settings this cost curve calls for: the window width `streams: auto` derives from it where a window
+    runs (`streams`), and whether `auto` runs one here with the configured compressor (`window`)."""
     settings = replace(FafoSettings.from_config(config), streams="auto")
     compiled = compiled_for(engine.session.compiled, config.compressor)
-    return {"streams": window_streams(settings, compiled, StepCosts(costs),
-                                      accelerator=engine.model.device.type != "cpu",
-                                      packed=engine.model.packed_matrices > 0)}
+    width = {named: window_streams(replace(settings, compressor_named=named), compiled, StepCosts(costs),
+                                   accelerator=engine.model.device.type != "cpu",
+                                   packed=engine.model.packed_matrices > 0) for named in (True, settings.compressor_named)}
+    return {"streams": width[True], "window": width[settings.compressor_named] > 0}
 
 
-def write(engine, path: Path, settings: dict, costs: dict[int, float]) -> None:
-    """As `fafo bench --tune` writes: the settings into the config file, the cost curve beside the model's steps."""
+def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> None:
+    """As `fafo bench --tune` writes: the window's width into the config file where `streams: auto` runs a window
+    (written as 0 it would keep a compressor named later from running one), the cost curve beside the model's
+    steps."""
     try:
-        tune.write_settings(path, settings)
+        if recommended["window"]:
+            tune.write_settings(path, {"streams": recommended["streams"]})
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
     measured = {**read_step_costs(engine.steps_folder), "eager": costs}
@@ -178,12 +183,14 @@ def render(report: dict, console) -> None:
     for rows, ms in costs.items():
         table.add_row(str(rows), f"{ms:.2f}", f"{ms / costs[1]:.2f}×")
     console.print(table)
-    streams = report["recommended"]["streams"]
-    console.print(f"Recommended: streams={streams} (the widest window whose step costs at most 25% more than a plain "
-                  "step; `streams: auto` derives it from this curve)")
+    streams, window = report["recommended"]["streams"], report["recommended"]["window"]
+    width = (f"streams={streams} (the widest window whose step costs at most 25% more than a plain step; "
+             "`streams: auto` derives it from this curve)")
+    console.print(f"Recommended: {width}" if window else "Recommended: no window (`streams: auto` on a CPU, unless a "
+                  f"compressor is named: its rows cost more than its guesses earn here); with one named, {width}")
     if "written" in report:
-        console.print(f"Wrote streams={streams} to {report['written']['config']} and the cost curve to "
-                      f"{report['written']['step_costs']}.")
+        console.print((f"Wrote streams={streams} to {report['written']['config']} and the" if window else "Wrote the")
+                      + f" cost curve to {report['written']['step_costs']}.")
 
 
 def _yes(value: bool) -> str:

@@ -40,14 +40,14 @@ class Row:
 
 
 def plan_rows(methods: list[str], compressors: list[str], external: bool, compiled: bool = False) -> list[Row]:
-    """vanilla first (the reference), then each method; fafo once per compressor. `compiled`: each of our rows
+    """vanilla first (the reference), then each method; fafo once per compressor (named "fafo" for `auto`). `compiled`: each of our rows
     also runs compiled, right after its eager twin (named "...+compiled")."""
     rows = [Row("vanilla", "vanilla")]
     for method in methods:
         if method == "vanilla":
             continue
         if method == "fafo":
-            rows += [Row(f"fafo-{c}", "fafo", (("compressor", c),)) for c in compressors]
+            rows += [Row("fafo" if c == "auto" else f"fafo-{c}", "fafo", (("compressor", c),)) for c in compressors]
         else:
             rows.append(Row(method, method))
     if compiled:

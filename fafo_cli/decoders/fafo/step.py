@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
-from ...config import MIN_BUDGET
+from ...config import MIN_BUDGET, view_compressor
 from ...runtime.events import Step
 from ...runtime.rows import draft_step
 from ...runtime.sampling import argmax_ids, next_token, target_probs
@@ -31,9 +31,9 @@ from .window import LookaheadWindow
 
 
 def compiled_for(compiled: CompiledStepRunner | None, compressor: str) -> CompiledStepRunner | None:
-    """The compiled steps FAFO may use with `compressor`: none where it learns from each step's queries (the
-    compiled step has no per-layer hook to hand them out)."""
-    return None if reads_queries(compressor) else compiled
+    """The compiled steps FAFO may use with `compressor` (a config value): none where it learns from each step's
+    queries (the compiled step has no per-layer hook to hand them out)."""
+    return None if reads_queries(view_compressor(compressor)) else compiled
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class FafoSettings:
     copies: int
     planner: bool
     draft_tokens: int  # D
-    compressor: str
+    compressor: str  # the window's, `auto` resolved (see from_config)
     budget: int | float  # B: tokens, or a fraction of the prompt
     sink: int  # stream
     page_size: int  # quest
@@ -55,6 +55,7 @@ class FafoSettings:
     kernel: int  # snapkv
     recent: int  # h2o
     attention: str  # auto | split | block
+    compressor_named: bool = True  # whether the configuration named the compressor (asking for a window)
 
     @property
     def window_rows(self) -> int:
@@ -84,12 +85,15 @@ class FafoSettings:
 
     @classmethod
     def from_config(cls, config) -> "FafoSettings":
-        return cls(*(getattr(config, f.name) for f in fields(cls)))
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "compressor_named"}
+        return cls(**{**values, "compressor": view_compressor(config.compressor)},
+                   compressor_named=config.compressor != "auto")
 
 
-# `streams: auto` on eager steps: the widest window whose step costs at most WINDOW_SHARE more than a plain step,
-# by the measured cost curve (a GPU's nearly free rows give a wide window), and never fewer than W=2, which measured
-# best for eager steps over dense weights on CPUs, whose rows cost a few percent each (docs/benchmarks.md)
+# `streams: auto`, where a window runs: on eager steps the widest window whose step costs at most WINDOW_SHARE more
+# than a plain step, by the measured cost curve (a GPU's nearly free rows give a wide window), and never fewer than
+# W=2, which measured best for eager steps over dense weights on CPUs, whose rows cost a few percent each
+# (docs/benchmarks.md)
 WINDOW_SHARE = 0.25
 EAGER_LEAST_STREAMS = 2
 MOST_AUTO_STREAMS = 32  # the paper ablates W 10-40 on a GPU
@@ -97,12 +101,15 @@ MOST_AUTO_STREAMS = 32  # the paper ablates W 10-40 on a GPU
 
 def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None,
                    eager: StepCosts | None = None, accelerator: bool = False, packed: bool = False) -> int:
-    """W as configured; `auto` picks 1 on a CPU where the step's rows cost arithmetic: where it runs compiled, or
-    eager over packed GGUF blocks (`packed`: the same kernel; W=1 measured faster than W=2 on both:
-    docs/benchmarks.md), else `widest_window` by the eager cost curve (`eager`; before one is measured, the
-    device's default curve)."""
+    """W as configured; `auto` is no window on a CPU unless the configuration names a compressor: there the
+    window's rows cost more than its n-grams earned in every measurement (docs/benchmarks.md). With one named, 1
+    where the step's rows cost arithmetic: compiled, or eager over packed GGUF blocks (`packed`: the same kernel;
+    W=1 measured faster than W=2 on both), else `widest_window` by the eager cost curve (`eager`; before one is
+    measured, the device's default curve), as on an accelerator."""
     if settings.streams != "auto":
         return settings.streams
+    if not accelerator and not settings.compressor_named:
+        return 0
     compiled_window = compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)
     if not accelerator and (packed or compiled_window):
         return 1
