@@ -261,9 +261,10 @@ def check_spread(config: config_mod.Config) -> None:
     if config.method == "fafo" and config.attention == "block":
         raise FafoError("the block attention path keeps one cache tensor for all layers; on a model spread over GPUs "
                         "(--gpus) use --attention split")
-    if config.method == "fafo" and config_mod.view_compressor(config.compressor) != "none":
-        raise FafoError(f"fafo's {config_mod.view_compressor(config.compressor)} compressor keeps its view of the cache on one GPU; on a model "
-                        "spread over GPUs (--gpus) use --compressor none")
+    compressor = config_mod.view_compressor(config.compressor)
+    if config.method == "fafo" and compressor != "none":
+        raise FafoError(f"fafo's {compressor} compressor keeps its view of the cache on one GPU; on a model spread over "
+                        "GPUs (--gpus) use --compressor none")
     if config.method not in SPREAD_METHODS + ("fafo",):
         raise FafoError(f"method {config.method} keeps a second cache on one GPU and does not run on a model spread "
                         f"over GPUs (--gpus); these do: fafo (--compressor none), {', '.join(SPREAD_METHODS)}")

@@ -101,7 +101,8 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     compiled = compiled_for(engine.session.compiled, config.compressor)
     width = {named: window_streams(replace(settings, compressor_named=named), compiled, StepCosts(costs),
                                    accelerator=engine.model.device.type != "cpu",
-                                   packed=engine.model.packed_matrices > 0) for named in (True, settings.compressor_named)}
+                                   packed=engine.model.packed_matrices > 0)
+             for named in (True, settings.compressor_named)}
     return {"streams": width[True], "window": width[settings.compressor_named] > 0}
 
 

@@ -40,8 +40,8 @@ class Row:
 
 
 def plan_rows(methods: list[str], compressors: list[str], external: bool, compiled: bool = False) -> list[Row]:
-    """vanilla first (the reference), then each method; fafo once per compressor (named "fafo" for `auto`). `compiled`: each of our rows
-    also runs compiled, right after its eager twin (named "...+compiled")."""
+    """vanilla first (the reference), then each method; fafo once per compressor (the row "fafo" for `auto`).
+    `compiled`: each of our rows also runs compiled, right after its eager twin (named "...+compiled")."""
     rows = [Row("vanilla", "vanilla")]
     for method in methods:
         if method == "vanilla":
