@@ -165,6 +165,15 @@ def test_min_p_reaches_the_sampler(tiny, method):
     assert engine.complete(LONG, max_tokens=40, temperature=1.0, seed=5).token_ids != greedy
 
 
+def test_no_window_on_a_cpu_unless_a_compressor_is_named(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo")
+    plain = engine.complete(LONG, max_tokens=60).stats  # streams: auto, compressor: auto
+    assert plain.streams == 0 and plain.fumble_positions is None and plain.draft_memory_mb == 0  # no copy of C(kv)
+    assert plain.accepted_from["window"] == 0 and plain.accepted_tokens > 0  # copies from the text still pay
+    named = engine.complete(LONG, max_tokens=60, compressor="stream", budget=32).stats
+    assert named.streams == 2 and named.fumble_positions == 32 and named.draft_memory_mb > 0
+
+
 def test_pool_and_guess_settings_take_effect(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64, copies=0, planner=False)
     one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats

@@ -200,13 +200,14 @@ class Conversation:
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     settings = FafoSettings.from_config(request.config)
+    streams = window_streams(settings, compiled_for(session.compiled, settings.compressor), eager_costs(session),
+                             accelerator=session.model.device.type != "cpu", packed=session.model.packed_matrices > 0)
+    # without a window nothing reads C(kv): no compressor keeps a copy of it, or stops the step from running compiled
+    settings = replace(settings, streams=streams, compressor=settings.compressor if streams else "none")
     steps = compiled_for(session.compiled, settings.compressor)
     if session.compiled is not None and steps is None:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
-    settings = replace(settings, streams=window_streams(settings, steps, eager_costs(session),
-                                                        accelerator=session.model.device.type != "cpu",
-                                                        packed=session.model.packed_matrices > 0))
     stats = emitter.stats
     stats.streams = settings.streams
     sampling = request.sampling
