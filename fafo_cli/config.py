@@ -23,6 +23,7 @@ COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
 # `compressor: auto`: no compressor named, so no window asked for where it does not pay (see `streams`); where a
 # window runs anyway, it sees this one
 AUTO_COMPRESSOR = "stream"
+AUTO_COUNTS = ("streams", "copies")  # keys that take an integer or `auto`
 ATTENTION = ("auto", "split", "block")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -42,7 +43,7 @@ SECTIONS = {"fafo": "FAFO", "lookahead": "Lookahead", "prompt-lookup": "Prompt l
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False, nullable=False, allowed=None,
          flag=None, short=None, switch=None, argument=False, also=()):
     """A key's declaration. Validation: `choices`, `low`/`high` (`low_open`: low itself excluded), `nullable`
-    (may be empty); `allowed` describes the values of a key with a rule of its own (budget, streams).
+    (may be empty); `allowed` describes the values of a key with a rule of its own (budget, AUTO_COUNTS).
     Command line: `flag` (default: --the-key-name, and --no-the-key-name for a bool), `short` alias, `switch`
     (a bool flag setting the key to switch[0] or switch[1]), `argument` (the commands' positional argument
     instead of a flag), `also` (commands besides GENERATE that offer it)."""
@@ -62,13 +63,13 @@ def _budget(value: Any) -> int | float:
     raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {value})")
 
 
-def _streams(value: Any, low: int, high: int) -> int | str:
-    """W: an integer in low..high (from a flag, as text) or "auto"."""
+def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
+    """A count the decoder may choose (W, copies): an integer in low..high (from a flag, as text) or "auto"."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
         return value
-    raise FafoError(f"config key 'streams' must be auto or an integer from {low} to {high} (got {value!r})")
+    raise FafoError(f"config key '{name}' must be auto or an integer from {low} to {high} (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,10 @@ class Config:
     prefix: int = _opt(2, "fafo: longest pool key P, in tokens", low=1, high=8, short="-P")
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
-    copies: int = _opt(2, "fafo: continuations of earlier occurrences of the text's ending offered per step, longest "
-                          "match first (ours, beyond the paper; 0: none)", low=0, high=16)
+    copies: int | str = _opt("auto", "fafo: continuations of earlier occurrences of the text's ending offered per "
+                                     "step, longest match first (ours, beyond the paper; 0: none); auto: 2, or 4 when "
+                                     "sampling (each further first token is another chance for the sampling rule to "
+                                     "accept one)", low=0, high=16, allowed="auto or 0-16")
     planner: bool = _opt(True, "fafo: choose each step's guesses, and whether the window runs, for the most expected "
                                "tokens per second; off: every step verifies every candidate and runs the window")
     draft_tokens: int = _opt(16, "fafo: most guessed tokens a step verifies (the draft tree's nodes; a copy from the "
@@ -209,8 +212,8 @@ def _check(name: str, value: Any, spec) -> Any:
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
     if name == "budget":
         return _budget(value)
-    if name == "streams":
-        return _streams(value, meta["low"], meta["high"])
+    if name in AUTO_COUNTS:
+        return _auto_count(name, value, meta["low"], meta["high"])
     if kind is bool:
         if not isinstance(value, bool):
             raise FafoError(f"config key '{name}' must be true or false (got {value!r})")

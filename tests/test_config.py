@@ -68,6 +68,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("streams: 65\n", "'streams' must be auto or an integer from 0 to 64"),
     ("streams: wide\n", "'streams' must be auto or an integer from 0 to 64 \\(got 'wide'\\)"),
     ("streams: true\n", "'streams' must be auto or an integer from 0 to 64"),
+    ("copies: 17\n", "'copies' must be auto or an integer from 0 to 16 \\(got 17\\)"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):

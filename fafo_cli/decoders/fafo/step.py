@@ -43,7 +43,7 @@ class FafoSettings:
     guesses: int  # G
     prefix: int  # P
     pool_per_key: int
-    copies: int
+    copies: int | str  # or "auto" until generate() resolves it
     planner: bool
     draft_tokens: int  # D
     compressor: str  # the window's, `auto` resolved (see from_config)
@@ -150,6 +150,11 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
     return eager_costs(session)
 
 
+# `copies: auto`: the two longest earlier occurrences when greedy, where only the one plain decoding picks counts;
+# four when sampling, where each further first token is another chance for the multi-draft rule to accept one
+# (docs/benchmarks.md: τ 1.19-1.48 against 1.14-1.19 on chat at temperature 0.7, at the same step cost)
+AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
+
 # A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α):
 # a short match is a weak hint, and a long continuation of one takes the draft rows of a better candidate
 COPY_FACTOR = 2
@@ -208,9 +213,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     if session.compiled is not None and steps is None:
         session.compiled.notify_once(f"the {settings.compressor} compressor reads each step's queries per layer, "
                                      "which the compiled step cannot hand out: FAFO with it runs eager")
+    sampling = request.sampling
+    if settings.copies == "auto":
+        settings = replace(settings, copies=AUTO_COPIES[sampling.greedy])
     stats = emitter.stats
     stats.streams = settings.streams
-    sampling = request.sampling
     generator = sampling.generator(session.model.device)
     model, cache = session.model, session.cache
     # auto is the split path everywhere: stock attention calls only, until a GPU measurement shows block faster
