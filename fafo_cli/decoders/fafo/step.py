@@ -71,8 +71,8 @@ class FafoSettings:
     def step_sizes(self) -> tuple[int, ...]:
         """The row counts the planner chooses among on compiled steps (a package each): plain decoding's one row,
         the window alone (free prose, nothing worth verifying), the window with G of its n-grams (the paper's
-        step), with D/2 guesses where that is more (a copy: on a CPU the 20-row package costs about 3× a plain
-        step, the 9-row one 1.7×) and with D (a long copy). Few, because each is a build on first use."""
+        step), with D/2 guesses where that is more (a copy: on a CPU the largest package costs several plain
+        steps, a middle one far less) and with D (a long copy). Few, because each is a build on first use."""
         plain, window = 1, 1 + self.window_rows
         return tuple(sorted({plain, window, window + min(self.draft_tokens, self.guesses * self.ngram),
                              window + max(self.draft_tokens // 2, min(self.draft_tokens, self.guesses * self.ngram)),
@@ -152,7 +152,7 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
 
 # `copies: auto`: the two longest earlier occurrences when greedy, where only the one plain decoding picks counts;
 # four when sampling, where each further first token is another chance for the multi-draft rule to accept one
-# (docs/benchmarks.md: τ 1.19-1.48 against 1.14-1.19 on chat at temperature 0.7, at the same step cost)
+# (measured: docs/benchmarks.md, "Sampled chat")
 AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
 
 # A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α):
