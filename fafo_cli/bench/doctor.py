@@ -21,7 +21,7 @@ from .. import config as config_mod
 from ..compiled.kernels import loader
 from ..compiled.timing import read_step_costs, write_step_costs
 from ..decoders.fafo.planner import StepCosts
-from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
+from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
 from ..errors import FafoError
 from . import exactness, suites, tune
 
@@ -99,10 +99,9 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     runs (`streams`), and whether `auto` runs one here with the configured compressor (`window`)."""
     settings = replace(FafoSettings.from_config(config), streams="auto")
     compiled = compiled_for(engine.session.compiled, config.compressor)
-    width = {named: window_streams(replace(settings, compressor_named=named), compiled, StepCosts(costs),
-                                   accelerator=engine.model.device.type != "cpu",
-                                   packed=engine.model.packed_matrices > 0)
-             for named in (True, settings.compressor_named)}
+    curve = StepCosts(costs)
+    width = {named: model_streams(replace(settings, compressor_named=named), compiled, curve, engine.model)
+             for named in {True, settings.compressor_named}}
     return {"streams": width[True], "window": width[settings.compressor_named] > 0}
 
 

@@ -21,7 +21,7 @@ from .. import config as config_mod
 from ..compiled.steps import bucket
 from ..compiled.timing import side_by_side, write_step_costs
 from ..decoders.fafo.planner import StepCosts
-from ..decoders.fafo.step import FafoSettings, compiled_for, window_streams
+from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
 from ..runtime.model import causal_attention
 from ..errors import FafoError
 from ..files import atomic_path
@@ -101,8 +101,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     compiled = compiled_for(engine.session.compiled, config.compressor)
     planned = FafoSettings.from_config(config)
-    planned = replace(planned, streams=window_streams(planned, compiled, StepCosts(costs), accelerator=accelerator,
-                                                      packed=engine.model.packed_matrices > 0))
+    planned = replace(planned, streams=model_streams(planned, compiled, StepCosts(costs), engine.model))
     if hasattr(compiled, "runner") and compiled.serves(planned.max_rows):  # compiled packages (not CUDA graphs)
         packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
         measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})

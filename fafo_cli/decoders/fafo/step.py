@@ -74,8 +74,8 @@ class FafoSettings:
         step), with D/2 guesses where that is more (a copy: on a CPU the largest package costs several plain
         steps, a middle one far less) and with D (a long copy). Few, because each is a build on first use."""
         plain, window = 1, 1 + self.window_rows
-        return tuple(sorted({plain, window, window + min(self.draft_tokens, self.guesses * self.ngram),
-                             window + max(self.draft_tokens // 2, min(self.draft_tokens, self.guesses * self.ngram)),
+        guesses = min(self.draft_tokens, self.guesses * self.ngram)
+        return tuple(sorted({plain, window, window + guesses, window + max(self.draft_tokens // 2, guesses),
                              self.max_rows}))
 
     def budget_tokens(self, prompt_length: int) -> int:
@@ -116,6 +116,13 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
     if not accelerator and (packed or compiled_window):
         return 1
     return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
+
+
+def model_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None, costs: StepCosts | None,
+                  model) -> int:
+    """`window_streams` for `model`: on its device, and over its packed blocks where it reads them."""
+    return window_streams(settings, compiled, costs, accelerator=model.device.type != "cpu",
+                          packed=model.packed_matrices > 0)
 
 
 def widest_window(costs: StepCosts, ngram: int) -> int:
@@ -205,8 +212,8 @@ class Conversation:
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     settings = FafoSettings.from_config(request.config)
-    streams = window_streams(settings, compiled_for(session.compiled, settings.compressor), eager_costs(session),
-                             accelerator=session.model.device.type != "cpu", packed=session.model.packed_matrices > 0)
+    streams = model_streams(settings, compiled_for(session.compiled, settings.compressor), eager_costs(session),
+                            session.model)
     # without a window nothing reads C(kv): no compressor keeps a copy of it, or stops the step from running compiled
     settings = replace(settings, streams=streams, compressor=settings.compressor if streams else "none")
     steps = compiled_for(session.compiled, settings.compressor)
