@@ -174,6 +174,24 @@ def test_no_window_on_a_cpu_unless_a_compressor_is_named(tiny):
     assert named.streams == 2 and named.fumble_positions == 32 and named.draft_memory_mb > 0
 
 
+def test_copies_auto_offers_more_copies_when_sampling(tiny, monkeypatch):
+    from fafo_cli.decoders.fafo import step
+
+    asked = []
+    original = step.text_chains
+
+    def recording(index, copies, draft_tokens):
+        asked.append(copies)
+        return original(index, copies, draft_tokens)
+
+    monkeypatch.setattr(step, "text_chains", recording)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo")
+    for settings, copies in ((dict(), 2), (dict(temperature=0.8, seed=1), 4), (dict(temperature=0.8, copies=3), 3)):
+        asked.clear()
+        engine.complete(LONG, max_tokens=8, **settings)
+        assert asked and set(asked) == {copies}, settings  # auto: 2 greedy, 4 sampled; a configured count is kept
+
+
 def test_pool_and_guess_settings_take_effect(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64, copies=0, planner=False)
     one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats
