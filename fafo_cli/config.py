@@ -128,7 +128,8 @@ class Config:
     pool_per_key: int = _opt(8, "fafo: n-grams kept per pool key (least recently used dropped)", low=1,
                              high=1024)
     copies: int | str = _opt("auto", "fafo: continuations of earlier occurrences of the text's ending offered per "
-                                     "step, longest match first (ours, beyond the paper; 0: none); auto: 2, or 4 when "
+                                     "step, longest match first, besides what most often followed it (ours, beyond the "
+                                     "paper; 0: no guesses from the text); auto: 2, or 4 when "
                                      "sampling (each further first token is another chance for the sampling rule to "
                                      "accept one)", low=0, high=16, allowed="auto or 0-16")
     planner: bool = _opt(True, "fafo: choose each step's guesses, and whether the window runs, for the most expected "

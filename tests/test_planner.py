@@ -19,28 +19,48 @@ def test_step_costs_interpolate_eager_and_round_up_to_packages():
         StepCosts({})
 
 
+def _outcome(acceptance: Acceptance, chain: Chain, agreed: int) -> None:
+    """The chain was verified whole and its first `agreed` tokens were accepted."""
+    for position in range(min(agreed + 1, len(chain.tokens))):
+        acceptance.observe(chain, position, position < agreed)
+
+
 def test_acceptance_learns_from_outcomes():
     acceptance = Acceptance()
-    before = acceptance.chances("text", 8, 4)
+    copy = Chain("text", 8, (1, 2, 3, 4))
+    before = acceptance.chances(copy)
     assert before == sorted(before, reverse=True) and 0 < before[-1] < before[0] < 1
     for _ in range(50):
-        assert acceptance.observe("text", 8, (1, 2, 3, 4), (1, 2, 3, 4, 5)) == 4
-    learned = acceptance.chances("text", 8, 4)
+        _outcome(acceptance, copy, 4)
+    learned = acceptance.chances(copy)
     assert all(after > prior for after, prior in zip(learned, before))
     for _ in range(50):
-        assert acceptance.observe("window", 1, (7, 8, 9), (6, 8, 9)) == 0  # the first token was wrong
-    assert acceptance.chances("window", 1, 1)[0] < 0.05
-    assert acceptance.chances("text", 2, 1)[0] != learned[0]  # another match length is another statistic
+        _outcome(acceptance, Chain("window", 1, (7, 8, 9)), 0)  # the first token was wrong
+    assert acceptance.chances(Chain("window", 1, (7,)))[0] < 0.05
+    assert acceptance.chances(Chain("text", 2, (1,)))[0] != learned[0]  # another match length: another statistic
 
 
 def test_outcomes_at_one_match_length_calibrate_the_others():
     acceptance = Acceptance()
-    unseen_before = acceptance.chances("text", 24, 3)
+    unseen_before = acceptance.chances(Chain("text", 24, (1, 2, 3)))
     for _ in range(30):  # copies after 4-token matches keep failing at once
-        acceptance.observe("text", 4, (1, 2, 3), (9,))
-    unseen_after = acceptance.chances("text", 24, 3)
+        _outcome(acceptance, Chain("text", 4, (1, 2, 3)), 0)
+    unseen_after = acceptance.chances(Chain("text", 24, (1, 2, 3)))
     assert all(after < before / 3 for after, before in zip(unseen_after, unseen_before))
-    assert acceptance.chances("window", 1, 1) == Acceptance().chances("window", 1, 1)  # another source: untouched
+    window = Chain("window", 1, (5,))
+    assert acceptance.chances(window) == Acceptance().chances(window)  # another source: untouched
+
+
+def test_a_frequency_path_is_as_likely_as_its_counts_say_until_outcomes_calibrate_it():
+    acceptance = Acceptance()
+    path = Chain("text", 3, (1, 2, 3), odds=(0.6, 0.5, 0.9))
+    assert acceptance.chances(path) == pytest.approx([0.6, 0.3, 0.27])
+    for _ in range(40):  # tokens that followed 6 times in 10 are accepted 9 times in 10 in this text
+        for hit in [True] * 9 + [False]:
+            acceptance.observe(Chain("text", 3, (1,), odds=(0.6,)), 0, hit)
+    assert acceptance.chances(Chain("text", 3, (1,), odds=(0.65,)))[0] == pytest.approx(0.9, abs=0.05)
+    assert acceptance.chances(Chain("text", 3, (1,), odds=(0.95,)))[0] == pytest.approx(0.95)  # calibrated, capped
+    assert acceptance.chances(Chain("text", 3, (1,))) == Acceptance().chances(Chain("text", 3, (1,)))  # copies apart
 
 
 def _planner(costs: StepCosts, window_rows: int = 0, max_nodes: int = 16) -> Planner:
@@ -50,7 +70,7 @@ def _planner(costs: StepCosts, window_rows: int = 0, max_nodes: int = 16) -> Pla
 def test_a_likely_long_copy_is_verified_whole_when_rows_are_cheap():
     planner = _planner(StepCosts({1: 1.0, 64: 1.1}))
     for _ in range(30):  # copies of this match length have always been right
-        planner.acceptance.observe("text", 12, tuple(range(12)), tuple(range(13)))
+        _outcome(planner.acceptance, Chain("text", 12, tuple(range(12))), 12)
     plan = planner.plan([Chain("text", 12, tuple(range(12)))], room=100)
     assert plan.tree.tokens == list(range(12)) and plan.tree.parents == [ROOT, *range(11)]
     assert plan.rows == 13 and not plan.window and plan.expected > 8
@@ -59,7 +79,7 @@ def test_a_likely_long_copy_is_verified_whole_when_rows_are_cheap():
 def test_nothing_worth_its_rows_is_a_plain_step():
     planner = _planner(StepCosts({1: 1.0, 2: 2.0}))  # every row doubles the step
     for _ in range(30):
-        planner.acceptance.observe("window", 1, (5, 6), (7,))
+        _outcome(planner.acceptance, Chain("window", 1, (5, 6)), 0)
     plan = planner.plan([Chain("window", 1, (5, 6))], room=100)
     assert len(plan.tree) == 0 and plan.rows == 1
 
@@ -90,7 +110,7 @@ def test_a_window_that_earns_nothing_is_tried_less_and_less_often():
     gaps = [i for i, ran in enumerate(runs) if ran]
     assert gaps == [0, 9, 26, 59]  # idle for EXPLORE_EVERY steps, then twice as long after each fruitless burst
     plan = planner.plan([Chain("window", 1, (5,))], room=100)  # the verified guess was the window's and was right
-    planner.observe(plan, [5, 6], [0])
+    planner.observe(plan, [0])
     runs = [planner.plan([], room=100).window for _ in range(64 + 2 + EXPLORE_EVERY)]
     first = runs.index(True)
     assert runs[first + 1:first + 1 + EXPLORE_EVERY] == [False] * EXPLORE_EVERY and runs[first + 1 + EXPLORE_EVERY]
@@ -128,28 +148,37 @@ def test_observe_credits_accepted_tokens_to_their_source():
     planner = _planner(StepCosts({1: 1.0, 64: 1.0}), window_rows=2)
     plan = planner.plan([Chain("text", 4, (1, 2)), Chain("window", 1, (3, 4))], room=100)
     text_node = plan.tree.tokens.index(1)
-    assert planner.observe(plan, [1, 2, 8], [text_node, text_node + 1]) == ["text", "text"]
+    assert planner.observe(plan, [text_node, text_node + 1]) == ["text", "text"]
     window_node = plan.tree.tokens.index(3)
-    assert planner.observe(plan, [3, 9], [window_node]) == ["window"]
+    assert planner.observe(plan, [window_node]) == ["window"]
+
+
+def _copies(chains: list[Chain]) -> list[Chain]:
+    return [chain for chain in chains if not chain.odds]
 
 
 def test_a_copy_runs_at_most_twice_its_match():
     from fafo_cli.decoders.fafo.step import text_chains
     from fafo_cli.decoders.suffix_index import SuffixIndex
 
-    index = SuffixIndex()
+    index = SuffixIndex(counts=True)
     index.extend([5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 5])  # the ending [5] occurred once before: a 1-token match
-    assert text_chains(index, copies=2, draft_tokens=16) == [Chain("text", 1, (6, 7))]
+    assert _copies(text_chains(index, copies=2, draft_tokens=16)) == [Chain("text", 1, (6, 7))]
     index.extend([6, 7])  # now [5, 6, 7]: three tokens
-    assert text_chains(index, copies=1, draft_tokens=16) == [Chain("text", 3, (8, 9, 10, 11, 12, 13))]
-    assert text_chains(index, copies=1, draft_tokens=4) == [Chain("text", 3, (8, 9, 10, 11))]
+    assert _copies(text_chains(index, copies=1, draft_tokens=16)) == [Chain("text", 3, (8, 9, 10, 11, 12, 13))]
+    assert _copies(text_chains(index, copies=1, draft_tokens=4)) == [Chain("text", 3, (8, 9, 10, 11))]
 
 
-def test_a_window_whose_tokens_do_not_pay_for_its_rows_is_tried_less_often():
-    planner = Planner(Acceptance(), StepCosts({1: 1.0, 64: 64.0}), 5, 16, burst=1)  # 5 rows: 5 tokens a step
-    runs = []
-    for _ in range(1 + 8 + 1 + 16 + 1):
-        plan = planner.plan([Chain("window", 1, (5,))], room=100)  # its one guess is always right: 1 token
-        planner.observe(plan, [5, 6] if plan.tree.tokens else [6], [0] if plan.tree.tokens else [])
-        runs.append(plan.window)
-    assert [i for i, ran in enumerate(runs) if ran] == [0, 9, 26]  # it earns, but less than its rows cost
+def test_the_text_also_offers_what_most_often_followed_its_ending():
+    from fafo_cli.decoders.fafo.step import text_chains
+    from fafo_cli.decoders.suffix_index import SuffixIndex
+
+    index = SuffixIndex(counts=True)
+    index.extend([9, 1, 2, 9, 1, 2, 9, 1, 3, 9, 1])  # the ending [9, 1] was followed twice by 2, once by 3
+    paths = {chain.tokens: chain.odds for chain in text_chains(index, copies=1, draft_tokens=4) if chain.odds}
+    # best first by how often each token followed, each count over its total plus one (one occurrence: 1/2)
+    assert paths == {(2, 9, 1): pytest.approx((2 / 4, 2 / 3, 2 / 3)), (3,): pytest.approx((1 / 4,))}
+    planner = _planner(StepCosts({1: 1.0, 2: 1.3}))  # one guess is worth its row where it is likely enough
+    latest = Chain("text", 1, (3, 9))  # a copy of the latest occurrence, after a short match
+    chains = [latest] + [Chain("text", 2, tokens, odds) for tokens, odds in paths.items()]
+    assert planner.plan(chains, room=100).tree.tokens == [2]  # the likelier first token, not the latest

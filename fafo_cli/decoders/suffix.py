@@ -17,9 +17,7 @@ from its own text only: the same prompt and seed give the same sample whatever t
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from itertools import count
 from typing import Iterator
 
 from ..runtime.events import Step
@@ -91,32 +89,19 @@ class Suffix:
         matches = [(self.text, self.text.match_state(self.depth))]
         if self.read_history:
             matches.append((self.history.index, self.history.index.find(text[-self.depth:])))
-        tree = DraftTree()
-        heap: list = []  # (-probability, order, source, token, state, length, parent): most probable first
-        order = count()  # ties: the request's own text first, then earlier candidates first
-        left = []  # tokens each source may still draft: α·p
-        for source, (index, (state, length)) in enumerate(matches):
-            left.append(min(limit, int(self.factor * length + 1e-6)))
-            if left[source]:
-                self._grow(heap, order, source, index, state, length, 1.0, ROOT)
-        while heap and len(tree) < limit:
-            probability, _, source, token, state, length, parent = heapq.heappop(heap)
-            if not left[source]:
-                continue
-            left[source] -= 1
-            node = tree.add_chain([token], parent)  # the other index may have drafted it already: one row
-            self._grow(heap, order, source, matches[source][0], state, length, -probability, node)
+        # each index's likeliest continuations, at most α·p of them; then all of them most probable first (ties:
+        # the request's own text first), a token both propose under the same parent one row
+        offered = sorted((-node.probability, source, position, node)
+                         for source, (index, (state, length)) in enumerate(matches)
+                         for position, node in enumerate(index.likeliest(
+                             state, length, min(limit, int(self.factor * length + 1e-6)), self.min_prob)))
+        tree, placed = DraftTree(), {}
+        for _, source, position, node in offered:
+            if len(tree) >= limit:
+                break
+            parent = ROOT if node.parent < 0 else placed[source, node.parent]
+            placed[source, position] = tree.add_chain([node.token], parent)
         return Draft(tree)
-
-    def _grow(self, heap: list, order, source: int, index: SuffixIndex, state: int, length: int, probability: float,
-              parent: int) -> None:
-        """Offer the tokens that followed `state` (holding `length` tokens) below `parent`."""
-        following = index.next_counts(state, length)
-        total = sum(n for n, _ in following.values())  # occurrences with something after them
-        for token, (n, child) in following.items():
-            p = probability * n / total
-            if token >= 0 and p >= self.min_prob:  # separators (< 0) end an answer: nothing to draft
-                heapq.heappush(heap, (-p, next(order), source, token, child, length + 1, parent))
 
     def accepted(self, text: list[int], new: int) -> None:
         self.text.extend(text[-new:])

@@ -29,8 +29,17 @@ arrive), enough for a caller that never matches or drafts deeper.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import sys
 from typing import Iterable, NamedTuple, Sequence
+
+
+class Continuation(NamedTuple):
+    parent: int  # the node this token follows (its index in the list; -1: the text's ending itself)
+    token: int
+    probability: float  # of the whole path from the text's ending: the product of `given` along it
+    given: float  # how often this token followed its parent's string, of how often anything did
 
 
 class Match(NamedTuple):
@@ -211,6 +220,30 @@ class SuffixIndex:
             return {}
         count = self._count
         return {token: (count[child], child) for token, child in self._next[state].items()}
+
+    def likeliest(self, state: int, length: int, limit: int, min_prob: float, smoothing: int = 0) -> list[Continuation]:
+        """Up to `limit` continuations of the string of `state` (`length` tokens), grown best first by probability:
+        a token's `given` is how often it followed its parent's string over how often anything did (plus
+        `smoothing` in the denominator: one occurrence then says 1/2, not certainty); none below `min_prob`.
+        Parents come before their children. Separators (negative ids) end a path."""
+        nodes: list[Continuation] = []
+        heap: list = []  # (-probability, order, token, state, length, parent, given)
+        order = itertools.count()  # ties: earlier offered first
+
+        def offer(state: int, length: int, probability: float, parent: int) -> None:
+            following = self.next_counts(state, length)
+            total = sum(n for n, _ in following.values()) + smoothing
+            for token, (n, child) in following.items():
+                given = n / total
+                if token >= 0 and probability * given >= min_prob:
+                    heapq.heappush(heap, (-probability * given, next(order), token, child, length + 1, parent, given))
+
+        offer(state, length, 1.0, -1)
+        while heap and len(nodes) < limit:
+            probability, _, token, child, depth, parent, given = heapq.heappop(heap)
+            nodes.append(Continuation(parent, token, -probability, given))
+            offer(child, depth, -probability, len(nodes) - 1)
+        return nodes
 
     def count(self, state: int) -> int:
         """How many times the strings of `state` occur in the held text (with counts)."""

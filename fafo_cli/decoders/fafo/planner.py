@@ -67,30 +67,59 @@ class _Rate:
             self.hits, self.tries = self.hits / 2, self.tries / 2
 
 
-class Acceptance:
-    """How often guesses are accepted, by source and match length: the chance that the first token of a chain is
-    what plain decoding emits next, and that each further token is, given the previous one was.
+@dataclass(frozen=True)
+class Chain:
+    source: str  # "text" or "window"
+    match: int  # tokens of the text's ending that matched where it came from
+    tokens: tuple[int, ...]
+    # a path of the text's frequency tree: how often each token followed the string before it in the text
+    # (smoothed); empty for a copy of one earlier occurrence, or a window n-gram
+    odds: tuple[float, ...] = ()
 
-    Each (source, match length) statistic starts from a prior, and the priors of a source are calibrated by all of
-    its outcomes together (observed hits over what the priors expected), so a text whose copies rarely hold
-    discounts every match length after a few steps, not each one after its own few."""
+
+class Acceptance:
+    """How often guesses are accepted: the chance that each token of a candidate is what plain decoding emits
+    next, given that the token before it was. Each token counts under a statistic: for a copy of one earlier
+    occurrence or a window n-gram, its source and match length, the first token apart from further ones; for a
+    path of the frequency tree, how often its token followed in the text (in tenths).
+
+    Each statistic starts from a prior (for a frequency path, that frequency itself), and the priors of a kind of
+    statistic are calibrated by all of its outcomes together (observed hits over what the priors expected), so a
+    text whose copies rarely hold discounts every match length after a few steps, not each one after its own few."""
 
     def __init__(self) -> None:
-        self._rates: dict[tuple[str, int], tuple[_Rate, _Rate]] = {}
-        self._calibration = {(source, kind): _Rate() for source in SOURCES for kind in (0, 1)}  # hits, expected
+        self._rates: dict[tuple, _Rate] = {}
+        self._calibration: dict[tuple, _Rate] = {}  # (source, kind): hits against what the priors expected
         self._window = _Rate()  # window-found tokens accepted per step that ran the window
 
-    def _pair(self, source: str, match: int) -> tuple[int, tuple[_Rate, _Rate]]:
-        bucket = MATCH_BUCKETS[max(0, bisect.bisect_right(MATCH_BUCKETS, match) - 1)]
-        key = (source, bucket)
-        if key not in self._rates:
-            self._rates[key] = (_Rate(), _Rate())
-        return bucket, self._rates[key]
+    @staticmethod
+    def _statistic(chain: Chain, position: int) -> tuple[tuple, float]:
+        """The statistic the chain's token at `position` counts under, and its prior."""
+        if chain.odds:
+            odds = chain.odds[position]
+            return ("tree", min(9, int(odds * 10)), 0), odds
+        bucket = MATCH_BUCKETS[max(0, bisect.bisect_right(MATCH_BUCKETS, chain.match) - 1)]
+        kind = min(position, 1)
+        return (chain.source, bucket, kind), _prior(chain.source, bucket)[kind]
 
-    def _values(self, source: str, match: int) -> tuple[float, float]:
-        bucket, rates = self._pair(source, match)
-        return tuple(min(0.95, rate.value(prior * self._calibration[source, kind].value(1.0)))
-                     for kind, (rate, prior) in enumerate(zip(rates, _prior(source, bucket))))
+    def _given(self, statistic: tuple, prior: float) -> float:
+        calibration, rate = self._calibration.get((statistic[0], statistic[2])), self._rates.get(statistic)
+        prior *= calibration.value(1.0) if calibration else 1.0
+        return min(0.95, rate.value(prior) if rate else prior)
+
+    def chances(self, chain: Chain) -> list[float]:
+        """The chance that plain decoding reaches each of the chain's tokens."""
+        chances, chance = [], 1.0
+        for position in range(len(chain.tokens)):
+            chance *= self._given(*self._statistic(chain, position))
+            chances.append(chance)
+        return chances
+
+    def observe(self, chain: Chain, position: int, hit: bool) -> None:
+        """The chain's token at `position` was verified where the one before it was accepted; `hit`: it was too."""
+        statistic, prior = self._statistic(chain, position)
+        self._rates.setdefault(statistic, _Rate()).add(hit, 1)
+        self._calibration.setdefault((statistic[0], statistic[2]), _Rate()).add(hit, prior)
 
     def window_value(self) -> float:
         """Window-found tokens accepted per step that ran the window."""
@@ -100,39 +129,6 @@ class Acceptance:
         """A step ran the window or not; `earned`: its accepted tokens the window had found (on any earlier step)."""
         self._window.add(earned, ran)
 
-    def chances(self, source: str, match: int, length: int) -> list[float]:
-        """The chance that plain decoding reaches each of a chain's `length` tokens."""
-        first, further = self._values(source, match)
-        chances, chance = [], first
-        for _ in range(length):
-            chances.append(chance)
-            chance *= further
-        return chances
-
-    def observe(self, source: str, match: int, verified: Sequence[int], emitted: Sequence[int]) -> int:
-        """A chain's `verified` tokens met the step's `emitted` tokens; returns how many of them agreed."""
-        agreed = 0
-        for guess, token in zip(verified, emitted):
-            if guess != token:
-                break
-            agreed += 1
-        bucket, (first, further) = self._pair(source, match)
-        prior_first, prior_further = _prior(source, bucket)
-        first.add(agreed > 0, 1)
-        self._calibration[source, 0].add(agreed > 0, prior_first)
-        if agreed:
-            tries = min(agreed, len(verified) - 1)
-            further.add(agreed - 1, tries)
-            self._calibration[source, 1].add(agreed - 1, prior_further * tries)
-        return agreed
-
-
-@dataclass(frozen=True)
-class Chain:
-    source: str  # "text" or "window"
-    match: int  # tokens of the text's ending that matched where it came from
-    tokens: tuple[int, ...]
-
 
 class StepCosts:
     """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
@@ -140,21 +136,25 @@ class StepCosts:
 
     `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of
     steps (by rows: each package size; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
-    as its attention reads the compressed view besides), the ratio of observed to measured time, the median of the
-    class's RECENT last steps, drawn towards the median of all recent steps by CLASS_PRIOR steps' worth; classes not
-    run yet take the latter (which leaves their relative cost as measured). Medians, because single steps are
-    sometimes several times slower (a page fault, a burst of another process, the cache growing) and a mean
-    would let one of them make a class look dearer than one of twice its rows."""
+    as its attention reads the compressed view besides), how much slower than measured they ran, as a ratio and
+    as milliseconds added, each the median of the class's RECENT last steps drawn towards the median of all
+    recent steps by CLASS_PRIOR steps' worth; classes not run yet take the latter. A size is then costed by
+    whichever of the two makes it cheaper: a step slower than measured because the cache grew (a long prompt) or
+    the host does more per step is slower by about the same milliseconds at every size, one on a slower or busier
+    machine by about the same ratio, and an estimate too low is corrected by running that size once, where one
+    too high would never be run again. Medians, because single steps are sometimes several times slower (a page
+    fault, a burst of another process) and a mean would let one of them make a class look dearer than one of
+    twice its rows."""
 
     def __init__(self, ms: dict[int, float], sizes: Sequence[int] | None = None):
         if not ms:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
-        self._ratios: dict[tuple[int, bool], deque[float]] = {}  # step class -> its recent observed / measured
-        self._overall: deque[float] = deque(maxlen=RECENT)
+        self._slower: dict[tuple[int, bool], deque[tuple[float, float]]] = {}  # class -> recent (ratio, ms added)
+        self._overall: deque[tuple[float, float]] = deque(maxlen=RECENT)
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
-        self._ratio_of: dict[tuple[int, bool], float | None] = {}  # _ratio's answers since the last observe
+        self._learned_of: dict[tuple[int, bool], tuple[float, float] | None] = {}  # _learned's answers since observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
@@ -162,36 +162,38 @@ class StepCosts:
         measured = self._measured(rows)
         if measured is None:
             return None
-        ratio = self._ratio(self._class(rows, window))
-        return measured * ratio if ratio else measured
+        slower = self._slower_by(self._class(rows, window))
+        return min(measured * slower[0], measured + slower[1]) if slower else measured
 
-    def _ratio(self, step_class: tuple[int, bool]) -> float | None:
-        # a step's plan asks for many costs between two observations: each class's median is taken once
-        if step_class not in self._ratio_of:
-            self._ratio_of[step_class] = self._learned_ratio(step_class)
-        return self._ratio_of[step_class]
+    def _slower_by(self, step_class: tuple[int, bool]) -> tuple[float, float] | None:
+        # a step's plan asks for many costs between two observations: each class's medians are taken once
+        if step_class not in self._learned_of:
+            self._learned_of[step_class] = self._learned(step_class)
+        return self._learned_of[step_class]
 
-    def _learned_ratio(self, step_class: tuple[int, bool]) -> float | None:
+    def _learned(self, step_class: tuple[int, bool]) -> tuple[float, float] | None:
         if not self._overall:
             return None
-        overall, own = statistics.median(self._overall), self._ratios.get(step_class)
+        overall = tuple(statistics.median(values) for values in zip(*self._overall))
+        own = self._slower.get(step_class)
         if not own:
             return overall
-        seen = self._seen[step_class]
-        return overall + (statistics.median(own) - overall) * seen / (seen + CLASS_PRIOR)
+        weight = self._seen[step_class] / (self._seen[step_class] + CLASS_PRIOR)
+        return tuple(mean + (statistics.median(values) - mean) * weight for mean, values in zip(overall, zip(*own)))
 
     def observe(self, rows: int, window: bool, ms: float) -> None:
         """A step of `rows` rows (with the window's or not) took `ms` (the same units as the curve)."""
         measured = self._measured(rows)
         if not measured or ms <= 0:
             return
-        ratio, step_class = ms / measured, self._class(rows, window)
+        step_class = self._class(rows, window)
         if step_class not in self._warm:  # a class's first step carries one-time costs (a package's first call,
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
-        self._overall.append(ratio)
-        self._ratio_of.clear()
-        self._ratios.setdefault(step_class, deque(maxlen=RECENT)).append(ratio)
+        slower = (ms / measured, ms - measured)
+        self._overall.append(slower)
+        self._learned_of.clear()
+        self._slower.setdefault(step_class, deque(maxlen=RECENT)).append(slower)
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
 
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
@@ -227,7 +229,7 @@ class StepCosts:
 @dataclass
 class Plan:
     tree: DraftTree  # the guesses to verify, node i on row 1 + i
-    chains: list[tuple[Chain, int]]  # each candidate with how many of its tokens the tree holds
+    chains: list[tuple[Chain, list[int]]]  # each candidate with the tree's nodes of its tokens (a prefix of them)
     sources: list[str]  # per tree node, the source of the first chain that put it there
     window: bool  # whether the window's rows run
     rows: int  # the step's rows (the anchor, the tree, the window's)
@@ -240,7 +242,7 @@ def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, 
     tree, chance, sources, nodes_of = DraftTree(), [], [], []
     for chain in chains:
         node, nodes = ROOT, []
-        for token, p in zip(chain.tokens, acceptance.chances(chain.source, chain.match, len(chain.tokens))):
+        for token, p in zip(chain.tokens, acceptance.chances(chain)):
             child = tree.add_chain((token,), parent=node)
             if child == len(chance):
                 chance.append(p)
@@ -313,20 +315,25 @@ class Planner:
         tree, index = DraftTree(), {ROOT: ROOT}
         for node in kept:
             index[node] = tree.add(index[merged.parents[node]], merged.tokens[node])
-        kept_set = set(kept)
         if window:
             self.burst_left = self.burst_left - 1 if self.burst_left > 0 else self.burst - 1
         self.idle = 0 if window else self.idle + 1
         self.unverified = 0 if n else self.unverified + 1
-        return Plan(tree, [(chain, sum(node in kept_set for node in nodes)) for chain, nodes in zip(chains, nodes_of)],
+        return Plan(tree, [(chain, [index[node] for node in nodes if node in index]) for chain, nodes in zip(chains, nodes_of)],
                     [sources[node] for node in kept], window, 1 + n + (self.window_rows if window else 0),
                     1 + gains[n] + (window_value if window else 0.0), list(chains))
 
-    def observe(self, plan: Plan, emitted: Sequence[int], path: Sequence[int]) -> list[str]:
-        """Learn from the step's outcome; returns the source of each accepted guess, in order."""
-        for chain, verified in plan.chains:
-            if verified:
-                self.acceptance.observe(chain.source, chain.match, chain.tokens[:verified], emitted)
+    def observe(self, plan: Plan, path: Sequence[int]) -> list[str]:
+        """Learn from the step's outcome (`path`: the accepted nodes); returns the source of each accepted guess,
+        in order. Each verified node whose parent was accepted counts once, under the first chain that holds it."""
+        accepted, counted = set(path), set()
+        for chain, nodes in plan.chains:
+            for position, node in enumerate(nodes):
+                if node not in counted:
+                    counted.add(node)
+                    self.acceptance.observe(chain, position, node in accepted)
+                if node not in accepted:
+                    break
         sources = [plan.sources[node] for node in path]
         self.acceptance.window_observed(plan.window, sources.count("window"))
         self.window_earned += sources.count("window")

@@ -165,14 +165,40 @@ AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
 # A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α):
 # a short match is a weak hint, and a long continuation of one takes the draft rows of a better candidate
 COPY_FACTOR = 2
+# The frequency tree grows from the longest ending of the text of at most TREE_DEPTH tokens that occurred before
+# (SuffixDecoding's default depth), down to paths TREE_LEAST likely by the text's counts: the planner then keeps
+# the nodes worth their rows
+TREE_DEPTH = 24
+TREE_LEAST = 0.02
+
+
+def index_for(settings: FafoSettings) -> SuffixIndex:
+    """The index of the text FAFO drafts from, with the occurrence counts its frequency tree reads."""
+    return SuffixIndex(counts=True, count_depth=TREE_DEPTH + settings.draft_tokens)
 
 
 def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chain]:
-    """The continuations of the `copies` longest earlier occurrences of the text's ending, each at most
-    COPY_FACTOR × its match length and `draft_tokens` long."""
-    return [Chain("text", match.length,
-                  tuple(index.continuation(match.end, min(draft_tokens, COPY_FACTOR * match.length))))
-            for match in index.matches(copies)]
+    """Guesses from the text: the continuations of the `copies` longest earlier occurrences of its ending, each at
+    most COPY_FACTOR × its match length and `draft_tokens` long (a long copy, as the text last went on), and the
+    paths of its frequency tree, up to `draft_tokens` nodes (what most often followed that ending: at long
+    contexts a short ending has many earlier occurrences, and the most recent one is seldom the likeliest). No
+    copies: no guesses from the text."""
+    if not copies:
+        return []
+    chains = [Chain("text", match.length, tuple(index.continuation(match.end,
+                                                                   min(draft_tokens, COPY_FACTOR * match.length))))
+              for match in index.matches(copies)]
+    state, length = index.match_state(TREE_DEPTH)
+    nodes = index.likeliest(state, length, draft_tokens, TREE_LEAST, smoothing=1)
+    parents = {node.parent for node in nodes}
+    for leaf in (i for i in range(len(nodes)) if i not in parents):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(nodes[node])
+            node = nodes[node].parent
+        path.reverse()
+        chains.append(Chain("text", length, tuple(n.token for n in path), tuple(n.given for n in path)))
+    return chains
 
 
 @dataclass
@@ -190,7 +216,7 @@ class Conversation:
     @classmethod
     def follow(cls, session: Session, settings: FafoSettings, prompt_ids: list[int], text: list[int],
                reused: int) -> "Conversation":
-        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key)
+        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key, settings.draft_tokens)
         carried: Conversation | None = session.carry.get(key)
         session.carry.clear()
         if carried is not None and reused >= carried.prompt_length:
@@ -198,11 +224,11 @@ class Conversation:
             if text[:len(carried.text)] == carried.text:
                 state.index.extend(text[len(carried.text):])
             else:  # the new prompt re-encodes the old answer differently: index it afresh
-                state.index = SuffixIndex()
+                state.index = index_for(settings)
                 state.index.extend(text)
             state.text, state.prompt_length = text, len(prompt_ids)
         else:
-            index = SuffixIndex()
+            index = index_for(settings)
             index.extend(text)
             state = cls(NgramPool(settings.ngram, settings.prefix, settings.pool_per_key), index, Acceptance(), text,
                         len(prompt_ids))
@@ -282,7 +308,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         compressor.committed(cache, start, len(emitted))
         text.extend(emitted)
         index.extend(emitted)
-        sources = planner.observe(plan, emitted, path)
+        sources = planner.observe(plan, path)
         planner.costs.observe(plan.rows, plan.window, (time.perf_counter() - began) * 1e3)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
         stats.draft_memory_mb = compressor.nbytes() / 2**20  # the copy of C(kv): created, and grown, as needed
