@@ -142,6 +142,23 @@ def test_step_costs_learn_from_the_steps_run():
     for _ in range(100):
         packages.observe(2, False, 24.0)  # padded to the 4-row package
     assert packages.of(3) == pytest.approx(24.0)
+    for _ in range(100):  # a long context: each row's attention costs, a padding row's does not
+        packages.observe(3, False, 30.0)
+        packages.observe(4, False, 36.0)
+    assert packages.of(2) < packages.of(3) < packages.of(4)
+
+
+def test_steps_slower_than_measured_cost_sizes_not_run_the_cheaper_way():
+    grown = StepCosts({1: 10.0, 9: 18.0, 17: 26.0})
+    for _ in range(50):  # a long cache: every step 30 ms slower than measured
+        grown.observe(1, False, 40.0)
+        grown.observe(9, False, 48.0)
+    assert grown.of(17) == pytest.approx(56.0)  # 30 ms added, not the measured 26 times the ratio seen
+    busy = StepCosts({1: 10.0, 9: 18.0, 17: 26.0})
+    for _ in range(50):  # a machine twice as fast as when measured
+        busy.observe(1, False, 5.0)
+        busy.observe(9, False, 9.0)
+    assert busy.of(17) == pytest.approx(13.0)  # half, not 5 ms less
 
 
 def test_observe_credits_accepted_tokens_to_their_source():

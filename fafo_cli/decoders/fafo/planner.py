@@ -135,7 +135,7 @@ class StepCosts:
     fewer rows are padded up); None: any count (eager), costs between measured points interpolated.
 
     `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of
-    steps (by rows: each package size; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
+    steps (by rows: compiled, each count; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
     as its attention reads the compressed view besides), how much slower than measured they ran, as a ratio and
     as milliseconds added, each the median of the class's RECENT last steps drawn towards the median of all
     recent steps by CLASS_PRIOR steps' worth; classes not run yet take the latter. A size is then costed by
@@ -197,8 +197,9 @@ class StepCosts:
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
 
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
-        size = self.size(rows)
-        return (size if self.sizes is not None or size <= 4 else 1 << (size - 1).bit_length()), window
+        # on compiled steps each row count apart: a package's padding rows skip attention, which at long contexts
+        # is much of a row's cost
+        return (rows if self.sizes is not None or rows <= 4 else 1 << (rows - 1).bit_length()), window
 
     def _measured(self, rows: int) -> float | None:
         if self.sizes is not None:

@@ -165,22 +165,23 @@ AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
 # A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α):
 # a short match is a weak hint, and a long continuation of one takes the draft rows of a better candidate
 COPY_FACTOR = 2
-# The frequency tree grows from the longest ending of the text of at most TREE_DEPTH tokens that occurred before
-# (SuffixDecoding's default depth), down to paths TREE_LEAST likely by the text's counts: the planner then keeps
-# the nodes worth their rows
+# The frequency tree grows from the longest ending of the text of at most TREE_DEPTH tokens that occurred before,
+# TREE_NODES nodes at most (SuffixDecoding's defaults), down to paths TREE_LEAST likely by the text's counts: the
+# planner then keeps the nodes worth their rows
 TREE_DEPTH = 24
+TREE_NODES = 8
 TREE_LEAST = 0.02
 
 
 def index_for(settings: FafoSettings) -> SuffixIndex:
     """The index of the text FAFO drafts from, with the occurrence counts its frequency tree reads."""
-    return SuffixIndex(counts=True, count_depth=TREE_DEPTH + settings.draft_tokens)
+    return SuffixIndex(counts=True, count_depth=TREE_DEPTH + TREE_NODES)
 
 
 def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chain]:
     """Guesses from the text: the continuations of the `copies` longest earlier occurrences of its ending, each at
     most COPY_FACTOR × its match length and `draft_tokens` long (a long copy, as the text last went on), and the
-    paths of its frequency tree, up to `draft_tokens` nodes (what most often followed that ending: at long
+    paths of its frequency tree, up to TREE_NODES nodes (what most often followed that ending: at long
     contexts a short ending has many earlier occurrences, and the most recent one is seldom the likeliest). No
     copies: no guesses from the text."""
     if not copies:
@@ -189,16 +190,12 @@ def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chai
                                                                    min(draft_tokens, COPY_FACTOR * match.length))))
               for match in index.matches(copies)]
     state, length = index.match_state(TREE_DEPTH)
-    nodes = index.likeliest(state, length, draft_tokens, TREE_LEAST, smoothing=1)
-    parents = {node.parent for node in nodes}
-    for leaf in (i for i in range(len(nodes)) if i not in parents):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(nodes[node])
-            node = nodes[node].parent
-        path.reverse()
-        chains.append(Chain("text", length, tuple(n.token for n in path), tuple(n.given for n in path)))
-    return chains
+    paths: list[tuple] = []  # each node's path from the ending (parents come first)
+    for node in index.likeliest(state, length, min(TREE_NODES, draft_tokens), TREE_LEAST, smoothing=1):
+        paths.append((paths[node.parent] if node.parent >= 0 else ()) + (node,))
+    leaves = sorted(set(range(len(paths))) - {path[-1].parent for path in paths})
+    return chains + [Chain("text", length, tuple(n.token for n in paths[leaf]), tuple(n.given for n in paths[leaf]))
+                     for leaf in leaves]
 
 
 @dataclass
@@ -216,7 +213,7 @@ class Conversation:
     @classmethod
     def follow(cls, session: Session, settings: FafoSettings, prompt_ids: list[int], text: list[int],
                reused: int) -> "Conversation":
-        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key, settings.draft_tokens)
+        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key)
         carried: Conversation | None = session.carry.get(key)
         session.carry.clear()
         if carried is not None and reused >= carried.prompt_length:
