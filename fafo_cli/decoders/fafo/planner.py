@@ -320,7 +320,8 @@ class Planner:
             self.burst_left = self.burst_left - 1 if self.burst_left > 0 else self.burst - 1
         self.idle = 0 if window else self.idle + 1
         self.unverified = 0 if n else self.unverified + 1
-        return Plan(tree, [(chain, [index[node] for node in nodes if node in index]) for chain, nodes in zip(chains, nodes_of)],
+        verified = [(chain, [index[node] for node in nodes if node in index]) for chain, nodes in zip(chains, nodes_of)]
+        return Plan(tree, verified,
                     [sources[node] for node in kept], window, 1 + n + (self.window_rows if window else 0),
                     1 + gains[n] + (window_value if window else 0.0), list(chains))
 

@@ -173,7 +173,7 @@ TREE_NODES = 8
 TREE_LEAST = 0.02
 
 
-def index_for(settings: FafoSettings) -> SuffixIndex:
+def text_index() -> SuffixIndex:
     """The index of the text FAFO drafts from, with the occurrence counts its frequency tree reads."""
     return SuffixIndex(counts=True, count_depth=TREE_DEPTH + TREE_NODES)
 
@@ -221,11 +221,11 @@ class Conversation:
             if text[:len(carried.text)] == carried.text:
                 state.index.extend(text[len(carried.text):])
             else:  # the new prompt re-encodes the old answer differently: index it afresh
-                state.index = index_for(settings)
+                state.index = text_index()
                 state.index.extend(text)
             state.text, state.prompt_length = text, len(prompt_ids)
         else:
-            index = index_for(settings)
+            index = text_index()
             index.extend(text)
             state = cls(NgramPool(settings.ngram, settings.prefix, settings.pool_per_key), index, Acceptance(), text,
                         len(prompt_ids))
