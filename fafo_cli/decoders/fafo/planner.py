@@ -1,9 +1,10 @@
 """The step planner: which guesses a FAFO step verifies, and whether its window runs, for the most tokens per second.
 
 A step's candidates come from two sources: `text`, the continuation of an earlier occurrence of the text's
-ending, as long as it kept matching (the suffix index), and `window`, the pool's n-grams that the lookahead
-window found. Every guessed token gets the chance that plain decoding reaches it, from running statistics of
-its source and match length; the candidates merge into one tree, and the planner keeps the likeliest nodes and
+ending, as long as it kept matching, or a path of what most often followed it (the suffix index), and `window`,
+the pool's n-grams that the lookahead window found. Every guessed token gets the chance that plain decoding
+reaches it, from running statistics of its source and match length, or of its frequency in the text (see
+`Acceptance`); the candidates merge into one tree, and the planner keeps the likeliest nodes and
 turns the window on or off so that
 
     expected tokens per step / cost of the step's rows

@@ -2,8 +2,9 @@
 new ones from a compressed view of it ("Fumble Around"). See docs/how-it-works.md.
 
 Step rows: [anchor x_t] + a draft tree + the lookahead window (runtime/rows.py draws them). The tree merges
-candidates from two sources: continuations of earlier occurrences of the text's ending (the suffix index; as
-long as they keep matching) and the pool's k-grams, which the window found. The planner (planner.py) decides
+candidates from two sources: the text (the suffix index: continuations of earlier occurrences of its ending,
+as long as they keep matching, and the paths of what most often followed it) and the pool's k-grams, which the
+window found. The planner (planner.py) decides
 each step which guesses to verify and whether the window runs. Verify rows decide what is emitted (the deepest
 path greedy decoding agrees with, plus one token of its own), so the output is exactly plain decoding's; the
 window only feeds the pool.
