@@ -283,11 +283,13 @@ def test_auto_streams_widen_with_the_measured_cost_of_eager_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_grouped_attention_folds_query_heads_into_rows(dtype, rows):
-    """The CPU path (query heads folded into their KV head's rows) against torch's own grouped-query attention, over
-    keys laid out as the cache holds them, with the step's own rows causal."""
+def test_grouped_attention_folds_query_heads_into_rows(dtype, rows, monkeypatch):
+    """The CPU path without our library (query heads folded into their KV head's rows) against torch's own
+    grouped-query attention, over keys laid out as the cache holds them, with the step's own rows causal."""
+    from fafo_cli.runtime import model
     from fafo_cli.runtime.model import grouped_attention
 
+    monkeypatch.setattr(model, "_cpu_attention", None)
     torch.manual_seed(0)
     keys = 700
     cached_k, cached_v = torch.randn(keys + 8, 3, 64, dtype=dtype), torch.randn(keys + 8, 3, 64, dtype=dtype)
@@ -301,3 +303,31 @@ def test_grouped_attention_folds_query_heads_into_rows(dtype, rows):
                                                                      enable_gqa=True)
         assert folded.shape == reference.shape
         torch.testing.assert_close(folded, reference)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_folder, rows):
+    """Once our library is loaded, a CPU step attends with our kernel: torch's result up to rounding (float32, as
+    eager steps attend), and each row's bits the same alone as beside the step's other rows."""
+    from fafo_cli.compiled.kernels import loader
+    from fafo_cli.runtime import model
+    from fafo_cli.runtime.model import grouped_attention
+
+    loader.load(compiled_folder / "compiled")
+    assert model._cpu_attention is not None
+    torch.manual_seed(0)
+    keys, cached = 700, 700 - rows
+    k, v = (torch.randn(keys, 3, 64).transpose(0, 1)[None] for _ in range(2))
+    q = torch.randn(rows, 9, 64).transpose(0, 1)[None]
+    mask = torch.ones(rows, keys, dtype=torch.bool)
+    mask[:, cached:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    for given in (mask, None):
+        ours = grouped_attention(q, k, v, given, 0.125)
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=0.125,
+                                                                     enable_gqa=True)
+        torch.testing.assert_close(ours, reference)
+    stepped = grouped_attention(q, k, v, mask, 0.125)
+    for first in range(1, rows + 1):
+        alone = grouped_attention(q[:, :, :first], k[:, :, :cached + first], v[:, :, :cached + first],
+                                  mask[:first, :cached + first], 0.125)
+        assert torch.equal(alone, stepped[:, :, :first])

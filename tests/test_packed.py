@@ -281,3 +281,27 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
     assert (compiled - dense).abs().mean() < 0.05 * dense.abs().mean()
     result = engine.complete("one two three four", max_tokens=12, method="vanilla")
     assert len(result.token_ids) == 12 and engine.compiled.calls == 11
+
+
+def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bit(compiled_cache, smollm2):
+    """SmolLM2 in bf16 over its packed blocks, eager: our kernels serve every product and the attention, so a step of
+    several rows gives each row exactly the logits a one-row step gives it (with torch's attention, which rounds a
+    row differently beside others, the last rows here differ by up to 0.7): eager FAFO and its peers then decode
+    plain decoding's tokens in bf16 too, not only up to near-ties."""
+    from fafo_cli import load
+    from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
+
+    engine = load(str(smollm2), dtype="bfloat16", compile="auto")
+    if engine.model.packed_matrices == 0:
+        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+    engine.session.compiled = None  # eager steps over the packed blocks
+    session, model = engine.session, engine.model
+    prompt = [100 + (i * 7919) % 40000 for i in range(300)]
+    text = [7, 19, 3, 88, 41, 2, 60, 11, 500, 1000, 2000, 3000, 4000]
+    with torch.inference_mode():
+        session.prefill(prompt, reserve=len(text))
+        single = torch.stack([session.step(token) for token in text])
+        session.rollback(len(prompt))
+        multi = session.forward(text, causal_attention(prefix_causal_mask(len(prompt), len(text), model.device),
+                                                       model.scaling))
+    assert torch.equal(multi, single)

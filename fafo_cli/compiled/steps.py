@@ -87,7 +87,7 @@ class CompiledSteps(OnceNotices):
             return
         preparing = f"preparing {self.gguf.name} for this CPU once: its quantized blocks"
         try:
-            if not loader.library_path(self.folder.parent).is_file():
+            if not loader.loaded() and not loader.library_path(self.folder.parent).is_file():
                 self.notify(f"{preparing} and fafo's CPU kernels (about {PREPARE_S} s)")
             elif not (self.folder / PACKED_FILE).is_file():
                 load_kernels(self.model, self.folder.parent)

@@ -160,21 +160,45 @@ class Model:
         return logits.float() if as_float else logits
 
 
+# Our CPU attention kernel (fafo::attend, compiled/kernels/attention_op.cpp), once compiled/kernels/loader.py has
+# loaded our library into this process (a .gguf model's packed blocks, compiled steps): each row's result then
+# depends on that row alone, so an eager step's verifying rows compute bit for bit what plain decoding's single
+# row would, where torch's kernel rounds a row differently beside others (bf16 texts parted at near-ties)
+_cpu_attention: Callable | None = None
+_TRUE = torch.ones(STEP_ROWS, dtype=torch.bool)
+_FALSE = torch.zeros(STEP_ROWS, dtype=torch.bool)
+
+
+def serve_cpu_attention(op: Callable) -> None:
+    """Eager CPU steps attend with `op` (fafo::attend) from now on in this process."""
+    global _cpu_attention
+    _cpu_attention = op
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
     """Attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim], each KV head serving heads / kv_heads
-    query heads (grouped-query attention); `mask` [rows, keys] or None (every row sees every key).
+    query heads (grouped-query attention). Every row sees the keys before the rows' own (the last `rows` keys);
+    `mask` [rows, keys] says which of the rows' own each sees (its earlier columns are all true: every mask a step
+    builds is so), None: all of them.
 
-    On a CPU the query heads that share a KV head are folded into that head's rows: torch's kernel then reads each
-    KV head once for all of them, where with `enable_gqa` a single row took a path several times slower (bf16: 6x at
-    8K keys) and several rows repeated the keys per query head. The result is enable_gqa's up to rounding (tested);
-    as before, torch's kernel may round a row differently with other rows beside it, so eager steps agree with
-    plain decoding token for token, not bit for bit (our compiled kernel does both)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if q.device.type != "cpu" or heads == kv_heads or (mask is not None and mask.dim() != 2):
+    A decoding step on a CPU where our library is loaded runs our kernel (`serve_cpu_attention`). Otherwise the
+    query heads that share a KV head are folded into that head's rows for torch's kernel, which then reads each KV
+    head once for all of them, where with `enable_gqa` a single row took a path several times slower (bf16: 6x at
+    8K keys) and several rows repeated the keys per query head; the result is enable_gqa's up to rounding (tested)."""
+    heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
-    group, rows = heads // kv_heads, q.shape[2]
-    folded = q.reshape(q.shape[0], kv_heads, group * rows, q.shape[3])
+    if _cpu_attention is not None and rows <= STEP_ROWS and dim % 16 == 0:
+        cached = k.shape[2] - rows
+        local = _TRUE[:1].expand(rows, rows) if mask is None else mask[:, cached:]
+        out = _cpu_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), _TRUE[:rows],
+                             _FALSE[:rows], _FALSE[:1].expand(cached), local, scale)
+        return out.to(q.dtype).transpose(0, 1)[None]
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    group = heads // kv_heads
+    folded = q.reshape(q.shape[0], kv_heads, group * rows, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=None if mask is None else mask.repeat(group, 1),
                                          scale=scale)
     return out.view(q.shape)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ...files import atomic_path
+from ...runtime.model import serve_cpu_attention
 
 SOURCES = (Path(__file__).with_name("attention_op.cpp"), Path(__file__).with_name("packed_linear.cpp"))
 HEADERS = (Path(__file__).with_name("amx.h"),)  # what the sources include from this folder
@@ -86,6 +87,11 @@ def load_as(source: str, namespace: str, folder: Path, defines: str = ""):
     return getattr(torch.ops, namespace)
 
 
+def loaded() -> bool:
+    """Whether this process has our ops already (from any folder: a library is loaded once per process)."""
+    return _loaded
+
+
 def load(folder: Path) -> None:
     """Make the `torch.ops.fafo` ops available, compiling the library into `folder` on first use."""
     global _loaded
@@ -104,4 +110,5 @@ def load(folder: Path) -> None:
     def _(x, packed, out_features, bias):
         return x.new_empty(x.shape[0], out_features)
 
+    serve_cpu_attention(torch.ops.fafo.attend)
     _loaded = True
