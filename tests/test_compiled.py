@@ -343,6 +343,38 @@ def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vecto
             assert torch.equal(alone, whole[:first])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [60, 290])  # the step's rows across a chunk boundary (64 slots), and within one
+def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(compiled_cache, vector_attend, dtype,
+                                                                               cached):
+    """A tree's row that sees ancestors which are not the step's first rows gives, bit for bit, what a plain step
+    after its branch gives: each row reads its ancestors at the slots plain decoding has them (the AMX path, where
+    a CPU has it, reads them in place and is not asked this)."""
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    gen = torch.Generator().manual_seed(cached)
+    parents = [-1, 0, 1, 2, 0, 4, 2, 6]  # the anchor, a chain of three, a branch at depth 1, one at depth 3
+    rows, heads, kv_heads, dim = len(parents), 9, 3, 64
+    branch = [[r] for r in range(rows)]
+    for r in range(rows):
+        while parents[branch[r][0]] >= 0:
+            branch[r].insert(0, parents[branch[r][0]])
+    local = torch.zeros(rows, rows, dtype=torch.bool)
+    for r, seen in enumerate(branch):
+        local[r, seen] = True
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(cached + rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    every, nothing = torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
+    for attend in (vector_attend, torch.ops.fafo.attend) if dtype == torch.float32 else (vector_attend,):
+        tree = attend(q, k, v, every, nothing, nothing[:1].expand(cached), local, 0.125)
+        for r, seen in enumerate(branch):
+            slots = torch.cat([torch.arange(cached), cached + torch.tensor(seen)])
+            plain = attend(q[r:r + 1], k[slots], v[slots], every[:1], nothing[:1], nothing[:1].expand(len(slots) - 1),
+                           every[:1, None], 0.125)
+            assert torch.equal(plain[0], tree[r]), (r, seen)
+
+
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
     rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 3 rows: one build)."""

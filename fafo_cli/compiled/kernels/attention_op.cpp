@@ -14,7 +14,8 @@
 // products (the scores by pairs of dimensions, the value sums by pairs of slots: half the instructions of widening
 // both; products of two bf16 are exact in float32). Elsewhere both are widened exactly.
 // Each query's result depends only on its own inputs, never on the other rows of the step: a row verifying a
-// guess computes bit for bit what a plain step would for that token, which lossless decoding rests on.
+// guess computes bit for bit what a plain step would for that token, which lossless decoding rests on (a draft
+// tree's row reads its ancestors at the slots a plain step after them would; see `own` below).
 //
 // Portable C++ (GCC/Clang vector extensions): the compiler maps 16-float vectors to AVX-512, AVX2 or NEON.
 
@@ -347,6 +348,18 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   // The whole mask [rows, slots] (a row's cached part is all, `view_mask` or nothing), and
   // which rows see anything of each chunk [chunks, rows]. A decoding step mixes rows that see the whole cache
   // with rows that see a small part of it (FAFO's fumble rows) or none (padding rows): those skip most chunks.
+#if FAFO_ATTEND_AMX
+  const bool amx = pairs && fafo_amx::ready();
+#else
+  const bool amx = false;
+#endif
+  // A row of a draft tree sees its ancestors among the step's rows, which need not be the first rows: it reads them
+  // where plain decoding has them, its k-th visible row at slot cached + k, as if the rows it does not see were
+  // not there (the sums then group them into the same chunks and lanes, and round the same). `own[r][k]`: the
+  // step's row that row r's slot cached + k reads; `moved[r]`: a row whose slots differ from the step's order.
+  // (The AMX path reads the step's rows in place: there a tree's other branches may round otherwise.)
+  std::vector<int64_t> own(rows * rows);
+  std::vector<char> moved(rows, 0);
   std::vector<int8_t> mask(rows * slots);
   std::vector<char> sees(chunks * rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -354,7 +367,15 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     if (row_all[r]) std::memset(m, 1, cached);
     else if (row_part[r]) for (int64_t s = 0; s < cached; ++s) m[s] = vis[s * vis_stride];
     else std::memset(m, 0, cached);
-    std::memcpy(m + cached, loc + r * rows, rows);
+    int64_t seen = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!loc[r * rows + i]) continue;
+      moved[r] |= i != seen;
+      own[r * rows + seen++] = i;
+    }
+    for (int64_t i = seen; i < rows; ++i) own[r * rows + i] = i;  // not seen: any slot of the step (finite values)
+    if (amx) moved[r] = 0;
+    for (int64_t i = 0; i < rows; ++i) m[cached + i] = moved[r] ? i < seen : loc[r * rows + i];
     for (int64_t c = 0; c < chunks; ++c)
       sees[c * rows + r] = std::memchr(m + c * kChunk, 1, std::min(kChunk, slots - c * kChunk)) != nullptr;
   }
@@ -381,7 +402,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     }
   };
 #if FAFO_ATTEND_AMX
-  if (pairs && fafo_amx::ready()) {
+  if (amx) {
     if constexpr (std::is_same<T, at::BFloat16>::value) {
       const int64_t blocks = (queries + kBlockQueries - 1) / kBlockQueries, padded = blocks * kBlockQueries;
       std::vector<uint32_t> query_pairs(kv_heads * dim / 2 * padded, 0);
@@ -433,18 +454,26 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     std::vector<int64_t> active(queries);  // the queries whose rows see a slot of this chunk
     alignas(64) float probs[kRows][kChunk];
     alignas(64) at::BFloat16 probs16[kRows][kChunk];  // with pairs: the probabilities rounded to bf16
+    int64_t slot_of[kChunk];  // the slot each of the chunk's slots reads (its own but for a moved row's, see own)
     for (int64_t c = first; c < last; ++c)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t s0 = c * kChunk, n = std::min(kChunk, slots - s0);
       prefetch_next(c, h);
+      // moved rows read a chunk that holds some of the step's rows with slots of their own, one row at a time
+      const bool own_rows = s0 + n > cached;
       int64_t n_active = 0;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          if (sees[c * rows + r]) active[n_active++] = r * group + g;
-          else pp[((h * chunks + c) * queries + r * group + g) * width + 1] = 0.0f;  // sum 0: nothing visible
+          if (!sees[c * rows + r]) pp[((h * chunks + c) * queries + r * group + g) * width + 1] = 0.0f;  // sum 0
+          else if (!(own_rows && moved[r])) active[n_active++] = r * group + g;
         }
       }
-      if (n_active == 0) continue;
+      // the chunk's slots as `row` (-1: as the step lays them out) reads them, then its queries from `q0` to `q1`
+      auto chunk_for = [&](const int64_t row, const int64_t from, const int64_t to) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = s0 + j;
+        slot_of[j] = row < 0 || slot < cached ? slot : cached + own[row * rows + slot - cached];
+      }
       // the last chunk may be short: work on whole register blocks past its end, masked out below
       const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
       const int64_t columns = pairs ? dim / 2 : dim;  // transposed as 32-bit words: a float, or a bf16 pair
@@ -452,7 +481,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         for (int64_t d0 = 0; d0 < columns; d0 += kLanes) {
           vf tile[kLanes];
           for (int64_t j = 0; j < kLanes; ++j) {
-            const T* key = kp + (s0 + j0 + j) * ks + h * kh;
+            const T* key = kp + (j0 + j < n ? slot_of[j0 + j] : 0) * ks + h * kh;
             if (j0 + j >= n) tile[j] = vf{};
             else if (pairs) std::memcpy(&tile[j], key + 2 * d0, sizeof(vf));  // the bits, not widened
             else tile[j] = load(key + d0);
@@ -536,14 +565,15 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
             for (int64_t i = 0; i < R; ++i)
               for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_setzero_ps();
             const int64_t nt = std::min(kCols, dim / kLanes - t0);  // dim is a multiple of 32: nt is even
-            const T* values = vp + s0 * vs + h * vh + t0 * kLanes;
+            const T* values = vp + h * vh + t0 * kLanes;
             for (int64_t m = 0; m < (n + 1) / 2; ++m) {
               __m512bh vv[kCols];
-              const T* first = values + 2 * m * vs;
+              const T* first = values + slot_of[2 * m] * vs;
+              const T* second = 2 * m + 1 < n ? values + slot_of[2 * m + 1] * vs : nullptr;
               for (int64_t t = 0; t < kCols; t += 2) {
                 if (t >= nt) { vv[t] = vv[t + 1] = (__m512bh)_mm512_setzero_si512(); continue; }
                 const __m512i x = _mm512_loadu_si512(first + t * kLanes);
-                const __m512i y = 2 * m + 1 < n ? _mm512_loadu_si512(first + vs + t * kLanes) : _mm512_setzero_si512();
+                const __m512i y = second ? _mm512_loadu_si512(second + t * kLanes) : _mm512_setzero_si512();
                 vv[t] = (__m512bh)_mm512_unpacklo_epi16(x, y);
                 vv[t + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
               }
@@ -563,7 +593,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
           vf acc[R][kCols] = {};
           for (int64_t j = 0; j < n; ++j) {
-            const T* value = vp + (s0 + j) * vs + h * vh + d0;
+            const T* value = vp + slot_of[j] * vs + h * vh + d0;
             vf vv[kCols];
             for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
             for (int64_t i = 0; i < R; ++i) {
@@ -577,15 +607,23 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         }
       };
       static_assert(kRows == 6, "the switch below names every block height up to kRows");
-      for (int64_t q0 = 0; q0 < n_active; q0 += kRows) {
-        switch (std::min(kRows, n_active - q0)) {
-          case 6: query_block(q0, std::integral_constant<int, 6>{}); break;
-          case 5: query_block(q0, std::integral_constant<int, 5>{}); break;
-          case 4: query_block(q0, std::integral_constant<int, 4>{}); break;
-          case 3: query_block(q0, std::integral_constant<int, 3>{}); break;
-          case 2: query_block(q0, std::integral_constant<int, 2>{}); break;
-          default: query_block(q0, std::integral_constant<int, 1>{}); break;
+      for (int64_t b0 = from; b0 < to; b0 += kRows) {
+        switch (std::min(kRows, to - b0)) {
+          case 6: query_block(b0, std::integral_constant<int, 6>{}); break;
+          case 5: query_block(b0, std::integral_constant<int, 5>{}); break;
+          case 4: query_block(b0, std::integral_constant<int, 4>{}); break;
+          case 3: query_block(b0, std::integral_constant<int, 3>{}); break;
+          case 2: query_block(b0, std::integral_constant<int, 2>{}); break;
+          default: query_block(b0, std::integral_constant<int, 1>{}); break;
         }
+      }
+      };
+      if (n_active > 0) chunk_for(-1, 0, n_active);
+      if (!own_rows) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!moved[r] || !sees[c * rows + r]) continue;
+        for (int64_t g = 0; g < group; ++g) active[g] = r * group + g;
+        chunk_for(r, 0, group);
       }
     }
   });
