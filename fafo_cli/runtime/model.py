@@ -182,7 +182,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     `mask` [rows, keys] says which of the rows' own each sees (its earlier columns are all true: every mask a step
     builds is so), None: all of them.
 
-    A decoding step on a CPU where our library is loaded runs our kernel (`serve_cpu_attention`). Otherwise the
+    On a CPU where our library is loaded, a pass of at most STEP_ROWS rows (a decoding step, a prefill's short last
+    chunk) runs our kernel (`serve_cpu_attention`). Otherwise the
     query heads that share a KV head are folded into that head's rows for torch's kernel, which then reads each KV
     head once for all of them, where with `enable_gqa` a single row took a path several times slower (bf16: 6x at
     8K keys) and several rows repeated the keys per query head; the result is enable_gqa's up to rounding (tested)."""

@@ -468,143 +468,143 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           else if (!(own_rows && moved[r])) active[n_active++] = r * group + g;
         }
       }
-      // the chunk's slots as `row` (-1: as the step lays them out) reads them, then its queries from `q0` to `q1`
+      // the chunk's slots as `row` (-1: as the step lays them out) reads them, then the active queries [from, to)
       auto chunk_for = [&](const int64_t row, const int64_t from, const int64_t to) {
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = s0 + j;
-        slot_of[j] = row < 0 || slot < cached ? slot : cached + own[row * rows + slot - cached];
-      }
-      // the last chunk may be short: work on whole register blocks past its end, masked out below
-      const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
-      const int64_t columns = pairs ? dim / 2 : dim;  // transposed as 32-bit words: a float, or a bf16 pair
-      for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
-        for (int64_t d0 = 0; d0 < columns; d0 += kLanes) {
-          vf tile[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j) {
-            const T* key = kp + (j0 + j < n ? slot_of[j0 + j] : 0) * ks + h * kh;
-            if (j0 + j >= n) tile[j] = vf{};
-            else if (pairs) std::memcpy(&tile[j], key + 2 * d0, sizeof(vf));  // the bits, not widened
-            else tile[j] = load(key + d0);
-          }
-          transpose(tile);
-          for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = s0 + j;
+          slot_of[j] = row < 0 || slot < cached ? slot : cached + own[row * rows + slot - cached];
         }
-      }
-      // R queries at a time, R a compile-time block height (exact: no lanes spent on repeated queries)
-      auto query_block = [&](const int64_t q0, auto height) {
-        constexpr int R = decltype(height)::value;
-        int64_t offset[R];  // where each query's row starts in q (float32) or q16
-        const int8_t* mrow[R];
-        float* part[R];  // this task's partial of each query
-        for (int64_t i = 0; i < R; ++i) {
-          const int64_t qi = active[q0 + i], r = qi / group;
-          part[i] = pp + ((h * chunks + c) * queries + qi) * width;
-          offset[i] = (r * heads + h * group + qi % group) * dim;
-          mrow[i] = mp + r * slots + s0;
-        }
-        // scores = q . k * scale, R queries x kBlock slots at a time
-        for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
-          vf acc[R][kCols] = {};
-          if (pairs) scores_by_pairs<R>(acc, q2, offset, &keys_t[j0], dim);
-          else {
-            for (int64_t d = 0; d < dim; ++d) {
-              vf kv[kCols];
-              for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
-              for (int64_t i = 0; i < R; ++i) {
-                const vf b = splat(qp[offset[i] + d]);
-                for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
-              }
+        // the last chunk may be short: work on whole register blocks past its end, masked out below
+        const int64_t n_vec = (n + kLanes - 1) / kLanes * kLanes, n_block = (n + kBlock - 1) / kBlock * kBlock;
+        const int64_t columns = pairs ? dim / 2 : dim;  // transposed as 32-bit words: a float, or a bf16 pair
+        for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
+          for (int64_t d0 = 0; d0 < columns; d0 += kLanes) {
+            vf tile[kLanes];
+            for (int64_t j = 0; j < kLanes; ++j) {
+              const T* key = kp + (j0 + j < n ? slot_of[j0 + j] : 0) * ks + h * kh;
+              if (j0 + j >= n) tile[j] = vf{};
+              else if (pairs) std::memcpy(&tile[j], key + 2 * d0, sizeof(vf));  // the bits, not widened
+              else tile[j] = load(key + d0);
             }
+            transpose(tile);
+            for (int64_t d = 0; d < kLanes; ++d) store(&keys_t[(d0 + d) * kChunk + j0], tile[d]);
           }
-          for (int64_t i = 0; i < R; ++i)
-            for (int64_t t = 0; t < kCols; ++t) store(&probs[i][j0 + t * kLanes], acc[i][t] * scale);
         }
-        // softmax within the chunk; masked and padding slots get probability exactly 0
-        for (int64_t i = 0; i < R; ++i) {
-          float* pr = probs[i];
-          vf vmax = splat(-FLT_MAX);
-          for (int64_t j = 0; j < n_vec; j += kLanes) {
-            vi seen;
-            if (j + kLanes <= n) {
-              vb bytes;
-              std::memcpy(&bytes, mrow[i] + j, sizeof bytes);
-              seen = __builtin_convertvector(bytes, vi) != 0;
-            } else {
-              for (int l = 0; l < kLanes; ++l) seen[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
-            }
-            const vf x = seen ? load(pr + j) : splat(-FLT_MAX);
-            store(pr + j, x);
-            vmax = x > vmax ? x : vmax;
-          }
-          const float m = hmax(vmax);
-          vf vsum = {};
-          for (int64_t j = 0; j < n_vec; j += kLanes) {
-            vf x = load(pr + j);
-            vf e = exp_nonpositive(x - m);
-            e = x == -FLT_MAX ? splat(0.0f) : e;
-            store(pr + j, e);
-            vsum += e;
-          }
-          part[i][0] = m;
-          part[i][1] = hsum(vsum);
-        }
-#if defined(__AVX512BF16__)
-        // bf16: output = probs . v by pair dot products over pairs of slots, the probabilities rounded to bf16 as
-        // the AMX path (and any bf16 attention) takes them: half the instructions of widening every value
-        if (pairs) {
-          const uint32_t* prob_pairs[R];
+        // R queries at a time, R a compile-time block height (exact: no lanes spent on repeated queries)
+        auto query_block = [&](const int64_t q0, auto height) {
+          constexpr int R = decltype(height)::value;
+          int64_t offset[R];  // where each query's row starts in q (float32) or q16
+          const int8_t* mrow[R];
+          float* part[R];  // this task's partial of each query
           for (int64_t i = 0; i < R; ++i) {
-            for (int64_t j = 0; j < n_vec; j += kLanes)
-              _mm256_store_si256(reinterpret_cast<__m256i*>(&probs16[i][j]),
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&probs[i][j])));
-            prob_pairs[i] = reinterpret_cast<const uint32_t*>(probs16[i]);
+            const int64_t qi = active[q0 + i], r = qi / group;
+            part[i] = pp + ((h * chunks + c) * queries + qi) * width;
+            offset[i] = (r * heads + h * group + qi % group) * dim;
+            mrow[i] = mp + r * slots + s0;
           }
-          // kCols vectors of 16 dimensions in unpair's order: the unpacked halves of 32 dimensions of two slots
-          for (int64_t t0 = 0; t0 < dim / kLanes; t0 += kCols) {
-            __m512 acc[R][kCols];
-            for (int64_t i = 0; i < R; ++i)
-              for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_setzero_ps();
-            const int64_t nt = std::min(kCols, dim / kLanes - t0);  // dim is a multiple of 32: nt is even
-            const T* values = vp + h * vh + t0 * kLanes;
-            for (int64_t m = 0; m < (n + 1) / 2; ++m) {
-              __m512bh vv[kCols];
-              const T* first = values + slot_of[2 * m] * vs;
-              const T* second = 2 * m + 1 < n ? values + slot_of[2 * m + 1] * vs : nullptr;
-              for (int64_t t = 0; t < kCols; t += 2) {
-                if (t >= nt) { vv[t] = vv[t + 1] = (__m512bh)_mm512_setzero_si512(); continue; }
-                const __m512i x = _mm512_loadu_si512(first + t * kLanes);
-                const __m512i y = second ? _mm512_loadu_si512(second + t * kLanes) : _mm512_setzero_si512();
-                vv[t] = (__m512bh)_mm512_unpacklo_epi16(x, y);
-                vv[t + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
-              }
-              for (int64_t i = 0; i < R; ++i) {
-                const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[i][m]));
-                for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], b, vv[t]);
+          // scores = q . k * scale, R queries x kBlock slots at a time
+          for (int64_t j0 = 0; j0 < n_block; j0 += kBlock) {
+            vf acc[R][kCols] = {};
+            if (pairs) scores_by_pairs<R>(acc, q2, offset, &keys_t[j0], dim);
+            else {
+              for (int64_t d = 0; d < dim; ++d) {
+                vf kv[kCols];
+                for (int64_t t = 0; t < kCols; ++t) kv[t] = load(&keys_t[d * kChunk + j0 + t * kLanes]);
+                for (int64_t i = 0; i < R; ++i) {
+                  const vf b = splat(qp[offset[i] + d]);
+                  for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * kv[t];
+                }
               }
             }
             for (int64_t i = 0; i < R; ++i)
-              for (int64_t t = 0; t < nt; t += 2) unpair(part[i] + 2 + (t0 + t) * kLanes, acc[i][t], acc[i][t + 1]);
+              for (int64_t t = 0; t < kCols; ++t) store(&probs[i][j0 + t * kLanes], acc[i][t] * scale);
           }
-          return;
-        }
-#endif
-        // output = probs . v, R queries x kBlock dims at a time
-        for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
-          const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
-          vf acc[R][kCols] = {};
-          for (int64_t j = 0; j < n; ++j) {
-            const T* value = vp + slot_of[j] * vs + h * vh + d0;
-            vf vv[kCols];
-            for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
+          // softmax within the chunk; masked and padding slots get probability exactly 0
+          for (int64_t i = 0; i < R; ++i) {
+            float* pr = probs[i];
+            vf vmax = splat(-FLT_MAX);
+            for (int64_t j = 0; j < n_vec; j += kLanes) {
+              vi seen;
+              if (j + kLanes <= n) {
+                vb bytes;
+                std::memcpy(&bytes, mrow[i] + j, sizeof bytes);
+                seen = __builtin_convertvector(bytes, vi) != 0;
+              } else {
+                for (int l = 0; l < kLanes; ++l) seen[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
+              }
+              const vf x = seen ? load(pr + j) : splat(-FLT_MAX);
+              store(pr + j, x);
+              vmax = x > vmax ? x : vmax;
+            }
+            const float m = hmax(vmax);
+            vf vsum = {};
+            for (int64_t j = 0; j < n_vec; j += kLanes) {
+              vf x = load(pr + j);
+              vf e = exp_nonpositive(x - m);
+              e = x == -FLT_MAX ? splat(0.0f) : e;
+              store(pr + j, e);
+              vsum += e;
+            }
+            part[i][0] = m;
+            part[i][1] = hsum(vsum);
+          }
+  #if defined(__AVX512BF16__)
+          // bf16: output = probs . v by pair dot products over pairs of slots, the probabilities rounded to bf16 as
+          // the AMX path (and any bf16 attention) takes them: half the instructions of widening every value
+          if (pairs) {
+            const uint32_t* prob_pairs[R];
             for (int64_t i = 0; i < R; ++i) {
-              const vf b = splat(probs[i][j]);
-              for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * vv[t];
+              for (int64_t j = 0; j < n_vec; j += kLanes)
+                _mm256_store_si256(reinterpret_cast<__m256i*>(&probs16[i][j]),
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&probs[i][j])));
+              prob_pairs[i] = reinterpret_cast<const uint32_t*>(probs16[i]);
+            }
+            // kCols vectors of 16 dimensions in unpair's order: the unpacked halves of 32 dimensions of two slots
+            for (int64_t t0 = 0; t0 < dim / kLanes; t0 += kCols) {
+              __m512 acc[R][kCols];
+              for (int64_t i = 0; i < R; ++i)
+                for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_setzero_ps();
+              const int64_t nt = std::min(kCols, dim / kLanes - t0);  // dim is a multiple of 32: nt is even
+              const T* values = vp + h * vh + t0 * kLanes;
+              for (int64_t m = 0; m < (n + 1) / 2; ++m) {
+                __m512bh vv[kCols];
+                const T* first = values + slot_of[2 * m] * vs;
+                const T* second = 2 * m + 1 < n ? values + slot_of[2 * m + 1] * vs : nullptr;
+                for (int64_t t = 0; t < kCols; t += 2) {
+                  if (t >= nt) { vv[t] = vv[t + 1] = (__m512bh)_mm512_setzero_si512(); continue; }
+                  const __m512i x = _mm512_loadu_si512(first + t * kLanes);
+                  const __m512i y = second ? _mm512_loadu_si512(second + t * kLanes) : _mm512_setzero_si512();
+                  vv[t] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                  vv[t + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                }
+                for (int64_t i = 0; i < R; ++i) {
+                  const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[i][m]));
+                  for (int64_t t = 0; t < kCols; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], b, vv[t]);
+                }
+              }
+              for (int64_t i = 0; i < R; ++i)
+                for (int64_t t = 0; t < nt; t += 2) unpair(part[i] + 2 + (t0 + t) * kLanes, acc[i][t], acc[i][t + 1]);
+            }
+            return;
+          }
+  #endif
+          // output = probs . v, R queries x kBlock dims at a time
+          for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
+            const int64_t nd = std::min(kCols, (dim - d0) / kLanes);
+            vf acc[R][kCols] = {};
+            for (int64_t j = 0; j < n; ++j) {
+              const T* value = vp + slot_of[j] * vs + h * vh + d0;
+              vf vv[kCols];
+              for (int64_t t = 0; t < kCols; ++t) vv[t] = t < nd ? load(value + t * kLanes) : vf{};
+              for (int64_t i = 0; i < R; ++i) {
+                const vf b = splat(probs[i][j]);
+                for (int64_t t = 0; t < kCols; ++t) acc[i][t] += b * vv[t];
+              }
+            }
+            for (int64_t i = 0; i < R; ++i) {
+              for (int64_t t = 0; t < nd; ++t) store(part[i] + 2 + d0 + t * kLanes, acc[i][t]);
             }
           }
-          for (int64_t i = 0; i < R; ++i) {
-            for (int64_t t = 0; t < nd; ++t) store(part[i] + 2 + d0 + t * kLanes, acc[i][t]);
-          }
-        }
       };
       static_assert(kRows == 6, "the switch below names every block height up to kRows");
       for (int64_t b0 = from; b0 < to; b0 += kRows) {
