@@ -159,6 +159,13 @@ def test_steps_slower_than_measured_cost_sizes_not_run_the_cheaper_way():
         busy.observe(1, False, 5.0)
         busy.observe(9, False, 9.0)
     assert busy.of(17) == pytest.approx(13.0)  # half, not 5 ms less
+    long = StepCosts({1: 10.0, 4: 10.5, 9: 12.0})  # measured at a short context, where a few rows cost alike
+    for _ in range(50):  # at 8K every row's attention reads the whole cache: 4-row steps run 23 ms slower
+        long.observe(4, False, 33.5)
+    assert long.of(1) == pytest.approx(10.0 + 23.0 / 4) and long.of(1) < long.of(4)  # a smaller step is worth trying...
+    for _ in range(50):
+        long.observe(1, False, 25.0)
+    assert long.of(1) == pytest.approx(25.0, abs=1.5)  # ...and, once run, costs what it took
 
 
 def test_observe_credits_accepted_tokens_to_their_source():

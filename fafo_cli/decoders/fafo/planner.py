@@ -137,11 +137,12 @@ class StepCosts:
 
     `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of
     steps (by rows: compiled, each count; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
-    as its attention reads the compressed view besides), how much slower than measured they ran, as a ratio and
-    as milliseconds added, each the median of the class's RECENT last steps drawn towards the median of all
-    recent steps by CLASS_PRIOR steps' worth; classes not run yet take the latter. A size is then costed by
-    whichever of the two makes it cheaper: a step slower than measured because the cache grew (a long prompt) or
-    the host does more per step is slower by about the same milliseconds at every size, one on a slower or busier
+    as its attention reads the compressed view besides), how much slower than measured they ran, as a ratio, as
+    milliseconds added and as milliseconds added per row, each the median of the class's RECENT last steps drawn
+    towards the median of all recent steps by CLASS_PRIOR steps' worth; classes not run yet take the latter. A
+    size is then costed by whichever of the three makes it cheaper: a step slower than measured because the host
+    does more per step is slower by about the same milliseconds at every size, one whose cache grew (a long prompt)
+    by about the same milliseconds per row (each row's attention reads the whole cache), one on a slower or busier
     machine by about the same ratio, and an estimate too low is corrected by running that size once, where one
     too high would never be run again. Medians, because single steps are sometimes several times slower (a page
     fault, a burst of another process) and a mean would let one of them make a class look dearer than one of
@@ -152,10 +153,11 @@ class StepCosts:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
-        self._slower: dict[tuple[int, bool], deque[tuple[float, float]]] = {}  # class -> recent (ratio, ms added)
-        self._overall: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        # class -> recent (ratio, ms added, ms added per row)
+        self._slower: dict[tuple[int, bool], deque[tuple[float, float, float]]] = {}
+        self._overall: deque[tuple[float, float, float]] = deque(maxlen=RECENT)
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
-        self._learned_of: dict[tuple[int, bool], tuple[float, float] | None] = {}  # _learned's answers since observe
+        self._learned_of: dict[tuple[int, bool], tuple[float, ...] | None] = {}  # _learned's answers since observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
@@ -164,15 +166,18 @@ class StepCosts:
         if measured is None:
             return None
         slower = self._slower_by(self._class(rows, window))
-        return min(measured * slower[0], measured + slower[1]) if slower else measured
+        if not slower:
+            return measured
+        ratio, added, per_row = slower
+        return min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)  # (rows speed nothing up)
 
-    def _slower_by(self, step_class: tuple[int, bool]) -> tuple[float, float] | None:
+    def _slower_by(self, step_class: tuple[int, bool]) -> tuple[float, ...] | None:
         # a step's plan asks for many costs between two observations: each class's medians are taken once
         if step_class not in self._learned_of:
             self._learned_of[step_class] = self._learned(step_class)
         return self._learned_of[step_class]
 
-    def _learned(self, step_class: tuple[int, bool]) -> tuple[float, float] | None:
+    def _learned(self, step_class: tuple[int, bool]) -> tuple[float, ...] | None:
         if not self._overall:
             return None
         overall = tuple(statistics.median(values) for values in zip(*self._overall))
@@ -191,7 +196,7 @@ class StepCosts:
         if step_class not in self._warm:  # a class's first step carries one-time costs (a package's first call,
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
-        slower = (ms / measured, ms - measured)
+        slower = (ms / measured, ms - measured, (ms - measured) / rows)
         self._overall.append(slower)
         self._learned_of.clear()
         self._slower.setdefault(step_class, deque(maxlen=RECENT)).append(slower)
