@@ -169,8 +169,8 @@ _TRUE = torch.ones(STEP_ROWS, dtype=torch.bool)
 _FALSE = torch.zeros(STEP_ROWS, dtype=torch.bool)
 
 
-def serve_cpu_attention(op: Callable) -> None:
-    """Eager CPU steps attend with `op` (fafo::attend) from now on in this process."""
+def serve_cpu_attention(op: Callable | None) -> None:
+    """Eager CPU steps attend with `op` (fafo::attend) from now on in this process (None: with torch's kernel)."""
     global _cpu_attention
     _cpu_attention = op
 

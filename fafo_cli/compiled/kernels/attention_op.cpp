@@ -605,18 +605,18 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
               for (int64_t t = 0; t < nd; ++t) store(part[i] + 2 + d0 + t * kLanes, acc[i][t]);
             }
           }
-      };
-      static_assert(kRows == 6, "the switch below names every block height up to kRows");
-      for (int64_t b0 = from; b0 < to; b0 += kRows) {
-        switch (std::min(kRows, to - b0)) {
-          case 6: query_block(b0, std::integral_constant<int, 6>{}); break;
-          case 5: query_block(b0, std::integral_constant<int, 5>{}); break;
-          case 4: query_block(b0, std::integral_constant<int, 4>{}); break;
-          case 3: query_block(b0, std::integral_constant<int, 3>{}); break;
-          case 2: query_block(b0, std::integral_constant<int, 2>{}); break;
-          default: query_block(b0, std::integral_constant<int, 1>{}); break;
+        };
+        static_assert(kRows == 6, "the switch below names every block height up to kRows");
+        for (int64_t b0 = from; b0 < to; b0 += kRows) {
+          switch (std::min(kRows, to - b0)) {
+            case 6: query_block(b0, std::integral_constant<int, 6>{}); break;
+            case 5: query_block(b0, std::integral_constant<int, 5>{}); break;
+            case 4: query_block(b0, std::integral_constant<int, 4>{}); break;
+            case 3: query_block(b0, std::integral_constant<int, 3>{}); break;
+            case 2: query_block(b0, std::integral_constant<int, 2>{}); break;
+            default: query_block(b0, std::integral_constant<int, 1>{}); break;
+          }
         }
-      }
       };
       if (n_active > 0) chunk_for(-1, 0, n_active);
       if (!own_rows) continue;

@@ -169,7 +169,8 @@ class StepCosts:
         if not slower:
             return measured
         ratio, added, per_row = slower
-        return min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)  # (rows speed nothing up)
+        # (per row only for steps slower than measured: a faster machine's steps are the ratio's)
+        return min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)
 
     def _slower_by(self, step_class: tuple[int, bool]) -> tuple[float, ...] | None:
         # a step's plan asks for many costs between two observations: each class's medians are taken once
