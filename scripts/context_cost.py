@@ -26,7 +26,9 @@ import common
 from fafo_cli.bench import long
 from fafo_cli.config import COMPRESSORS, Config
 
-ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
+# an attention call's (query rows, keys) from its input shapes: torch's [batch, heads, rows, dim], our kernel's
+# (eager steps where our library is loaded) [rows, heads, dim]
+ATTENTION_OPS = {"aten::scaled_dot_product_attention": 2, "fafo::attend": 0}
 CHECKED_STEPS = 6  # tokens of the profiled run: a few steps are enough to see what each call reads
 
 
@@ -44,8 +46,9 @@ def attention_reads(engine, messages: list[dict], settings: dict) -> list[tuple[
         engine.complete(messages, max_tokens=CHECKED_STEPS, **settings)
     calls = []
     for event in profile.events():
-        if event.name in ATTENTION_OPS and len(event.input_shapes) >= 2 and len(event.input_shapes[1]) == 4:
-            calls.append((event.input_shapes[0][2], event.input_shapes[1][2]))
+        axis = ATTENTION_OPS.get(event.name)
+        if axis is not None and len(event.input_shapes) >= 2 and len(event.input_shapes[1]) == 3 + (axis > 0):
+            calls.append((event.input_shapes[0][axis], event.input_shapes[1][axis]))
     return calls
 
 
@@ -98,7 +101,7 @@ def main() -> None:
                   f"{stats.tokens_per_step:5.2f} {stats.fumble_positions or '-':>11} "
                   f"{stats.draft_memory_mb or 0:8.2f} {statistics.median(s.prefill_s for s in measured):9.1f}",
                   flush=True)
-            if args.check and not args.compile and settings["method"] == "fafo":
+            if args.check and not args.compile and settings.get("method", "fafo") == "fafo":
                 calls = attention_reads(engine, messages, settings)
                 print(f"{'':7} {'':12} {check(calls, stats.prompt_tokens, args.budget, settings['compressor'])}",
                       flush=True)

@@ -413,21 +413,31 @@ COMPACT_READERS = {
 }
 
 
-def test_eager_work_reads_a_compact_cache_exactly(tiny):
+@pytest.mark.parametrize("attention", ["torch", "ours"])
+def test_eager_work_reads_a_compact_cache_exactly(tiny, compiled_folder, monkeypatch, attention):
     """Compiled steps keep a bf16 model's CPU cache in bf16. What runs eager on such a cache (the next request's
-    prefill, the compressors' observations and selection) reads fp32 copies of the same values, and the first
-    eager decoding step stores the cache as fp32 again (once, instead of converting it per layer per step):
-    every method gives the same tokens as from an fp32 cache."""
+    prefill, the compressors' observations and selection) stores it in eager attention's dtype again (once,
+    instead of converting it per layer per step: fp32 for torch's kernel, bf16 where our kernel reads it), and
+    every method gives the same tokens as from a cache that was never compact."""
+    from fafo_cli.compiled.kernels import loader
+    from fafo_cli.runtime import model
+
+    loader.load(compiled_folder / "compiled")
+    if attention == "torch":
+        monkeypatch.setattr(model, "_cpu_attention", None)
+        monkeypatch.setattr(model, "_cpu_attention_reads_bf16", False)
     engine = load(str(tiny), dtype="bfloat16", chat_template=False, compile="off")
     cache = engine.session.cache
+    expected = torch.float32 if attention == "torch" or not model._cpu_attention_reads_bf16 else torch.bfloat16
+    assert engine.model.attention_dtype == expected
     for name, settings in COMPACT_READERS.items():
         engine.reset()
-        cache.store_as(torch.float32)
+        cache.store_as(engine.model.attention_dtype)
         plain = engine.complete(LONG, max_tokens=40, **settings).token_ids
         engine.reset()
-        cache.store_as(torch.bfloat16)
+        cache.store_as(torch.bfloat16 if engine.model.attention_dtype == torch.float32 else torch.float32)
         compact = engine.complete(LONG, max_tokens=40, **settings).token_ids
-        assert compact == plain and cache.keys.dtype == torch.float32, name
+        assert compact == plain and cache.keys.dtype == cache.read_dtype == engine.model.attention_dtype, name
 
 
 def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):

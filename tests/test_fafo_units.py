@@ -19,6 +19,8 @@ from fafo_cli.runtime.cache import KVCache
 from fafo_cli.runtime.model import causal_attention
 from fafo_cli.runtime.rows import draft_step
 
+BF16_CLOSE = dict(atol=1e-2, rtol=2e-2)  # a bf16 result against float32: its rounding (2^-8) and a bf16 cache's sums
+
 
 def test_window_layout_hand_checked():
     # W=3 streams, 3 levels. Rows: (0,1) (0,2) | (1,0) (1,1) (1,2) | (2,0) (2,1) (2,2)
@@ -299,16 +301,19 @@ def test_grouped_attention_folds_query_heads_into_rows(dtype, rows, monkeypatch)
     mask[:, keys - rows:] = torch.ones(rows, rows, dtype=torch.bool).tril()
     for given in (mask, None):
         folded = grouped_attention(q, k, v, given, 0.125)
-        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=0.125,
-                                                                     enable_gqa=True)
-        assert folded.shape == reference.shape
+        # computed in float32 (torch's CPU kernel is slow in bf16), the result in the queries' dtype
+        reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=given,
+                                                                     scale=0.125, enable_gqa=True).to(dtype)
+        assert folded.shape == reference.shape and folded.dtype == dtype
         torch.testing.assert_close(folded, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_folder, rows):
-    """Once our library is loaded, a CPU step attends with our kernel: torch's result up to rounding (float32, as
-    eager steps attend), and each row's bits the same alone as beside the step's other rows."""
+def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_folder, rows, dtype):
+    """Once our library is loaded, a CPU step attends with our kernel: torch's float32 result up to rounding (in
+    float32 or from a bf16 cache, as eager steps attend), and each row's bits the same alone as beside the step's
+    other rows."""
     from fafo_cli.compiled.kernels import loader
     from fafo_cli.runtime import model
     from fafo_cli.runtime.model import grouped_attention
@@ -317,15 +322,16 @@ def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_fo
     assert model._cpu_attention is not None
     torch.manual_seed(0)
     keys, cached = 700, 700 - rows
-    k, v = (torch.randn(keys, 3, 64).transpose(0, 1)[None] for _ in range(2))
-    q = torch.randn(rows, 9, 64).transpose(0, 1)[None]
+    k, v = (torch.randn(keys, 3, 64, dtype=dtype).transpose(0, 1)[None] for _ in range(2))
+    q = torch.randn(rows, 9, 64, dtype=dtype).transpose(0, 1)[None]
     mask = torch.ones(rows, keys, dtype=torch.bool)
     mask[:, cached:] = torch.ones(rows, rows, dtype=torch.bool).tril()
     for given in (mask, None):
         ours = grouped_attention(q, k, v, given, 0.125)
-        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=0.125,
-                                                                     enable_gqa=True)
-        torch.testing.assert_close(ours, reference)
+        reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=given,
+                                                                     scale=0.125, enable_gqa=True)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.float(), reference, **({} if dtype == torch.float32 else BF16_CLOSE))
     stepped = grouped_attention(q, k, v, mask, 0.125)
     for first in range(1, rows + 1):
         alone = grouped_attention(q[:, :, :first], k[:, :, :cached + first], v[:, :, :cached + first],

@@ -289,6 +289,7 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
     row differently beside others, the last rows here differ by up to 0.7): eager FAFO and its peers then decode
     plain decoding's tokens in bf16 too, not only up to near-ties."""
     from fafo_cli import load
+    from fafo_cli.compiled.kernels import loader
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
     engine = load(str(smollm2), dtype="bfloat16", compile="auto")
@@ -305,3 +306,6 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
         multi = session.forward(text, causal_attention(prefix_causal_mask(len(prompt), len(text), model.device),
                                                        model.scaling))
     assert torch.equal(multi, single)
+    # the kernel reads the bf16 keys itself: the cache holds them in half the bytes (float32 where AMX would read them)
+    amx = {"amx_tile", "amx_bf16"} <= set(loader.cpu_flags().split())
+    assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if amx else torch.bfloat16)

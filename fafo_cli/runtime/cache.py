@@ -8,10 +8,10 @@ For the block-sparse attention path the tensor can start with a leading region (
 where a compressor keeps C(kv): then C(kv) and the positions are one physically contiguous tensor, and a
 block mask lets the window rows read only the leading blocks. `keys`/`values` always address positions.
 
-Storage and reading may differ in dtype: on a CPU, attention computes in float32, and eager readers get
+Storage and reading may differ in dtype: on a CPU, torch's attention computes in float32, and eager readers get
 float32 views (`read_dtype`), while compiled steps, whose kernel reads bfloat16 itself, keep a bfloat16 model's
 cache in bfloat16 (`store_as`): half the memory and half the bytes each step streams. Both hold the model's
-bfloat16 keys and values exactly.
+bfloat16 keys and values exactly. Eager steps store and read the cache in `Model.attention_dtype` (`attend_in`).
 
 A model spread over several GPUs (runtime/placement.py) keeps each layer's keys and values on its layer's device
 (`layer_devices`): then `keys`/`values` are a `LayerStack`, one tensor per device indexed by layer like the single
@@ -131,6 +131,12 @@ class KVCache:
         if dtype != self.dtype:
             self.dtype = dtype
             self._allocate(self.capacity, self.lead)
+
+    def attend_in(self, dtype: torch.dtype) -> None:
+        """Hold keys and values in `dtype` and hand them out so (eager steps: undo a compiled step's compact storage
+        once, not a conversion per layer per step)."""
+        self.store_as(dtype)
+        self.read_dtype = dtype
 
     def readable(self, tensor: torch.Tensor) -> torch.Tensor:
         """Cached keys or values in the dtype attention computes in (a copy only while stored compact)."""

@@ -78,12 +78,18 @@ class Model:
         # state moves to the next layer's device between layers (one small copy per hop and step)
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
         self.spread = len(set(self.layer_devices)) > 1
-        # On CPU, torch's attention kernel is several times slower in bf16/fp16 than in fp32 once the context
-        # reaches ~1k tokens, so CPU attention computes in fp32
-        # and the cache holds fp32 copies of the (exactly representable) half-precision keys and values
-        # (compiled steps store them compact: KVCache.store_as). Elsewhere both match the model.
-        self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype eager attention reads keys and values in, and the cache holds them in. On a CPU, torch's
+        attention kernel is several times slower in bf16/fp16 than in fp32 once the context reaches ~1k tokens, so
+        there the cache holds fp32 copies of the (exactly representable) half-precision keys and values; a bf16
+        model's stay bf16 where our kernel serves and reads them so exactly (`serve_cpu_attention`): half the bytes
+        each step streams. Elsewhere the model's dtype."""
+        if self.device.type != "cpu":
+            return self.dtype
+        return torch.bfloat16 if self.dtype == torch.bfloat16 and _cpu_attention_reads_bf16 else torch.float32
 
     def new_cache(self, initial_slots: int = 256, max_slots: int | None = None) -> KVCache:
         return KVCache(len(self.layers), self.n_kv_heads, self.head_dim, max_slots=max_slots or self.max_context,
@@ -135,7 +141,7 @@ class Model:
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
                 keys, values = cache.write(i, k, v)
-                out = attend(i, q.to(self.attention_dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                out = attend(i, q.to(keys.dtype).transpose(0, 1)[None], keys.transpose(0, 1)[None],
                              values.transpose(0, 1)[None])
                 x = x + lin(attn.o_proj, out[0].transpose(0, 1).reshape(1, rows, -1).to(self.dtype))
                 h = layer.post_attention_layernorm(x)
@@ -165,14 +171,17 @@ class Model:
 # depends on that row alone, so an eager step's verifying rows compute bit for bit what plain decoding's single
 # row would, where torch's kernel rounds a row differently beside others (bf16 texts parted at near-ties)
 _cpu_attention: Callable | None = None
+_cpu_attention_reads_bf16 = False
 _TRUE = torch.ones(STEP_ROWS, dtype=torch.bool)
 _FALSE = torch.zeros(STEP_ROWS, dtype=torch.bool)
 
 
-def serve_cpu_attention(op: Callable | None) -> None:
-    """Eager CPU steps attend with `op` (fafo::attend) from now on in this process (None: with torch's kernel)."""
-    global _cpu_attention
-    _cpu_attention = op
+def serve_cpu_attention(op: Callable | None, *, reads_bf16: bool = False) -> None:
+    """Eager CPU steps attend with `op` (fafo::attend) from now on in this process (None: with torch's kernel).
+    `reads_bf16`: it computes a row from bf16 keys and values as exactly as from float32 ones, so a bf16 model's
+    cache stays bf16 (`Model.attention_dtype`)."""
+    global _cpu_attention, _cpu_attention_reads_bf16
+    _cpu_attention, _cpu_attention_reads_bf16 = op, op is not None and reads_bf16
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -190,19 +199,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
-    if _cpu_attention is not None and rows <= STEP_ROWS and dim % 16 == 0:
+    ours = _cpu_attention is not None and rows <= STEP_ROWS and dim % 16 == 0
+    dtype = q.dtype  # of the result
+    if not q.dtype == k.dtype == v.dtype or (q.dtype != torch.float32 and not ours):
+        q, k, v = q.float(), k.float(), v.float()  # exact; torch's kernel is slow in bf16 (see attention_dtype)
+    if ours:
         cached = k.shape[2] - rows
         local = _TRUE[:1].expand(rows, rows) if mask is None else mask[:, cached:]
         out = _cpu_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), _TRUE[:rows],
                              _FALSE[:rows], _FALSE[:1].expand(cached), local, scale)
-        return out.to(q.dtype).transpose(0, 1)[None]
+        return out.to(dtype).transpose(0, 1)[None]
     if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).to(dtype)
     group = heads // kv_heads
     folded = q.reshape(q.shape[0], kv_heads, group * rows, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=None if mask is None else mask.repeat(group, 1),
                                          scale=scale)
-    return out.view(q.shape)
+    return out.view(q.shape).to(dtype)
 
 
 def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:

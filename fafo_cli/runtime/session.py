@@ -134,6 +134,7 @@ class Session:
             self.compiled.serves(steps)
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
+        self.cache.attend_in(self.model.attention_dtype)
         self.cache.reserve(min(self.model.max_context, len(prompt_ids) + reserve))
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
@@ -165,9 +166,7 @@ class Session:
             logits = self.compiled(step, ids, positions, self.cache)
             if logits is not None:  # in the model's dtype
                 return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
-        # eager steps read fp32: undo a compiled step's compact storage once, not a conversion per layer per step
-        # (so the step's attention, FAFO's included, always finds the cache in fp32)
-        self.cache.store_as(self.model.attention_dtype)
+        self.cache.attend_in(self.model.attention_dtype)  # (the step's attention, FAFO's included, finds it so)
         attention = (step.view.attention(layout) if step.view is not None
                      else prefix_attention(self._masks, self.cache.length, layout, self.model.scaling))
         return self.model.forward(ids, positions, self.cache, attention, layout.logit_rows)

@@ -110,5 +110,7 @@ def load(folder: Path) -> None:
     def _(x, packed, out_features, bias):
         return x.new_empty(x.shape[0], out_features)
 
-    serve_cpu_attention(torch.ops.fafo.attend)
+    # bf16 keys take the AMX path where the CPU has one, which reads a draft tree's rows in place (attention_op.cpp:
+    # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path)
+    serve_cpu_attention(torch.ops.fafo.attend, reads_bf16=not {"amx_tile", "amx_bf16"} <= set(cpu_flags().split()))
     _loaded = True

@@ -81,6 +81,8 @@ class SlotView:
         return self._selected[:length]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._own_buffers and self._own_buffers[0].dtype != self.cache.read_dtype:  # eager attention's changed
+            self._own_buffers = tuple(t.to(self.cache.read_dtype) for t in self._own_buffers)
         if self._uncopied:  # every layer's at once: one gather per step, not one per layer
             slots = upload(sorted(self._uncopied), self.positions.device)
             positions = self.positions[:, slots]
