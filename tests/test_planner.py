@@ -148,7 +148,7 @@ def test_step_costs_learn_from_the_steps_run():
     assert packages.of(2) < packages.of(3) < packages.of(4)
 
 
-def test_steps_slower_than_measured_cost_sizes_not_run_the_cheaper_way():
+def test_steps_slower_than_measured_cost_sizes_not_run_as_the_recent_steps_fit():
     grown = StepCosts({1: 10.0, 9: 18.0, 17: 26.0})
     for _ in range(50):  # a long cache: every step 30 ms slower than measured
         grown.observe(1, False, 40.0)
@@ -165,7 +165,11 @@ def test_steps_slower_than_measured_cost_sizes_not_run_the_cheaper_way():
     assert long.of(1) == pytest.approx(10.0 + 23.0 / 4) and long.of(1) < long.of(4)  # a smaller step is worth trying...
     for _ in range(50):
         long.observe(1, False, 25.0)
+        long.observe(4, False, 33.5)
     assert long.of(1) == pytest.approx(25.0, abs=1.5)  # ...and, once run, costs what it took
+    # 1 and 4 rows run: each row adds (33.5 - 25) / 3 ms there, and an 8-row step is priced so (not as the 4-row
+    # step's milliseconds added to the short context's curve, which made long steps look cheap at 8K)
+    assert long.of(8) == pytest.approx(25.0 + 7 * 8.5 / 3, rel=0.03)
 
 
 def test_observe_credits_accepted_tokens_to_their_source():

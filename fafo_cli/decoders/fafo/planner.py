@@ -42,6 +42,8 @@ EXPLORE_EVERY = 8  # steps without the window after which it runs once anyway; d
 EXPLORE_MOST = 128  # not pay for itself, up to this
 RECENT = 32  # step times a learned cost correction keeps (the median of those counts: see StepCosts)
 CLASS_PRIOR = 8  # steps of a class after which its own times count as much as all steps' (StepCosts)
+FIT_LEAST = 3  # recent steps a class needs to count in StepCosts' fit (one stall must not set its slope)
+_STALE = ("stale",)  # StepCosts' fit before it is computed
 
 
 def _prior(source: str, match: int) -> tuple[float, float]:
@@ -135,29 +137,29 @@ class StepCosts:
     """Milliseconds of one pass against its rows. `sizes`: the only row counts a step may have (compiled packages;
     fewer rows are padded up); None: any count (eager), costs between measured points interpolated.
 
-    `observe` corrects the curve with the times of steps actually run (but the first of each class): per class of
-    steps (by rows: compiled, each count; eager, 1 to 4 rows each and then powers of two; and whether the window ran,
-    as its attention reads the compressed view besides), how much slower than measured they ran, as a ratio, as
-    milliseconds added and as milliseconds added per row, each the median of the class's RECENT last steps drawn
-    towards the median of all recent steps by CLASS_PRIOR steps' worth; classes not run yet take the latter. A
-    size is then costed by whichever of the three makes it cheaper: a step slower than measured because the host
-    does more per step is slower by about the same milliseconds at every size, one whose cache grew (a long prompt)
-    by about the same milliseconds per row (each row's attention reads the whole cache), one on a slower or busier
-    machine by about the same ratio, and an estimate too low is corrected by running that size once, where one
-    too high would never be run again. Medians, because single steps are sometimes several times slower (a page
-    fault, a burst of another process) and a mean would let one of them make a class look dearer than one of
-    twice its rows."""
+    `observe` corrects the curve with the times of steps actually run (but the first of each class), per class of
+    steps (by rows: compiled, each count; eager, 1 to 4 rows each and then powers of two; and whether the window
+    ran, as its attention reads the compressed view besides). What the RECENT last steps took beyond the curve is
+    fitted as a + b·rows over the classes' medians (each class with at least FIT_LEAST steps, weighted by its
+    steps): milliseconds the host adds to every step, and milliseconds each row adds (at a long context each row's
+    attention reads the whole cache; on a slower machine both grow). Each class is then drawn towards its own
+    median by CLASS_PRIOR steps' worth. While the recent steps hold one row count only, they cannot tell a cost
+    per step from one per row: a size is then costed by whichever of three explanations (the same ratio, the same
+    milliseconds, the same milliseconds per row) makes it cheaper, so an estimate too low is corrected by running
+    that size once, where one too high would never be run again. Medians, because single steps are sometimes
+    several times slower (a page fault, a burst of another process) and a mean would let one of them make a class
+    look dearer than one of twice its rows."""
 
     def __init__(self, ms: dict[int, float], sizes: Sequence[int] | None = None):
         if not ms:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
-        # class -> recent (ratio, ms added, ms added per row)
-        self._slower: dict[tuple[int, bool], deque[tuple[float, float, float]]] = {}
-        self._overall: deque[tuple[float, float, float]] = deque(maxlen=RECENT)
+        # the recent steps: (class, rows, ms beyond the curve, ratio to it), overall and per class
+        self._recent: deque[tuple[tuple[int, bool], int, float, float]] = deque(maxlen=RECENT)
+        self._own: dict[tuple[int, bool], deque[float]] = {}
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
-        self._learned_of: dict[tuple[int, bool], tuple[float, ...] | None] = {}  # _learned's answers since observe
+        self._fitted: tuple | None = _STALE  # _fit's answer since the last observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
 
     def of(self, rows: int, window: bool = False) -> float | None:
@@ -165,28 +167,41 @@ class StepCosts:
         measured = self._measured(rows)
         if measured is None:
             return None
-        slower = self._slower_by(self._class(rows, window))
-        if not slower:
+        if self._fitted is _STALE:  # a step's plan asks for many costs between two observations: fitted once
+            self._fitted = self._fit()
+        if self._fitted is None:
             return measured
-        ratio, added, per_row = slower
-        # (per row only for steps slower than measured: a faster machine's steps are the ratio's)
-        return min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)
+        if self._fitted[0] == "fit":
+            _, a, b = self._fitted
+            cost = measured + a + b * rows
+        else:  # one row count seen: the cheapest explanation (per row only for steps slower than measured)
+            _, added, per_row, ratio = self._fitted
+            cost = min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)
+        step_class = self._class(rows, window)
+        own = self._own.get(step_class)
+        if own:
+            weight = self._seen[step_class] / (self._seen[step_class] + CLASS_PRIOR)
+            cost += (measured + statistics.median(own) - cost) * weight
+        return max(cost, 0.1 * measured)  # (a fit's slope below the curve's must not make steps free)
 
-    def _slower_by(self, step_class: tuple[int, bool]) -> tuple[float, ...] | None:
-        # a step's plan asks for many costs between two observations: each class's medians are taken once
-        if step_class not in self._learned_of:
-            self._learned_of[step_class] = self._learned(step_class)
-        return self._learned_of[step_class]
-
-    def _learned(self, step_class: tuple[int, bool]) -> tuple[float, ...] | None:
-        if not self._overall:
+    def _fit(self) -> tuple | None:
+        if not self._recent:
             return None
-        overall = tuple(statistics.median(values) for values in zip(*self._overall))
-        own = self._slower.get(step_class)
-        if not own:
-            return overall
-        weight = self._seen[step_class] / (self._seen[step_class] + CLASS_PRIOR)
-        return tuple(mean + (statistics.median(values) - mean) * weight for mean, values in zip(overall, zip(*own)))
+        classes: dict[tuple[int, bool], list[tuple[int, float, float]]] = {}
+        for step_class, rows, beyond, ratio in self._recent:
+            classes.setdefault(step_class, []).append((rows, beyond, ratio))
+        points = [(statistics.median(r for r, _, _ in steps), statistics.median(b for _, b, _ in steps), len(steps))
+                  for steps in classes.values() if len(steps) >= FIT_LEAST]
+        if len({rows for rows, _, _ in points}) >= 2:  # weighted least squares over the classes' medians
+            total = sum(n for _, _, n in points)
+            mean_rows = sum(rows * n for rows, _, n in points) / total
+            mean_beyond = sum(beyond * n for _, beyond, n in points) / total
+            spread = sum(n * (rows - mean_rows) ** 2 for rows, _, n in points)
+            b = sum(n * (rows - mean_rows) * (beyond - mean_beyond) for rows, beyond, n in points) / spread
+            return "fit", mean_beyond - b * mean_rows, b
+        rows = statistics.median(r for _, r, _, _ in self._recent)
+        beyond = statistics.median(b for _, _, b, _ in self._recent)
+        return "one", beyond, beyond / rows, statistics.median(ratio for *_, ratio in self._recent)
 
     def observe(self, rows: int, window: bool, ms: float) -> None:
         """A step of `rows` rows (with the window's or not) took `ms` (the same units as the curve)."""
@@ -197,11 +212,10 @@ class StepCosts:
         if step_class not in self._warm:  # a class's first step carries one-time costs (a package's first call,
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
-        slower = (ms / measured, ms - measured, (ms - measured) / rows)
-        self._overall.append(slower)
-        self._learned_of.clear()
-        self._slower.setdefault(step_class, deque(maxlen=RECENT)).append(slower)
+        self._recent.append((step_class, rows, ms - measured, ms / measured))
+        self._own.setdefault(step_class, deque(maxlen=RECENT)).append(ms - measured)
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
+        self._fitted = _STALE
 
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
         # on compiled steps each row count apart: a package's padding rows skip attention, which at long contexts
