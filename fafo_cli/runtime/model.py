@@ -178,8 +178,8 @@ _FALSE = torch.zeros(STEP_ROWS, dtype=torch.bool)
 
 def serve_cpu_attention(op: Callable | None, *, reads_bf16: bool = False) -> None:
     """Eager CPU steps attend with `op` (fafo::attend) from now on in this process (None: with torch's kernel).
-    `reads_bf16`: it computes a row from bf16 keys and values as exactly as from float32 ones, so a bf16 model's
-    cache stays bf16 (`Model.attention_dtype`)."""
+    `reads_bf16`: its bf16 path gives every row, a draft tree's included, what a one-row step gives it (not where
+    AMX tiles serve it), so a bf16 model's cache stays bf16 (`Model.attention_dtype`)."""
     global _cpu_attention, _cpu_attention_reads_bf16
     _cpu_attention, _cpu_attention_reads_bf16 = op, op is not None and reads_bf16
 
