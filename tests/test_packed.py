@@ -307,5 +307,4 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
                                                        model.scaling))
     assert torch.equal(multi, single)
     # the kernel reads the bf16 keys itself: the cache holds them in half the bytes (float32 where AMX would read them)
-    amx = {"amx_tile", "amx_bf16"} <= set(loader.cpu_flags().split())
-    assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if amx else torch.bfloat16)
+    assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if loader.has_amx() else torch.bfloat16)

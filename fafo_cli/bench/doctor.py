@@ -37,7 +37,7 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
     facts = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "cpu": _cpu_name(), "cpu_vector_level": torch.backends.cpu.get_cpu_capability(),
-        "avx512_bf16": "avx512_bf16" in flags, "amx": {"amx_bf16", "amx_tile"} <= flags,
+        "avx512_bf16": "avx512_bf16" in flags, "amx": loader.AMX_FLAGS <= flags,
         "compiler": compiler,
         "cuda": {"available": cuda, "torch_built_with": torch.version.cuda,
                  "devices": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else []},

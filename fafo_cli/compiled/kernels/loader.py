@@ -32,6 +32,13 @@ def cpu_flags() -> str:
         return ""
 
 
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # what our kernels' AMX paths need, as /proc/cpuinfo names it
+
+
+def has_amx() -> bool:
+    return AMX_FLAGS <= set(cpu_flags().split())
+
+
 def cpu_features() -> str:
     """What code built with -march=native depends on: the CPU's vector level and, on Linux, its feature flags
     (a cache folder may move to another machine of the same level that lacks, say, AVX512-BF16)."""
@@ -112,5 +119,5 @@ def load(folder: Path) -> None:
 
     # bf16 keys take the AMX path where the CPU has one, which reads a draft tree's rows in place (attention_op.cpp:
     # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path)
-    serve_cpu_attention(torch.ops.fafo.attend, reads_bf16=not {"amx_tile", "amx_bf16"} <= set(cpu_flags().split()))
+    serve_cpu_attention(torch.ops.fafo.attend, reads_bf16=not has_amx())
     _loaded = True

@@ -187,10 +187,10 @@ class StepCosts:
     def _fit(self) -> tuple | None:
         if not self._recent:
             return None
-        classes: dict[tuple[int, bool], list[tuple[int, float, float]]] = {}
-        for step_class, rows, beyond, ratio in self._recent:
-            classes.setdefault(step_class, []).append((rows, beyond, ratio))
-        points = [(statistics.median(r for r, _, _ in steps), statistics.median(b for _, b, _ in steps), len(steps))
+        classes: dict[tuple[int, bool], list[tuple[int, float]]] = {}
+        for step_class, rows, beyond, _ in self._recent:
+            classes.setdefault(step_class, []).append((rows, beyond))
+        points = [(statistics.median(r for r, _ in steps), statistics.median(b for _, b in steps), len(steps))
                   for steps in classes.values() if len(steps) >= FIT_LEAST]
         if len({rows for rows, _, _ in points}) >= 2:  # weighted least squares over the classes' medians
             total = sum(n for _, _, n in points)
