@@ -14,10 +14,11 @@ from fafo_cli.decoders.fafo.pool import NgramPool
 from fafo_cli.decoders.fafo.step import FafoSettings, window_streams
 from fafo_cli.decoders.fafo.window import LookaheadWindow, window_layout
 from fafo_cli.decoders.tree import DraftTree
-from fafo_cli.decoders.verify import accept_greedy
+from fafo_cli.decoders.verify import accept
 from fafo_cli.runtime.cache import KVCache
 from fafo_cli.runtime.model import causal_attention
 from fafo_cli.runtime.rows import draft_step
+from fafo_cli.runtime.sampling import Sampling
 
 BF16_CLOSE = dict(atol=1e-2, rtol=2e-2)  # a bf16 result against float32: its rounding (2^-8) and a bf16 cache's sums
 
@@ -82,6 +83,12 @@ def test_pool_key_bound():
         bounded.add([token], (0,))
     assert bounded.keys == 3 and bounded.ngrams == 3
     assert bounded.lookup([9], 1) == [((0,), 1)] and bounded.lookup([0], 1) == []
+
+
+def accept_greedy(tree, argmax):
+    """`verify.accept` for greedy decoding over logits whose row r's argmax is `argmax[r]`."""
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).float()
+    return accept(tree, logits, Sampling(), None, position=0)
 
 
 def test_accept_greedy():

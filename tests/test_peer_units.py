@@ -123,7 +123,7 @@ def _suffix(history=None, **overrides):
     for key, value in overrides.items():
         setattr(config, key, value)
     history = history or History(keep=4, count_depth=32)
-    return Suffix(config, history, read_history=True)
+    return Suffix(config, history)
 
 
 def _draft(drafter, text, room=100):
@@ -156,7 +156,7 @@ def test_suffix_drafts_from_earlier_answers_merged_with_the_text_and_never_acros
     # the text's own "6 7 -> 8 0" and the answers' "6 7 -> 8" share the row of 8
     assert _draft(_suffix(history), [6, 7, 8, 0, 6, 7]) == ([8, 0], [-1, 0])
     drafter = _suffix(history)
-    drafter.read_history = False
+    drafter.history = None  # a request that reads only its own text
     assert _draft(drafter, [0, 6, 7]) == ([], [])
 
 

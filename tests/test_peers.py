@@ -128,12 +128,16 @@ def test_peer_context_end(tmp_path, peer):
 
 @pytest.mark.parametrize("peer", list(PEERS))
 def test_peer_sampling_is_reproducible(tiny, peer):
+    """The same seed, the same sample; a method that verifies one-hot guesses samples plain decoding's very tokens.
+    A self-draft samples the same distribution (tests/test_sampling.py), with tokens of its own."""
     engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS[peer])
     settings = dict(max_tokens=100, temperature=0.8, top_p=0.95)
     a = engine.complete(LONG, seed=3, **settings)
     b = engine.complete(LONG, seed=3, **settings)
     c = engine.complete(LONG, seed=4, **settings)
-    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids  # (exactness: tests/test_sampling.py)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    plain = engine.complete(LONG, seed=3, method="vanilla", **settings)
+    assert (a.token_ids == plain.token_ids) == (PEERS[peer]["method"] not in DRAFTED_BY_MODEL)
 
 
 def test_second_caches_are_reported(tiny, draft_models):

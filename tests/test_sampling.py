@@ -1,5 +1,6 @@
-"""FAFO sampling follows the target distribution exactly: the acceptance rule against exact enumeration (and
-two deliberately wrong rules that this test catches), and the engine against the model's own probabilities."""
+"""Sampling follows the target distribution exactly: the acceptance rules against exact enumeration (and
+deliberately wrong rules that these tests catch), keyed draws that make a guessing method sample plain
+sampling's very tokens, and the engine against the model's own probabilities."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from fafo_cli import load
-from fafo_cli.runtime.sampling import Sampling, target_probs
-from fafo_cli.decoders.tree import ROOT, DraftTree
-from fafo_cli.decoders.verify import accept_greedy, accept_sampling, accept_speculative
+from fafo_cli.decoders.tree import DraftTree
+from fafo_cli.decoders.verify import accept, accept_speculative, accept_tree
+from fafo_cli.runtime.sampling import Draws, Sampling, pick, target_probs
 
 # A tiny "model" over 4 tokens: the first token's distribution, and the second's given the first.
 FIRST = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -21,46 +22,40 @@ def target(prefix):
     return FIRST if not prefix else SECOND[prefix[0]] if len(prefix) == 1 else torch.full((4,), 0.25)
 
 
-def accept_by_argmax(tree, target_at, generator):
+def accept_keyed(tree, rows, draws, position):
+    """The rule every one-hot method uses: the tokens plain sampling picks with these draws (`rows[r]`: row r's
+    target distribution, given as logits at temperature 1)."""
+    return accept(tree, torch.stack(rows).log(), Sampling(1.0), draws, position)
+
+
+def accept_by_argmax(tree, rows, draws, position):
     """Wrong: treats sampling like greedy decoding."""
-    path, emitted = accept_greedy(tree, [int(target_at(row).argmax()) for row in range(len(tree) + 1)])
-    emitted[-1] = int(torch.multinomial(target_at(path[-1] + 1 if path else 0), 1, generator=generator))
+    path, emitted = accept(tree, torch.stack(rows).log(), Sampling(), None, position)
+    emitted[-1] = pick(rows[path[-1] + 1 if path else 0], draws.uniform(position + len(path)))
     return path, emitted
 
 
-def accept_without_renormalising(tree, target_at, generator):
-    """Wrong: rejected guesses are not removed from the distribution the fallback samples from."""
-    emitted, alive, p = [], [ROOT], target_at(0)
-    while children := tree.children(alive):
-        accepted = None
-        for x in dict.fromkeys(tree.tokens[c] for c in children):
-            if torch.rand((), generator=generator) < p[x]:
-                accepted = x
-                break
-        if accepted is None:
-            break
-        emitted.append(accepted)
-        alive = [c for c in children if tree.tokens[c] == accepted]
-        p = target_at(alive[0] + 1)
-    emitted.append(int(torch.multinomial(p, 1, generator=generator)))
-    return tree.path(alive[0]), emitted
+def accept_one_draw_per_step(tree, rows, draws, position):
+    """Wrong: one random number for the whole step rather than one per position (the tokens of a step become
+    dependent)."""
+    return accept_tree(tree, lambda row: pick(rows[row], draws.uniform(position)))
 
 
 def sample_pairs(rule, n: int, seed: int = 0, merge: bool = False) -> torch.Tensor:
     """Generate 2-token sequences step by step, as decoding does, with `rule` verifying the guesses (as
-    separate chains, FAFO's layout, or merged into a trie, Cacheback's)."""
-    generator = torch.Generator().manual_seed(seed)
+    separate chains, FAFO's layout, or merged into a trie, Cacheback's); sequence i has seed `seed * n + i`."""
     counts = torch.zeros(4, 4)
-    for _ in range(n):
+    for i in range(n):
+        draws = Draws(seed * n + i)
         out: list[int] = []
         while len(out) < 2:
             tree = DraftTree()
             for guess in GUESSES[tuple(out)]:
                 tree.add_chain(guess, merge=merge)
             prefix = tuple(out)
-            rows = [()] + [tuple(tree.tokens[i] for i in tree.path(node)) for node in range(len(tree))]
-            _, emitted = rule(tree, lambda row: target(prefix + rows[row]), generator)
-            out += emitted
+            rows = [target(prefix)] + [target(prefix + tuple(tree.tokens[i] for i in tree.path(node)))
+                                       for node in range(len(tree))]
+            out += rule(tree, rows, draws, len(out))[1]
         counts[out[0], out[1]] += 1
     return counts
 
@@ -73,10 +68,34 @@ def chi_square(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
 def test_acceptance_rule_matches_exact_enumeration_and_wrong_rules_fail():
     exact = FIRST[:, None] * SECOND  # the joint distribution of the first two tokens
     critical = 37.7  # chi-square, 15 degrees of freedom, p = 0.001
-    assert chi_square(sample_pairs(accept_sampling, 6000), exact) < critical
-    assert chi_square(sample_pairs(accept_sampling, 6000, seed=1, merge=True), exact) < critical
+    assert chi_square(sample_pairs(accept_keyed, 6000), exact) < critical
+    assert chi_square(sample_pairs(accept_keyed, 6000, seed=1, merge=True), exact) < critical
     assert chi_square(sample_pairs(accept_by_argmax, 6000), exact) > 10 * critical
-    assert chi_square(sample_pairs(accept_without_renormalising, 6000), exact) > 3 * critical
+    assert chi_square(sample_pairs(accept_one_draw_per_step, 6000), exact) > 3 * critical
+
+
+def test_keyed_draws_give_plain_samplings_tokens_whatever_was_guessed():
+    """The same draws: the same tokens with no guesses, with the likeliest guesses, with unlikely ones."""
+    for seed in range(200):
+        draws, outputs = Draws(seed), []
+        for guesses in ([], GUESSES[()], [(3, 3), (3, 0)]):
+            tree = DraftTree.chains(guesses)
+            rows = [FIRST] + [target(tuple(tree.tokens[i] for i in tree.path(node))) for node in range(len(tree))]
+            _, emitted = accept_keyed(tree, rows, draws, 0)
+            if len(emitted) < 2:  # the second token from its own step, as plain decoding samples it
+                emitted.append(pick(SECOND[emitted[0]], draws.uniform(1)))
+            outputs.append(emitted[:2])
+        assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_draws_are_keyed_by_position_and_uniform():
+    draws = Draws(5)
+    assert [draws.uniform(p) for p in (9, 3, 9)] == [draws.uniform(9), draws.uniform(3), draws.uniform(9)]
+    assert draws.uniform(3) != draws.uniform(3, stream=1) != draws.below().uniform(3)
+    u = torch.tensor([Draws(seed).uniform(position) for seed in range(40) for position in range(100)])
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert chi_square(counts, torch.full((10,), 0.1)) < 27.9  # 9 dof, p = 0.001
 
 
 # The draft model of a self-speculative method: close to the target, not equal to it.
@@ -88,31 +107,31 @@ def draft(prefix):
     return DRAFT_FIRST if not prefix else DRAFT_SECOND[prefix[0]] if len(prefix) == 1 else torch.full((4,), 0.25)
 
 
-def accept_one_hot(tokens, target_at, drafts, generator):
+def accept_one_hot(tokens, target_at, drafts, draws, position):
     """Wrong: accepts x with p(x) and, on rejection, resamples from p itself (x keeps its mass twice)."""
     emitted = []
     for j, x in enumerate(tokens):
-        if torch.rand((), generator=generator) < target_at(j)[x]:
+        if draws.uniform(position + j, stream=1) < target_at(j)[x]:
             emitted.append(x)
             continue
-        emitted.append(int(torch.multinomial(target_at(j), 1, generator=generator)))
+        emitted.append(pick(target_at(j), draws.uniform(position + j, stream=2)))
         return emitted
-    return emitted + [int(torch.multinomial(target_at(len(tokens)), 1, generator=generator))]
+    return emitted + [pick(target_at(len(tokens)), draws.uniform(position + len(tokens)))]
 
 
 def sample_speculative_pairs(rule, n: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(4, 4)
-    for _ in range(n):
+    for i in range(n):
+        draws = Draws(seed * n + i)
         out: list[int] = []
         while len(out) < 2:
             tokens, drafts = [], []
-            for _ in range(2):  # a 2-token chain sampled from the draft model
+            for _ in range(2):  # a 2-token chain sampled from the draft model, with the level below's draws
                 q = draft(tuple(out + tokens))
                 drafts.append(q)
-                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                tokens.append(pick(q, draws.below().uniform(len(out) + len(tokens))))
             prefix = tuple(out)
-            out += rule(tokens, lambda j: target(prefix + tuple(tokens[:j])), drafts, generator)
+            out += rule(tokens, lambda j: target(prefix + tuple(tokens[:j])), drafts, draws, len(out))
         counts[out[0], out[1]] += 1
     return counts
 
@@ -203,6 +222,8 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
         result = engine.complete(prompt, seed=seed, **settings)
         counts[tuple(result.token_ids[:2])] += 1
         accepted += result.stats.accepted_tokens
+        if seed < 100 and method not in ("vanilla", "triforce", "quantspec"):  # one-hot guesses: plain's tokens
+            assert result.token_ids == engine.complete(prompt, seed=seed, method="vanilla", **settings).token_ids
     observed = torch.tensor([counts[k] for k in exact], dtype=torch.float)
     assert chi_square(observed, torch.tensor(list(exact.values()))) < 26.1  # 8 dof, p = 0.001
     if method != "vanilla":

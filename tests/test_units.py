@@ -29,10 +29,10 @@ def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
 def test_sampling_follows_target_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     sampling = Sampling(temperature=0.8, seed=3)
-    gen = sampling.generator(torch.device("cpu"))
+    draws = sampling.draws()
     counts = torch.zeros(4)
-    for _ in range(4000):
-        counts[next_token(logits, sampling, gen)] += 1
+    for position in range(4000):
+        counts[next_token(logits, sampling, draws, position)] += 1
     expected = target_probs(logits, sampling) * 4000
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001

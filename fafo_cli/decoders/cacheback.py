@@ -53,7 +53,7 @@ class Cacheback:
         self.frozen = frozen
         self.budget = self.max_rows = config.cacheback_budget
 
-    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+    def start(self, session: Session, request: Request, text: list[int], draws) -> None:
         self.dynamic.add_text(text)
 
     def _followers(self, context: list[int]) -> list[tuple[int, ...]]:

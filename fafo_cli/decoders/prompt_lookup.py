@@ -26,7 +26,7 @@ class PromptLookup:
         self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence
         self._indexed = 0  # n-grams ending before this index are in the index
 
-    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+    def start(self, session: Session, request: Request, text: list[int], draws) -> None:
         pass
 
     def _index(self, text: list[int], end: int) -> None:

@@ -31,9 +31,9 @@ class QuantSpec:
         self.gamma, self.group = config.quantspec_gamma, config.quantspec_group
         self.max_rows = self.gamma
 
-    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+    def start(self, session: Session, request: Request, text: list[int], draws) -> None:
         self.model, self.cache = session.model, session.cache
-        self.sampling, self.generator = request.sampling, generator
+        self.sampling, self.draws = request.sampling, draws and draws.below()
         model = self.model
         self.weights = int4_weights(model)
         try:
@@ -62,7 +62,7 @@ class QuantSpec:
         if n <= 0:
             return Draft()
         tokens, drafts = draft_chain(self.model, self.cache, self.attend, text[-1], len(text) - 1, n, self.sampling,
-                                     self.generator, linear=self.weights.linear)
+                                     self.draws, linear=self.weights.linear)
         return Draft.chain(tokens, drafts, passes=n)
 
     def accepted(self, text: list[int], new: int) -> None:

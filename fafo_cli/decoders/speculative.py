@@ -6,8 +6,9 @@ the accepted path plus one token of the model's own, so the output is exactly pl
 anchor's and the accepted path's keys and values are committed.
 
 A drafter that samples its guesses from a distribution (a self-draft) returns those distributions with a
-chain, and sampling then uses standard speculative sampling; one-hot guesses (tables, copies) use the
-multi-draft rule in `verify.accept_sampling`. Both keep the output distributed exactly as plain sampling.
+chain, and sampling then uses standard speculative sampling (`verify.accept_speculative`), exact in distribution;
+one-hot guesses (tables, copies) are checked against the tokens plain sampling picks with the same draws
+(`verify.accept`), so the output is plain decoding's token for token.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from ..runtime.events import Step
 from ..runtime.rows import draft_step
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
-from ..runtime.sampling import Sampling, argmax_ids, draw, next_token, target_probs
+from ..runtime.sampling import Draws, Sampling, draw, next_token, target_probs
 from ..runtime.session import Emitter, Request, Session
 from ..runtime.syncs import upload
 from .tree import DraftTree
-from .verify import accept_greedy, accept_sampling, accept_speculative
+from .verify import accept, accept_speculative
 
 
 @dataclass
@@ -45,8 +46,9 @@ class Drafter(Protocol):
     max_rows: int  # the most tree nodes a draft can have (cache room reserved up front)
     runs_model: bool  # drafting costs forward passes (counted in `Stats.draft_passes`)
 
-    def start(self, session: Session, request: Request, text: list[int], generator: torch.Generator | None) -> None:
-        """After the prefill; `text` is the prompt and the first emitted token; `generator` draws samples."""
+    def start(self, session: Session, request: Request, text: list[int], draws: Draws | None) -> None:
+        """After the prefill; `text` is the prompt and the first emitted token; `draws` are the request's random
+        numbers (None when greedy): a drafter that samples takes `draws.below()`."""
 
     def draft(self, text: list[int], room: int) -> Draft:
         """Guesses to follow `text` (whose last token is the anchor), at most `room` nodes."""
@@ -60,13 +62,13 @@ class Drafter(Protocol):
 
 def generate(session: Session, request: Request, emitter: Emitter, drafter: Drafter) -> Iterator[Step]:
     model, cache, sampling = session.model, session.cache, request.sampling
-    generator = sampling.generator(model.device)
+    draws = sampling.draws()
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + drafter.max_rows + 1,
                                      observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows,
                                      progress=emitter.prefilling)
-    anchor = next_token(logits, sampling, generator)
+    anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
     text = list(request.prompt_ids) + [anchor]
-    drafter.start(session, request, text, generator)
+    drafter.start(session, request, text, draws)
     emitter.prefilled(reused)
     stats = emitter.stats
     stats.draft_memory_mb = drafter.nbytes() / 2**20
@@ -82,13 +84,11 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=1 + drafter.max_rows)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)
-        if sampling.greedy:
-            path, emitted = accept_greedy(tree, argmax_ids(logits))
-        elif draft.q is not None:  # a chain sampled from q: row j is the target at chain position j
-            emitted = check_chain(logits, tree.tokens, draft.q, sampling, generator)
+        if draft.q is not None and not sampling.greedy:  # a chain sampled from q: row j is the target at position j
+            emitted = check_chain(logits, tree.tokens, draft.q, sampling, draws, len(text))
             path = list(range(len(emitted) - 1))
         else:
-            path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
+            path, emitted = accept(tree, logits, sampling, draws, len(text))
         session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         text.extend(emitted)
         drafter.accepted(text, len(emitted))
@@ -99,9 +99,10 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
 
 
 def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int, n: int, sampling: Sampling,
-                generator: torch.Generator | None, linear=None) -> tuple[list[int], list[torch.Tensor] | None]:
+                draws: Draws | None, linear=None) -> tuple[list[int], list[torch.Tensor] | None]:
     """A self-draft: `n` tokens after `anchor` (at `position`), one forward pass each over `cache` with `attend`
-    (and `linear`, Model.forward's, for weights other than the model's own).
+    (and `linear`, Model.forward's, for weights other than the model's own), sampled with the drafting level's
+    `draws`.
 
     Each pass's row is committed so the next one sees it, and the cache is cut back afterwards: draft keys
     and values are never kept. Returns the tokens and, when sampling, the distributions they were drawn from.
@@ -116,7 +117,7 @@ def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int
             logits = model.forward(upload([token], model.device), upload([position + j], model.device), cache, attend,
                                    linear=linear)
             cache.commit(1)
-            token, probs = draw(logits[-1], sampling, generator)
+            token, probs = draw(logits[-1], sampling, draws, position + j + 1)
             tokens.append(token)
             if probs is not None:
                 drafts.append(probs)
@@ -126,9 +127,9 @@ def draft_chain(model: Model, cache: KVCache, attend, anchor: int, position: int
 
 
 def check_chain(logits: torch.Tensor, tokens: list[int], q: list[torch.Tensor] | None, sampling: Sampling,
-                generator: torch.Generator | None) -> list[int]:
-    """Emitted tokens for a chain verified by `logits` (row j: the target after the anchor and j tokens):
-    greedy agreement, or speculative sampling against the draft distributions `q`."""
+                draws: Draws | None, position: int) -> list[int]:
+    """Emitted tokens for a chain verified by `logits` (row j: the target after the anchor and j tokens; `tokens[0]`
+    at `position`): greedy agreement, or speculative sampling against the draft distributions `q`."""
     if sampling.greedy:
-        return accept_greedy(DraftTree.chains([tokens]), argmax_ids(logits))[1]
-    return accept_speculative(tokens, lambda j: target_probs(logits[j], sampling), q, generator)
+        return accept(DraftTree.chains([tokens]), logits, sampling, None, position)[1]
+    return accept_speculative(tokens, lambda j: target_probs(logits[j], sampling), q, draws, position)

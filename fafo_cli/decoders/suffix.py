@@ -10,9 +10,8 @@ probability falls below `suffix_min_prob` is not drafted, and an index drafts at
 (a token both propose under the same parent is one row) of at most `suffix_tokens` nodes, most probable first,
 which the shared loop (`speculative.py`) verifies in one pass.
 
-Earlier answers change the guesses, never the output: greedy output is plain decoding's whatever is drafted.
-The guesses do decide which random draws sampling's acceptance rule makes, so a seeded sampled request drafts
-from its own text only: the same prompt and seed give the same sample whatever the session answered before.
+Earlier answers change the guesses, never the output: it is plain decoding's whatever is drafted, sampled output
+too (the same seed gives the same sample whatever the session answered before).
 """
 
 from __future__ import annotations
@@ -74,20 +73,20 @@ class History:
 class Suffix:
     runs_model = False
 
-    def __init__(self, config, history: History | None, read_history: bool):
+    def __init__(self, config, history: History | None):
         self.depth, self.factor, self.min_prob = config.suffix_depth, config.suffix_factor, config.suffix_min_prob
         self.max_rows = config.suffix_tokens
         # counts are read down to the deepest draft: the match, then at most suffix_tokens tokens below it
         self.text = SuffixIndex(counts=True, count_depth=count_depth(config))
-        self.history, self.read_history = history, read_history
+        self.history = history  # None: drafts from this request's text only
 
-    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+    def start(self, session: Session, request: Request, text: list[int], draws) -> None:
         self.text.extend(text)
 
     def draft(self, text: list[int], room: int) -> Draft:
         limit = min(self.max_rows, room)
         matches = [(self.text, self.text.match_state(self.depth))]
-        if self.read_history:
+        if self.history is not None:
             matches.append((self.history.index, self.history.index.find(text[-self.depth:])))
         # each index's likeliest continuations, at most α·p of them; then all of them most probable first (ties:
         # the request's own text first), a token both propose under the same parent one row
@@ -116,15 +115,15 @@ def count_depth(config) -> int:
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
-    config, sampling = request.config, request.sampling
+    config = request.config
     history = session.learned.get("suffix")
     if config.suffix_outputs:
         if history is None:
             history = session.learned["suffix"] = History(config.suffix_outputs, count_depth(config))
         history.configure(config.suffix_outputs, count_depth(config))
-    read_history = bool(config.suffix_outputs) and (sampling.greedy or sampling.seed is None)
+    drafter = Suffix(config, history if config.suffix_outputs else None)
     try:
-        yield from speculative.generate(session, request, emitter, Suffix(config, history, read_history))
+        yield from speculative.generate(session, request, emitter, drafter)
     finally:  # the answer as emitted (an interrupted one too) joins the history
         if config.suffix_outputs:
             history.add(emitter.token_ids)

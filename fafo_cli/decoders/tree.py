@@ -60,7 +60,3 @@ class DraftTree:
             node = self.parents[node]
         return nodes[::-1]
 
-    def children(self, nodes: Sequence[int]) -> list[int]:
-        """Children of any of `nodes` (ROOT allowed), in node order."""
-        wanted = set(nodes)
-        return [i for i, p in enumerate(self.parents) if p in wanted]

@@ -88,12 +88,13 @@ class StreamingDraftModel:
         """Tokens the middle level accepted in this round (cut back by `end`)."""
         self._forward(tokens)
 
-    def propose(self, n: int, sampling: Sampling, generator) -> tuple[list[int], list[torch.Tensor] | None]:
+    def propose(self, n: int, sampling: Sampling, draws, position: int) -> tuple[list[int], list[torch.Tensor] | None]:
+        """`n` tokens sampled with `draws`, the first at `position`."""
         tokens: list[int] = []
         drafts: list[torch.Tensor] = []
         mark = self.cache.length, len(self.ids), self.logits
         for j in range(n):
-            token, probs = draw(self.logits, sampling, generator)
+            token, probs = draw(self.logits, sampling, draws, position + j)
             tokens.append(token)
             if probs is not None:
                 drafts.append(probs)
@@ -134,9 +135,9 @@ class TriForce:
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
         self.queries[layer] = q[:, -1].clone()  # the last chunk's last row is the last prompt token
 
-    def start(self, session: Session, request: Request, text: list[int], generator) -> None:
+    def start(self, session: Session, request: Request, text: list[int], draws) -> None:
         self.model, self.main = session.model, session.cache
-        self.sampling, self.generator = request.sampling, generator
+        self.sampling, self.draws = request.sampling, draws and draws.below()  # the middle level's
         # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
         slack = self.gamma2 + self.gamma1 + 1
         self.retrieval = self.model.new_cache(initial_slots=self.budget + slack, max_slots=self.budget + slack)
@@ -170,7 +171,7 @@ class TriForce:
         if self.bottom is None:
             tokens, drafts = draft_chain(self.model, self.retrieval,
                                          self._recording(causal_attention(None, self.model.scaling)), anchor,
-                                         position, n, self.sampling, self.generator)
+                                         position, n, self.sampling, self.draws)
             passes = n
         else:
             tokens, drafts, passes = self._draft_hierarchically(text, n)
@@ -203,7 +204,8 @@ class TriForce:
         pending, position, passes = text[-1], len(text) - 1, 0
         try:
             while len(tokens) < n:
-                proposed, proposed_q = bottom.propose(min(self.gamma1, n - len(tokens)), sampling, self.generator)
+                proposed, proposed_q = bottom.propose(min(self.gamma1, n - len(tokens)), sampling,
+                                                      self.draws and self.draws.below(), position + 1)
                 rows = [pending] + proposed
                 cache.reserve(cache.length + len(rows))
                 mask = prefix_causal_mask(cache.length, len(rows), model.device)
@@ -212,7 +214,7 @@ class TriForce:
                                        torch.arange(position, position + len(rows), device=model.device), cache,
                                        self._recording(attend) if not tokens else attend)
                 passes += 1
-                emitted = check_chain(logits, proposed, proposed_q, sampling, self.generator)
+                emitted = check_chain(logits, proposed, proposed_q, sampling, self.draws, position + 1)
                 if not sampling.greedy:  # what the middle level emitted was drawn from its own distribution
                     drafts += [target_probs(logits[j], sampling) for j in range(len(emitted))]
                 cache.commit(len(emitted))  # the pending token's and the accepted proposals' rows

@@ -10,12 +10,14 @@ from ..runtime.session import Emitter, Request, Session
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
-    generator = request.sampling.generator(session.model.device)
+    draws = request.sampling.draws()
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens, steps=1,
                                      progress=emitter.prefilling)
     emitter.prefilled(reused)
+    position = len(request.prompt_ids)
     while True:
-        token = next_token(logits, request.sampling, generator)
+        token = next_token(logits, request.sampling, draws, position)
+        position += 1
         step = emitter.emit([token])
         yield step
         if step.finish_reason:

@@ -6,10 +6,12 @@ accepts one path of it plus one token of its own. Row 0 is the anchor, node i is
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
 
+from ..runtime.sampling import Draws, Sampling, argmax_ids, pick, target_probs
 from .tree import ROOT, DraftTree
 
 
@@ -17,78 +19,64 @@ def _row(node: int) -> int:
     return 0 if node == ROOT else node + 1
 
 
-def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(accepted path of nodes, emitted tokens) under greedy decoding; `argmax[row]` for every row.
+def accept_tree(tree: DraftTree, plain: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """(accepted path of nodes, emitted tokens); `plain(row)` is the token plain decoding emits after that row.
 
-    A node is accepted when its parent is and its token is the argmax of its parent's row. The deepest
-    accepted node wins (the earliest on ties: callers put their preferred guesses first).
+    A node is accepted when its parent is and its token is what plain decoding emits after its parent's row.
+    The deepest accepted node wins (the earliest on ties: callers put their preferred guesses first). `plain` is
+    asked only about the anchor's row and accepted nodes' rows.
     """
     accepted = [False] * len(tree)
     best, best_depth = ROOT, 0
     for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        if (parent == ROOT or accepted[parent]) and token == argmax[_row(parent)]:
+        if (parent == ROOT or accepted[parent]) and token == plain(_row(parent)):
             accepted[i] = True
             if tree.depths[i] > best_depth:
                 best, best_depth = i, tree.depths[i]
     path = tree.path(best)
-    return path, [tree.tokens[i] for i in path] + [argmax[_row(best)]]
+    return path, [tree.tokens[i] for i in path] + [plain(_row(best))]
 
 
-def accept_sampling(tree: DraftTree, target: Callable[[int], torch.Tensor],
-                    generator: torch.Generator | None) -> tuple[list[int], list[int]]:
-    """(path, emitted tokens) under sampling, exactly distributed as the target; `target(row)` is the target
-    distribution of the token after that row.
+def accept(tree: DraftTree, logits: torch.Tensor, sampling: Sampling, draws: Draws | None, position: int,
+           argmax: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """(path, emitted tokens) for one-hot guesses verified by `logits` (row r: after row r's token); `position`
+    is the position of the token after the anchor, `argmax` the rows' argmax where the caller has it.
 
-    The guesses are one-hot drafts. Level by level, the distinct tokens among the children of the nodes still
-    alive are tried in order: token x is accepted with probability p(x); on rejection p(x) = 0 and p is
-    renormalised. An acceptance keeps the children that carry it; if every guess is rejected, the token is
-    sampled from what is left of p and the step ends. Past the deepest accepted node, one token is sampled.
+    Greedy, plain decoding emits each row's argmax; sampling, it emits the token its `Draws` pick at the row's
+    position (the anchor's position plus the row's depth, plus one). Either way the output is plain decoding's,
+    token for token, and a guess is accepted with exactly the probability plain decoding gives it.
     """
-    alive = [ROOT]
-    emitted: list[int] = []
-    p = target(0)
-    while True:
-        children = tree.children(alive)
-        if not children:
-            break
-        p = p.clone()
-        accepted = None
-        for x in dict.fromkeys(tree.tokens[c] for c in children):
-            if torch.rand((), generator=generator, device=p.device) < p[x]:
-                accepted = x
-                break
-            p[x] = 0.0
-            total = p.sum()
-            if total <= 0:  # nothing left to sample from (x held all the mass, yet was rejected: rounding)
-                break
-            p /= total
-        if accepted is None:
-            break
-        emitted.append(accepted)
-        alive = [c for c in children if tree.tokens[c] == accepted]
-        p = target(_row(alive[0]))
-    emitted.append(int(torch.multinomial(p, 1, generator=generator)))
-    return tree.path(alive[0]), emitted
+    if sampling.greedy:
+        return accept_tree(tree, (argmax if argmax is not None else argmax_ids(logits)).__getitem__)
+
+    @functools.cache
+    def sampled(row: int) -> int:
+        depth = 0 if row == 0 else tree.depths[row - 1]
+        return pick(target_probs(logits[row], sampling), draws.uniform(position + depth))
+
+    return accept_tree(tree, sampled)
 
 
 def accept_speculative(tokens: Sequence[int], target: Callable[[int], torch.Tensor], draft: Sequence[torch.Tensor],
-                       generator: torch.Generator | None) -> list[int]:
-    """Emitted tokens for a chain sampled from draft distributions `draft[j]` (standard speculative sampling).
+                       draws: Draws, position: int) -> list[int]:
+    """Emitted tokens for a chain sampled from draft distributions `draft[j]` (standard speculative sampling);
+    `tokens[0]` is at `position`.
 
     Token j is accepted with probability min(1, p(x) / q(x)); the first rejection samples from the normalised
     residual max(0, p - q) and ends the step; a fully accepted chain adds one token from p. `target(j)` is the
-    target distribution at chain position j (row j of the verify pass).
+    target distribution at chain position j (row j of the verify pass). The coin and the residual draw use
+    streams 1 and 2 of the position, so neither is the number the chain's own token was drawn with.
     """
     emitted: list[int] = []
     for j, x in enumerate(tokens):
         p, q = target(j), draft[j]
-        if torch.rand((), generator=generator, device=p.device) * q[x] < p[x]:
+        if draws.uniform(position + j, stream=1) * float(q[x]) < float(p[x]):
             emitted.append(x)
             continue
         residual = (p - q).clamp_min(0.0)
         total = residual.sum()
         residual = residual / total if total > 0 else p  # p == q up to rounding: p itself is the residual
-        emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+        emitted.append(pick(residual, draws.uniform(position + j, stream=2)))
         return emitted
-    emitted.append(int(torch.multinomial(target(len(tokens)), 1, generator=generator)))
+    emitted.append(pick(target(len(tokens)), draws.uniform(position + len(tokens))))
     return emitted

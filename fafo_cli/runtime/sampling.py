@@ -3,13 +3,56 @@
 `target_probs` is the single definition of the distribution a sampled token must follow (temperature,
 then top-k, then top-p, then min-p: the order transformers applies them); every decoder samples through it, so a
 lossless method only has to match this one function.
+
+The random numbers are `Draws`: one uniform per position of the text, a function of the seed and the position
+alone, turned into a token by inverting the distribution's CDF (`pick`). Nothing a method guesses can change which
+number a position gets, so every method that verifies one-hot guesses samples exactly the tokens plain decoding
+samples with the same seed, not only the same distribution.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class Draws:
+    """Uniform random numbers in [0, 1) keyed by (position, stream): the same seed gives the same number for a
+    position however many were asked for before, and in whatever order.
+
+    Stream 0 samples the token at a position; rules that need more numbers for one position (speculative
+    sampling's coin and residual) use other streams. A drafting level below the verified one (a self-draft)
+    takes `below()`, so its draws never reuse the numbers that judge them.
+    """
+
+    def __init__(self, seed: int, level: int = 0):
+        self.seed, self.level = seed, level
+        self.key = _mix(_mix(seed & _MASK) + level)
+
+    def uniform(self, position: int, stream: int = 0) -> float:
+        return (_mix(_mix(self.key ^ stream) ^ (position & _MASK)) >> 11) / float(1 << 53)
+
+    def below(self) -> "Draws":
+        return Draws(self.seed, self.level + 1)
+
+
+def pick(probs: torch.Tensor, u: float) -> int:
+    """The token whose CDF interval holds `u`: a sample from `probs` (one row) when u is uniform. The CDF is summed
+    in float64, so rounding cannot lose a token's mass over a large vocabulary."""
+    cdf = probs.double().cumsum(-1)
+    return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).clamp_max(cdf.shape[-1] - 1))
 
 
 @dataclass(frozen=True)
@@ -24,15 +67,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
+    def draws(self) -> Draws | None:
+        """The request's random numbers (None when greedy); no seed draws a fresh one."""
         if self.greedy:
             return None
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
+        return Draws(secrets.randbits(63) if self.seed is None else self.seed)
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -64,17 +103,15 @@ def argmax_ids(logits: torch.Tensor) -> list[int]:
     return logits.detach().float().numpy().argmax(-1).tolist()  # numpy has no bf16
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from a single row of logits."""
-    if sampling.greedy:
-        return argmax_ids(logits.reshape(1, -1))[0]
-    return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
+def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None, position: int) -> int:
+    """The token at `position` from a single row of logits."""
+    return draw(logits, sampling, draws, position)[0]
 
 
-def draw(logits: torch.Tensor, sampling: Sampling,
-         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """A drafted token and the distribution it was drawn from (None when greedy: the draft is the argmax)."""
+def draw(logits: torch.Tensor, sampling: Sampling, draws: Draws | None,
+         position: int) -> tuple[int, torch.Tensor | None]:
+    """The token at `position` and the distribution it was drawn from (None when greedy: the token is the argmax)."""
     if sampling.greedy:
         return argmax_ids(logits.reshape(1, -1))[0], None
     probs = target_probs(logits, sampling)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
+    return pick(probs, draws.uniform(position)), probs

@@ -20,10 +20,10 @@ from typing import Iterator
 from ...config import MIN_BUDGET, view_compressor
 from ...runtime.events import Step
 from ...runtime.rows import draft_step
-from ...runtime.sampling import argmax_ids, next_token, target_probs
+from ...runtime.sampling import argmax_ids, next_token
 from ...runtime.session import CompiledStepRunner, Emitter, Request, Session
 from ..suffix_index import SuffixIndex
-from ..verify import accept_greedy, accept_sampling
+from ..verify import accept
 from .attention import KV_BLOCK, BlockSparseMasks, CompressedView, flex_attention_kernel
 from .compressors import make_compressor, reads_queries
 from .planner import SOURCES, Acceptance, Chain, Planner, StepCosts
@@ -159,7 +159,7 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
 
 
 # `copies: auto`: the two longest earlier occurrences when greedy, where only the one plain decoding picks counts;
-# four when sampling, where each further first token is another chance for the multi-draft rule to accept one
+# four when sampling, where each further distinct first token is another chance that one is what sampling picks
 # (measured: docs/benchmarks.md, "Sampled chat")
 AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
 
@@ -249,7 +249,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         settings = replace(settings, copies=AUTO_COPIES[sampling.greedy])
     stats = emitter.stats
     stats.streams = settings.streams
-    generator = sampling.generator(session.model.device)
+    draws = sampling.draws()
     model, cache = session.model, session.cache
     # auto is the split path everywhere: stock attention calls only, until a GPU measurement shows block faster
     block = settings.attention == "block"
@@ -265,7 +265,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                           block_masks=BlockSparseMasks.for_device(model.device) if block else None,
                           flex=flex_attention_kernel(model.device) if block else None)
 
-    anchor = next_token(logits, sampling, generator)
+    anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
     conversation = Conversation.follow(session, settings, request.prompt_ids, text, reused)
     pool, index = conversation.pool, conversation.index
@@ -293,10 +293,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
         argmax = argmax_ids(logits)
         n_verify = rows.layout.verify_rows
-        if sampling.greedy:
-            path, emitted = accept_greedy(tree, argmax[:n_verify])
-        else:
-            path, emitted = accept_sampling(tree, lambda row: target_probs(logits[row], sampling), generator)
+        path, emitted = accept(tree, logits, sampling, draws, len(text), argmax[:n_verify])
         if shape:  # the window itself stays greedy: it only proposes guesses
             stats.fumble_positions = compressor.view_size(cache)
             predicted = [argmax[0 if r < 0 else n_verify + r] for r in shape.predictor_logits]
