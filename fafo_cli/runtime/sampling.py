@@ -50,8 +50,8 @@ class Draws:
 
 def pick(probs: torch.Tensor, u: float) -> int:
     """The token whose CDF interval holds `u`: a sample from `probs` (one row) when u is uniform. The CDF is summed
-    in float64, so rounding cannot lose a token's mass over a large vocabulary."""
-    cdf = probs.double().cumsum(-1)
+    in float64 (on the CPU for MPS, which has none), so rounding cannot lose a token's mass over a large vocabulary."""
+    cdf = (probs.cpu() if probs.device.type == "mps" else probs).double().cumsum(-1)
     return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).clamp_max(cdf.shape[-1] - 1))
 
 
