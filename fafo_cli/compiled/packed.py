@@ -39,8 +39,8 @@ def supported(model: Model) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
 
 
-# the CPU features of packed_linear.cpp's fast paths (AVX512-BF16, AMX) as /proc/cpuinfo names them: one of these sets
-FAST_PATH_FLAGS = ({"avx512_bf16", "avx512bw", "f16c"}, {"amx_tile", "amx_bf16"})
+# the CPU features of packed_linear.cpp's AVX-512 path as /proc/cpuinfo names them (its AMX path's: loader.AMX_FLAGS)
+AVX512_PATH_FLAGS = frozenset({"avx512_bf16", "avx512bw", "f16c"})
 
 
 def worth_preparing(model: Model) -> bool:
@@ -51,7 +51,8 @@ def worth_preparing(model: Model) -> bool:
     from .kernels import loader
 
     flags = set(loader.cpu_flags().split())
-    return (model.device.type == "cpu" and model.dtype == torch.bfloat16 and any(f <= flags for f in FAST_PATH_FLAGS)
+    fast_path = AVX512_PATH_FLAGS <= flags or loader.AMX_FLAGS <= flags
+    return (model.device.type == "cpu" and model.dtype == torch.bfloat16 and fast_path
             and shutil.which(loader.compiler()) is not None)
 
 

@@ -59,4 +59,3 @@ class DraftTree:
             nodes.append(node)
             node = self.parents[node]
         return nodes[::-1]
-
