@@ -7,6 +7,8 @@ import pytest
 from fafo_cli.decoders.fafo.planner import EXPLORE_EVERY, Acceptance, Chain, Planner, StepCosts
 from fafo_cli.decoders.tree import ROOT
 
+pytestmark = pytest.mark.step_times  # these tests feed StepCosts times (tests/conftest.py)
+
 
 def test_step_costs_interpolate_eager_and_round_up_to_packages():
     eager = StepCosts({1: 10.0, 9: 18.0})
