@@ -7,7 +7,7 @@ import torch
 
 from fafo_cli.runtime.cache import KVCache
 from fafo_cli.runtime.detok import Detokenizer
-from fafo_cli.runtime.model import prefix_causal_mask
+from fafo_cli.runtime.model import STEP_ROWS, Model, causal_attention, prefix_causal_mask
 from fafo_cli.runtime.sampling import Sampling, next_token, target_probs
 
 
@@ -36,6 +36,30 @@ def test_sampling_follows_target_distribution():
     expected = target_probs(logits, sampling) * 4000
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+
+
+def test_float32_cpu_steps_compute_linear_layers_as_weights_times_rows(tiny):
+    """A float32 CPU step of several rows computes each linear layer as W @ xᵀ (torch's x @ Wᵀ is much slower there
+    for a few rows); one row and a prefill chunk keep the module's own product, and other dtypes their own."""
+    from fafo_cli.runtime import llama
+
+    model = Model(llama.load(tiny, torch.float32, torch.device("cpu")))
+    layer, calls = model.layers[0].mlp.up_proj, []
+    layer.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[-2]))
+    for rows in (1, 3, STEP_ROWS + 1):
+        torch.manual_seed(rows)
+        x = torch.randn(1, rows, layer.in_features)
+        got = model.own_linear(layer, x)
+        assert got.shape == (1, rows, layer.out_features) and torch.allclose(got, layer(x), atol=1e-5)
+        if rows == 1:
+            assert torch.equal(got, layer(x))  # bit for bit what transformers' plain decoding computes
+    calls.clear()
+    cache = model.new_cache(initial_slots=STEP_ROWS + 1)
+    for rows in (1, 3, STEP_ROWS + 1):
+        ids = torch.arange(rows) % 50
+        model.forward(ids, torch.arange(rows), cache, causal_attention(None, model.scaling))
+    assert calls == [1, STEP_ROWS + 1]  # the 3-row step's product was W @ xᵀ, not the module's
+    assert Model(llama.load(tiny, torch.bfloat16, torch.device("cpu"))).own_linear is None
 
 
 def test_cache_grows_without_losing_committed_rows():

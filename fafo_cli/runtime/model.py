@@ -52,6 +52,20 @@ def _own(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _columns_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU linear layer of a step's rows computed as W @ xᵀ. torch's x @ Wᵀ for a few rows (2 to a few
+    dozen) runs far below the speed of the one-row product on some CPUs, so that verifying a guess or two cost
+    half a plain step more; W @ xᵀ reads W at about the one-row speed (docs/benchmarks.md). One row stays the
+    module's own product: bit for bit what plain decoding in transformers computes."""
+    if x.numel() == x.shape[-1] or not isinstance(module, torch.nn.Linear):  # our packed kernels' modules: theirs
+        return module(x)
+    flat = x.reshape(-1, x.shape[-1])
+    y = (module.weight @ flat.T).T
+    if module.bias is not None:
+        y = y + module.bias
+    return y.reshape(*x.shape[:-1], -1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -78,6 +92,7 @@ class Model:
         # state moves to the next layer's device between layers (one small copy per hop and step)
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
         self.spread = len(set(self.layer_devices)) > 1
+        self.own_linear = _columns_linear if (self.device.type, self.dtype) == ("cpu", torch.float32) else None
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
 
     @property
@@ -124,6 +139,7 @@ class Model:
         product (the projections, the MLP's and the vocabulary's) in place of the modules' own weights.
         """
         rows = ids.shape[0]
+        linear = linear or (self.own_linear if rows <= STEP_ROWS else None)  # a prefill chunk: torch's GEMM is fine
         lin = linear or _own
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
