@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = common.load_engine(args, dtype="float32")
     model = engine.model
-    if model.own_linear is None:
+    if model.step_linear is None:
         raise SystemExit("this model's steps do not use W @ xᵀ (a float32 model on the CPU does)")
     with torch.inference_mode():
         print(f"{engine.name} · float32 · ms per pass over {len(model.layers)} layers, F.linear / W @ xᵀ")
@@ -54,7 +54,7 @@ def main() -> None:
             print(line, flush=True)
         layouts = {"F.linear": None, "W @ xᵀ": model_mod._columns_linear}
         for name, layout in layouts.items():
-            model.own_linear = layout
+            model.step_linear = layout
             costs = tune.step_costs(engine, row_counts=tuple(args.rows))
             print(f"whole pass, {name:8s} " + "  ".join(f"{rows}: {ms:6.1f}" for rows, ms in costs.items()), flush=True)
 

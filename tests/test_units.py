@@ -49,7 +49,7 @@ def test_float32_cpu_steps_compute_linear_layers_as_weights_times_rows(tiny):
     for rows in (1, 3, STEP_ROWS + 1):
         torch.manual_seed(rows)
         x = torch.randn(1, rows, layer.in_features)
-        got = model.own_linear(layer, x)
+        got = model.step_linear(layer, x)
         assert got.shape == (1, rows, layer.out_features) and torch.allclose(got, layer(x), atol=1e-5)
         if rows == 1:
             assert torch.equal(got, layer(x))  # bit for bit what transformers' plain decoding computes
@@ -59,7 +59,7 @@ def test_float32_cpu_steps_compute_linear_layers_as_weights_times_rows(tiny):
         ids = torch.arange(rows) % 50
         model.forward(ids, torch.arange(rows), cache, causal_attention(None, model.scaling))
     assert calls == [1, STEP_ROWS + 1]  # the 3-row step's product was W @ xᵀ, not the module's
-    assert Model(llama.load(tiny, torch.bfloat16, torch.device("cpu"))).own_linear is None
+    assert Model(llama.load(tiny, torch.bfloat16, torch.device("cpu"))).step_linear is None
 
 
 def test_cache_grows_without_losing_committed_rows():

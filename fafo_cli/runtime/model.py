@@ -92,7 +92,8 @@ class Model:
         # state moves to the next layer's device between layers (one small copy per hop and step)
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
         self.spread = len(set(self.layer_devices)) > 1
-        self.own_linear = _columns_linear if (self.device.type, self.dtype) == ("cpu", torch.float32) else None
+        # how a decoding step's rows go through the linear layers, where not as the modules compute them
+        self.step_linear = _columns_linear if (self.device.type, self.dtype) == ("cpu", torch.float32) else None
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
 
     @property
@@ -139,7 +140,7 @@ class Model:
         product (the projections, the MLP's and the vocabulary's) in place of the modules' own weights.
         """
         rows = ids.shape[0]
-        linear = linear or (self.own_linear if rows <= STEP_ROWS else None)  # a prefill chunk: torch's GEMM is fine
+        linear = linear or (self.step_linear if rows <= STEP_ROWS else None)  # a prefill chunk: torch's GEMM is fine
         lin = linear or _own
         x = self.embed(ids[None])
         cos, sin = (rotation or self.rotation)(positions)
