@@ -1,35 +1,24 @@
 """A float32 CPU step's linear layers two ways: torch's `x @ Wᵀ` (F.linear) against `W @ xᵀ`, which eager float32
 CPU steps of several rows use (runtime/model.py, `_columns_linear`). First each kind of matrix of the model, every
-layer's in turn so that the weights come from memory as in a step (ms per pass over all layers); then whole eager
-passes by row count (`fafo bench`'s step-cost measurement), one way then the other in one process.
+layer's in turn so that the weights come from memory as in a step (ms per pass over all layers, the two ways
+alternated); then whole eager passes by row count (`fafo bench`'s step-cost measurement), one way then the other
+in one process.
 
     python scripts/linear_layouts.py --rows 1 2 3 4 8 16
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
 import common
 from fafo_cli.bench import tune
+from fafo_cli.compiled.timing import median_ms
 from fafo_cli.runtime import model as model_mod
 
 MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
             "down": "mlp.down_proj"}
-
-
-def _ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -48,9 +37,9 @@ def main() -> None:
             line = f"{kind:5s} {tuple(weights[0].shape)!s:14s}"
             for rows in args.rows:
                 x = torch.randn(rows, weights[0].shape[1])
-                plain = _ms(lambda: [F.linear(x, w) for w in weights], args.repeats)
-                columns = _ms(lambda: [w @ x.T for w in weights], args.repeats)
-                line += f"  {rows}: {plain:6.2f} / {columns:6.2f}"
+                ms = median_ms({"plain": lambda: [F.linear(x, w) for w in weights],
+                                "columns": lambda: [w @ x.T for w in weights]}, args.repeats)
+                line += f"  {rows}: {ms['plain']:6.2f} / {ms['columns']:6.2f}"
             print(line, flush=True)
         layouts = {"F.linear": None, "W @ xᵀ": model_mod._columns_linear}
         for name, layout in layouts.items():

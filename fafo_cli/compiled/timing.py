@@ -66,7 +66,7 @@ def _step_inputs(model: Model, rows: int, context: int):
     return ids, positions, mask, mask[:, context:].contiguous(), sees_cache, ~sees_cache, view_mask
 
 
-def _median_ms(runs: dict, repeats: int) -> dict:
+def median_ms(runs: dict, repeats: int) -> dict:
     """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift hits all alike."""
     times: dict = {name: [] for name in runs}
     for _ in range(repeats + 2):
@@ -83,11 +83,11 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
     cache.commit(context)
     ids, positions, mask, local, sees_cache, sees_view, view_mask = _step_inputs(model, rows, context)
     with torch.inference_mode():
-        eager = _median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
+        eager = median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
                            repeats)[0]
         cache.store_as(stored_dtype(model))  # each path with the cache it runs with
         keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
-        compiled = _median_ms({0: lambda: runner(ids, positions, local, sees_cache, sees_view, view_mask, keys, values)},
+        compiled = median_ms({0: lambda: runner(ids, positions, local, sees_cache, sees_view, view_mask, keys, values)},
                               repeats)[0]
     return Timing(rows, eager, compiled)
 
@@ -104,4 +104,4 @@ def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int =
         runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_cache, sees_view, view_mask):
                       runner(*args, keys, values))
     with torch.inference_mode():
-        return _median_ms(runs, repeats)
+        return median_ms(runs, repeats)
