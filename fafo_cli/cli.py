@@ -288,8 +288,8 @@ def doctor(
                                                       "(rows 1-256, eager and CUDA graphs, bf16) against the "
                                                       "memory-bandwidth bound; write them to FILE (JSON). CUDA "
                                                       "only.")] = None,
-    gpu_shape: Annotated[str, typer.Option("--gpu-shape", hidden=True, help="The report's model shape (tests: "
-                                           "tiny, which also runs on a CPU).")] = "7b",
+    gpu_shape: Annotated[str, typer.Option("--gpu-shape", hidden=True, help="The report's model shape: 7b, 135m "
+                                           "(SmolLM2-135M's) or tiny (tests; runs on a CPU too).")] = "7b",
 ) -> None:
     """Check this machine: device and kernels, FAFO's exactness in float32, one pass's cost, recommended settings."""
     from .api import pick_device

@@ -173,7 +173,7 @@ def test_min_p_reaches_the_sampler(tiny, method):
 
 
 def test_no_window_on_a_cpu_unless_a_compressor_is_named(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo")
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", device="cpu")
     plain = engine.complete(LONG, max_tokens=60).stats  # streams: auto, compressor: auto
     assert plain.streams == 0 and plain.fumble_positions is None and plain.draft_memory_mb == 0  # no copy of C(kv)
     assert plain.accepted_from["window"] == 0 and plain.accepted_tokens > 0  # copies from the text still pay

@@ -43,11 +43,14 @@ def test_nothing_is_counted_off_cuda(tiny):
 
 
 @CUDA
-def test_syncs_are_counted_on_cuda(tiny):
-    engine = load(str(tiny), dtype="float32", chat_template=False, device="cuda")
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_syncs_are_counted_on_cuda(tiny, graphs):
+    engine = load(str(tiny), dtype="float32", chat_template=False, device="cuda", cuda_graphs=graphs)
     engine.count_syncs = True
     stats = engine.complete("hello there", max_tokens=16, method="vanilla").stats
-    assert stats.syncs_per_step == 1  # the read of the token, no upload's
+    # the read of the token, no upload's; once a request, the first step may wait for a graph's capture (measured
+    # on an H200: 16 syncs over 15 steps with graphs)
+    assert stats.steps - 1 <= stats.syncs <= stats.steps
 
 
 @CUDA

@@ -13,17 +13,20 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..errors import FafoError
-from ..runtime.model import Model, causal_attention
+from ..runtime.model import Attention, Model, causal_attention
 from .tune import synchronize
 
-# hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, and a tiny one for tests
+# hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, SmolLM2-135M's, a tiny one (tests)
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152),  # SmolLM2-135M's: grouped-query attention
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
 }
@@ -91,7 +94,7 @@ def step_bytes(model: Model, context: int) -> int:
     return weights + kv
 
 
-def _timed(run, device: torch.device) -> float:
+def timed_ms(run, device: torch.device) -> float:
     for _ in range(WARMUP):
         run()
     synchronize(device)
@@ -104,7 +107,7 @@ def _timed(run, device: torch.device) -> float:
     return statistics.median(times) * 1e3
 
 
-def _graph(step, device: torch.device):
+def graph_replay(step, device: torch.device):
     """`step` captured as a CUDA graph (warmed up on a side stream first, as capture requires); its replay."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -118,8 +121,10 @@ def _graph(step, device: torch.device):
     return graph.replay
 
 
-def measure(model: Model, rows: tuple[int, ...], context: int, notify) -> dict[int, Measured]:
-    """Each row count's step after `context` cached positions (random keys and values), eager and as a graph."""
+def measure(model: Model, rows: tuple[int, ...], context: int, notify,
+            attention: Callable[[torch.Tensor, float], Attention] = causal_attention) -> dict[int, Measured]:
+    """Each row count's step after `context` cached positions (random keys and values), eager and as a graph;
+    `attention(mask, scaling)` makes a step's attention (scripts/gqa_steps.py compares two)."""
     device = model.device
     cache = model.new_cache(initial_slots=context + max(rows), max_slots=context + max(rows))
     cache.keys[:, :context].normal_()
@@ -129,16 +134,16 @@ def measure(model: Model, rows: tuple[int, ...], context: int, notify) -> dict[i
     for count in rows:
         ids = torch.zeros(count, dtype=torch.long, device=device)
         positions = torch.arange(context, context + count, device=device)
-        attend = causal_attention(torch.ones(count, context + count, dtype=torch.bool, device=device), model.scaling)
+        attend = attention(torch.ones(count, context + count, dtype=torch.bool, device=device), model.scaling)
 
         def step():  # written after the cached positions, never committed: every run is the same step
             return model.forward(ids, positions, cache, attend)
 
-        eager = _timed(step, device)
+        eager = timed_ms(step, device)
         graph = None
         if graphs:
             try:
-                graph = _timed(_graph(step, device), device)
+                graph = timed_ms(graph_replay(step, device), device)
             except Exception as error:  # noqa: BLE001 - any capture failure: reported once, eager stays measured
                 notify(f"CUDA graph capture failed ({type(error).__name__}: {str(error).strip()[:200]}); "
                        "graph times are left out")
@@ -175,8 +180,8 @@ def fafo_step(model: Model, context: int, path: str, graph: bool = False) -> flo
     positions = context + step.layout.offsets
     if graph:  # the attention built once: a graph replays its kernels, not the host's work of building it
         attention = view.attention(step.layout)
-        return _timed(_graph(lambda: model.forward(ids, positions, cache, attention), device), device)
-    return _timed(lambda: model.forward(ids, positions, cache, view.attention(step.layout)), device)
+        return timed_ms(graph_replay(lambda: model.forward(ids, positions, cache, attention), device), device)
+    return timed_ms(lambda: model.forward(ids, positions, cache, view.attention(step.layout)), device)
 
 
 def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, context: int = CONTEXT,
@@ -207,7 +212,7 @@ def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, c
             fafo["split_graph"] = round(fafo_step(model, context, "split", graph=True), 4)
         except Exception as error:  # noqa: BLE001 - reported once, the eager figures stand
             notify(f"CUDA graph capture of the FAFO step failed ({type(error).__name__}: {str(error).strip()[:200]})")
-    return {"shape": shape, **SHAPES[shape], "dtype": str(dtype).removeprefix("torch."), "device": _device_name(device),
+    return {"shape": shape, **SHAPES[shape], "dtype": str(dtype).removeprefix("torch."), "device": device_name(device),
             "context": context, "bandwidth_gbs": round(bandwidth, 2), "step_bytes": needed,
             "bound_ms": round(bound_ms, 4), "graphs": any(m.graph_ms is not None for m in measured.values()),
             "rows": table,
@@ -223,5 +228,5 @@ def check(device: torch.device, shape: str) -> None:
         raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -209,13 +209,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     builds is so), None: all of them.
 
     On a CPU where our library is loaded, a pass of at most STEP_ROWS rows (a decoding step, a prefill's short last
-    chunk) runs our kernel (`serve_cpu_attention`). Otherwise the
-    query heads that share a KV head are folded into that head's rows for torch's kernel, which then reads each KV
-    head once for all of them, where with `enable_gqa` a single row took a path several times slower (bf16: 6x at
-    8K keys) and several rows repeated the keys per query head; the result is enable_gqa's up to rounding (tested)."""
-    heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-    if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    chunk) runs our kernel (`serve_cpu_attention`); elsewhere on a CPU torch's, through `folded_attention`."""
+    rows, dim = q.shape[2], q.shape[3]
+    if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):  # CUDA: see folded_attention
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     ours = _cpu_attention is not None and rows <= STEP_ROWS and dim % 16 == 0
     dtype = q.dtype  # of the result
     if not q.dtype == k.dtype == v.dtype or (q.dtype != torch.float32 and not ours):
@@ -226,13 +223,26 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         out = _cpu_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), _TRUE[:rows],
                              _FALSE[:rows], _FALSE[:1].expand(cached), local, scale)
         return out.to(dtype).transpose(0, 1)[None]
+    return folded_attention(q, k, v, mask, scale).to(dtype)
+
+
+def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """torch's attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim] under `mask` [rows, keys]
+    (None: every key), the query heads that share a KV head folded into that head's rows. On a CPU torch's kernel
+    then reads each KV head once for all its query heads, where `enable_gqa` took a path several times slower
+    (bf16: 6x at 8K keys). The result is enable_gqa's up to rounding (tested). Not on CUDA: there a masked
+    `enable_gqa` call takes the math path (flash takes no mask, memory-efficient no unequal head counts), and the
+    folded call the memory-efficient kernel, which on an H200 was up to 8% faster over 512 keys but 2.2x slower
+    for a row over 4096 (it splits the work by query rows only; docs/gpu.md, scripts/gqa_steps.py)."""
+    heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).to(dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     group = heads // kv_heads
     folded = q.reshape(q.shape[0], kv_heads, group * rows, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=None if mask is None else mask.repeat(group, 1),
                                          scale=scale)
-    return out.view(q.shape).to(dtype)
+    return out.reshape(q.shape)  # CUDA kernels lay the heads out otherwise: no view
 
 
 def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:
