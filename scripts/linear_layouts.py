@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import common
 from fafo_cli.bench import tune
 from fafo_cli.compiled.timing import median_ms
-from fafo_cli.runtime import model as model_mod
 
 MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
             "down": "mlp.down_proj"}
@@ -41,7 +40,7 @@ def main() -> None:
                                 "columns": lambda: [w @ x.T for w in weights]}, args.repeats)
                 line += f"  {rows}: {ms['plain']:6.2f} / {ms['columns']:6.2f}"
             print(line, flush=True)
-        layouts = {"F.linear": None, "W @ xᵀ": model_mod._columns_linear}
+        layouts = {"F.linear": None, "W @ xᵀ": model.step_linear}
         for name, layout in layouts.items():
             model.step_linear = layout
             costs = tune.step_costs(engine, row_counts=tuple(args.rows))

@@ -48,8 +48,8 @@ def test_syncs_are_counted_on_cuda(tiny, graphs):
     engine = load(str(tiny), dtype="float32", chat_template=False, device="cuda", cuda_graphs=graphs)
     engine.count_syncs = True
     stats = engine.complete("hello there", max_tokens=16, method="vanilla").stats
-    # the read of the token, no upload's; once a request, the first step may wait for a graph's capture (measured
-    # on an H200: 16 syncs over 15 steps with graphs)
+    # the read of the token, no upload's; and once a request one more, seen on an H200 with graphs and without
+    # (16 syncs over 15 steps here; SmolLM2's FAFO eager 127 over 126), its call not found
     assert stats.steps - 1 <= stats.syncs <= stats.steps
 
 
