@@ -1,6 +1,6 @@
 """The packed GGUF matrices alone (fafo::packed_linear, packed_linear.cpp): every matrix of the model that packs,
-called back to back as a compiled step calls them (its weights stream from memory), against the same matrices
-as dense bf16 in eager torch; median of the rounds, every variant timed alternately in each round. Each kernel
+called back to back as a step calls them (its weights stream from memory), against the same matrices dense in
+eager torch as a step multiplies them (float32: W @ xᵀ for several rows); median of the rounds, every variant timed alternately in each round. Each kernel
 runs the matrices both as the step calls them (a layer's q, k and v stacked into one call, gate and up into
 another) and one call per matrix. `--base REV` adds the kernel of a git revision, `--no-amx` the working tree's
 kernel built without AMX (its AVX-512 path), each under its own op namespace.
@@ -8,6 +8,7 @@ kernel built without AMX (its AVX-512 path), each under its own op namespace.
     python scripts/packed_matrices.py --rows 1 6 9
     python scripts/packed_matrices.py --rows 1 6 9 --base HEAD --no-amx
     python scripts/packed_matrices.py --model Q.gguf --rows 1 6 --plain
+    python scripts/packed_matrices.py --dtype float32 --rows 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ def main() -> None:
     parser.add_argument("--base", help="git revision whose kernel to time as well")
     parser.add_argument("--no-amx", action="store_true", help="also the kernel's AVX-512 path instead of AMX")
     parser.add_argument("--plain", action="store_true", help="also the kernel's plain C++ path")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
-    engine = common.load_engine(args, dtype="bfloat16")  # the weights the packed blocks rebuild exactly
+    engine = common.load_engine(args, compile="off")  # dense: the packed modules are made here, not installed
     loader.load(hub.cache_dir() / "compiled")
     gguf = hub.gguf_source(engine.folder)
     if gguf is None or not packed.supported(engine.model):
-        raise SystemExit("needs a model from a .gguf file, in bf16, on a CPU")
+        raise SystemExit(f"needs a model from a .gguf file, on a CPU where our kernel serves {args.dtype}")
     modules = packed.pack_model(engine.model, gguf)
     stacked = [(m.packed, m.out_features, m.bias) for m in packed.kernels(modules)]
     separate = one_per_matrix(modules)
@@ -72,9 +74,11 @@ def main() -> None:
         with torch.inference_mode():
             for rows in args.rows:
                 widths = {w.shape[1] * 64 for w, _, _ in separate}
-                inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in widths}
-                variants = {"dense bf16 (eager)": [lambda x=inputs[linear.in_features], linear=linear: linear(x)
-                                                   for linear in map(engine.model.hf.get_submodule, modules)]}
+                inputs = {n: torch.randn(rows, n, dtype=engine.model.dtype) for n in widths}
+                dense = engine.model.step_linear or (lambda linear, x: linear(x))
+                variants = {f"dense {args.dtype} (eager)": [
+                    lambda x=inputs[linear.in_features], linear=linear: dense(linear, x)
+                    for linear in map(engine.model.hf.get_submodule, modules)]}
                 for name, op in kernels.items():
                     for calls, matrices in (("stacked", stacked), ("one each", separate)):
                         variants[f"{name}, {calls}"] = [

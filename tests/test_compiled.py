@@ -462,9 +462,9 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
 
     loader.load(compiled_cache / "compiled")
 
-    def part(out_features: int, seed: int, bias: bool = with_bias) -> packed.PackedLinear:
+    def part(out_features: int, seed: int, bias: bool = with_bias, dtype=torch.bfloat16) -> packed.PackedLinear:
         weight = packed.tiled(packed.entries(random_matrix("Q4_1", out_features, 192, seed, edges=False)))
-        return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None)
+        return packed.PackedLinear(weight, out_features, torch.randn(out_features) if bias else None, dtype)
 
     alone = [part(48, 1), part(32, 2), part(16, 3)]
     fused = packed.FusedPackedLinear.stacked(alone)
@@ -489,6 +489,7 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     assert not packed.FusedPackedLinear.fits([part(48, 1), part(37, 4)])
     assert not packed.FusedPackedLinear.fits([part(48, 1), part(32, 2, bias=not with_bias)])
     assert not packed.FusedPackedLinear.fits([part(48, 1), None])
+    assert not packed.FusedPackedLinear.fits([part(48, 1), part(32, 2, dtype=torch.float32)])
 
 
 def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, monkeypatch):
@@ -578,8 +579,8 @@ def test_auto_prepares_packed_weights_once_and_builds_no_package(compiled_cache,
 
 
 def test_packing_is_prepared_only_where_the_kernel_can_serve(monkeypatch):
-    """No library is built for a model our kernel's fast paths cannot serve: float32, a CPU without AVX512-BF16 or
-    AMX, or no compiler."""
+    """No library is built for a model our kernel's fast paths cannot serve: bf16 on a CPU without AVX512-BF16 or
+    AMX, float32 on one without AVX2, FMA and F16C, or no compiler."""
     from types import SimpleNamespace
 
     from fafo_cli.compiled import packed
@@ -590,7 +591,10 @@ def test_packing_is_prepared_only_where_the_kernel_can_serve(monkeypatch):
     for flags, dtype, expected in (("fpu avx512bw avx512_bf16 f16c", torch.bfloat16, True),
                                    ("fpu amx_tile amx_bf16", torch.bfloat16, True),
                                    ("fpu avx2 fma f16c", torch.bfloat16, False),
-                                   ("fpu avx512bw avx512_bf16 f16c", torch.float32, False)):
+                                   ("fpu avx2 fma f16c", torch.float32, True),
+                                   ("fpu avx2 f16c", torch.float32, False),
+                                   ("fpu avx512bw avx512_bf16 f16c", torch.float32, False),
+                                   ("fpu avx2 fma f16c", torch.float16, False)):
         monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: flags)
         assert packed.worth_preparing(SimpleNamespace(device=bf16.device, dtype=dtype)) is expected, flags
     monkeypatch.setattr(loader, "cpu_flags", lambda: "avx512bw avx512_bf16 f16c")

@@ -1,8 +1,9 @@
 """Packed GGUF blocks (compiled/packed.py, packed_linear.cpp): for every block type the kernels read, the weights
-they rebuild equal gguf's own dequantizer's bit for bit after the bf16 rounding the model loads with (random
-blocks, edge scales, negative scales and minimums), their products are a bf16 linear's, and each row's result
-does not depend on the other rows of the call. Both the kernel built for this CPU (AMX or AVX-512 where it has
-them) and its plain path (what CPUs without AVX512-BF16 would run; their steps keep dense weights)."""
+they rebuild equal gguf's own dequantizer's bit for bit, in float32 and after the bf16 rounding a bf16 model loads
+with (random blocks, edge scales, negative scales and minimums), their products are a linear's of that dtype, and
+each row's result does not depend on the other rows of the call. Both the kernel built for this CPU (bf16: AMX or
+AVX-512 where it has them; float32: AVX2) and its plain path (what CPUs without them would run; their steps keep
+dense weights)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,13 @@ def kernels(compiled_folder, tmp_path_factory):
     return {"native": torch.ops.fafo, "plain": plain}
 
 
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["native", "plain"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path):
+def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dtype):
     from gguf import quants
 
     from fafo_cli.compiled import packed
@@ -61,37 +66,43 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path):
     ops = kernels[path]
     for seed, (rows, columns) in enumerate([(48, 256), (37, 512)]):
         tensor = random_matrix(kind, rows, columns, seed)
-        expected = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type)).to(torch.bfloat16)
-        assert torch.equal(packed.reference(tensor), expected)
+        expected = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type)).to(dtype)
+        assert torch.equal(packed.reference(tensor, dtype=dtype), expected)
         weight = packed.tiled(packed.entries(tensor))
         assert weight.shape == (-(-rows // 16), columns // 64, 16, packed.ENTRY_BYTES[kind])
-        rebuilt = ops.packed_weight(weight, rows)
-        differ = (rebuilt.view(torch.int16) != expected.view(torch.int16)).nonzero()
+        rebuilt = ops.packed_weight(weight, rows) if dtype == torch.bfloat16 else ops.packed_weight(weight, rows, dtype)
+        assert rebuilt.dtype == dtype
+        differ = (packed._bits(rebuilt) != packed._bits(expected)).nonzero()
         assert len(differ) == 0, f"{len(differ)} weights differ, first at {differ[0].tolist()}"
     assert (expected.float() < 0).any() and (expected.float() > 0).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["native", "plain"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
-def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias):
-    """A bf16 linear with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
-    1, 5, 6, 7 or 16 rows in the call; a weight that differs from the file's keeps its matrix dense."""
+def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias, dtype):
+    """A linear of `dtype` with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
+    1 to 7 or 16 rows in the call (the float32 path takes 4 at a time, the AVX-512 one 6); a weight that differs
+    from the file's keeps its matrix dense."""
     from fafo_cli.compiled import packed
 
     ops = kernels[path]
     tensor = random_matrix(kind, out_features, 256, seed=out_features, edges=False)
-    expected = packed.reference(tensor)
+    expected = packed.reference(tensor, dtype=dtype)
     weight = packed.tiled(packed.entries(tensor))
     bias = torch.randn(out_features) if with_bias else None
-    x = torch.randn(17, 256).bfloat16()
+    x = torch.randn(17, 256).to(dtype)
     y = ops.packed_linear(x, weight, out_features, bias)
+    assert y.dtype == dtype
     reference = torch.nn.functional.linear(x.double(), expected.double(), None if bias is None else bias.double())
-    torch.testing.assert_close(y.double(), reference, atol=0.02 * reference.abs().max().item(), rtol=0.01)
-    for first in (1, 5, 6, 7, 16):
+    tolerance = (0.02, 0.01) if dtype == torch.bfloat16 else (1e-6, 1e-5)  # bf16 outputs round to 8 bits
+    torch.testing.assert_close(y.double(), reference, atol=tolerance[0] * reference.abs().max().item(),
+                               rtol=tolerance[1])
+    for first in (1, 2, 3, 4, 5, 6, 7, 16):
         assert torch.equal(ops.packed_linear(x[:first].contiguous(), weight, out_features, bias), y[:first]), first
     if path == "native":
-        dense = torch.nn.Linear(256, out_features, bias=with_bias).bfloat16()
+        dense = torch.nn.Linear(256, out_features, bias=with_bias).to(dtype)
         dense.weight.data = expected.clone()
         assert isinstance(packed.packed_linear(tensor, dense), packed.PackedLinear)
         dense.weight.data[3, 5] += 1.0
@@ -122,34 +133,53 @@ def test_packing_checks_a_slice_of_rows_at_a_time(kernels, kind, monkeypatch):
     assert packed.packed_linear(tensor, dense) is None
 
 
-def test_a_prefill_chunk_multiplies_the_rebuilt_weight_densely(kernels):
-    """Past DENSE_ROWS rows (a prefill chunk) a packed matrix is rebuilt and multiplied as a dense bf16 linear, bit
-    for bit; up to it the kernel multiplies, its rows alike whatever the call's size; no compiled package has more."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_chunk_multiplies_the_rebuilt_weight_densely(kernels, dtype):
+    """Past DENSE_ROWS rows (a prefill chunk) a packed matrix is rebuilt and multiplied as a dense linear of the rows'
+    dtype, bit for bit; up to it the kernel multiplies, its rows alike whatever the call's size; no compiled package
+    has more."""
     from fafo_cli.compiled import packed, steps
 
     assert steps.ROW_BUCKETS[-1] <= packed.DENSE_ROWS
     tensor = random_matrix("Q4_K", 48, 256, seed=5, edges=False)
     bias = torch.randn(48)
-    module = packed.PackedLinear(packed.tiled(packed.entries(tensor)), 48, bias)
-    x = torch.randn(packed.DENSE_ROWS + 44, 256).bfloat16()
-    expected = torch.nn.functional.linear(x, packed.reference(tensor), bias.bfloat16())
+    module = packed.PackedLinear(packed.tiled(packed.entries(tensor)), 48, bias, dtype)
+    x = torch.randn(packed.DENSE_ROWS + 44, 256).to(dtype)
+    expected = torch.nn.functional.linear(x, packed.reference(tensor, dtype=dtype), bias.to(dtype))
     assert torch.equal(module(x), expected)
+    assert torch.equal(module.dense()[0], packed.reference(tensor, dtype=dtype))
     few = x[:packed.DENSE_ROWS]
     assert torch.equal(module(few)[:5], module(few[:5].contiguous()))
     torch.testing.assert_close(module(few).float(), expected[:packed.DENSE_ROWS].float(), atol=0.05, rtol=0.02)
 
 
-def test_the_paths_give_the_same_weights_and_close_products(kernels):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_paths_give_the_same_weights_and_close_products(kernels, dtype):
     """The native and plain kernels multiply the same weights; their sums differ only in the order of additions."""
     from fafo_cli.compiled import packed
 
-    x = torch.randn(3, 512).bfloat16()
+    x = torch.randn(3, 512).to(dtype)
+    tolerance = dict(atol=0.05, rtol=0.02) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-5)
     for kind in KINDS:
         weight = packed.tiled(packed.entries(random_matrix(kind, 32, 512, seed=7, edges=False)))
         native, plain = kernels["native"], kernels["plain"]
-        assert torch.equal(native.packed_weight(weight, 32), plain.packed_weight(weight, 32))
+        assert torch.equal(native.packed_weight(weight, 32, dtype), plain.packed_weight(weight, 32, dtype))
         torch.testing.assert_close(native.packed_linear(x, weight, 32, None).float(),
-                                   plain.packed_linear(x, weight, 32, None).float(), atol=0.05, rtol=0.02)
+                                   plain.packed_linear(x, weight, 32, None).float(), **tolerance)
+
+
+def test_the_kernel_names_its_path_per_dtype(kernels):
+    """bf16 rows take AMX, AVX-512 or the plain path; float32 rows AVX2 (every x86 CPU with AVX2, FMA and F16C) or
+    the plain path; other dtypes are refused in one line."""
+    native, plain = kernels["native"], kernels["plain"]
+    assert native.packed_kernel() == native.packed_kernel(torch.bfloat16) in ("amx", "avx512-bf16", "plain")
+    assert native.packed_kernel(torch.float32) in ("avx2", "plain")
+    assert plain.packed_kernel(torch.float32) == "plain"
+    weight = torch.zeros(1, 4, 16, 48, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        native.packed_linear(torch.zeros(2, 256, dtype=torch.float16), weight, 16, None)
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        native.packed_weight(weight, 16, torch.float16)
 
 
 def test_types_we_do_not_read_are_refused():
@@ -253,7 +283,7 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
     # layer 0: q, k, v of three formats and gate, up of two (5 calls) and o, down; layer 1: qkv, gate+up, down; head
     assert len(packed.kernels(modules)) == 7 + 3 + 1
     unread = [n for n in notices if "stay dense" in n]
-    assert unread == [f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense bf16 in compiled steps (packed "
+    assert unread == [f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense bf16 in its steps (packed "
                       "blocks are read for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]
 
     step = engine.compiled.runner(1)
@@ -283,18 +313,21 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
     assert len(result.token_ids) == 12 and engine.compiled.calls == 11
 
 
-def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bit(compiled_cache, smollm2):
-    """SmolLM2 in bf16 over its packed blocks, eager: our kernels serve every product and the attention, so a step of
-    several rows gives each row exactly the logits a one-row step gives it (with torch's attention, which rounds a
-    row differently beside others, the last rows here differ by up to 0.7): eager FAFO and its peers then decode
-    plain decoding's tokens in bf16 too, not only up to near-ties."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bit(compiled_cache, smollm2, dtype):
+    """SmolLM2 over its packed blocks, eager: our kernels serve every product and, with AVX-512, the attention, so a
+    step of several rows gives each row exactly the logits a one-row step gives it (with torch's attention, which
+    rounds a row differently beside others, the last rows here differ by up to 0.7 in bf16): eager FAFO and its
+    peers then decode plain decoding's tokens in bf16 too, not only up to near-ties. With AVX2 alone (float32,
+    torch's attention) the rows agree up to float32 rounding."""
     from fafo_cli import load
     from fafo_cli.compiled.kernels import loader
+    from fafo_cli.runtime import model as model_module
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
-    engine = load(str(smollm2), dtype="bfloat16", compile="auto")
+    engine = load(str(smollm2), dtype=dtype, compile="auto")
     if engine.model.packed_matrices == 0:
-        pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
+        pytest.skip(f"our kernel has no fast {dtype} path on this CPU: its steps keep dense weights")
     engine.session.compiled = None  # eager steps over the packed blocks
     session, model = engine.session, engine.model
     prompt = [100 + (i * 7919) % 40000 for i in range(300)]
@@ -305,6 +338,43 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
         session.rollback(len(prompt))
         multi = session.forward(text, causal_attention(prefix_causal_mask(len(prompt), len(text), model.device),
                                                        model.scaling))
+    if model_module._cpu_attention is None:  # torch's attention: float32 rounding apart, the same tokens
+        torch.testing.assert_close(multi, single, atol=1e-4, rtol=1e-4)
+        assert torch.equal(multi.argmax(-1), single.argmax(-1))
+        return
     assert torch.equal(multi, single)
-    # the kernel reads the bf16 keys itself: the cache holds them in half the bytes (float32 where AMX would read them)
-    assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if loader.has_amx() else torch.bfloat16)
+    if dtype == "bfloat16":  # the kernel reads the bf16 keys itself: half the bytes (float32 where AMX would read them)
+        assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if loader.has_amx() else torch.bfloat16)
+
+
+def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):
+    """The tiny Qwen2 GGUF in float32, eager (the default where a CPU lacks AVX512-BF16): every matrix of a type the
+    kernels read is installed packed, the Q5_1 one stays dense with one notice, a step's logits are those of the
+    dense model up to the order of additions, and greedy decoding gives the dense model's tokens."""
+    from fafo_cli import load
+    from fafo_cli.compiled import packed
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel(torch.float32) == "plain":
+        pytest.skip("this CPU lacks AVX2: float32 steps keep dense weights")
+    notices: list[str] = []
+    engine = load(str(tiny_gguf), dtype="float32", compile="auto", notify=notices.append)
+    dense = load(str(tiny_gguf), dtype="float32", compile="off")
+    assert dense.model.packed_matrices == 0
+    packed_layers = sum(kind != "Q5_1" for kinds in TINY_TYPES.values() for kind in kinds.values())
+    assert engine.model.packed_matrices == packed_layers + 1  # and the head (the tied Q8_0 embedding)
+    assert isinstance(engine.model.lm_head, packed.PackedLinear) and engine.model.lm_head.dtype == torch.float32
+    assert [n for n in notices if "stay dense" in n] == [
+        f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense float32 in its steps (packed blocks are read "
+        "for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]
+    prompt = list(range(60, 100))
+    logits = []
+    with torch.inference_mode():
+        for run in (engine, dense):
+            run.session.prefill(prompt, reserve=1)
+            logits.append(run.session.step(7).float())
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4 * logits[1].abs().max().item(), rtol=1e-4)
+    assert not torch.equal(logits[0], logits[1])  # the packed kernel's sums, not torch's
+    ours, theirs = (run.complete("one two three four", max_tokens=24, method="vanilla") for run in (engine, dense))
+    assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24

@@ -1,11 +1,11 @@
-"""A GGUF model's quantized weights, kept packed for compiled CPU steps (fafo::packed_linear, packed_linear.cpp).
+"""A GGUF model's quantized weights, kept packed for CPU steps (fafo::packed_linear, packed_linear.cpp).
 
-A .gguf model is dequantized once to float32 by gguf's own dequantizer (hub.convert_gguf) and loaded in bf16, so
-each weight is bf16 of a float32 that a few bits of the file determine: bf16(d * q + m) per block of 32 for Q4_1,
-bf16(d * q) for Q8_0 and Q5_0 (q - 16), bf16((d * sc) * q - dmin * m) per 32 for Q4_K, bf16((d * s) * (q - 32))
-per 16 for Q6_K. A compiled step is bound by reading weights, so its projections and vocabulary head read the
-file's blocks instead, repacked into the kernel's entries (64 columns of one row each, about the file's bytes)
-and rebuilt exactly in the kernel. Packing puts the rows in the loaded model's order (transformers permutes the
+A .gguf model is dequantized once to float32 by gguf's own dequantizer (hub.convert_gguf), so each weight is a
+float32 that a few bits of the file determine: d * q + m per block of 32 for Q4_1, d * q for Q8_0 and Q5_0
+(q - 16), (d * sc) * q - dmin * m per 32 for Q4_K, (d * s) * (q - 32) per 16 for Q6_K; a bf16 model holds those
+rounded to bf16. A step is bound by reading weights, so its projections and vocabulary head read the file's
+blocks instead, repacked into the kernel's entries (64 columns of one row each, about the file's bytes) and
+rebuilt exactly in the kernel, in the model's dtype. Packing puts the rows in the loaded model's order (transformers permutes the
 rows of q and k for its rotary layout) and keeps a matrix packed only when the kernel's rebuild equals the loaded
 weight bit for bit; any other matrix, one of a type not read here (say Q5_1), and every model not from a .gguf
 file, stays dense.
@@ -34,29 +34,36 @@ TILE, GROUP, BLOCK = 16, 64, 32  # packed_linear.cpp's kTile (weight rows per ta
 
 def supported(model: Model) -> bool:
     """Whether this model's steps use packed weights: a bf16 model on a CPU the kernel's AMX or AVX-512 path was
-    built for (our library must be loaded). Its plain path computes the same weights everywhere, but multiplies
-    2.5-4.5x slower than a dense bf16 matrix (docs/benchmarks.md): other CPUs keep dense weights."""
-    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and torch.ops.fafo.packed_kernel() != "plain"
+    built for, a float32 one where its AVX2 path was (our library must be loaded). Its plain path computes the same
+    weights everywhere, but multiplies 2.5-4.5x slower than a dense matrix (docs/benchmarks.md): other CPUs keep
+    dense weights."""
+    return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
+            and torch.ops.fafo.packed_kernel(model.dtype) != "plain")
 
 
-# the CPU features of packed_linear.cpp's AVX-512 path as /proc/cpuinfo names them (its AMX path's: loader.AMX_FLAGS)
+# the CPU features of packed_linear.cpp's AVX-512 path and of its float32 (AVX2) path as /proc/cpuinfo names them
+# (its AMX path's: loader.AMX_FLAGS)
 AVX512_PATH_FLAGS = frozenset({"avx512_bf16", "avx512bw", "f16c"})
+AVX2_PATH_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 def worth_preparing(model: Model) -> bool:
     """Whether packing this model's blocks could pay before our library is built to ask it (`supported`): a bf16
-    model on a CPU with the features of one of the kernel's fast paths, and a compiler to build the kernel with."""
+    model on a CPU with the features of one of the kernel's bf16 fast paths, or a float32 one with its AVX2 path's,
+    and a compiler to build the kernel with."""
     import shutil
 
     from .kernels import loader
 
     flags = set(loader.cpu_flags().split())
-    fast_path = AVX512_PATH_FLAGS <= flags or loader.AMX_FLAGS <= flags
-    return (model.device.type == "cpu" and model.dtype == torch.bfloat16 and fast_path
-            and shutil.which(loader.compiler()) is not None)
+    if model.dtype == torch.bfloat16:
+        fast_path = AVX512_PATH_FLAGS <= flags or loader.AMX_FLAGS <= flags
+    else:
+        fast_path = model.dtype == torch.float32 and AVX2_PATH_FLAGS <= flags
+    return model.device.type == "cpu" and fast_path and shutil.which(loader.compiler()) is not None
 
 
-# Past this many rows (a prefill chunk) a matrix is rebuilt in bf16 and multiplied densely: packed_linear pays its
+# Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear pays its
 # rebuild per row tile, a dense GEMM once (at 512 rows 1.55x faster, at 64 about even: docs/benchmarks.md). Every
 # compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
 DENSE_ROWS = 256
@@ -66,7 +73,7 @@ def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
     """x [..., in] times a packed weight (packed_linear takes two dimensions): [..., out_features]."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if flat.shape[0] > DENSE_ROWS:
-        weight = torch.ops.fafo.packed_weight(packed, out_features)
+        weight = torch.ops.fafo.packed_weight(packed, out_features, flat.dtype)
         y = torch.nn.functional.linear(flat, weight, None if bias is None else bias.to(flat.dtype))
     else:
         y = torch.ops.fafo.packed_linear(flat, packed, out_features, bias)
@@ -74,11 +81,11 @@ def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
 
 
 class PackedLinear(torch.nn.Module):
-    """Stands in for an nn.Linear while a step is traced: same inputs, same outputs."""
+    """Stands in for an nn.Linear of `dtype` (bf16 or float32): same inputs, same outputs."""
 
-    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.out_features = out_features
+        self.out_features, self.dtype = out_features, dtype
         self.register_buffer("packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
@@ -87,8 +94,8 @@ class PackedLinear(torch.nn.Module):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias of the nn.Linear this replaced, rebuilt bit for bit (what QuantSpec quantizes)."""
-        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return torch.ops.fafo.packed_weight(self.packed, self.out_features), bias
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        return torch.ops.fafo.packed_weight(self.packed, self.out_features, self.dtype), bias
 
 
 class FusedPackedLinear(torch.nn.Module):
@@ -97,9 +104,9 @@ class FusedPackedLinear(torch.nn.Module):
     for q, k and v, share the latest call. Every output row's sums are those its own matrix gives alone (the
     kernel works tile by tile of 16 weight rows), so this changes no bit, only the number of calls."""
 
-    def __init__(self, packed: torch.Tensor, sizes: list[int], bias: torch.Tensor | None):
+    def __init__(self, packed: torch.Tensor, sizes: list[int], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.sizes = list(sizes)
+        self.sizes, self.dtype = list(sizes), dtype
         self.out_features = sum(self.sizes)
         self.register_buffer("packed", packed)
         self.register_buffer("bias", bias)
@@ -109,13 +116,13 @@ class FusedPackedLinear(torch.nn.Module):
     def stacked(cls, parts: list[PackedLinear]) -> "FusedPackedLinear":
         biases = [p.bias for p in parts]
         return cls(torch.cat([p.packed for p in parts]), [p.out_features for p in parts],
-                   None if biases[0] is None else torch.cat(biases))
+                   None if biases[0] is None else torch.cat(biases), parts[0].dtype)
 
     @staticmethod
     def fits(parts: list[PackedLinear | None]) -> bool:
         """Whether these can be stacked: all packed alike, none padded (every size a whole number of tiles,
         so no padding rows sit between two parts), all with a bias or none."""
-        return (all(p is not None for p in parts) and len({p.packed.shape[1:] for p in parts}) == 1
+        return (all(p is not None for p in parts) and len({(p.packed.shape[1:], p.dtype) for p in parts}) == 1
                 and all(p.out_features % TILE == 0 for p in parts) and len({p.bias is None for p in parts}) == 1)
 
     def part(self, index: int) -> "FusedPart":
@@ -144,8 +151,9 @@ class FusedPart(torch.nn.Module):
     def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         start = sum(self.fused.sizes[:self.index])
         rows = slice(start, start + self.out_features)
-        weight = torch.ops.fafo.packed_weight(self.fused.packed, self.fused.out_features)[rows]
-        return weight, None if self.fused.bias is None else self.fused.bias[rows].to(torch.bfloat16)
+        dtype = self.fused.dtype
+        weight = torch.ops.fafo.packed_weight(self.fused.packed, self.fused.out_features, dtype)[rows]
+        return weight, None if self.fused.bias is None else self.fused.bias[rows].to(dtype)
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -240,17 +248,17 @@ def entries(tensor) -> np.ndarray | None:
     return np.ascontiguousarray(np.concatenate(parts)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
 
-def reference(tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """gguf's own dequantization of a matrix's rows `start:stop` (all by default), rounded to bf16 as the model was
-    loaded."""
+def reference(tensor, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """gguf's own dequantization of a matrix's rows `start:stop` (all by default), in `dtype` as the model was
+    loaded (bf16: rounded)."""
     from gguf import quants
 
     values = quants.dequantize(_blocks(tensor)[start:stop], tensor.tensor_type)
-    return torch.from_numpy(values.reshape(values.shape[0], int(tensor.shape[0]))).to(torch.bfloat16)
+    return torch.from_numpy(values.reshape(values.shape[0], int(tensor.shape[0]))).to(dtype)
 
 
 def _bits(weight: torch.Tensor) -> torch.Tensor:
-    return weight.view(torch.int16)  # compared as bits: -0 is not 0
+    return weight.view(torch.int16 if weight.element_size() == 2 else torch.int32)  # compared as bits: -0 is not 0
 
 
 def _row_order(tensor, target: torch.Tensor) -> slice | list[int] | None:
@@ -259,11 +267,11 @@ def _row_order(tensor, target: torch.Tensor) -> slice | list[int] | None:
     matched row by row over the whole matrix; None when some row has no match."""
     for start in range(0, target.shape[0], CHECK_ROWS):
         stop = start + CHECK_ROWS
-        if not torch.equal(_bits(reference(tensor, start, stop)), _bits(target[start:stop])):
+        if not torch.equal(_bits(reference(tensor, start, stop, target.dtype)), _bits(target[start:stop])):
             break
     else:
         return slice(None)
-    where = {row.numpy().tobytes(): i for i, row in enumerate(_bits(reference(tensor)))}
+    where = {row.numpy().tobytes(): i for i, row in enumerate(_bits(reference(tensor, dtype=target.dtype)))}
     order = [where.get(row.numpy().tobytes()) for row in _bits(target)]
     return None if None in order else order
 
@@ -274,7 +282,7 @@ def _rebuilds(weight: torch.Tensor, target: torch.Tensor) -> bool:
     for first in range(0, weight.shape[0], tiles):
         start = first * TILE
         rows = min(target.shape[0] - start, tiles * TILE)
-        rebuilt = torch.ops.fafo.packed_weight(weight[first:first + tiles], rows)
+        rebuilt = torch.ops.fafo.packed_weight(weight[first:first + tiles], rows, target.dtype)
         if not torch.equal(_bits(rebuilt), _bits(target[start:start + rows])):
             return False
     return True
@@ -302,7 +310,7 @@ def packed_linear(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     weight = tiled(rows[order])
     if not _rebuilds(weight, linear.weight.data):
         return None  # the kernel would multiply other values than the model's: keep this one dense
-    return PackedLinear(weight, linear.out_features, linear.bias)
+    return PackedLinear(weight, linear.out_features, linear.bias, linear.weight.dtype)
 
 
 def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Module]:
@@ -327,7 +335,8 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
                 unread[tensor.tensor_type.name] += 1
     if unread and notify is not None:
         kinds = ", ".join(f"{kind} ({count})" for kind, count in sorted(unread.items()))
-        notify(f"{gguf.name}: the matrices of type {kinds} stay dense bf16 in compiled steps (packed blocks are "
+        dtype = str(model.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+        notify(f"{gguf.name}: the matrices of type {kinds} stay dense {dtype} in its steps (packed blocks are "
                f"read for {', '.join(FORMATS)})")
     for i in range(len(model.layers)):
         for group in SHARED_INPUT:
@@ -345,7 +354,7 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
 
     from ..files import atomic_path
 
-    tensors, layout, fused_names = {}, {}, {}
+    tensors, layout, fused_names, dtypes = {}, {}, {}, set()
     for name, module in modules.items():
         if isinstance(module, FusedPart):
             key = fused_names.setdefault(id(module.fused), name)  # the first part's name keys the stack
@@ -357,10 +366,11 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
         else:
             layout[name] = {"out_features": module.out_features}
         tensors[f"{name}.packed"] = module.packed
+        dtypes.add(str(module.dtype).removeprefix("torch."))
         if module.bias is not None:
             tensors[f"{name}.bias"] = module.bias
     with atomic_path(path) as partial:
-        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout)})
+        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout), "dtype": ",".join(dtypes)})
 
 
 def load(path: Path) -> dict[str, torch.nn.Module]:
@@ -369,15 +379,18 @@ def load(path: Path) -> dict[str, torch.nn.Module]:
 
     with safe_open(str(path), framework="pt") as file:
         layout = json.loads(file.metadata()["layout"])
+        dtype = getattr(torch, file.metadata().get("dtype") or "bfloat16")  # (none packed: no dtype)
         tensors = {key: file.get_tensor(key) for key in file.keys()}
     modules, stacks = {}, {}
     for name, entry in layout.items():  # the stacks' first parts come first (save's order)
         if "fused" not in entry:
-            modules[name] = PackedLinear(tensors[f"{name}.packed"], entry["out_features"], tensors.get(f"{name}.bias"))
+            modules[name] = PackedLinear(tensors[f"{name}.packed"], entry["out_features"], tensors.get(f"{name}.bias"),
+                                         dtype)
             continue
         key = entry["fused"]
         if key not in stacks:
-            stacks[key] = FusedPackedLinear(tensors[f"{key}.packed"], layout[key]["sizes"], tensors.get(f"{key}.bias"))
+            stacks[key] = FusedPackedLinear(tensors[f"{key}.packed"], layout[key]["sizes"], tensors.get(f"{key}.bias"),
+                                            dtype)
         modules[name] = stacks[key].part(entry["index"])
     return modules
 

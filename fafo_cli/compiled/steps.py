@@ -95,7 +95,7 @@ class CompiledSteps(OnceNotices):
                     self.notify(preparing)
             modules = self.packed_modules()
         except Exception as error:  # noqa: BLE001 - the compiler failed, say: every step stays dense
-            self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense bf16")
+            self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense weights")
             return
         packed.install(self.model, modules)
 
@@ -114,7 +114,7 @@ class CompiledSteps(OnceNotices):
             modules = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
         except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
             self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
-                             f"({first_line(error, named=True)}); compiling with bf16 weights")
+                             f"({first_line(error, named=True)}); compiling with dense weights")
             return {}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,11 @@ def has_amx() -> bool:
     return AMX_FLAGS <= set(cpu_flags().split())
 
 
+def has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (what our attention kernel's 16-float vectors are built for)."""
+    return "avx512f" in cpu_flags().split()
+
+
 def cpu_features() -> str:
     """What code built with -march=native depends on: the CPU's vector level and, on Linux, its feature flags
     (a cache folder may move to another machine of the same level that lacks, say, AVX512-BF16)."""
@@ -118,6 +123,8 @@ def load(folder: Path) -> None:
         return x.new_empty(x.shape[0], out_features)
 
     # bf16 keys take the AMX path where the CPU has one, which reads a draft tree's rows in place (attention_op.cpp:
-    # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path)
-    serve_cpu_attention(torch.ops.fafo.attend, reads_bf16=not has_amx())
+    # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path). Our
+    # kernel's 16-float vectors are AVX-512 registers: on AVX2 alone each row it attends cost 2-3x torch's kernel
+    # (docs/benchmarks.md), so there eager steps keep torch's, whose rows may round apart by ~1e-5 in float32.
+    serve_cpu_attention(torch.ops.fafo.attend if has_avx512() else None, reads_bf16=not has_amx())
     _loaded = True

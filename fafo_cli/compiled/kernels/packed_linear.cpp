@@ -10,9 +10,11 @@
 //
 // Products: AMX tiles where the CPU has them (the rebuilt weights are stored as a 16 x 32 tile and multiplied
 // with all the step's rows at once), else AVX-512 pair dot products, else (no AVX512-BF16) plain C++ that
-// rebuilds the same values one by one. Each output depends only on its own input row: every row's sums run the
-// same instructions in the same order whatever the number of rows, so a verifying row computes bit for bit
-// what a plain step would.
+// rebuilds the same values one by one. A float32 model (the default where a CPU lacks AVX512-BF16) holds gguf's
+// float32 values themselves: for it the kernel rebuilds them without the bf16 rounding and multiplies float32
+// rows with AVX2 multiply-adds, else in plain C++; the weights are again exactly the model's. Each output depends
+// only on its own input row: every row's sums run the same instructions in the same order whatever the number
+// of rows, so a verifying row computes bit for bit what a plain step would.
 //
 // Layout of a packed weight (uint8 [out / kTile, in / 64, kTile, entry bytes]): per tile of kTile weight rows
 // and per 64 columns (two blocks of 32, A and B), one entry per row. Its size names its format (the GGUF types
@@ -45,6 +47,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__) && !defined(FAFO_PLAIN)
 #include <immintrin.h>
 #define FAFO_PACKED 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(FAFO_PLAIN)
+#include <immintrin.h>
+#define FAFO_AVX2 1
 #endif
 
 namespace {
@@ -90,11 +96,44 @@ inline __m128i words(const uint8_t* first, int64_t size, int64_t offset) {
 }
 #endif
 
+#if FAFO_AVX2
+// The 8 bytes at p, one per 32-bit lane (zero- or sign-extended)
+inline __m256i bytes_of(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i signed_bytes_of(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// Bits 8c .. 8c + 7 of `plane` (weight i's bit is bit i), one per lane, as 0 or `value`
+inline __m256i plane_bits(uint32_t plane, int c, int value) {
+  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(plane >> (8 * c))),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_si256(_mm256_slli_epi32(bits, __builtin_ctz(value)), _mm256_set1_epi32(value));
+}
+// Chunk c of a Q4_1-like entry: its weights d * q + m (one rounding: d * q is exact) in columns 8c .. 8c + 7 of
+// block A and of block B (the codes' low and high nibbles)
+template <class Use>
+[[gnu::always_inline]] inline void widen_nibbles(const uint8_t* e, int c, float dA, float mA, float dB, float mB,
+                                                 Use use) {
+  const __m256i codes = bytes_of(e + 8 * c);
+  use(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15))), _mm256_set1_ps(dA),
+                      _mm256_set1_ps(mA)),
+      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), _mm256_set1_ps(dB), _mm256_set1_ps(mB)));
+}
+
+// An entry's 64 weights, chunk by chunk: use(c, a, b) gets columns 8c .. 8c + 7 of block A and of block B
+template <class F, class Use>
+[[gnu::always_inline]] inline void widen(const uint8_t* e, Use use) {
+  for (int c = 0; c < 4; ++c) F::widen_chunk(e, c, [&](__m256 a, __m256 b) { use(c, a, b); });
+}
+#endif
+
 // Each format gives one weight row's 64 columns of an entry: `plain` as the 64 float32 values gguf's
-// dequantizer computes (the caller rounds them to bf16), `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks
-// A and B), the same values rounded the same way. `rebuild` reads an entry's scales as `scales` left them: Q4_K's
-// and Q6_K's are computed for kSub consecutive entries together, in vectors (one entry's alone took more
-// instructions than its 64 weights' table lookups; see rebuild_batch); the other formats read theirs from the entry.
+// dequantizer computes (the caller rounds them to bf16 for a bf16 model), `widen_chunk` (AVX2) as the same float32
+// values 8 at a time, `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks A and B), the same values rounded the
+// same way. `rebuild` reads an entry's scales as `scales` left them: Q4_K's and Q6_K's are computed for kSub
+// consecutive entries together, in vectors (one entry's alone took more instructions than its 64 weights' table
+// lookups; see rebuild_batch); the other formats read theirs from the entry.
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
@@ -104,6 +143,12 @@ struct Q4_1 {
       for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
     }
   }
+#if FAFO_AVX2
+  template <class Use>
+  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+    widen_nibbles(e, c, float_at(e + 32), float_at(e + 36), float_at(e + 40), float_at(e + 44), use);
+  }
+#endif
 #if FAFO_PACKED
   static void scales(const uint8_t*, float*) {}  // d and m are float32 in the entry already
 
@@ -145,6 +190,15 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
       for (int i = 0; i < 32; ++i) w[32 * half + i] = d * static_cast<float>((e[i] >> (4 * half)) & 15) + m;
     }
   }
+#if FAFO_AVX2
+  template <class Use>
+  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+    float dA, mA, dB, mB;
+    block_scales(e, 0, dA, mA);
+    block_scales(e, 1, dB, mB);
+    widen_nibbles(e, c, dA, mA, dB, mB, use);
+  }
+#endif
 #if FAFO_PACKED
   // D, M of block A, then of B, per entry: block_scales' products, the same float32 values
   static void scales(const uint8_t* first, float* out) {
@@ -180,6 +234,18 @@ struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
       for (int j = 0; j < 32; ++j) w[32 * half + j] = d * static_cast<float>(q[j]);
     }
   }
+#if FAFO_AVX2
+  template <class Use>
+  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+    const __m256 dA = _mm256_set1_ps(half_at(e + 40)), dB = _mm256_set1_ps(half_at(e + 42));
+    const __m256i sixteen = _mm256_set1_epi32(16), codes = bytes_of(e + 8 * c);
+    const __m256i qa =
+        _mm256_or_si256(_mm256_and_si256(codes, _mm256_set1_epi32(15)), plane_bits(word_at(e + 32), c, 16));
+    const __m256i qb = _mm256_or_si256(_mm256_srli_epi32(codes, 4), plane_bits(word_at(e + 36), c, 16));
+    use(_mm256_mul_ps(dA, _mm256_cvtepi32_ps(_mm256_sub_epi32(qa, sixteen))),
+        _mm256_mul_ps(dB, _mm256_cvtepi32_ps(_mm256_sub_epi32(qb, sixteen))));
+  }
+#endif
 #if FAFO_PACKED
   // bf16(d * (q - 16)) for q = 0..31: the 32-entry table a permute reads with the 5-bit codes
   static __m512i values(float d) {
@@ -219,6 +285,24 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
       }
     }
   }
+#if FAFO_AVX2
+  template <class Use>
+  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+    const float d = half_at(e + 52);
+    const __m256i offset = _mm256_set1_epi32(32), codes = bytes_of(e + 8 * c);
+    const __m256i qa = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(codes, _mm256_set1_epi32(15)), plane_bits(word_at(e + 32), c, 16)),
+        plane_bits(word_at(e + 40), c, 32));
+    const __m256i qb = _mm256_or_si256(
+        _mm256_or_si256(_mm256_srli_epi32(codes, 4), plane_bits(word_at(e + 36), c, 16)),
+        plane_bits(word_at(e + 44), c, 32));
+    // the scale of weights 16k .. 16k + 15: chunks 0, 1 of a block take its first, 2, 3 its second
+    const float sA = d * static_cast<float>(static_cast<int8_t>(e[48 + c / 2]));
+    const float sB = d * static_cast<float>(static_cast<int8_t>(e[50 + c / 2]));
+    use(_mm256_mul_ps(_mm256_set1_ps(sA), _mm256_cvtepi32_ps(_mm256_sub_epi32(qa, offset))),
+        _mm256_mul_ps(_mm256_set1_ps(sB), _mm256_cvtepi32_ps(_mm256_sub_epi32(qb, offset))));
+  }
+#endif
 #if FAFO_PACKED
   // 32 weights: their codes' low 4 bits (16-bit lanes), fifth and sixth bits, the two halves' scales
   static __m512i block(__m512i q, __mmask32 fifth, __mmask32 sixth, float d0, float d1) {
@@ -258,6 +342,13 @@ struct Q8_0 {
       for (int j = 0; j < 32; ++j) w[32 * half + j] = static_cast<float>(static_cast<int8_t>(e[32 * half + j])) * d;
     }
   }
+#if FAFO_AVX2
+  template <class Use>
+  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+    use(_mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 8 * c)), _mm256_set1_ps(half_at(e + 64))),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 32 + 8 * c)), _mm256_set1_ps(half_at(e + 66))));
+  }
+#endif
 #if FAFO_PACKED
   static __m512i block(const uint8_t* codes, float d) {  // bf16(d * q) of 32 int8 codes, in order
     auto half = [&](int at) {
@@ -539,6 +630,91 @@ at::Tensor linear_as(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 
 #endif
 
+#if FAFO_AVX2
+// The float32 path. A tile's weight rows are taken two at a time, with up to kRows32 input rows: each (weight row,
+// input row) keeps one vector accumulator, which takes an entry's columns chunk by chunk (8 of block A, then the
+// same 8 of block B), so every row's sum runs the same multiply-adds in the same order whatever the number of rows.
+// More input rows take the weights again, widened anew: widening a tile once into a buffer and reading it back
+// per block of rows measured slower (the buffer leaves L1).
+constexpr int64_t kRows32 = 4;
+
+inline float sum_of(__m256 v) {  // lanes added in a fixed order
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// sums[t * ld + r] for weight rows t and t + 1 of a tile and `rows` input rows
+template <class F, int rows>
+void avx2_pair(const float* x, int64_t ldx, const uint8_t* tile, int64_t groups, int64_t t, float* sums, int64_t ld) {
+  __m256 acc[2][rows];
+  for (int r = 0; r < rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    const uint8_t* e = tile + (g * kTile + t) * F::entry;
+    // (the two weight rows' chunks interleaved: each input chunk is loaded once for both)
+    widen<F>(e, [&](int c, __m256 wa0, __m256 wb0) {
+      F::widen_chunk(e + F::entry, c, [&](__m256 wa1, __m256 wb1) {
+        for (int r = 0; r < rows; ++r) {
+          const __m256 xa = _mm256_loadu_ps(xg + r * ldx + 8 * c), xb = _mm256_loadu_ps(xg + r * ldx + 32 + 8 * c);
+          acc[0][r] = _mm256_fmadd_ps(xb, wb0, _mm256_fmadd_ps(xa, wa0, acc[0][r]));
+          acc[1][r] = _mm256_fmadd_ps(xb, wb1, _mm256_fmadd_ps(xa, wa1, acc[1][r]));
+        }
+      });
+    });
+  }
+  for (int r = 0; r < rows; ++r) sums[t * ld + r] = sum_of(acc[0][r]), sums[(t + 1) * ld + r] = sum_of(acc[1][r]);
+}
+
+// Sums of a tile's kTile weight rows with `rows` input rows ([kTile][rows]); `next`: the tile this thread takes
+// next (nullptr: none), asked for from memory an eighth per pair of weight rows
+template <class F>
+void avx2_tile(const float* x, int64_t rows, int64_t ldx, const uint8_t* tile, int64_t groups, float* sums,
+               const uint8_t* next) {
+  const int64_t share = groups * F::entry * 2;  // an eighth of a tile's bytes
+  for (int64_t t = 0; t < kTile; t += 2) {
+    if (next)
+      for (int64_t line = 0; line < share; line += 64) __builtin_prefetch(next + t / 2 * share + line, 0, 3);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows32) {
+      const float* xr = x + r0 * ldx;
+      switch (std::min(kRows32, rows - r0)) {  // compile-time heights keep the accumulators in registers
+        case 1: avx2_pair<F, 1>(xr, ldx, tile, groups, t, sums + r0, rows); break;
+        case 2: avx2_pair<F, 2>(xr, ldx, tile, groups, t, sums + r0, rows); break;
+        case 3: avx2_pair<F, 3>(xr, ldx, tile, groups, t, sums + r0, rows); break;
+        default: avx2_pair<F, 4>(xr, ldx, tile, groups, t, sums + r0, rows); break;
+      }
+    }
+  }
+}
+static_assert(kRows32 == 4, "avx2_tile covers heights 1..kRows32");
+
+template <class F>
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const c10::optional<at::Tensor>& bias) {
+  const Product p(x, packed, out_features, bias);
+  const int64_t rows = p.rows, in_features = p.in_features, tiles = p.tiles, groups = p.groups;
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = groups * kTile * F::entry;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(kTile * rows);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint8_t* weights = wp + tile * tile_bytes;
+      const uint8_t* next = tile + 1 < end ? weights + tile_bytes : nullptr;
+      avx2_tile<F>(xp, rows, in_features, weights, groups, sums.data(), next);
+      for (int64_t t = 0; t < kTile && tile * kTile + t < out_features; ++t) {
+        const int64_t n = tile * kTile + t;
+        for (int64_t r = 0; r < rows; ++r)
+          yp[r * out_features + n] = p.bias_p ? sums[t * rows + r] + p.bias_p[n] : sums[t * rows + r];
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 // x rounded to bf16 as at::BFloat16 rounds it (to nearest even; a NaN becomes 0x7FC0), as a float: in a form the
 // compiler vectorizes
 inline float bf16_value(float x) {
@@ -550,10 +726,10 @@ inline float bf16_value(float x) {
   return y;
 }
 
-// The plain path: each weight rebuilt by `plain` and rounded to bf16 (as at::BFloat16 rounds: to nearest even),
-// products and sums in float32. A weight row's sum with an input row runs over 64 lanes in a fixed order
-// (lane j takes columns j, j + 64, ...), then adds the lanes in order: the same for every row count.
-template <class F>
+// The plain path: each weight rebuilt by `plain` (for a bf16 model, T, rounded to bf16 as at::BFloat16 rounds: to
+// nearest even), products and sums in float32. A weight row's sum with an input row runs over 64 lanes in a fixed
+// order (lane j takes columns j, j + 64, ...), then adds the lanes in order: the same for every row count.
+template <class F, class T>
 at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
   const Product p(x, packed, out_features, bias);
@@ -563,7 +739,7 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   const float* xp = xf.data_ptr<float>();
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  T* yp = y.data_ptr<T>();
   constexpr int64_t kLanes = kGroup;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> lanes(kTile * rows * kLanes);  // [weight row][input row][lane]
@@ -573,7 +749,8 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t t = 0; t < kTile; ++t) {
           F::plain(wp + ((tile * groups + g) * kTile + t) * F::entry, w);
-          for (int64_t j = 0; j < kGroup; ++j) w[j] = bf16_value(w[j]);
+          if constexpr (!std::is_same_v<T, float>)
+            for (int64_t j = 0; j < kGroup; ++j) w[j] = bf16_value(w[j]);
           for (int64_t r = 0; r < rows; ++r) {
             const float* __restrict xr = xp + r * in_features + g * kGroup;
             float* __restrict lane = lanes.data() + (t * rows + r) * kLanes;
@@ -586,7 +763,7 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
           const float* lane = lanes.data() + (t * rows + r) * kLanes;
           float sum = 0.0f;
           for (int64_t j = 0; j < kLanes; ++j) sum += lane[j];
-          yp[r * out_features + n] = at::BFloat16(bias_p ? sum + bias_p[n] : sum);
+          yp[r * out_features + n] = T(bias_p ? sum + bias_p[n] : sum);
         }
       }
     }
@@ -594,18 +771,37 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   return y;
 }
 
+// The weights a packed product multiplies with, [tiles * kTile, in_features]: bf16, rebuilt by the vector code
+// (`rebuild`) where there is one, else by `plain` and rounded; float32 (`wide`), widened by `widen` or `plain`.
 template <class F>
-at::Tensor weight_as(const at::Tensor& packed, int64_t out_features) {
+at::Tensor weight_as(const at::Tensor& packed, int64_t out_features, bool wide) {
   const int64_t tiles = packed.size(0), groups = packed.size(1);
-  at::Tensor w = at::empty({tiles * kTile, groups * kGroup}, at::TensorOptions().dtype(at::kBFloat16));
+  at::Tensor w =
+      at::empty({tiles * kTile, groups * kGroup}, at::TensorOptions().dtype(wide ? at::kFloat : at::kBFloat16));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::BFloat16* out = w.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     [[maybe_unused]] float values[kGroup];
     for (int64_t tile = begin; tile < end; ++tile)
       for (int64_t g = 0; g < groups; ++g) {
-        auto row = [&](int64_t t) { return out + (tile * kTile + t) * groups * kGroup + g * kGroup; };
         const uint8_t* entries = wp + (tile * groups + g) * kTile * F::entry;
+        const int64_t first = tile * kTile * groups * kGroup + g * kGroup;  // row 0's column 0 of this group
+        if (wide) {
+          float* out = w.data_ptr<float>() + first;
+          for (int64_t t = 0; t < kTile; ++t) {
+            float* row = out + t * groups * kGroup;
+#if FAFO_AVX2
+            widen<F>(entries + t * F::entry, [&](int c, __m256 a, __m256 b) {
+              _mm256_storeu_ps(row + 8 * c, a);
+              _mm256_storeu_ps(row + 32 + 8 * c, b);
+            });
+#else
+            F::plain(entries + t * F::entry, row);
+#endif
+          }
+          continue;
+        }
+        at::BFloat16* out = w.data_ptr<at::BFloat16>() + first;
+        auto row = [&](int64_t t) { return out + t * groups * kGroup; };
 #if FAFO_PACKED
         for (int64_t t0 = 0; t0 < kTile; t0 += kSub)  // what the vector kernels multiply with
           rebuild_batch<F>(entries + t0 * F::entry, [&](int t, __m512i a, __m512i b) {
@@ -632,27 +828,46 @@ void check_packed(const at::Tensor& packed) {
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
   check_packed(packed);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "fafo::packed_linear: x must be a contiguous bf16 [rows, in_features]");
+  const bool wide = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && (wide || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "fafo::packed_linear: x must be a contiguous bf16 or float32 [rows, in_features]");
   return by_format(packed.size(3), [&](auto format) {
     using F = decltype(format);
+    if (wide) {
+#if FAFO_AVX2
+      return linear_f32<F>(x, packed, out_features, bias);
+#else
+      return plain_linear<F, float>(x, packed, out_features, bias);
+#endif
+    }
 #if FAFO_PACKED
     return linear_as<F>(x, packed, out_features, bias);
 #else
-    return plain_linear<F>(x, packed, out_features, bias);
+    return plain_linear<F, at::BFloat16>(x, packed, out_features, bias);
 #endif
   });
 }
 
-// The dense bf16 weight [out_features, in_features] a packed weight multiplies with, rebuilt by the same
-// code: packing checks it against the model's own weight, bit for bit.
-at::Tensor packed_weight(const at::Tensor& packed, int64_t out_features) {
+// The dense weight [out_features, in_features] a packed weight multiplies with, in `dtype` (bf16 by default, or
+// float32), rebuilt by the same code: packing checks it against the model's own weight, bit for bit.
+at::Tensor packed_weight(const at::Tensor& packed, int64_t out_features, c10::optional<at::ScalarType> dtype) {
   check_packed(packed);
-  return by_format(packed.size(3), [&](auto format) { return weight_as<decltype(format)>(packed, out_features); });
+  const bool wide = dtype.has_value() && *dtype == at::kFloat;
+  TORCH_CHECK(wide || !dtype.has_value() || *dtype == at::kBFloat16, "fafo::packed_weight: bf16 or float32 only");
+  return by_format(packed.size(3),
+                   [&](auto format) { return weight_as<decltype(format)>(packed, out_features, wide); });
 }
 
-// Which path packed_linear takes on this CPU: "amx", "avx512-bf16" or "plain"
-std::string packed_kernel() {
+// Which path packed_linear takes on this CPU for rows of `dtype` (bf16 by default): "amx", "avx512-bf16" or
+// "plain" for bf16, "avx2" or "plain" for float32
+std::string packed_kernel(c10::optional<at::ScalarType> dtype) {
+  if (dtype.has_value() && *dtype == at::kFloat) {
+#if FAFO_AVX2
+    return "avx2";
+#else
+    return "plain";
+#endif
+  }
 #if FAFO_AMX
   if (fafo_amx::ready()) return "amx";
 #endif
@@ -667,8 +882,8 @@ std::string packed_kernel() {
 
 TORCH_LIBRARY_FRAGMENT(fafo, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("packed_weight(Tensor packed, int out_features) -> Tensor");
-  m.def("packed_kernel() -> str", &packed_kernel);
+  m.def("packed_weight(Tensor packed, int out_features, ScalarType? dtype=None) -> Tensor");
+  m.def("packed_kernel(ScalarType? dtype=None) -> str", &packed_kernel);
 }
 
 TORCH_LIBRARY_IMPL(fafo, CPU, m) {
