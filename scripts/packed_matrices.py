@@ -1,9 +1,9 @@
 """The packed GGUF matrices alone (fafo::packed_linear, packed_linear.cpp): every matrix of the model that packs,
-called back to back as a step calls them (its weights stream from memory), against the same matrices dense in
-eager torch as a step multiplies them (float32: W @ xᵀ for several rows); median of the rounds, every variant timed alternately in each round. Each kernel
-runs the matrices both as the step calls them (a layer's q, k and v stacked into one call, gate and up into
-another) and one call per matrix. `--base REV` adds the kernel of a git revision, `--no-amx` the working tree's
-kernel built without AMX (its AVX-512 path), each under its own op namespace.
+called back to back as a step calls them (its weights stream from memory), against the same matrices dense in eager
+torch as a step multiplies them (float32: W @ xᵀ for several rows); median of the rounds, every variant timed
+alternately in each round. Each kernel runs the matrices both as the step calls them (a layer's q, k and v stacked
+into one call, gate and up into another) and one call per matrix. `--base REV` adds the kernel of a git revision,
+`--no-amx` the working tree's kernel built without AMX (its AVX-512 path), each under its own op namespace.
 
     python scripts/packed_matrices.py --rows 1 6 9
     python scripts/packed_matrices.py --rows 1 6 9 --base HEAD --no-amx

@@ -100,6 +100,23 @@ def test_machine_facts_name_what_our_kernels_can_use():
     assert ("C++ compiler found" in facts["kernels"]) == (facts["compiler"] is not None)
 
 
+def test_machine_facts_say_which_steps_read_packed_blocks(monkeypatch):
+    """Which dtype's steps read a .gguf model's blocks here, and whether eager steps attend with our kernel, by the
+    CPU's flags (a compiler present)."""
+    from fafo_cli.bench.doctor import machine
+    from fafo_cli.compiled.kernels import loader
+
+    monkeypatch.setattr(loader, "compiler", lambda: "sh")  # a program every machine has
+    for flags, dtype, blocks, ours in (("avx2 fma f16c", torch.float32, True, False),
+                                       ("avx2 fma f16c", torch.bfloat16, False, False),
+                                       ("avx2 fma f16c avx512f avx512bw avx512_bf16", torch.bfloat16, True, True),
+                                       ("sse2", torch.float32, False, False)):
+        monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: flags)
+        kernels = machine(torch.device("cpu"), dtype)["kernels"]
+        assert ("steps read its quantized blocks" in kernels) is blocks, (flags, dtype)
+        assert ("attend with torch's kernel (no AVX-512)" in kernels) is not ours, (flags, dtype)
+
+
 @CUDA
 def test_gpu_report_captures_cuda_graphs():
     from fafo_cli.bench import gpu_report

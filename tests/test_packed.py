@@ -343,7 +343,7 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
         assert torch.equal(multi.argmax(-1), single.argmax(-1))
         return
     assert torch.equal(multi, single)
-    if dtype == "bfloat16":  # the kernel reads the bf16 keys itself: half the bytes (float32 where AMX would read them)
+    if dtype == "bfloat16":  # our kernel reads bf16 keys itself: half the bytes (float32 where AMX would read them)
         assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if loader.has_amx() else torch.bfloat16)
 
 

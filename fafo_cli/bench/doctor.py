@@ -14,10 +14,12 @@ import platform
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from .. import config as config_mod
+from ..compiled import packed
 from ..compiled.kernels import loader
 from ..compiled.timing import read_step_costs, write_step_costs
 from ..decoders.fafo.planner import StepCosts
@@ -46,6 +48,10 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
     if device.type == "cpu":
         facts["kernels"] = ("compiled steps and our attention kernel (C++ compiler found)" if compiler else
                             "eager torch only: no C++ compiler, so no compiled steps or kernels of ours")
+        if compiler and packed.worth_preparing(SimpleNamespace(device=device, dtype=dtype)):
+            facts["kernels"] += f"; a .gguf model's {facts['dtype']} steps read its quantized blocks"
+        if compiler and not loader.has_avx512():
+            facts["kernels"] += "; eager steps attend with torch's kernel (no AVX-512)"
         if dtype == torch.bfloat16 and not facts["avx512_bf16"]:
             facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16)"
     else:

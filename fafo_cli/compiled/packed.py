@@ -1,14 +1,14 @@
 """A GGUF model's quantized weights, kept packed for CPU steps (fafo::packed_linear, packed_linear.cpp).
 
 A .gguf model is dequantized once to float32 by gguf's own dequantizer (hub.convert_gguf), so each weight is a
-float32 that a few bits of the file determine: d * q + m per block of 32 for Q4_1, d * q for Q8_0 and Q5_0
-(q - 16), (d * sc) * q - dmin * m per 32 for Q4_K, (d * s) * (q - 32) per 16 for Q6_K; a bf16 model holds those
-rounded to bf16. A step is bound by reading weights, so its projections and vocabulary head read the file's
-blocks instead, repacked into the kernel's entries (64 columns of one row each, about the file's bytes) and
-rebuilt exactly in the kernel, in the model's dtype. Packing puts the rows in the loaded model's order (transformers permutes the
-rows of q and k for its rotary layout) and keeps a matrix packed only when the kernel's rebuild equals the loaded
-weight bit for bit; any other matrix, one of a type not read here (say Q5_1), and every model not from a .gguf
-file, stays dense.
+float32 that a few bits of the file determine: d * q + m per block of 32 for Q4_1, d * q for Q8_0 and Q5_0 (q - 16),
+(d * sc) * q - dmin * m per 32 for Q4_K, (d * s) * (q - 32) per 16 for Q6_K; a bf16 model holds those rounded to
+bf16. A step is bound by reading weights, so its projections and vocabulary head read the file's blocks instead,
+repacked into the kernel's entries (64 columns of one row each, about the file's bytes) and rebuilt exactly in the
+kernel, in the model's dtype. Packing puts the rows in the loaded model's order (transformers permutes the rows of q
+and k for its rotary layout) and keeps a matrix packed only when the kernel's rebuild equals the loaded weight bit
+for bit; any other matrix, one of a type not read here (say Q5_1), and every model not from a .gguf file, stays
+dense.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def worth_preparing(model: Model) -> bool:
     return model.device.type == "cpu" and fast_path and shutil.which(loader.compiler()) is not None
 
 
-# Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear pays its
-# rebuild per row tile, a dense GEMM once (at 512 rows 1.55x faster, at 64 about even: docs/benchmarks.md). Every
-# compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
+# Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear
+# pays its rebuild per row tile, a dense GEMM once (at 512 rows 1.55x faster, at 64 about even: docs/benchmarks.md).
+# Every compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
 DENSE_ROWS = 256
 
 
