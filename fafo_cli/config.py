@@ -91,7 +91,9 @@ class Config:
                             switch=("on", "off"), also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
                                 "disk: on builds them when missing, auto uses those already built that measured "
-                                "faster than eager, off uses none", choices=COMPILE,
+                                "faster than eager, off uses none; on a CPU, auto and on also read a .gguf model's "
+                                "quantized blocks in every step where our kernel serves its dtype, off keeps dense "
+                                "weights", choices=COMPILE,
                         flag="--compile/--no-compile", switch=("on", "off"), also=("bench", "doctor"))
     max_tokens: int = _opt(512, "most tokens generated per answer", low=1, short="-n")
     # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
