@@ -24,7 +24,7 @@ def main() -> None:
     parser = common.parser(__doc__, "model", "repeats", repeats=9)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 4, 8, 16], help="row counts to measure")
     args = parser.parse_args()
-    engine = common.load_engine(args, dtype="float32")
+    engine = common.load_engine(args, dtype="float32", compile="off")  # dense: the layouts are of nn.Linear weights
     model = engine.model
     if model.step_linear is None:
         raise SystemExit("this model's steps do not use W @ xᵀ (a float32 model on the CPU does)")

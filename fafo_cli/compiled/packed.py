@@ -354,7 +354,7 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
 
     from ..files import atomic_path
 
-    tensors, layout, fused_names, dtypes = {}, {}, {}, set()
+    tensors, layout, fused_names = {}, {}, {}
     for name, module in modules.items():
         if isinstance(module, FusedPart):
             key = fused_names.setdefault(id(module.fused), name)  # the first part's name keys the stack
@@ -366,11 +366,11 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
         else:
             layout[name] = {"out_features": module.out_features}
         tensors[f"{name}.packed"] = module.packed
-        dtypes.add(str(module.dtype).removeprefix("torch."))
         if module.bias is not None:
             tensors[f"{name}.bias"] = module.bias
     with atomic_path(path) as partial:
-        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout), "dtype": ",".join(dtypes)})
+        dtype = next((str(m.dtype).removeprefix("torch.") for m in kernels(modules)), "")  # one model: one dtype
+        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout), "dtype": dtype})
 
 
 def load(path: Path) -> dict[str, torch.nn.Module]:
