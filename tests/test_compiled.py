@@ -195,6 +195,41 @@ def test_view_mask_is_the_compressors_selection(tiny):
         assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)
 
 
+@pytest.mark.parametrize("avx512", [True, False])
+def test_graph_attention_is_ours_only_with_avx512(compiled_cache, tiny, monkeypatch, avx512):
+    """What a package traces, run eagerly: with AVX-512 our kernel, on AVX2 alone torch's (folded over the KV heads),
+    both the eager step's logits up to rounding, window rows (C(kv) only) included; the cache stays float32."""
+    from fafo_cli.compiled import build
+    from fafo_cli.compiled.kernels import loader
+    from fafo_cli.runtime.model import causal_attention
+
+    loader.load(compiled_cache / "compiled")
+    monkeypatch.setattr(loader, "has_avx512", lambda: avx512)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    model, rows, context = engine.model, 5, 40
+    assert build.uses_kernel(model) is avx512 and build.stored_dtype(model) == torch.float32
+    cache = model.new_cache(context + rows, context + rows)
+    gen = torch.Generator().manual_seed(0)
+    for part in (cache.keys, cache.values):
+        part.copy_(torch.randn(part.shape, generator=gen))
+    cache.commit(context)
+    ids, positions = torch.tensor([5, 17, 3, 9, 11]), torch.arange(context, context + rows)
+    local = torch.ones(rows, rows, dtype=torch.bool).tril()
+    sees_cache = torch.tensor([True, True, True, False, False])  # the last two: window rows
+    view = torch.rand(context, len(model.layers), generator=gen) < 0.5
+    traced = build._Step(model)(ids, positions, local, sees_cache, ~sees_cache, view,
+                                list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
+
+    def attend(layer, q, k, v):  # every row its own mask: the cache (or the layer's C(kv)), then the step's rows
+        prefix = sees_cache[:, None] | (~sees_cache[:, None] & view[:, layer][None, :])
+        mask = torch.cat([prefix, local], dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=model.scaling,
+                                                                enable_gqa=True)
+
+    eager = model.forward(ids, positions, cache, attend)
+    torch.testing.assert_close(traced.float(), eager, atol=1e-4, rtol=1e-4)
+
+
 def test_rope_table_is_what_eager_steps_compute(tiny):
     """The packages' table of rotary factors holds, for any rows, exactly what an eager step computes for them."""
     from fafo_cli.compiled.build import rope_table

@@ -36,13 +36,13 @@ import torch.nn.functional as F
 
 from ..errors import first_line
 from ..files import atomic_path
-from ..runtime.model import Model
+from ..runtime.model import Model, folded_attention
 from . import packed
 from .kernels import bf16_gemm, loader
 
 
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-GRAPH_VERSION = 10  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 11  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
@@ -87,8 +87,9 @@ def step_constants(model: Model, packed_modules: dict) -> dict[str, torch.Tensor
 
 
 def uses_kernel(model: Model) -> bool:
-    """Whether the graph's attention is our CPU kernel (it needs head_dim in whole 16-float vectors)."""
-    return model.device.type == "cpu" and model.head_dim % 16 == 0
+    """Whether the graph's attention is our CPU kernel: it needs head_dim in whole 16-float vectors, and AVX-512
+    registers to hold them (on AVX2 alone a step's rows cost it 1.4-7x torch's; docs/benchmarks.md)."""
+    return model.device.type == "cpu" and model.head_dim % 16 == 0 and loader.has_avx512()
 
 
 def stored_dtype(model: Model) -> torch.dtype:
@@ -152,6 +153,8 @@ class _Step(torch.nn.Module):
                                              scaling).transpose(0, 1)[None]
             prefix = sees_cache[:, None] | (sees_view[:, None] & view_mask[:, layer][None, :])
             mask = torch.cat([prefix, local], dim=1)
+            if q.device.type == "cpu":  # a CPU's enable_gqa path is several times slower (see folded_attention)
+                return folded_attention(q, k, v, mask, scaling)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
         def rotation(positions):
