@@ -101,8 +101,8 @@ def test_machine_facts_name_what_our_kernels_can_use():
 
 
 def test_machine_facts_say_which_steps_read_packed_blocks(monkeypatch):
-    """Which dtype's steps read a .gguf model's blocks here, and whether eager steps attend with our kernel, by the
-    CPU's flags (a compiler present)."""
+    """Which dtype's steps read a .gguf model's blocks here, and whether steps (eager and compiled) attend with our
+    kernel, by the CPU's flags (a compiler present)."""
     from fafo_cli.bench.doctor import machine
     from fafo_cli.compiled.kernels import loader
 
@@ -114,7 +114,7 @@ def test_machine_facts_say_which_steps_read_packed_blocks(monkeypatch):
         monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: flags)
         kernels = machine(torch.device("cpu"), dtype)["kernels"]
         assert ("steps read its quantized blocks" in kernels) is blocks, (flags, dtype)
-        assert ("attend with torch's kernel (no AVX-512)" in kernels) is not ours, (flags, dtype)
+        assert ("attend with torch's kernel, eager and compiled (no AVX-512)" in kernels) is not ours, (flags, dtype)
 
 
 @CUDA

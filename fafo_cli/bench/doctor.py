@@ -51,7 +51,7 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
         if compiler and packed.worth_preparing(SimpleNamespace(device=device, dtype=dtype)):
             facts["kernels"] += f"; a .gguf model's {facts['dtype']} steps read its quantized blocks"
         if compiler and not loader.has_avx512():
-            facts["kernels"] += "; eager steps attend with torch's kernel (no AVX-512)"
+            facts["kernels"] += "; steps attend with torch's kernel, eager and compiled (no AVX-512)"
         if dtype == torch.bfloat16 and not facts["avx512_bf16"]:
             facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16)"
     else:
