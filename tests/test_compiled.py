@@ -195,19 +195,19 @@ def test_view_mask_is_the_compressors_selection(tiny):
         assert torch.nonzero(mask[:, layer]).flatten().tolist() == compressor.selected_positions(session.cache, layer)
 
 
-@pytest.mark.parametrize("avx512", [True, False])
-def test_graph_attention_is_ours_only_with_avx512(compiled_cache, tiny, monkeypatch, avx512):
-    """What a package traces, run eagerly: with AVX-512 our kernel, on AVX2 alone torch's (folded over the KV heads),
-    both the eager step's logits up to rounding, window rows (C(kv) only) included; the cache stays float32."""
+@pytest.mark.parametrize("ours", [True, False])
+def test_graph_attention_is_ours_where_its_vectors_fit(compiled_cache, tiny, monkeypatch, ours):
+    """What a package traces, run eagerly: where the CPU has AVX2 or AVX-512 our kernel, elsewhere torch's (folded
+    over the KV heads), both the eager step's logits up to rounding, window rows (C(kv) only) included."""
     from fafo_cli.compiled import build
     from fafo_cli.compiled.kernels import loader
     from fafo_cli.runtime.model import causal_attention
 
     loader.load(compiled_cache / "compiled")
-    monkeypatch.setattr(loader, "has_avx512", lambda: avx512)
+    monkeypatch.setattr(loader, "attends", lambda: ours)
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
     model, rows, context = engine.model, 5, 40
-    assert build.uses_kernel(model) is avx512 and build.stored_dtype(model) == torch.float32
+    assert build.uses_kernel(model) is ours and build.stored_dtype(model) == torch.float32
     cache = model.new_cache(context + rows, context + rows)
     gen = torch.Generator().manual_seed(0)
     for part in (cache.keys, cache.values):
@@ -413,6 +413,7 @@ def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(co
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
     rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 3 rows: one build)."""
+    from fafo_cli.compiled.build import stored_dtype
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
     notices: list[str] = []
@@ -429,7 +430,7 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     positions = torch.arange(context, context + rows)
     mask = prefix_causal_mask(context, rows, model.device)
     eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))
-    cache.store_as(torch.bfloat16)  # what the package was traced with
+    cache.store_as(stored_dtype(model))  # what the package was traced with (bf16 where our kernel reads it)
     compiled = runner(ids, positions, mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool),
                       torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool),
                       list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
@@ -437,7 +438,7 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     result = engine.complete(SHORT, max_tokens=12, method="prompt-lookup", lookup_tokens=rows - 1)
     assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]
     assert set(engine.compiled.calls_by_size) == {rows}
-    assert engine.session.cache.keys.dtype == torch.bfloat16  # stored compact while compiled steps serve
+    assert engine.session.cache.keys.dtype == stored_dtype(model)  # compact while compiled steps serve
 
 
 COMPACT_READERS = {

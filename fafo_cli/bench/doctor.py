@@ -50,8 +50,8 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
                             "eager torch only: no C++ compiler, so no compiled steps or kernels of ours")
         if compiler and packed.worth_preparing(SimpleNamespace(device=device, dtype=dtype)):
             facts["kernels"] += f"; a .gguf model's {facts['dtype']} steps read its quantized blocks"
-        if compiler and not loader.has_avx512():
-            facts["kernels"] += "; steps attend with torch's kernel, eager and compiled (no AVX-512)"
+        if compiler and not loader.attends():
+            facts["kernels"] += "; steps attend with torch's kernel, eager and compiled (no AVX2)"
         if dtype == torch.bfloat16 and not facts["avx512_bf16"]:
             facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16)"
     else:

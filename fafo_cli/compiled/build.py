@@ -42,7 +42,7 @@ from .kernels import bf16_gemm, loader
 
 
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-GRAPH_VERSION = 11  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+GRAPH_VERSION = 12  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
@@ -87,9 +87,9 @@ def step_constants(model: Model, packed_modules: dict) -> dict[str, torch.Tensor
 
 
 def uses_kernel(model: Model) -> bool:
-    """Whether the graph's attention is our CPU kernel: it needs head_dim in whole 16-float vectors, and AVX-512
-    registers to hold them (on AVX2 alone a step's rows cost it 1.4-7x torch's; docs/benchmarks.md)."""
-    return model.device.type == "cpu" and model.head_dim % 16 == 0 and loader.has_avx512()
+    """Whether the graph's attention is our CPU kernel: it needs head_dim in whole 16-float vectors, and a CPU whose
+    registers its vectors are built for (`loader.attends`)."""
+    return model.device.type == "cpu" and model.head_dim % 16 == 0 and loader.attends()
 
 
 def stored_dtype(model: Model) -> torch.dtype:

@@ -17,7 +17,8 @@
 // guess computes bit for bit what a plain step would for that token, which lossless decoding rests on (a draft
 // tree's row reads its ancestors at the slots a plain step after them would; see `own` below).
 //
-// Portable C++ (GCC/Clang vector extensions): the compiler maps 16-float vectors to AVX-512, AVX2 or NEON.
+// Portable C++ (GCC/Clang vector extensions): vectors of 16 floats (AVX-512 registers), or of 8 where the CPU has AVX2
+// and not AVX-512.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,17 +40,25 @@
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef int8_t vb __attribute__((vector_size(16)));  // 16 bools of the mask
-constexpr int64_t kLanes = 16;
-constexpr int64_t kChunk = 64;   // cached slots per task
-constexpr int64_t kRows = 6;     // most query rows per register block (6 x 4 accumulators + 4 operands)
+#if defined(__AVX512F__) || !defined(__AVX2__)
+constexpr int64_t kLanes = 16;   // floats per vector: an AVX-512 register
 constexpr int64_t kCols = 4;     // vectors per register block row
+#else
+// AVX2: vectors of 8 floats, blocks of 6 x 2 (16-float vectors took two registers each and spilled: a step's rows
+// cost 1.4-7x torch's kernel)
+constexpr int64_t kLanes = 8;
+constexpr int64_t kCols = 2;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef int8_t vb __attribute__((vector_size(kLanes)));  // kLanes bools of the mask
+constexpr int64_t kChunk = 64;   // cached slots per task
+constexpr int64_t kRows = 6;     // most query rows per register block (6 x kCols accumulators + kCols operands)
 constexpr int64_t kBlock = kCols * kLanes;
+static_assert(kChunk % kBlock == 0, "a chunk holds whole register blocks");
 
-typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16
-typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));  // kLanes bfloat16
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a float32: widening is a shift
 #if defined(__AVX512F__)
@@ -65,7 +74,11 @@ inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a floa
 #endif
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // not vf{} + x: that adds 0.0f first
+inline vf splat(float x) {  // not vf{} + x: that adds 0.0f first
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = x;
+  return v;
+}
 
 // exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
 inline vf exp_nonpositive(vf x) {
@@ -85,8 +98,8 @@ inline vf exp_nonpositive(vf x) {
   return p * reinterpret_cast<vf&>(bits);
 }
 
-// tile[r][l] <- tile[l][r] for a 16 x 16 tile: four rounds, each swapping blocks of `span` lanes between rows r
-// and r + span (__builtin_shufflevector: GCC from 12, Clang)
+// tile[r][l] <- tile[l][r] for a kLanes x kLanes tile: log2(kLanes) rounds, each swapping blocks of `span` lanes
+// between rows r and r + span (__builtin_shufflevector: GCC from 12, Clang)
 #define FAFO_LANES(...) __VA_ARGS__
 #define FAFO_TRANSPOSE_ROUND(span, low, high)                          \
   for (int r = 0; r < kLanes; ++r) {                                  \
@@ -97,6 +110,7 @@ inline vf exp_nonpositive(vf x) {
   }
 
 inline void transpose(vf* tile) {
+#if defined(__AVX512F__) || !defined(__AVX2__)
   FAFO_TRANSPOSE_ROUND(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
                        (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
   FAFO_TRANSPOSE_ROUND(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
@@ -105,6 +119,11 @@ inline void transpose(vf* tile) {
                        (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
   FAFO_TRANSPOSE_ROUND(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
                        (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#else
+  FAFO_TRANSPOSE_ROUND(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+  FAFO_TRANSPOSE_ROUND(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+  FAFO_TRANSPOSE_ROUND(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#endif
 }
 
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }

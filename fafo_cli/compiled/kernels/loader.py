@@ -39,9 +39,10 @@ def has_amx() -> bool:
     return AMX_FLAGS <= set(cpu_flags().split())
 
 
-def has_avx512() -> bool:
-    """Whether the CPU has AVX-512 (what our attention kernel's 16-float vectors are built for)."""
-    return "avx512f" in cpu_flags().split()
+def attends() -> bool:
+    """Whether steps attend with our kernel here: its vectors are built for AVX-512 (16 floats) and AVX2 (8); on
+    other CPUs (ARM, x86 without AVX2) the compiler would split them into narrower registers, so torch's serves."""
+    return bool({"avx512f", "avx2"} & set(cpu_flags().split()))
 
 
 def cpu_features() -> str:
@@ -123,8 +124,7 @@ def load(folder: Path) -> None:
         return x.new_empty(x.shape[0], out_features)
 
     # bf16 keys take the AMX path where the CPU has one, which reads a draft tree's rows in place (attention_op.cpp:
-    # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path). Our
-    # kernel's 16-float vectors are AVX-512 registers: on AVX2 alone each row it attends cost 2-3x torch's kernel
-    # (docs/benchmarks.md), so there eager steps keep torch's, whose rows may round apart by ~1e-5 in float32.
-    serve_cpu_attention(torch.ops.fafo.attend if has_avx512() else None, reads_bf16=not has_amx())
+    # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path). Where
+    # our kernel does not serve (`attends`), eager steps keep torch's, whose rows may round apart by ~1e-5 in float32.
+    serve_cpu_attention(torch.ops.fafo.attend if attends() else None, reads_bf16=not has_amx())
     _loaded = True
