@@ -1,5 +1,5 @@
-"""Eager CPU attention by our kernel (fafo::attend, what eager steps use where the CPU has AVX-512) against torch's
-(what they use elsewhere), in whole eager passes of a model over its packed blocks: a prompt of each --contexts
+"""Eager CPU attention by our kernel (fafo::attend, what eager steps use where the CPU has AVX2 or AVX-512) against
+torch's (what they use elsewhere), in whole eager passes of a model over its packed blocks: a prompt of each --contexts
 length prefilled once, then passes of each --rows count with one attention and the other alternately; medians of
 ms per pass.
 

@@ -1,13 +1,16 @@
 """Our attention kernel at a git revision against the working tree's, side by side in one process (both
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
 calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
-(30 MB in all after 1,300 tokens: the size of a CPU's L3), one row (a plain step) and FAFO's default 6 rows (4 see
-the whole cache, 2 a 256-position StreamingLLM view). Between two layers' calls it reads 9 MB (untimed), as a
-compiled step's matrix products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`)
-the caches stay in the L3, which flatters changes that rest on memory access. Also prints how far the two results
-are apart.
+(30 MB in all after 1,300 tokens: the size of a CPU's L3), one row (a plain step), FAFO's default 6 rows (4 see
+the whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft). Between two layers' calls
+it reads 9 MB (untimed), as a compiled step's matrix products do, so each layer's cache comes from memory: called
+back to back (`--evict-mb 0`) the caches stay in the L3, which flatters changes that rest on memory access. Also
+prints how far the first two results are apart. `--dtype float32` takes a float32 cache (what CPUs without
+AVX512-BF16 run), `--torch` adds torch's kernel as eager steps call it where ours does not serve (the query heads
+folded into their KV head's rows, the mask built per call as a step's attention builds it).
 
     python scripts/kernel_ab.py --base HEAD~1
+    python scripts/kernel_ab.py --base 43739a5 --dtype float32 --torch
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from pathlib import Path
 import torch
 
 from fafo_cli.compiled.kernels import loader
+from fafo_cli.runtime.model import folded_attention
 
 import common
 
-SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2)]
+SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2),
+          (300, 12, 12, 0), (1300, 12, 12, 0), (2250, 12, 12, 0)]
 
 
 def query_dtype(op) -> torch.dtype:
@@ -37,19 +42,27 @@ def query_dtype(op) -> torch.dtype:
         return torch.float32
 
 
+def torch_attend(q, k, v, sees_all, sees_part, visible, local, scale):
+    """fafo::attend's call by torch's kernel: [rows, heads, dim] over [slots, kv_heads, dim]."""
+    mask = torch.cat([sees_all[:, None] | (sees_part[:, None] & visible[None, :]), local], dim=1)
+    out = folded_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale)
+    return out[0].transpose(0, 1)
+
+
 def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, rounds: int, evict: torch.Tensor | None,
-            layers: int = 30) -> str:
+            dtype: torch.dtype, layers: int = 30) -> str:
     heads, kv_heads, dim = 9, 3, 64
     cached = slots - rows
-    keys = [torch.randn(slots, kv_heads, dim).bfloat16() for _ in range(layers)]
-    values = [torch.randn(slots, kv_heads, dim).bfloat16() for _ in range(layers)]
-    q = torch.randn(rows, heads, dim).bfloat16()
+    keys = [torch.randn(slots, kv_heads, dim).to(dtype) for _ in range(layers)]
+    values = [torch.randn(slots, kv_heads, dim).to(dtype) for _ in range(layers)]
+    q = torch.randn(rows, heads, dim).to(dtype)
     sees_all = torch.arange(rows) < see_all
     sees_part = ~sees_all & (torch.arange(rows) < see_all + see_part)
     visible = torch.zeros(cached, layers, dtype=torch.bool)
     visible[:4] = visible[-252:] = True
     local = torch.ones(rows, rows, dtype=torch.bool).tril()
-    queries = {name: q.to(query_dtype(op)) for name, op in ops.items()}  # converted before the clock starts
+    queries = {name: q.to(query_dtype(op) if dtype == torch.bfloat16 and op is not torch_attend else dtype)
+               for name, op in ops.items()}  # converted before the clock starts
     first = [op(queries[name], keys[0], values[0], sees_all, sees_part, visible[:, 0], local, 0.125)
              for name, op in ops.items()]
     apart = (first[0] - first[1]).abs().max().item()
@@ -75,16 +88,20 @@ def main() -> None:
     parser.add_argument("--evict-mb", type=float, default=9.0,
                         help="megabytes read between two layers' calls, untimed (SmolLM2's weights per layer: 9), so "
                              "each layer's cache comes from memory as inside a compiled step; 0: back to back")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's dtype")
+    parser.add_argument("--torch", action="store_true", help="torch's kernel too, as a third column")
     args = parser.parse_args()
     evict = torch.ones(int(args.evict_mb * 2**20 / 4)) if args.evict_mb > 0 else None
     base = common.kernel_source(args.base, "attention_op.cpp")
     with tempfile.TemporaryDirectory() as folder:
         ops = {"base": loader.load_as(base, "fafo_base", Path(folder)).attend,
                "tree": loader.load_as(loader.SOURCES[0].read_text(), "fafo_tree", Path(folder)).attend}
+        if args.torch:
+            ops["torch"] = torch_attend
         print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
               f"{args.evict_mb:g} MB read between layers")
         for shape in SHAPES:
-            print(compare(ops, *shape, rounds=args.rounds, evict=evict), flush=True)
+            print(compare(ops, *shape, rounds=args.rounds, evict=evict, dtype=getattr(torch, args.dtype)), flush=True)
 
 
 if __name__ == "__main__":
