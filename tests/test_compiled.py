@@ -282,13 +282,13 @@ def test_a_full_disk_after_the_build_is_one_notice(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize("rows, slots, heads, kv_heads, dim, any_sees_all", [
     (1, 5, 4, 2, 16, True), (3, 130, 4, 4, 32, True), (13, 300, 9, 3, 64, True), (13, 300, 9, 3, 64, False),
     (40, 129, 8, 1, 16, True)])
-def test_attention_kernel_matches_torch(compiled_cache, vector_attend, rows, slots, heads, kv_heads, dim,
-                                        any_sees_all):
+def test_attention_kernel_matches_torch(compiled_cache, vector_attend, narrow_attend, rows, slots, heads, kv_heads,
+                                        dim, any_sees_all):
     """Our CPU attention kernel against torch's, on GQA groups, ragged chunks, rows that see every cached slot,
     rows that see a StreamingLLM view (sink and recent: their middle chunks skipped while other rows' are
     not), rows that see only the step's own rows (padding), chunks no row sees, with keys, values and the
     visible positions as views into larger tensors (a layer's column of the per-layer selection); float32 and
-    bfloat16, the latter also built without its AMX path (as CPUs without AMX run it)."""
+    bfloat16, the latter also built without its AMX path (as CPUs without AMX run it); and the 8-float build."""
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
@@ -306,18 +306,20 @@ def test_attention_kernel_matches_torch(compiled_cache, vector_attend, rows, slo
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.3,
         enable_gqa=True)[0].transpose(0, 1)
-    attended = torch.ops.fafo.attend(q, k, v, sees_all, sees_part, visible, local, 0.3)
-    torch.testing.assert_close(attended, expected, atol=2e-6, rtol=1e-5)
+    for attend in _builds(torch.ops.fafo.attend, narrow_attend):
+        torch.testing.assert_close(attend(q, k, v, sees_all, sees_part, visible, local, 0.3), expected, atol=2e-6,
+                                   rtol=1e-5)
     # a bf16 model's step: bf16 queries and a compact (bf16) cache, against the same values in float64. Where the
     # kernel multiplies bf16 pairs (AMX tiles, or AVX512-BF16's pair dot products when dim is a multiple of 32), the
     # value sum takes the probabilities rounded to bf16 (as a bf16 attention does), elsewhere as they are
     q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
     exact, rounded = (_attention_reference(q16, k16, v16, mask, 0.3, rounding) for rounding in (False, True))
     by_pairs = torch.ops.fafo.packed_kernel() != "plain" and dim % 32 == 0  # the kernels are built alike (-march=native)
-    for attend in (torch.ops.fafo.attend, vector_attend):  # with AMX where the CPU has it, and without
+    for attend in _builds(torch.ops.fafo.attend, vector_attend, narrow_attend):  # with AMX where the CPU has it, ...
         compact = attend(q16, k16, v16, sees_all, sees_part, visible, local, 0.3)
         assert compact.dtype == torch.float32
-        apart = (compact.double() - (rounded if by_pairs else exact)).abs().max().item()
+        pairs = by_pairs and attend is not narrow_attend  # (the 8-float build widens bf16: no pair products)
+        apart = (compact.double() - (rounded if pairs else exact)).abs().max().item()
         assert apart < 5e-5, apart
 
 
@@ -332,6 +334,27 @@ def vector_attend(compiled_folder, tmp_path_factory):
         return torch.ops.fafo.attend
     return loader.load_as(loader.SOURCES[0].read_text(), "fafo_vector", tmp_path_factory.mktemp("vector-attend"),
                           "#define FAFO_NO_AMX 1\n").attend
+
+
+@pytest.fixture(scope="module")
+def narrow_attend(compiled_folder, tmp_path_factory):
+    """fafo::attend in 8-float vectors, as CPUs with AVX2 and not AVX-512 run it: on such a CPU ours, on an AVX-512
+    one built with FAFO_VECTOR8 under its own op namespace; None without AVX2."""
+    from fafo_cli.compiled.kernels import loader
+
+    flags = loader.cpu_flags().split()
+    if "avx2" not in flags:
+        return None
+    if "avx512f" not in flags:
+        loader.load(compiled_folder / "compiled")
+        return torch.ops.fafo.attend
+    return loader.load_as(loader.SOURCES[0].read_text(), "fafo_narrow", tmp_path_factory.mktemp("narrow-attend"),
+                          "#define FAFO_VECTOR8 1\n#define FAFO_NO_AMX 1\n").attend
+
+
+def _builds(*ops) -> list:
+    """The distinct kernel builds among `ops` (None: not on this CPU)."""
+    return list(dict.fromkeys(op for op in ops if op is not None))
 
 
 def _attention_reference(q, k, v, mask, scale, round_probabilities, chunk=64):
@@ -356,7 +379,7 @@ def _attention_reference(q, k, v, mask, scale, round_probabilities, chunk=64):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64])  # bf16 scores by pairs of dimensions where dim allows, widened where not
-def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vector_attend, dtype, dim):
+def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vector_attend, narrow_attend, dtype, dim):
     """What lossless decoding rests on: a row's result is bit for bit the same whatever rows follow it in the step
     (a verify row computes exactly what a plain step computes for that token)."""
     from fafo_cli.compiled.kernels import loader
@@ -370,7 +393,7 @@ def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vecto
     sees_part = ~sees_all
     visible = torch.rand(cached, generator=gen) < 0.3
     local = torch.ones(rows, rows, dtype=torch.bool).tril()
-    for attend in (torch.ops.fafo.attend, vector_attend):  # with AMX where the CPU has it, and without
+    for attend in _builds(torch.ops.fafo.attend, vector_attend, narrow_attend):  # with AMX where the CPU has it, ...
         whole = attend(q, k, v, sees_all, sees_part, visible, local, 0.125)
         for first in (1, 4, 9):
             alone = attend(q[:first], k[:cached + first], v[:cached + first], sees_all[:first], sees_part[:first],
@@ -380,8 +403,8 @@ def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vecto
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [60, 290])  # the step's rows across a chunk boundary (64 slots), and within one
-def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(compiled_cache, vector_attend, dtype,
-                                                                               cached):
+def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(compiled_cache, vector_attend,
+                                                                               narrow_attend, dtype, cached):
     """A tree's row that sees ancestors which are not the step's first rows gives, bit for bit, what a plain step
     after its branch gives: each row reads its ancestors at the slots plain decoding has them (the AMX path, where
     a CPU has it, reads them in place and is not asked this)."""
@@ -401,7 +424,8 @@ def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(co
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
     k, v = (torch.randn(cached + rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     every, nothing = torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
-    for attend in (vector_attend, torch.ops.fafo.attend) if dtype == torch.float32 else (vector_attend,):
+    ours = (torch.ops.fafo.attend,) if dtype == torch.float32 else ()  # (bf16: its AMX path is not asked this)
+    for attend in _builds(vector_attend, narrow_attend, *ours):
         tree = attend(q, k, v, every, nothing, nothing[:1].expand(cached), local, 0.125)
         for r, seen in enumerate(branch):
             slots = torch.cat([torch.arange(cached), cached + torch.tensor(seen)])

@@ -33,14 +33,22 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(FAFO_NO_AMX)
+// 16-float vectors where the CPU has AVX-512 (or neither it nor AVX2: generic code), else 8-float ones; FAFO_VECTOR8
+// builds the latter on any CPU with AVX2 (how the tests check it on AVX-512 CPUs)
+#if (defined(__AVX512F__) || !defined(__AVX2__)) && !defined(FAFO_VECTOR8)
+#define FAFO_WIDE 1
+#endif
+#if defined(__AVX512BF16__) && FAFO_WIDE
+#define FAFO_PAIRS 1  // bf16 products by AVX512-BF16 pair dot products
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && FAFO_PAIRS && !defined(FAFO_NO_AMX)
 #define FAFO_ATTEND_AMX 1
 #include "amx.h"
 #endif
 
 namespace {
 
-#if defined(__AVX512F__) || !defined(__AVX2__)
+#if FAFO_WIDE
 constexpr int64_t kLanes = 16;   // floats per vector: an AVX-512 register
 constexpr int64_t kCols = 4;     // vectors per register block row
 #else
@@ -61,7 +69,7 @@ typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));  // kLanes bfloat1
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a float32: widening is a shift
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && FAFO_WIDE
   // one zero-extending load and a shift (GCC splits the generic conversion into 256-bit halves)
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
 #else
@@ -110,7 +118,7 @@ inline vf exp_nonpositive(vf x) {
   }
 
 inline void transpose(vf* tile) {
-#if defined(__AVX512F__) || !defined(__AVX2__)
+#if FAFO_WIDE
   FAFO_TRANSPOSE_ROUND(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
                        (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
   FAFO_TRANSPOSE_ROUND(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
@@ -134,7 +142,7 @@ inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i
 template <int R>
 inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64_t* offset, const float* keys,
                             int64_t dim) {
-#if defined(__AVX512BF16__)
+#if FAFO_PAIRS
   const uint32_t* query[R];
   for (int64_t i = 0; i < R; ++i) query[i] = q2 + offset[i] / 2;
   for (int64_t p = 0; p < dim / 2; ++p) {
@@ -148,7 +156,7 @@ inline void scores_by_pairs(vf (&acc)[R][kCols], const uint32_t* q2, const int64
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#if FAFO_PAIRS
 // Value sums by bf16 pairs of slots (2m, 2m + 1) take each 32 dimensions of the two slots' values unpacked into two
 // vectors of 16 (dimension, both slots) pairs. AVX-512's unpack interleaves within 128-bit lanes, so of dimensions
 // [32g, 32g + 32), vector 2g's lane 4L + i is dimension 32g + 8L + i and vector 2g + 1's is 32g + 8L + 4 + i
@@ -333,7 +341,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
               view_mask_in.scalar_type() == at::kBool && local_in.scalar_type() == at::kBool,
               "fafo::attend: bool visibility");
   const int64_t dim = q_in.size(2);
-#if defined(__AVX512BF16__)
+#if FAFO_PAIRS
   const bool pairs = std::is_same<T, at::BFloat16>::value && dim % (2 * kLanes) == 0;  // scores by bf16 pairs
 #else
   const bool pairs = false;
@@ -567,7 +575,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
             part[i][0] = m;
             part[i][1] = hsum(vsum);
           }
-  #if defined(__AVX512BF16__)
+  #if FAFO_PAIRS
           // bf16: output = probs . v by pair dot products over pairs of slots, the probabilities rounded to bf16 as
           // the AMX path (and any bf16 attention) takes them: half the instructions of widening every value
           if (pairs) {
