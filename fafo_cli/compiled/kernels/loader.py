@@ -4,6 +4,7 @@ as `fafo::` ops."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -23,8 +24,10 @@ class BuildError(RuntimeError):
     """The C++ compiler failed or is missing."""
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere): read once per process, as every
+    compiled step asks (`attends`, through build.stored_dtype)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             return next((line.split(":", 1)[1].strip() for line in info if line.startswith(("flags", "Features"))), "")
