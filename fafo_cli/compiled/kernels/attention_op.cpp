@@ -30,7 +30,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 // 16-float vectors where the CPU has AVX-512 (or neither it nor AVX2: generic code), else 8-float ones; FAFO_VECTOR8
@@ -83,9 +83,13 @@ inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a floa
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) {  // not vf{} + x: that adds 0.0f first
+#if FAFO_WIDE
   vf v;
   for (int l = 0; l < kLanes; ++l) v[l] = x;
   return v;
+#else  // one broadcast: GCC built the loop's 8 lanes with inserts and a permute, the value sums' bottleneck
+  return (vf)_mm256_set1_ps(x);
+#endif
 }
 
 // exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
