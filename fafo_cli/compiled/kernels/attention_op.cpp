@@ -82,12 +82,16 @@ inline vf load(const at::BFloat16* p) {  // a bfloat16 is the top half of a floa
 #endif
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) {  // not vf{} + x: that adds 0.0f first
-#if FAFO_WIDE
+inline vf splat(float x) {  // one broadcast (not vf{} + x: that adds 0.0f first)
+  // GCC builds the generic loop below lane by lane: 16 masked broadcasts on AVX-512, inserts and a permute on AVX2
+  // (the float32 scores' and value sums' bottleneck)
+#if defined(__AVX512F__) && FAFO_WIDE
+  return (vf)_mm512_set1_ps(x);
+#elif FAFO_WIDE
   vf v;
   for (int l = 0; l < kLanes; ++l) v[l] = x;
   return v;
-#else  // one broadcast: GCC built the loop's 8 lanes with inserts and a permute, the value sums' bottleneck
+#else
   return (vf)_mm256_set1_ps(x);
 #endif
 }
