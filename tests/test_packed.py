@@ -83,7 +83,8 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dt
 @pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
 def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias, dtype):
     """A linear of `dtype` with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
-    1 to 7 or 16 rows in the call (the float32 path takes 4 at a time, the AVX-512 one 6); a weight that differs
+    1 to 10, 12 or 16 rows in the call (the float32 path takes 4 at a time, the AVX-512 one 6, or up to 12 over two
+    weight rows at a time); a weight that differs
     from the file's keeps its matrix dense."""
     from fafo_cli.compiled import packed
 
@@ -99,7 +100,7 @@ def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_
     tolerance = (0.02, 0.01) if dtype == torch.bfloat16 else (1e-6, 1e-5)  # bf16 outputs round to 8 bits
     torch.testing.assert_close(y.double(), reference, atol=tolerance[0] * reference.abs().max().item(),
                                rtol=tolerance[1])
-    for first in (1, 2, 3, 4, 5, 6, 7, 16):
+    for first in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16):
         assert torch.equal(ops.packed_linear(x[:first].contiguous(), weight, out_features, bias), y[:first]), first
     if path == "native":
         dense = torch.nn.Linear(256, out_features, bias=with_bias).to(dtype)

@@ -58,6 +58,7 @@ namespace {
 constexpr int64_t kTile = 16;       // weight rows per task (an AMX tile's rows)
 constexpr int64_t kSub = 4;         // weight rows per AVX-512 register block: 4 accumulators per input row
 constexpr int64_t kRows = 6;        // input rows per AVX-512 register block (6 x 4 accumulators)
+constexpr int64_t kTallRows = 9;    // or up to this many over 2 weight rows (9 x 2: 10-12 rows measured slower)
 constexpr int64_t kGroup = 64;      // columns per entry: two blocks
 constexpr int64_t kPrefetch = 8192;  // bytes ahead: the weights stream from memory (measured: 2.5x at 1 row)
 
@@ -412,15 +413,16 @@ void store_rows(const float* sums, int64_t height, const float* bias, int64_t n0
 }
 
 #if FAFO_PACKED
-// Rebuilds kSub consecutive entries from `first`, their scales computed together: use(t, a, b) for each. Every
-// vector path rebuilds weights through this, packing's check (packed_weight) included.
-template <class F, class Use>
-[[gnu::always_inline]] inline void rebuild_batch(const uint8_t* first, Use use) {
+// Rebuilds `count` of the kSub consecutive entries from `first`, from its entry `from` on, their scales computed
+// together: use(t, a, b) for each (t from 0). Every vector path rebuilds weights through this, packing's check
+// (packed_weight) included.
+template <class F, int count = kSub, class Use>
+[[gnu::always_inline]] inline void rebuild_batch(const uint8_t* first, Use use, int from = 0) {
   alignas(64) float scales[kSub * kScales];
   F::scales(first, scales);
-  for (int t = 0; t < kSub; ++t) {
+  for (int t = 0; t < count; ++t) {
     __m512i a, b;
-    F::rebuild(first + t * F::entry, scales + t * kScales, a, b);
+    F::rebuild(first + (from + t) * F::entry, scales + (from + t) * kScales, a, b);
     use(t, a, b);
   }
 }
@@ -434,26 +436,29 @@ inline void prefetch(const uint8_t* group) {
   for (int64_t line = 0; line < kTile * F::entry; line += 64) __builtin_prefetch(group + kPrefetch + line, 0, locality);
 }
 
-// Sums of a tile's kTile weight rows with `rows` input rows (AVX-512 pair dot products): sums[t * ld + r].
-template <class F, int rows>
-void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64_t groups, int sub, float* sums,
+// Sums of `width` weight rows of a tile, from row part * width on, with `rows` input rows (AVX-512 pair dot
+// products): sums[t * ld + r]. Blocks of more rows take fewer weight rows (rows x width accumulators).
+template <class F, int rows, int width = kSub>
+void avx512_block(const at::BFloat16* x, int64_t ldx, const uint8_t* tile, int64_t groups, int part, float* sums,
                   int64_t ld) {
-  __m512 acc[rows][kSub];
+  static_assert(kSub % width == 0, "a block's weight rows lie in one batch");
+  const int first = part * width;  // the block's first weight row in the tile
+  __m512 acc[rows][width];
   for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < kSub; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < width; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = tile + g * kTile * F::entry;
-    if (sub == 0) prefetch<F, 2>(group);
-    rebuild_batch<F>(group + sub * kSub * F::entry, [&](int t, __m512i a, __m512i b) {
+    if (part == 0) prefetch<F, 2>(group);
+    rebuild_batch<F, width>(group + first / kSub * kSub * F::entry, [&](int t, __m512i a, __m512i b) {
       for (int r = 0; r < rows; ++r) {
         const at::BFloat16* xr = x + r * ldx + g * kGroup;
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr), (__m512bh)a);
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_loadu_si512(xr + 32), (__m512bh)b);
       }
-    });
+    }, first % kSub);
   }
   for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < kSub; ++t) sums[(sub * kSub + t) * ld + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < width; ++t) sums[(first + t) * ld + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 // A tile whose entries are rebuilt already: each entry's 64 bf16 weights (blocks A and B) as `rebuild` gave them
@@ -472,6 +477,16 @@ template <class F>
 void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t* tile, int64_t groups,
                  float* sums) {
   if constexpr (!std::is_same_v<F, Built>) {
+    if (rows > kRows && rows <= kTallRows) {  // one block of all rows, two weight rows at a time: each weight
+      for (int part = 0; part < kTile / 2; ++part) {  // rebuilt once, straight into the products
+        switch (rows) {
+          case 7: avx512_block<F, 7, 2>(x, ldx, tile, groups, part, sums, rows); break;
+          case 8: avx512_block<F, 8, 2>(x, ldx, tile, groups, part, sums, rows); break;
+          default: avx512_block<F, 9, 2>(x, ldx, tile, groups, part, sums, rows); break;
+        }
+      }
+      return;
+    }
     if (rows > kRows) {  // several register blocks of rows: rebuild the tile's weights once, not once per block
       thread_local std::vector<uint8_t> built;  // (the same bf16 values, multiplied in the same order: same bits)
       built.resize(groups * kTile * Built::entry);
@@ -500,7 +515,7 @@ void avx512_tile(const at::BFloat16* x, int64_t rows, int64_t ldx, const uint8_t
       }
     }
 }
-static_assert(kRows == 6, "avx512_tile covers heights 1..kRows");
+static_assert(kRows == 6 && kTallRows == 9, "avx512_tile covers heights 1..kRows and to kTallRows");
 
 // (built with -DFAFO_NO_AMX, an AMX CPU runs the AVX-512 path: how the README's AVX-512 figures were taken)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(FAFO_NO_AMX)
