@@ -83,9 +83,8 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dt
 @pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
 def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias, dtype):
     """A linear of `dtype` with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
-    1 to 10, 12 or 16 rows in the call (the float32 path takes 4 at a time, the AVX-512 one 6, or up to 12 over two
-    weight rows at a time); a weight that differs
-    from the file's keeps its matrix dense."""
+    1 to 10, 12 or 16 rows in the call (the float32 path takes 4 at a time; the AVX-512 one 6, 7 to 9 over two weight
+    rows at a time, more from a rebuilt copy); a weight that differs from the file's keeps its matrix dense."""
     from fafo_cli.compiled import packed
 
     ops = kernels[path]
