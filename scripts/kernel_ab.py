@@ -1,8 +1,9 @@
 """Our attention kernel at a git revision against the working tree's, side by side in one process (both
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
 calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
-(30 MB in all after 1,300 tokens: the size of a CPU's L3), one row (a plain step), FAFO's default 6 rows (4 see
-the whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft). Between two layers' calls
+(30 MB in all after 1,300 tokens: the size of a CPU's L3), by default one row (a plain step), 6 rows (4 see the
+whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft), each after 300, 1,300 and 2,250
+positions (`--rows`, `--contexts`). Between two layers' calls
 it reads 9 MB (untimed), as a compiled step's matrix products do, so each layer's cache comes from memory: called
 back to back (`--evict-mb 0`) the caches stay in the L3, which flatters changes that rest on memory access. Also
 prints how far the first two results are apart. `--dtype float32` takes a float32 cache (what CPUs without
@@ -11,6 +12,7 @@ folded into their KV head's rows, the mask built per call as a step's attention 
 
     python scripts/kernel_ab.py --base HEAD~1
     python scripts/kernel_ab.py --base 43739a5 --dtype float32 --torch
+    python scripts/kernel_ab.py --base HEAD~1 --contexts 1300 8192 --rows 1 3 4+2 9
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from fafo_cli.runtime.model import folded_attention
 
 import common
 
-SHAPES = [(300, 1, 1, 0), (1300, 1, 1, 0), (2250, 1, 1, 0), (300, 6, 4, 2), (1300, 6, 4, 2), (2250, 6, 4, 2),
-          (300, 12, 12, 0), (1300, 12, 12, 0), (2250, 12, 12, 0)]
+
+def shape(text: str) -> tuple[int, int, int]:
+    """`--rows` item: "N" (N rows that see the whole cache) or "A+P" (A that do, P that see the view)."""
+    see_all, _, see_part = text.partition("+")
+    return int(see_all) + int(see_part or 0), int(see_all), int(see_part or 0)
 
 
 def query_dtype(op) -> torch.dtype:
@@ -90,6 +95,9 @@ def main() -> None:
                              "each layer's cache comes from memory as inside a compiled step; 0: back to back")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's dtype")
     parser.add_argument("--torch", action="store_true", help="torch's kernel too, as a third column")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[300, 1300, 2250], help="cached positions + rows")
+    parser.add_argument("--rows", type=shape, nargs="+", default=[shape("1"), shape("4+2"), shape("12")],
+                        help='rows per call: "N" verify rows (see the whole cache), or "A+P" (P see a 256-slot view)')
     args = parser.parse_args()
     evict = torch.ones(int(args.evict_mb * 2**20 / 4)) if args.evict_mb > 0 else None
     base = common.kernel_source(args.base, "attention_op.cpp")
@@ -100,8 +108,10 @@ def main() -> None:
             ops["torch"] = torch_attend
         print(f"{args.base} (base) against the working tree (tree), 30 layers per call set, median of {args.rounds}, "
               f"{args.evict_mb:g} MB read between layers")
-        for shape in SHAPES:
-            print(compare(ops, *shape, rounds=args.rounds, evict=evict, dtype=getattr(torch, args.dtype)), flush=True)
+        for rows, see_all, see_part in args.rows:
+            for slots in args.contexts:
+                print(compare(ops, slots, rows, see_all, see_part, rounds=args.rounds, evict=evict,
+                              dtype=getattr(torch, args.dtype)), flush=True)
 
 
 if __name__ == "__main__":

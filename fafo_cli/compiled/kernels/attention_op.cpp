@@ -96,6 +96,33 @@ inline vf splat(float x) {  // one broadcast (not vf{} + x: that adds 0.0f first
 #endif
 }
 
+// lanes whose mask byte is set (GCC builds the generic conversion of 16 bytes to 16 ints lane by lane in scalars)
+inline vi visible(const int8_t* bytes) {
+#if defined(__AVX512F__) && FAFO_WIDE
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))) != 0;
+#elif defined(__AVX2__) && !FAFO_WIDE
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))) != 0;
+#else
+  vb v;
+  std::memcpy(&v, bytes, sizeof v);
+  return __builtin_convertvector(v, vi) != 0;
+#endif
+}
+
+// Reads `bytes` from `p` front to back, one load per cache line. A chunk's cache rows interleave the KV heads, so a
+// task that takes one head reads a third of each row's lines: the hardware prefetcher then fetches at about half the
+// bandwidth of a sequential read (docs/benchmarks.md), and this pass first brings the whole chunk in, in order.
+inline void stream_in(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  int32_t sink = 0;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    int32_t word;
+    std::memcpy(&word, at + b, sizeof word);
+    sink |= word;
+  }
+  __asm__ volatile("" : : "r"(sink));  // the loads are the point: keep them
+}
+
 // exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
 inline vf exp_nonpositive(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
@@ -142,7 +169,13 @@ inline void transpose(vf* tile) {
 #endif
 }
 
-inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m; }
+inline float hmax(vf v) {  // max is exact in any order
+#if defined(__AVX512F__) && FAFO_WIDE
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]); return m;
+#endif
+}
 inline float hsum(vf v) { float s = 0; for (int i = 0; i < kLanes; ++i) s += v[i]; return s; }
 
 // acc[i][t] += the scores of query i with kBlock slots, from bf16 pairs: `keys` [dim / 2, kChunk] as above, a
@@ -202,7 +235,7 @@ struct AmxCall {
   const bool* view_mask;
   int64_t view_mask_stride;
   float scale;
-  float* partial;  // [kv_heads, chunks, queries, 2 + dim]
+  float* partial;  // [kv_heads, queries, chunks, 2 + dim]
 };
 
 // A thread's scratch space.
@@ -327,7 +360,7 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
   _mm512_store_ps(tops, top);
   store(totals, total);
   for (int64_t l = 0; l < kBlockQueries && b * kBlockQueries + l < a.queries; ++l) {
-    float* out = a.partial + ((h * a.chunks + c) * a.queries + b * kBlockQueries + l) * (dim + 2);
+    float* out = a.partial + ((h * a.queries + b * kBlockQueries + l) * a.chunks + c) * (dim + 2);
     out[0] = tops[l];
     out[1] = totals[l];
     for (int64_t g = 0; g < dim / 32; ++g)
@@ -415,8 +448,9 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       sees[c * rows + r] = std::memchr(m + c * kChunk, 1, std::min(kChunk, slots - c * kChunk)) != nullptr;
   }
   const int8_t* mp = mask.data();
-  // per task and query: running max, sum of exponentials, unnormalised output
-  at::Tensor partial = at::empty({kv_heads, chunks, queries, width}, floats);
+  // per task and query: running max, sum of exponentials, unnormalised output; a query's chunks side by side, for
+  // the merge to read them in order
+  at::Tensor partial = at::empty({kv_heads, queries, chunks, width}, floats);
   float* pp = partial.data_ptr<float>();
 
   // A task is one chunk of slots for one KV head. Each thread takes a contiguous run of chunks and all KV heads of
@@ -435,6 +469,14 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         __builtin_prefetch(value + b);
       }
     }
+  };
+  // where a slot's KV heads are adjacent (the cache's layout), a chunk's keys and values are two runs of memory
+  const bool interleaved = kv_heads > 1 && std::max(kh, vh) < std::min(ks, vs);
+  auto stream_chunk = [&](int64_t c) {
+    if (!interleaved) return;
+    const int64_t n = std::min(kChunk, slots - c * kChunk);
+    stream_in(kp + c * kChunk * ks, ((n - 1) * ks) * int64_t(sizeof(T)) + slot_bytes);
+    stream_in(vp + c * kChunk * vs, ((n - 1) * vs) * int64_t(sizeof(T)) + slot_bytes);
   };
 #if FAFO_ATTEND_AMX
   if (amx) {
@@ -460,6 +502,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         AmxScratch scratch(dim);
         for (int64_t c = first; c < last; ++c)
         for (int64_t h = 0; h < kv_heads; ++h) {
+          if (h == 0) stream_chunk(c);
           prefetch_next(c, h);
           bool values_ready = false;
           for (int64_t b = 0; b < blocks; ++b) {
@@ -468,7 +511,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
               seen = seen || sees[c * rows + qi / group];
             if (!seen) {  // sums 0: nothing visible
               for (int64_t qi = b * kBlockQueries; qi < std::min(queries, (b + 1) * kBlockQueries); ++qi)
-                pp[((h * chunks + c) * queries + qi) * width + 1] = 0.0f;
+                pp[((h * queries + qi) * chunks + c) * width + 1] = 0.0f;
               continue;
             }
             if (!values_ready) {
@@ -493,13 +536,14 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     for (int64_t c = first; c < last; ++c)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t s0 = c * kChunk, n = std::min(kChunk, slots - s0);
+      if (h == 0) stream_chunk(c);
       prefetch_next(c, h);
       // moved rows read a chunk that holds some of the step's rows with slots of their own, one row at a time
       const bool own_rows = s0 + n > cached;
       int64_t n_active = 0;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          if (!sees[c * rows + r]) pp[((h * chunks + c) * queries + r * group + g) * width + 1] = 0.0f;  // sum 0
+          if (!sees[c * rows + r]) pp[((h * queries + r * group + g) * chunks + c) * width + 1] = 0.0f;  // sum 0
           else if (!(own_rows && moved[r])) active[n_active++] = r * group + g;
         }
       }
@@ -533,7 +577,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           float* part[R];  // this task's partial of each query
           for (int64_t i = 0; i < R; ++i) {
             const int64_t qi = active[q0 + i], r = qi / group;
-            part[i] = pp + ((h * chunks + c) * queries + qi) * width;
+            part[i] = pp + ((h * queries + qi) * chunks + c) * width;
             offset[i] = (r * heads + h * group + qi % group) * dim;
             mrow[i] = mp + r * slots + s0;
           }
@@ -561,9 +605,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
             for (int64_t j = 0; j < n_vec; j += kLanes) {
               vi seen;
               if (j + kLanes <= n) {
-                vb bytes;
-                std::memcpy(&bytes, mrow[i] + j, sizeof bytes);
-                seen = __builtin_convertvector(bytes, vi) != 0;
+                seen = visible(mrow[i] + j);
               } else {
                 for (int l = 0; l < kLanes; ++l) seen[l] = (j + l < n && mrow[i][j + l]) ? -1 : 0;
               }
@@ -671,14 +713,14 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       const int64_t h = task / queries, qi = task % queries, r = qi / group;
       float m = -FLT_MAX;
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* part = pp + ((h * chunks + c) * queries + qi) * width;
+        const float* part = pp + ((h * queries + qi) * chunks + c) * width;
         if (part[1] != 0.0f) m = std::max(m, part[0]);
       }
       float* out = rp + (r * heads + h * group + qi % group) * dim;
       std::fill(out, out + dim, 0.0f);
       float total = 0.0f;
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* part = pp + ((h * chunks + c) * queries + qi) * width;
+        const float* part = pp + ((h * queries + qi) * chunks + c) * width;
         if (part[1] == 0.0f) continue;  // nothing view_mask in this chunk
         const float w = std::exp(part[0] - m);
         total += part[1] * w;
