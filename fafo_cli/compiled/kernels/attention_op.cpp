@@ -123,6 +123,24 @@ inline void stream_in(const void* p, int64_t bytes) {
   __asm__ volatile("" : : "r"(sink));  // the loads are the point: keep them
 }
 
+// The next chunk's cache lines, asked for into L2 a few at a time from inside the current chunk's work, so memory and
+// arithmetic overlap: asked for all at once (a chunk is ~750 lines) they measured no faster, the core keeping few
+// misses in flight.
+struct ReadAhead {
+  const char *key = nullptr, *key_end = nullptr, *value = nullptr, *value_end = nullptr;
+  void start(const void* keys, int64_t key_bytes, const void* values, int64_t value_bytes) {
+    key = static_cast<const char*>(keys), key_end = key + key_bytes;
+    value = static_cast<const char*>(values), value_end = value + value_bytes;
+  }
+  void stop() { key = key_end = value = value_end = nullptr; }
+  void ask(int lines) {
+    for (int i = 0; i < lines; ++i, key += 64, value += 64) {
+      if (key < key_end) __builtin_prefetch(key, 0, 2);
+      if (value < value_end) __builtin_prefetch(value, 0, 2);
+    }
+  }
+};
+
 // exp for x <= 0 (scores minus their maximum), Cephes' polynomial: within 2 ulp of expf
 inline vf exp_nonpositive(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
@@ -455,9 +473,11 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
 
   // A task is one chunk of slots for one KV head. Each thread takes a contiguous run of chunks and all KV heads of
   // each, so it streams one region of the cache (a slot's heads are adjacent), which the hardware prefetcher
-  // follows (tasks dealt round-robin made both threads read every slot's lines: 10% slower). While computing chunk
-  // c for head h, a thread asks for the h-th share of chunk c + 1's slots.
+  // follows (tasks dealt round-robin made both threads read every slot's lines: 10% slower). Before a chunk's tasks
+  // a thread reads the chunk in order (stream_in), and while computing it asks for the next one (ReadAhead).
   const int64_t slot_bytes = ((kv_heads - 1) * std::max(kh, vh) + dim) * int64_t(sizeof(T));
+  // (the AMX path's way: asks for the h-th share of the next chunk per head; not measured against ReadAhead, which
+  // needs an AMX CPU)
   auto prefetch_next = [&](int64_t c, int64_t h) {
     if (c + 1 >= chunks) return;
     const int64_t next = (c + 1) * kChunk, n = std::min(kChunk, slots - next);
@@ -472,11 +492,13 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   };
   // where a slot's KV heads are adjacent (the cache's layout), a chunk's keys and values are two runs of memory
   const bool interleaved = kv_heads > 1 && std::max(kh, vh) < std::min(ks, vs);
+  auto run_bytes = [&](int64_t c, int64_t stride) {  // from chunk c's first slot to the end of its last
+    return (std::min(kChunk, slots - c * kChunk) - 1) * stride * int64_t(sizeof(T)) + slot_bytes;
+  };
   auto stream_chunk = [&](int64_t c) {
     if (!interleaved) return;
-    const int64_t n = std::min(kChunk, slots - c * kChunk);
-    stream_in(kp + c * kChunk * ks, ((n - 1) * ks) * int64_t(sizeof(T)) + slot_bytes);
-    stream_in(vp + c * kChunk * vs, ((n - 1) * vs) * int64_t(sizeof(T)) + slot_bytes);
+    stream_in(kp + c * kChunk * ks, run_bytes(c, ks));
+    stream_in(vp + c * kChunk * vs, run_bytes(c, vs));
   };
 #if FAFO_ATTEND_AMX
   if (amx) {
@@ -533,11 +555,17 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     alignas(64) float probs[kRows][kChunk];
     alignas(64) at::BFloat16 probs16[kRows][kChunk];  // with pairs: the probabilities rounded to bf16
     int64_t slot_of[kChunk];  // the slot each of the chunk's slots reads (its own but for a moved row's, see own)
+    ReadAhead ahead;  // this thread's next chunk, asked for per tile of keys and per pair of slots' values
     for (int64_t c = first; c < last; ++c)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t s0 = c * kChunk, n = std::min(kChunk, slots - s0);
-      if (h == 0) stream_chunk(c);
-      prefetch_next(c, h);
+      if (h == 0) {
+        stream_chunk(c);
+        if (interleaved && c + 1 < last)
+          ahead.start(kp + (c + 1) * kChunk * ks, run_bytes(c + 1, ks), vp + (c + 1) * kChunk * vs,
+                      run_bytes(c + 1, vs));
+        else ahead.stop();
+      }
       // moved rows read a chunk that holds some of the step's rows with slots of their own, one row at a time
       const bool own_rows = s0 + n > cached;
       int64_t n_active = 0;
@@ -558,6 +586,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
         const int64_t columns = pairs ? dim / 2 : dim;  // transposed as 32-bit words: a float, or a bf16 pair
         for (int64_t j0 = 0; j0 < n_block; j0 += kLanes) {
           for (int64_t d0 = 0; d0 < columns; d0 += kLanes) {
+            ahead.ask(8);
             vf tile[kLanes];
             for (int64_t j = 0; j < kLanes; ++j) {
               const T* key = kp + (j0 + j < n ? slot_of[j0 + j] : 0) * ks + h * kh;
@@ -644,6 +673,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
               const int64_t nt = std::min(kCols, dim / kLanes - t0);  // dim is a multiple of 32: nt is even
               const T* values = vp + h * vh + t0 * kLanes;
               for (int64_t m = 0; m < (n + 1) / 2; ++m) {
+                ahead.ask(2);
                 __m512bh vv[kCols];
                 const T* first = values + slot_of[2 * m] * vs;
                 const T* second = 2 * m + 1 < n ? values + slot_of[2 * m + 1] * vs : nullptr;
