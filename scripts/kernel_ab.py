@@ -3,12 +3,12 @@ libraries loaded under their own op namespace, called alternately, median of the
 calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
 (30 MB in all after 1,300 tokens: the size of a CPU's L3), by default one row (a plain step), 6 rows (4 see the
 whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft), each after 300, 1,300 and 2,250
-positions (`--rows`, `--contexts`). Between two layers' calls
-it reads 9 MB (untimed), as a compiled step's matrix products do, so each layer's cache comes from memory: called
-back to back (`--evict-mb 0`) the caches stay in the L3, which flatters changes that rest on memory access. Also
-prints how far the first two results are apart. `--dtype float32` takes a float32 cache (what CPUs without
-AVX512-BF16 run), `--torch` adds torch's kernel as eager steps call it where ours does not serve (the query heads
-folded into their KV head's rows, the mask built per call as a step's attention builds it).
+positions (`--rows`, `--contexts`). Between two layers' calls it reads 9 MB (untimed), as a compiled step's matrix
+products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`) the caches stay in the
+L3, which flatters changes that rest on memory access. Also prints how far the first two results are apart.
+`--dtype float32` takes a float32 cache (what CPUs without AVX512-BF16 run), `--torch` adds torch's kernel as eager
+steps call it where ours does not serve (the query heads folded into their KV head's rows, the mask built per call
+as a step's attention builds it).
 
     python scripts/kernel_ab.py --base HEAD~1
     python scripts/kernel_ab.py --base 43739a5 --dtype float32 --torch

@@ -134,9 +134,9 @@ struct ReadAhead {
   }
   void stop() { key = key_end = value = value_end = nullptr; }
   void ask(int lines) {
-    for (int i = 0; i < lines; ++i, key += 64, value += 64) {
-      if (key < key_end) __builtin_prefetch(key, 0, 2);
-      if (value < value_end) __builtin_prefetch(value, 0, 2);
+    for (int i = 0; i < lines && (key < key_end || value < value_end); ++i) {  // (neither: the chunk is asked for)
+      if (key < key_end) { __builtin_prefetch(key, 0, 2); key += 64; }
+      if (value < value_end) { __builtin_prefetch(value, 0, 2); value += 64; }
     }
   }
 };
