@@ -96,6 +96,18 @@ def test_candidates_share_their_common_prefix_and_respect_room():
     assert small.rows == 4 and set(small.tree.parents) <= {ROOT, 0, 1}  # prefix-closed: parents come along
 
 
+def test_copies_that_part_ways_share_one_chance_between_them():
+    planner = _planner(StepCosts({1: 1.0, 2: 1.3}))  # a row costs 30% of a step
+    for _ in range(30):  # copies of this match length are right 70% of the time
+        for agreed in (4, 4, 4, 4, 4, 4, 4, 0, 0, 0):
+            _outcome(planner.acceptance, Chain("text", 8, (1, 2, 3, 4)), agreed)
+    alone = planner.plan([Chain("text", 8, (1, 2, 3, 4))], room=100)
+    both = planner.plan([Chain("text", 8, (1, 2, 3, 4)), Chain("text", 8, (5, 6, 7, 8))], room=100)
+    # plain decoding continues with 1 or with 5, not both: the two first tokens' chances (0.7 each alone) sum to at
+    # most 1, so both together are worth at most 1 / 0.7 times the one copy's guessed tokens (counted alone: 2×)
+    assert alone.expected > 2 and both.expected - 1 < 1.5 * (alone.expected - 1)
+
+
 def test_window_runs_when_it_pays_and_in_bursts_every_few_steps():
     cheap = _planner(StepCosts({1: 1.0, 64: 1.05}), window_rows=5)
     assert all(cheap.plan([], room=100).window for _ in range(10))  # its worth (the prior) beats 5 nearly free rows

@@ -260,7 +260,11 @@ class Plan:
 
 
 def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, list[float], list[str], list[list[int]]]:
-    """One tree of all candidates (shared prefixes once), each node's chance, source, and each chain's nodes."""
+    """One tree of all candidates (shared prefixes once), each node's chance, source, and each chain's nodes.
+
+    Each chain's chances are estimated as if it were the only guess; where chains part, their next tokens exclude
+    each other (plain decoding picks one), so a node's children's chances given it are scaled down to sum to at
+    most 1: two copies that disagree at their first token cannot both be 0.7 likely."""
     tree, chance, sources, nodes_of = DraftTree(), [], [], []
     for chain in chains:
         node, nodes = ROOT, []
@@ -274,6 +278,12 @@ def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, 
             node = child
             nodes.append(node)
         nodes_of.append(nodes)
+    given = [p / (chance[parent] if parent != ROOT else 1.0) for p, parent in zip(chance, tree.parents)]
+    siblings: dict[int, float] = {}
+    for p, parent in zip(given, tree.parents):
+        siblings[parent] = siblings.get(parent, 0.0) + p
+    for node, parent in enumerate(tree.parents):  # parents first: each scales its already scaled parent's chance
+        chance[node] = given[node] / max(1.0, siblings[parent]) * (chance[parent] if parent != ROOT else 1.0)
     return tree, chance, sources, nodes_of
 
 
