@@ -22,14 +22,14 @@ def main() -> None:
     for spec in args.settings:
         settings = common.parse_setting(spec)
         # untimed: loads the packages this setting runs in (building those missing), which its first step would do
-        engine.complete(list(samples[0].messages), max_tokens=args.tokens, temperature=0.0, **settings)
+        engine.complete(list(samples[0].messages), max_tokens=args.tokens, **{"temperature": 0.0, **settings})
         for sample in samples:
             totals, inside = [], []
             for _ in range(args.repeats):
                 engine.reset()
                 calls, seconds = engine.compiled.calls, engine.compiled.seconds
-                stats = engine.complete(list(sample.messages), max_tokens=args.tokens, temperature=0.0,
-                                        **settings).stats
+                stats = engine.complete(list(sample.messages), max_tokens=args.tokens,
+                                        **{"temperature": 0.0, **settings}).stats  # greedy unless a setting says
                 steps = engine.compiled.calls - calls
                 totals.append(common.ms_per_step(stats))
                 inside.append((engine.compiled.seconds - seconds) / max(steps, 1) * 1e3)

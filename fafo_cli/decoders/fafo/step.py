@@ -291,9 +291,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                           view=view if shape else None, compiled=compiled)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
-        argmax = argmax_ids(logits)
+        # every row's argmax: greedy acceptance and the window's predictions read it (a sampled step without the
+        # window reads only the rows it samples)
+        argmax = argmax_ids(logits) if sampling.greedy or shape else None
         n_verify = rows.layout.verify_rows
-        path, emitted = accept(tree, logits, sampling, draws, len(text), argmax[:n_verify])
+        path, emitted = accept(tree, logits, sampling, draws, len(text), None if argmax is None else argmax[:n_verify])
         if shape:  # the window itself stays greedy: it only proposes guesses
             stats.fumble_positions = compressor.view_size(cache)
             predicted = [argmax[0 if r < 0 else n_verify + r] for r in shape.predictor_logits]

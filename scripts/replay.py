@@ -1,0 +1,128 @@
+"""What the guesses alone are worth, without timing noise: each prompt is answered once by plain decoding (eager),
+then FAFO's guesses from the text with its step planner, and SuffixDecoding's draft trees, are replayed over that
+answer, each step accepting what the answer confirms. A step costs what this machine's eager pass costs with its
+rows (measured first, after --context cached tokens), so the speedup column is the guesses' worth against plain
+decoding on that curve; the planner plans with the same curve. Also the copy ceiling: steps that verify exactly the
+longest continuation of the answer that occurs anywhere earlier in the text (at most --most tokens), the most that
+drafting from the text could make of the curve, knowing where to copy from and for how long. No window (nothing
+runs the model during the replay).
+
+    python scripts/replay.py --suites chat,edit,code --samples 3
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from fafo_cli.bench.tune import step_costs
+from fafo_cli.decoders.fafo.planner import Acceptance, Planner, StepCosts
+from fafo_cli.decoders.fafo.step import AUTO_COPIES, text_chains, text_index
+from fafo_cli.decoders.suffix import Suffix
+from fafo_cli.decoders.suffix_index import SuffixIndex
+from fafo_cli.decoders.tree import ROOT, DraftTree
+
+import common
+
+
+def accepted(tree, answer: list[int], at: int) -> list[int]:
+    """The tree's nodes that the answer confirms from position `at` on, root to leaf."""
+    path, node = [], ROOT
+    while at + len(path) < len(answer):
+        node = next((child for child, parent in enumerate(tree.parents)
+                     if parent == node and tree.tokens[child] == answer[at + len(path)]), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def replay(answer: list[int], prompt: list[int], cost: StepCosts, guess) -> tuple[int, int, float]:
+    """Steps, rows and milliseconds to emit `answer` when each step verifies the tree `guess(text)` returns
+    (guess is told each step's emitted tokens through its `accepted` method)."""
+    at, steps, rows, ms = 1, 0, 0, 0.0
+    while at < len(answer):
+        tree = guess.draft(prompt + answer[:at])
+        path = accepted(tree, answer, at)
+        emitted = [tree.tokens[node] for node in path] + answer[at + len(path):at + len(path) + 1]
+        guess.accepted(emitted, path)
+        at, steps, rows, ms = at + len(emitted), steps + 1, rows + 1 + len(tree), ms + cost.of(1 + len(tree))
+    return steps, rows, ms
+
+
+class FafoGuesses:
+    def __init__(self, text: list[int], cost: StepCosts, draft_tokens: int):
+        self.index, self.draft_tokens = text_index(), draft_tokens
+        self.index.extend(text)
+        self.planner = Planner(Acceptance(), cost, window_rows=0, max_nodes=draft_tokens)
+
+    def draft(self, text):
+        self.plan = self.planner.plan(text_chains(self.index, AUTO_COPIES[True], self.draft_tokens), room=1 << 30)
+        return self.plan.tree
+
+    def accepted(self, emitted, path):
+        self.planner.observe(self.plan, path)
+        self.index.extend(emitted)
+
+
+class SuffixGuesses:
+    def __init__(self, text: list[int], config):
+        self.drafter = Suffix(config, history=None)  # a fresh request, as the bench runs it
+        self.drafter.text.extend(text)
+
+    def draft(self, text):
+        self.text = text
+        return self.drafter.draft(text, room=1 << 30).tree
+
+    def accepted(self, emitted, path):
+        self.drafter.accepted(self.text + emitted, len(emitted))
+
+
+class CopyCeiling:
+    """Each step's tree: the longest run of the answer from here on that occurs earlier in the text."""
+
+    def __init__(self, prompt: list[int], answer: list[int], most: int):
+        self.index, self.prompt, self.answer, self.most = SuffixIndex(), prompt, answer, most
+        self.index.extend(prompt + answer[:1])
+
+    def draft(self, text):
+        at, run = len(text) - len(self.prompt), []
+        while len(run) < self.most and at + len(run) < len(self.answer) and \
+                self.index.find(self.answer[at:at + len(run) + 1])[1] == len(run) + 1:
+            run.append(self.answer[at + len(run)])
+        tree = DraftTree()
+        tree.add_chain(run)
+        return tree
+
+    def accepted(self, emitted, path):
+        self.index.extend(emitted)
+
+
+def main() -> None:
+    parser = common.parser(__doc__, "model", "dtype", "tokens", "suites", "samples", "prompts", suites="chat,edit,code",
+                           tokens=256)
+    parser.add_argument("--context", type=int, default=1024, help="cached tokens when the pass costs are measured")
+    parser.add_argument("--most", type=int, default=16, help="the ceiling's longest copy per step")
+    args = parser.parse_args()
+    engine = common.load_engine(args)
+    curve = step_costs(engine, context=args.context)
+    print("eager pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in curve.items()))
+    config = engine.request_config(method="fafo", max_tokens=args.tokens)
+    speedups: dict[tuple[str, str], list[float]] = {}
+    for sample in common.prompts(args, engine):
+        engine.reset()
+        prompt = engine.encode(list(sample.messages))
+        answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens).token_ids
+        plain = (len(answer) - 1) * StepCosts(curve).of(1)
+        for name, guess in (("fafo", FafoGuesses(prompt + answer[:1], StepCosts(curve), config.draft_tokens)),
+                            ("suffix", SuffixGuesses(prompt + answer[:1], config)),
+                            ("copy ceiling", CopyCeiling(prompt, answer, args.most))):
+            steps, rows, ms = replay(answer, prompt, StepCosts(curve), guess)
+            speedups.setdefault((sample.suite, name), []).append(plain / ms)
+            print(f"{sample.suite:9s} {sample.id[:40]:40s} {name:12s} τ {len(answer) / (steps + 1):.2f} "
+                  f"rows {rows / steps:.2f} speedup {plain / ms:.2f}", flush=True)
+    for (suite, name), values in speedups.items():
+        print(f"{suite:9s} {name:12s} median speedup {statistics.median(values):.2f}")
+
+
+if __name__ == "__main__":
+    main()
