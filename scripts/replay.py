@@ -19,31 +19,26 @@ from fafo_cli.decoders.fafo.planner import Acceptance, Planner, StepCosts
 from fafo_cli.decoders.fafo.step import AUTO_COPIES, text_chains, text_index
 from fafo_cli.decoders.suffix import Suffix
 from fafo_cli.decoders.suffix_index import SuffixIndex
-from fafo_cli.decoders.tree import ROOT, DraftTree
+from fafo_cli.decoders.tree import DraftTree
+from fafo_cli.decoders.verify import accept_tree
 
 import common
 
 
-def accepted(tree, answer: list[int], at: int) -> list[int]:
-    """The tree's nodes that the answer confirms from position `at` on, root to leaf."""
-    path, node = [], ROOT
-    while at + len(path) < len(answer):
-        node = next((child for child, parent in enumerate(tree.parents)
-                     if parent == node and tree.tokens[child] == answer[at + len(path)]), None)
-        if node is None:
-            break
-        path.append(node)
-    return path
-
-
 def replay(answer: list[int], prompt: list[int], cost: StepCosts, guess) -> tuple[int, int, float]:
-    """Steps, rows and milliseconds to emit `answer` when each step verifies the tree `guess(text)` returns
-    (guess is told each step's emitted tokens through its `accepted` method)."""
+    """Steps, rows and milliseconds to emit `answer` when each step verifies the tree `guess.draft(text)` returns and
+    accepts what the answer confirms, as `accept_tree` does with plain decoding's tokens (`guess.accepted` is told
+    each step's outcome)."""
     at, steps, rows, ms = 1, 0, 0, 0.0
     while at < len(answer):
         tree = guess.draft(prompt + answer[:at])
-        path = accepted(tree, answer, at)
-        emitted = [tree.tokens[node] for node in path] + answer[at + len(path):at + len(path) + 1]
+
+        def plain(row: int) -> int:  # the answer's token after the row (-1, no token, past its end)
+            position = at + (tree.depths[row - 1] if row else 0)
+            return answer[position] if position < len(answer) else -1
+
+        path, emitted = accept_tree(tree, plain)
+        emitted = emitted[:len(answer) - at]  # a copy that runs to the answer's end has no token after it
         guess.accepted(emitted, path)
         at, steps, rows, ms = at + len(emitted), steps + 1, rows + 1 + len(tree), ms + cost.of(1 + len(tree))
     return steps, rows, ms
