@@ -476,8 +476,19 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   // follows (tasks dealt round-robin made both threads read every slot's lines: 10% slower). Before a chunk's tasks
   // a thread reads the chunk in order (stream_in), and while computing it asks for the next one (ReadAhead).
   const int64_t slot_bytes = ((kv_heads - 1) * std::max(kh, vh) + dim) * int64_t(sizeof(T));
-  // (the AMX path's way: asks for the h-th share of the next chunk per head; not measured against ReadAhead, which
-  // needs an AMX CPU)
+  // where a slot's KV heads are adjacent (the cache's layout), a chunk's keys and values are two runs of memory
+  const bool interleaved = kv_heads > 1 && std::max(kh, vh) < std::min(ks, vs);
+  auto run_bytes = [&](int64_t c, int64_t stride) {  // from chunk c's first slot to the end of its last
+    return (std::min(kChunk, slots - c * kChunk) - 1) * stride * int64_t(sizeof(T)) + slot_bytes;
+  };
+  auto stream_chunk = [&](int64_t c) {
+    if (!interleaved) return;
+    stream_in(kp + c * kChunk * ks, run_bytes(c, ks));
+    stream_in(vp + c * kChunk * vs, run_bytes(c, vs));
+  };
+#if FAFO_ATTEND_AMX
+  // The AMX path's read-ahead: per head, the h-th share of the next chunk (not measured against ReadAhead, which needs
+  // an AMX CPU)
   auto prefetch_next = [&](int64_t c, int64_t h) {
     if (c + 1 >= chunks) return;
     const int64_t next = (c + 1) * kChunk, n = std::min(kChunk, slots - next);
@@ -490,17 +501,6 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       }
     }
   };
-  // where a slot's KV heads are adjacent (the cache's layout), a chunk's keys and values are two runs of memory
-  const bool interleaved = kv_heads > 1 && std::max(kh, vh) < std::min(ks, vs);
-  auto run_bytes = [&](int64_t c, int64_t stride) {  // from chunk c's first slot to the end of its last
-    return (std::min(kChunk, slots - c * kChunk) - 1) * stride * int64_t(sizeof(T)) + slot_bytes;
-  };
-  auto stream_chunk = [&](int64_t c) {
-    if (!interleaved) return;
-    stream_in(kp + c * kChunk * ks, run_bytes(c, ks));
-    stream_in(vp + c * kChunk * vs, run_bytes(c, vs));
-  };
-#if FAFO_ATTEND_AMX
   if (amx) {
     if constexpr (std::is_same<T, at::BFloat16>::value) {
       const int64_t blocks = (queries + kBlockQueries - 1) / kBlockQueries, padded = blocks * kBlockQueries;
