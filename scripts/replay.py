@@ -65,11 +65,10 @@ class SuffixGuesses:
         self.drafter.text.extend(text)
 
     def draft(self, text):
-        self.text = text
         return self.drafter.draft(text, room=1 << 30).tree
 
     def accepted(self, emitted, path):
-        self.drafter.accepted(self.text + emitted, len(emitted))
+        self.drafter.accepted(emitted, len(emitted))  # it indexes the text's last `new` tokens
 
 
 class CopyCeiling:
@@ -101,17 +100,18 @@ def main() -> None:
     engine = common.load_engine(args)
     curve = step_costs(engine, context=args.context)
     print("eager pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in curve.items()))
+    cost = StepCosts(curve)  # never told a step's time: the curve as measured, for every replay and the planner
     config = engine.request_config(method="fafo", max_tokens=args.tokens)
     speedups: dict[tuple[str, str], list[float]] = {}
     for sample in common.prompts(args, engine):
         engine.reset()
         prompt = engine.encode(list(sample.messages))
         answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens).token_ids
-        plain = (len(answer) - 1) * StepCosts(curve).of(1)
-        for name, guess in (("fafo", FafoGuesses(prompt + answer[:1], StepCosts(curve), config.draft_tokens)),
+        plain = (len(answer) - 1) * cost.of(1)
+        for name, guess in (("fafo", FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)),
                             ("suffix", SuffixGuesses(prompt + answer[:1], config)),
                             ("copy ceiling", CopyCeiling(prompt, answer, args.most))):
-            steps, rows, ms = replay(answer, prompt, StepCosts(curve), guess)
+            steps, rows, ms = replay(answer, prompt, cost, guess)
             speedups.setdefault((sample.suite, name), []).append(plain / ms)
             print(f"{sample.suite:9s} {sample.id[:40]:40s} {name:12s} τ {len(answer) / (steps + 1):.2f} "
                   f"rows {rows / steps:.2f} speedup {plain / ms:.2f}", flush=True)
