@@ -448,10 +448,18 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   std::vector<char> moved(rows, 0);
   std::vector<int8_t> mask(rows * slots);
   std::vector<char> sees(chunks * rows);
+  // the view's column, gathered once for all the rows that see it (its slots lie a row of [cached, layers] apart:
+  // gathered per row, a window of 23 rows walked that table 23 times a layer)
+  std::vector<int8_t> view_bytes;
+  for (int64_t r = 0; r < rows && view_bytes.empty(); ++r)
+    if (!row_all[r] && row_part[r]) {
+      view_bytes.resize(cached);
+      for (int64_t s = 0; s < cached; ++s) view_bytes[s] = vis[s * vis_stride];
+    }
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* m = &mask[r * slots];
     if (row_all[r]) std::memset(m, 1, cached);
-    else if (row_part[r]) for (int64_t s = 0; s < cached; ++s) m[s] = vis[s * vis_stride];
+    else if (row_part[r]) std::copy(view_bytes.begin(), view_bytes.end(), m);
     else std::memset(m, 0, cached);
     int64_t seen = 0;
     for (int64_t i = 0; i < rows; ++i) {
