@@ -117,6 +117,30 @@ def test_h2o_keeps_heavy_hitters_plus_recent():
         assert h2o.selected_positions(cache, layer) == expected
 
 
+def test_h2o_evicts_for_good_and_scores_only_what_it_keeps():
+    """As in the paper: once a position leaves the view it is neither scored nor selected again, however much
+    attention it would get (scoring the whole cache each step cost as much as the window reading it)."""
+    cache = filled_cache(90)
+    h2o = H2OCompressor(budget=40, recent=10, window=4, prompt_length=90, scale=0.3, tail_rows=4)
+    for layer in range(LAYERS):
+        h2o.observe(layer, torch.randn(HEADS, DIM), cache.keys[layer, :90])
+    h2o.prepare(cache)
+    first = [h2o.selected_positions(cache, layer) for layer in range(LAYERS)]
+    evicted = [sorted(set(range(80)) - set(kept)) for kept in first]
+    for layer in range(LAYERS):
+        before = h2o.mass.layer(layer, 90).clone()
+        q = 50 * cache.keys[layer, evicted[layer][0]].repeat_interleave(HEADS // KV, 0)  # aims at an evicted one
+        h2o.observe(layer, q, cache.keys[layer, :90])
+        added = h2o.mass.layer(layer, 90) - before
+        kept = torch.tensor(first[layer])
+        assert added[evicted[layer]].abs().max() == 0
+        assert torch.allclose(added[kept], attention_weights(q[:, None], cache.keys[layer, kept], 0.3))
+        h2o.mass.add(layer, torch.zeros(90).index_fill(0, torch.tensor(evicted[layer]), 1e6))  # overwhelming mass
+    h2o.prepare(cache)
+    for layer in range(LAYERS):
+        assert set(h2o.selected_positions(cache, layer)) <= set(first[layer])
+
+
 @pytest.mark.parametrize("name", ["stream", "snapkv", "quest"])
 def test_view_reads_and_mask_follow_the_selection(name):
     """The slot view copies keys and values only when read, and keeps its [positions, layers] mask: both agree
