@@ -42,11 +42,7 @@ class H2OCompressor(ViewCompressor):
         return gone
 
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        gone = self._gone(layer, keys.shape[0])
-        if not gone.any():
-            self.mass.add(layer, attention_weights(q[:, None], keys, self.scale))
-            return
-        kept = (~gone).nonzero().squeeze(1).to(keys.device)
+        kept = (~self._gone(layer, keys.shape[0])).nonzero().squeeze(1).to(keys.device)
         weights = torch.zeros(keys.shape[0], device=keys.device)
         weights[kept] = attention_weights(q[:, None], keys[kept], self.scale)
         self.mass.add(layer, weights)
