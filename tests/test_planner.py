@@ -224,3 +224,22 @@ def test_the_text_also_offers_what_most_often_followed_its_ending():
     latest = Chain("text", 1, (3, 9))  # a copy of the latest occurrence, after a short match
     chains = [latest] + [Chain("text", 2, tokens, odds) for tokens, odds in paths.items()]
     assert planner.plan(chains, room=100).tree.tokens == [2]  # the likelier first token, not the latest
+
+
+def test_compiled_plain_steps_are_measured_before_stale_package_costs_are_trusted():
+    """Each compiled package is timed at its own build: a 4-row package timed cheaper than the 1-row one would have
+    every step verify guesses that do not pay. The planner runs plain steps where less than a guess is expected
+    until their cost has counted, and then plans with what both sizes really take."""
+    costs = StepCosts({1: 9.6, 4: 8.7}, sizes=(1, 4))
+    planner = _planner(costs)
+    weak = [Chain("window", 1, (7, 8, 9))]  # a window n-gram: seldom right
+    rows = []
+    for _ in range(16):
+        plan = planner.plan(weak, room=100)
+        rows.append(plan.rows)
+        planner.observe(plan, [])
+        costs.observe(plan.rows, plan.window, 6.5 if plan.rows == 1 else 9.5)  # what the steps really take
+    assert rows[:4] == [1, 1, 1, 1]  # the first one warms up, then FIT_LEAST count
+    assert rows[-4:] == [1, 1, 1, 1] and costs.of(1) < costs.of(2)
+    eager = _planner(StepCosts({1: 9.6, 4: 8.7}))  # eager costs are measured side by side: trusted
+    assert eager.plan(weak, room=100).rows > 1

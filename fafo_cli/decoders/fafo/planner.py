@@ -217,6 +217,13 @@ class StepCosts:
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
         self._fitted = _STALE
 
+    def unseen(self, rows: int, window: bool = False) -> bool:
+        """Whether fewer than FIT_LEAST steps of this class have counted. A size the planner never runs keeps the
+        cost it was given, which for compiled packages (each timed at its own build, unless `fafo bench --tune` timed
+        them side by side) can be stale beside the others': a 4-row package timed cheaper than the 1-row one made
+        every step verify guesses that did not pay. So the planner runs compiled plain steps until theirs counts."""
+        return self._seen.get(self._class(rows, window), 0) < FIT_LEAST
+
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
         # on compiled steps each row count apart: a package's padding rows skip attention, which at long contexts
         # is much of a row's cost
@@ -339,6 +346,9 @@ class Planner:
         elif n == 0 and order and self.unverified >= EXPLORE_EVERY and 2 + (self.window_rows if window else 0) <= room \
                 and self.costs.of(2 + (self.window_rows if window else 0)) is not None:
             n = 1  # now and then the likeliest guess is verified anyway, so its statistics stay measured
+        elif (n or window) and not self.fixed and gains[n] < 1.0 and self.costs.sizes is not None \
+                and self.costs.unseen(1):
+            n, window = 0, False  # compiled: plain steps until their cost is measured, where less than a guess is expected
         if window:  # the tokens this step would have emitted in the time its window's rows took
             with_window, without = self.costs.of(1 + n + self.window_rows, True), self.costs.of(1 + n)
             if with_window and without:
