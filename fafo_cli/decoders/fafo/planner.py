@@ -346,9 +346,9 @@ class Planner:
         elif n == 0 and order and self.unverified >= EXPLORE_EVERY and 2 + (self.window_rows if window else 0) <= room \
                 and self.costs.of(2 + (self.window_rows if window else 0)) is not None:
             n = 1  # now and then the likeliest guess is verified anyway, so its statistics stay measured
-        elif (n or window) and not self.fixed and gains[n] < 1.0 and self.costs.sizes is not None \
+        elif n and not window and not self.fixed and gains[n] < 1.0 and self.costs.sizes is not None \
                 and self.costs.unseen(1):
-            n, window = 0, False  # compiled: plain steps until their cost is measured, where less than a guess is expected
+            n = 0  # compiled: plain steps until their cost is measured, where less than a guess is expected
         if window:  # the tokens this step would have emitted in the time its window's rows took
             with_window, without = self.costs.of(1 + n + self.window_rows, True), self.costs.of(1 + n)
             if with_window and without:
