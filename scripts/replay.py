@@ -5,9 +5,12 @@ rows (measured first, after --context cached tokens), so the speedup column is t
 decoding on that curve; the planner plans with the same curve. Also the copy ceiling: steps that verify exactly the
 longest continuation of the answer that occurs anywhere earlier in the text (at most --most tokens), the most that
 drafting from the text could make of the curve, knowing where to copy from and for how long. No window (nothing
-runs the model during the replay).
+runs the model during the replay). With --packages, the steps are compiled ones instead: each set of package sizes
+is timed side by side (missing packages built first: minutes each), every step is padded up to the package that
+holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers.
 
     python scripts/replay.py --suites chat,edit,code --samples 3
+    python scripts/replay.py --dtype float32 --suites chat,math --packages 1,4,9,20 1,2,4,9,20
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import statistics
 
 from fafo_cli.bench.tune import step_costs
+from fafo_cli.compiled.timing import side_by_side
 from fafo_cli.decoders.fafo.planner import Acceptance, Planner, StepCosts
 from fafo_cli.decoders.fafo.step import AUTO_COPIES, text_chains, text_index
 from fafo_cli.decoders.suffix import Suffix
@@ -56,6 +60,8 @@ class FafoGuesses:
 
     def accepted(self, emitted, path):
         self.planner.observe(self.plan, path)
+        costs = self.planner.costs  # each step took what the curve says (so compiled plain steps count as measured)
+        costs.observe(self.plan.rows, self.plan.window, costs.of(self.plan.rows))
         self.index.extend(emitted)
 
 
@@ -91,32 +97,51 @@ class CopyCeiling:
         self.index.extend(emitted)
 
 
+def package_costs(engine, sets: list[list[int]], context: int) -> dict[str, StepCosts]:
+    """Each set of compiled package sizes as StepCosts, all of them timed side by side in one round."""
+    if any(1 not in sizes for sizes in sets):
+        raise SystemExit("--packages: every set needs the one-row package (plain decoding's step)")
+    compiled = engine.session.compiled
+    runners = {size: compiled.runner(size) for size in sorted(set().union(*sets))}
+    if None in runners.values():
+        raise SystemExit("--packages: a package could not be built or loaded")
+    ms = side_by_side(engine.model, runners, context=context)
+    return {",".join(map(str, sizes)): StepCosts({size: ms[size] for size in sizes}, sizes) for sizes in sets}
+
+
 def main() -> None:
     parser = common.parser(__doc__, "model", "dtype", "tokens", "suites", "samples", "prompts", suites="chat,edit,code",
                            tokens=256)
     parser.add_argument("--context", type=int, default=1024, help="cached tokens when the pass costs are measured")
     parser.add_argument("--most", type=int, default=16, help="the ceiling's longest copy per step")
+    parser.add_argument("--packages", nargs="+", default=None, metavar="SIZES",
+                        help="replay on compiled steps: sets of package sizes, each comma-separated with 1 among them "
+                             "(e.g. 1,4,9,20 1,2,4,9,20)")
     args = parser.parse_args()
-    engine = common.load_engine(args)
-    curve = step_costs(engine, context=args.context)
-    print("eager pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in curve.items()))
-    cost = StepCosts(curve)  # never told a step's time: the curve as measured, for every replay and the planner
+    engine = common.load_engine(args, compile="on" if args.packages else "auto")
+    costs = {"eager": StepCosts(step_costs(engine, context=args.context))} if not args.packages else \
+        package_costs(engine, [sorted(map(int, sizes.split(","))) for sizes in args.packages], args.context)
+    for name, cost in costs.items():  # never told a step's time: as measured, for every replay and the planner
+        print(f"{name} pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in cost.points))
     config = engine.request_config(method="fafo", max_tokens=args.tokens)
     speedups: dict[tuple[str, str], list[float]] = {}
     for sample in common.prompts(args, engine):
         engine.reset()
         prompt = engine.encode(list(sample.messages))
         answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens).token_ids
-        plain = (len(answer) - 1) * cost.of(1)
-        for name, guess in (("fafo", FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)),
-                            ("suffix", SuffixGuesses(prompt + answer[:1], config)),
-                            ("copy ceiling", CopyCeiling(prompt, answer, args.most))):
+        guesses = [(f"fafo {steps}" if args.packages else "fafo", cost,
+                    FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)) for steps, cost in costs.items()]
+        first = next(iter(costs.values()))
+        guesses += [("suffix", first, SuffixGuesses(prompt + answer[:1], config)),
+                    ("copy ceiling", first, CopyCeiling(prompt, answer, args.most))]
+        for name, cost, guess in guesses:
+            plain = (len(answer) - 1) * cost.of(1)
             steps, rows, ms = replay(answer, prompt, cost, guess)
             speedups.setdefault((sample.suite, name), []).append(plain / ms)
-            print(f"{sample.suite:9s} {sample.id[:40]:40s} {name:12s} τ {len(answer) / (steps + 1):.2f} "
+            print(f"{sample.suite:9s} {sample.id[:40]:40s} {name:18s} τ {len(answer) / (steps + 1):.2f} "
                   f"rows {rows / steps:.2f} speedup {plain / ms:.2f}", flush=True)
     for (suite, name), values in speedups.items():
-        print(f"{suite:9s} {name:12s} median speedup {statistics.median(values):.2f}")
+        print(f"{suite:9s} {name:18s} median speedup {statistics.median(values):.2f}")
 
 
 if __name__ == "__main__":

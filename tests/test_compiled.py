@@ -15,8 +15,9 @@ from fafo_cli.cli import entrypoint
 from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
 
 # Each package costs a build (a minute or more on a small CPU, most of this file's time), so the methods share
-# sizes: 1 row (plain steps); 6 (FAFO W=1's window with 3 guesses, 1 + 2 + 3; FAFO W=2's window alone, 1 + 5; prompt
-# lookup's 1 + 5); 12 (FAFO W=2's window with 6 guesses, 1 + 5 + 6; cacheback's 1 + 11); 3 (FAFO W=1's window alone).
+# sizes: 1 row (plain steps); 2 (FAFO's anchor with one guess); 6 (FAFO W=1's window with 3 guesses, 1 + 2 + 3; FAFO
+# W=2's window alone, 1 + 5; prompt lookup's 1 + 5); 12 (FAFO W=2's window with 6 guesses, 1 + 5 + 6; cacheback's
+# 1 + 11); 3 (FAFO W=1's window alone).
 METHODS = {
     "vanilla": dict(method="vanilla"),
     # budget between SHORT and LONG: on LONG the fumble rows see C(kv) only (the compiled step's mask)
@@ -42,16 +43,16 @@ def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
 def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     engine = compiled_engine
     engine.complete(SHORT, max_tokens=8, method="vanilla")
-    # the planner's sizes: 1 row, the window alone (W·k = 6), with D = 6 guesses (12)
+    # the planner's sizes: 1 row, one guess (2), the window alone (W·k = 6), with D = 6 guesses (12)
     engine.complete(SHORT, max_tokens=8, **METHODS["fafo-stream"])
-    # streams: auto with a compressor named is W=1 compiled: 1, 3, 6 rows
+    # streams: auto with a compressor named is W=1 compiled: 1, 2, 3, 6 rows
     auto = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="stream", draft_tokens=3)
     quest = engine.complete(SHORT, max_tokens=8, method="fafo", compressor="quest", budget=48, page_size=8, refresh=8)
     assert (auto.settings["streams"], auto.stats.streams, quest.stats.streams) == ("auto", 1, 2)
     assert any("quest compressor reads each step's queries" in n for n in engine.notices)  # eager, so W=2: no build
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
-    assert built == {1, 3, 6, 12}
+    assert built == {1, 2, 3, 6, 12}
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
@@ -82,31 +83,31 @@ def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_
 
 
 def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, tiny):
-    """FAFO's planner runs each step in one of its packages (1 row, the window alone, the window with guesses),
-    as their recorded costs make worth it: still transformers' greedy tokens, on a prompt longer than the
+    """FAFO's planner runs each step in one of its packages (1 row, one guess, the window alone, the window with
+    guesses), as their recorded costs make worth it: still transformers' greedy tokens, on a prompt longer than the
     compressed budget."""
-    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 3, 6
+    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 2, 3, 6
     notices: list[str] = []
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
     result = engine.complete(LONG, max_tokens=TOKENS, **settings)
     assert not [n for n in notices if "running eager" in n or "runs eager" in n]
     assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
-    assert len(engine.compiled.calls_by_size) >= 2 and set(engine.compiled.calls_by_size) <= {1, 3, 6}
+    assert len(engine.compiled.calls_by_size) >= 2 and set(engine.compiled.calls_by_size) <= {1, 2, 3, 6}
     assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1
-    assert {engine.compiled.step_ms(size) > 0 for size in (1, 3, 6)} == {True}  # the planner's measured costs
+    assert {engine.compiled.step_ms(size) > 0 for size in (1, 2, 3, 6)} == {True}  # the planner's measured costs
 
 
 def test_fafo_stays_compiled_where_only_its_larger_packages_are_missing(compiled_cache, tiny):
     """Under `compile: auto` a package that measured slower than eager (or was never built) is not used: FAFO's
     steps then keep to the sizes that are, instead of the whole answer running eager."""
-    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 3, 6
+    settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 2, 3, 6
     load(str(tiny), dtype="float32", chat_template=False, compile="on",
-         notify=lambda _: None).complete(SHORT, max_tokens=8, **settings)  # builds what is missing of 1, 3, 6
+         notify=lambda _: None).complete(SHORT, max_tokens=8, **settings)  # builds what is missing of 1, 2, 3, 6
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
-    longer = dict(settings, draft_tokens=16)  # sizes 1, 3, 6, 19: a 20-row package that does not exist
+    longer = dict(settings, draft_tokens=16)  # sizes 1, 2, 3, 6, 19: a 20-row package that does not exist
     result = engine.complete(LONG, max_tokens=TOKENS, **longer)
     assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
-    assert result.stats.streams == 1 and set(engine.compiled.calls_by_size) <= {1, 3, 6}
+    assert result.stats.streams == 1 and set(engine.compiled.calls_by_size) <= {1, 2, 3, 6}
     assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1  # every step compiled
     assert max(result.stats.step_rows) <= 6
 
@@ -711,8 +712,8 @@ def test_a_packed_models_packages_share_its_weights(compiled_cache, smollm2):
 
 
 def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2):
-    """SmolLM2 in bf16 (packed GGUF matrices where the CPU has them): the plain step's package and FAFO's 6-row
-    one give a token the same logits bit for bit, so compiled FAFO decodes compiled plain decoding's tokens
+    """SmolLM2 in bf16 (packed GGUF matrices where the CPU has them): the plain step's package and FAFO's 2- and
+    6-row ones give a token the same logits bit for bit, so compiled FAFO decodes compiled plain decoding's tokens
     even in bf16 (it parted at the 14th token of this prompt while inductor dropped roundings by row count)."""
     from fafo_cli.bench import suites
     from fafo_cli.compiled.kernels import loader
@@ -723,8 +724,8 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
         pytest.skip("this CPU lacks AVX512-BF16: no packed steps (autotuned GEMMs may differ by row count)")
     notices: list[str] = []
     engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)
-    plain, fafo_step = engine.compiled.runner(1), engine.compiled.runner(6)
-    assert plain is not None and fafo_step is not None, notices
+    plain, one_guess, fafo_step = engine.compiled.runner(1), engine.compiled.runner(2), engine.compiled.runner(6)
+    assert plain is not None and one_guess is not None and fafo_step is not None, notices
     model, gen = engine.model, torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for context in (300, 1300):
@@ -742,14 +743,16 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
                               torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
                               list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
 
-            assert torch.equal(step(plain, 1)[0], step(fafo_step, 6)[0]), f"after {context} cached tokens"
+            alone = step(plain, 1)[0]
+            assert torch.equal(alone, step(one_guess, 2)[0]), f"after {context} cached tokens"
+            assert torch.equal(alone, step(fafo_step, 6)[0]), f"after {context} cached tokens"
     sample = next(s for s in suites.load_suite("summarize") if s.id == "doc-json")
     vanilla = engine.complete(list(sample.messages), max_tokens=48, method="vanilla")
     engine.reset()  # both prefill the whole prompt (a reused one prefills its last token alone: other roundings)
     fafo = engine.complete(list(sample.messages), max_tokens=48, method="fafo", draft_tokens=5, guesses=2)
-    # the CPU's default (no window), in the two packages above (sizes 1 and 6: G·k covers D); guesses from the text
-    # were verified in several-row steps, whether or not any held
+    # the CPU's default (no window), in the three packages above (sizes 1, 2 and 6: G·k covers D); guesses from the
+    # text were verified in several-row steps, whether or not any held
     assert fafo.stats.streams == 0 and fafo.stats.drafted_tokens > 0 and max(map(int, fafo.stats.step_rows)) > 1
     built = [notice for notice in notices if notice.startswith("compiling the")]
-    assert all("the 1-row" in notice or "the 6-row" in notice for notice in built), notices
+    assert all(any(f"the {rows}-row" in notice for rows in (1, 2, 6)) for notice in built), notices
     assert fafo.token_ids == vanilla.token_ids

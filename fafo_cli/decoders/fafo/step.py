@@ -71,13 +71,15 @@ class FafoSettings:
     @property
     def step_sizes(self) -> tuple[int, ...]:
         """The row counts the planner chooses among on compiled steps (a package each): plain decoding's one row,
-        the window alone (free prose, nothing worth verifying), the window with G of its n-grams (the paper's
-        step), with D/2 guesses where that is more (a copy: on a CPU the largest package costs several plain
-        steps, a middle one far less) and with D (a long copy). Few, because each is a build on first use."""
+        the anchor with its likeliest guess (where each row costs arithmetic, as on a CPU, a guess accepted a third
+        of the time pays for one row but not for the three of the next size), the window alone (free prose,
+        nothing worth verifying), the window with G of its n-grams (the paper's step), with D/2 guesses where that
+        is more (a copy: on a CPU the largest package costs several plain steps, a middle one far less) and with D
+        (a long copy). Few, because each is a build on first use."""
         plain, window = 1, 1 + self.window_rows
         guesses = min(self.draft_tokens, self.guesses * self.ngram)
-        return tuple(sorted({plain, window, window + guesses, window + max(self.draft_tokens // 2, guesses),
-                             self.max_rows}))
+        return tuple(sorted({plain, plain + 1, window, window + guesses,
+                             window + max(self.draft_tokens // 2, guesses), self.max_rows}))
 
     def budget_tokens(self, prompt_length: int) -> int:
         """B in tokens: as given, or the fraction of the prompt (at least what the compressor's parts need)."""
