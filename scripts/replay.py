@@ -7,7 +7,8 @@ longest continuation of the answer that occurs anywhere earlier in the text (at 
 drafting from the text could make of the curve, knowing where to copy from and for how long. No window (nothing
 runs the model during the replay). With --packages, the steps are compiled ones instead: each set of package sizes
 is timed side by side (missing packages built first: minutes each), every step is padded up to the package that
-holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers.
+holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers
+(SuffixDecoding and the copy ceiling are replayed once, on the first set's).
 
     python scripts/replay.py --suites chat,edit,code --samples 3
     python scripts/replay.py --dtype float32 --suites chat,math --packages 1,4,9,20 1,2,4,9,20
@@ -129,8 +130,8 @@ def main() -> None:
         engine.reset()
         prompt = engine.encode(list(sample.messages))
         answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens).token_ids
-        guesses = [(f"fafo {steps}" if args.packages else "fafo", cost,
-                    FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)) for steps, cost in costs.items()]
+        guesses = [(f"fafo {sizes}" if args.packages else "fafo", cost,
+                    FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)) for sizes, cost in costs.items()]
         first = next(iter(costs.values()))
         guesses += [("suffix", first, SuffixGuesses(prompt + answer[:1], config)),
                     ("copy ceiling", first, CopyCeiling(prompt, answer, args.most))]
