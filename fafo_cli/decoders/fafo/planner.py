@@ -154,10 +154,12 @@ class StepCosts:
         if not ms:
             raise ValueError("no step costs")
         self.points = sorted(ms.items())
+        self._point_rows = [rows for rows, _ in self.points]
         self.sizes = tuple(sorted(sizes)) if sizes is not None else None
         # the recent steps: (class, rows, ms beyond the curve, ratio to it), overall and per class
         self._recent: deque[tuple[tuple[int, bool], int, float, float]] = deque(maxlen=RECENT)
         self._own: dict[tuple[int, bool], deque[float]] = {}
+        self._own_median: dict[tuple[int, bool], float] = {}  # of each class's own, kept as steps are observed
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
         self._fitted: tuple | None = _STALE  # _fit's answer since the last observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
@@ -178,10 +180,10 @@ class StepCosts:
             _, added, per_row, ratio = self._fitted
             cost = min(measured * ratio, measured + added, measured + max(per_row, 0.0) * rows)
         step_class = self._class(rows, window)
-        own = self._own.get(step_class)
-        if own:
+        own = self._own_median.get(step_class)
+        if own is not None:
             weight = self._seen[step_class] / (self._seen[step_class] + CLASS_PRIOR)
-            cost += (measured + statistics.median(own) - cost) * weight
+            cost += (measured + own - cost) * weight
         return max(cost, 0.1 * measured)  # (a fit's slope below the curve's must not make steps free)
 
     def _fit(self) -> tuple | None:
@@ -213,7 +215,9 @@ class StepCosts:
             self._warm.add(step_class)    # the cache growing), which would set every class's estimate at once
             return
         self._recent.append((step_class, rows, ms - measured, ms / measured))
-        self._own.setdefault(step_class, deque(maxlen=RECENT)).append(ms - measured)
+        own = self._own.setdefault(step_class, deque(maxlen=RECENT))
+        own.append(ms - measured)
+        self._own_median[step_class] = statistics.median(own)
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
         self._fitted = _STALE
 
@@ -238,7 +242,7 @@ class StepCosts:
         points = self.points
         if len(points) == 1:
             return points[0][1]
-        at = min(max(1, bisect.bisect_left([r for r, _ in points], rows)), len(points) - 1)
+        at = min(max(1, bisect.bisect_left(self._point_rows, rows)), len(points) - 1)
         (r0, m0), (r1, m1) = points[at - 1], points[at]
         return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)  # extrapolates past the ends
 
