@@ -16,7 +16,7 @@ from fafo_cli.errors import FafoError
 
 FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
 REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_speedup", "speedup_by_prompt", "tau",
-            "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions"}
+            "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions", "steps"}
 
 
 def test_first_divergence():
@@ -50,11 +50,23 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monke
     table = list(csv.DictReader(files["csv"].open()))
     assert len(table) == len(records) and table[3]["row"] == records[3]["row"]
     markdown = files["md"].read_text()
+    assert records[0]["steps"] in markdown.splitlines()[0]  # the title says how the steps ran
     assert markdown.count("\n| chat |") == len(rows) and "| suite | method | tokens/s |" in markdown
     assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "fafo-stream" in out and "hf-prompt-lookup" in out  # the Rich tables, whole on a pipe (not cut to 80)
     assert "…" not in out and "acceptance" in out and "peak memory" in out
     assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_the_title_names_how_steps_ran():
+    from types import SimpleNamespace
+
+    from fafo_cli.bench.command import _steps_mode
+
+    assert _steps_mode(SimpleNamespace(compile="on"), True) == "eager and +compiled rows"
+    assert _steps_mode(SimpleNamespace(compile="off"), False) == "eager steps"
+    assert _steps_mode(SimpleNamespace(compile="auto"), False) == "eager steps"
+    assert _steps_mode(SimpleNamespace(compile="auto"), True).startswith("compiled steps where built")
 
 
 def test_suites_load_offline():

@@ -80,6 +80,21 @@ def _meta(engine, options: BenchOptions, config) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def _compiled_calls(engine) -> int:
+    """Steps run compiled (packages or CUDA graphs) in this process so far."""
+    return sum(engine.compiled.calls_by_size.values()) if engine.compiled is not None else 0
+
+
+def _steps_mode(config, ran_compiled: bool) -> str:
+    """How the rows' steps ran, for the title: under `compile: auto` rows without "+compiled" run compiled wherever a
+    package was built before, so a table that does not say so reads as eager."""
+    if config.compile == "on":
+        return "eager and +compiled rows"
+    if ran_compiled:
+        return "compiled steps where built (compile: auto; --no-compile for eager)"
+    return "eager steps"
+
+
 def _write(path: str, text: str) -> None:
     if path == "-":
         sys.stdout.write(text)
@@ -151,6 +166,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         raise FafoError("no prompt fits the model's context with --tokens "
                         f"{options.tokens}")
     rows = plan_rows(options.methods, options.compressors, options.external, compiled=config.compile == "on")
+    compiled_before = _compiled_calls(engine)
     if "eager" not in engine.session.step_costs and any(row.method == "fafo" for row in rows):
         from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
 
@@ -192,8 +208,9 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     else:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)
-    meta = {**_meta(engine, options, config), "tie_tolerance": tolerance}
-    title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {options.tokens} tokens · "
+    meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,
+            "steps": _steps_mode(config, _compiled_calls(engine) > compiled_before)}
+    title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['steps']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
     if tolerance:
         title += f" · near-tie: logit gap ≤ {tolerance:.2f}"
