@@ -91,7 +91,7 @@ def _steps_mode(config, ran_compiled: bool) -> str:
     if config.compile == "on":
         return "eager and +compiled rows"
     if ran_compiled:
-        return "compiled steps where built (compile: auto; --no-compile for eager)"
+        return "compiled steps where built (compile: auto; --compile runs each row eager and compiled)"
     return "eager steps"
 
 
