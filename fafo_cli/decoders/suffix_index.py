@@ -230,11 +230,16 @@ class SuffixIndex:
         heap: list = []  # (-probability, order, token, state, length, parent, given)
         order = itertools.count()  # ties: earlier offered first
 
+        count, nexts, deepest = self._count, self._next, self.count_depth
+
         def offer(state: int, length: int, probability: float, parent: int) -> None:
-            following = self.next_counts(state, length)
-            total = sum(n for n, _ in following.values()) + smoothing
-            for token, (n, child) in following.items():
-                given = n / total
+            # next_counts' answer, read in place (this runs for every node of every step's tree)
+            if not self.counts or deepest is not None and length + 1 > deepest:
+                return
+            following = nexts[state]
+            total = sum(count[child] for child in following.values()) + smoothing
+            for token, child in following.items():
+                given = count[child] / total
                 if token >= 0 and probability * given >= min_prob:
                     heapq.heappush(heap, (-probability * given, next(order), token, child, length + 1, parent, given))
 

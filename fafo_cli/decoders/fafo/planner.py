@@ -112,9 +112,14 @@ class Acceptance:
 
     def chances(self, chain: Chain) -> list[float]:
         """The chance that plain decoding reaches each of the chain's tokens."""
+        if chain.odds:
+            given = [self._given(*self._statistic(chain, position)) for position in range(len(chain.tokens))]
+        else:  # a copy's or an n-gram's tokens after the first share one statistic
+            further = self._given(*self._statistic(chain, 1)) if len(chain.tokens) > 1 else 1.0
+            given = [self._given(*self._statistic(chain, 0))] + [further] * (len(chain.tokens) - 1)
         chances, chance = [], 1.0
-        for position in range(len(chain.tokens)):
-            chance *= self._given(*self._statistic(chain, position))
+        for p in given:
+            chance *= p
             chances.append(chance)
         return chances
 
