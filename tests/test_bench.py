@@ -67,6 +67,7 @@ def test_the_title_names_how_steps_ran():
     assert _steps_mode(SimpleNamespace(compile="off"), False) == "eager steps"
     assert _steps_mode(SimpleNamespace(compile="auto"), False) == "eager steps"
     assert _steps_mode(SimpleNamespace(compile="auto"), True).startswith("compiled steps where built")
+    assert _steps_mode(SimpleNamespace(compile="auto"), True, graphs=True) == "CUDA graph steps"
 
 
 def test_suites_load_offline():

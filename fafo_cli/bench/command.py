@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..compiled.graphs import GraphSteps
 from ..compiled.timing import write_step_costs
 from ..config import METHODS
 from ..errors import FafoError
@@ -85,13 +86,14 @@ def _compiled_calls(engine) -> int:
     return sum(engine.compiled.calls_by_size.values()) if engine.compiled is not None else 0
 
 
-def _steps_mode(config, ran_compiled: bool) -> str:
+def _steps_mode(config, ran_compiled: bool, graphs: bool = False) -> str:
     """How the rows' steps ran, for the title: under `compile: auto` rows without "+compiled" run compiled wherever a
-    package was built before, so a table that does not say so reads as eager."""
+    package was built before (or as CUDA graphs on a GPU), so a table that does not say so reads as eager."""
     if config.compile == "on":
         return "eager and +compiled rows"
     if ran_compiled:
-        return "compiled steps where built (compile: auto; --compile runs each row eager and compiled)"
+        return "CUDA graph steps" if graphs else \
+            "compiled steps where built (compile: auto; --compile runs each row eager and compiled)"
     return "eager steps"
 
 
@@ -209,7 +211,8 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)
     meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,
-            "steps": _steps_mode(config, _compiled_calls(engine) > compiled_before)}
+            "steps": _steps_mode(config, _compiled_calls(engine) > compiled_before,
+                                 graphs=isinstance(engine.compiled, GraphSteps))}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['steps']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
     if tolerance:

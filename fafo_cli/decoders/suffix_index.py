@@ -216,10 +216,14 @@ class SuffixIndex:
         the state of the string one token longer). The count of that state is the count of the string + token:
         all strings of a state share their endpos, even when the state holds longer ones. Empty past
         `count_depth` (counts are not kept there) or without counts."""
+        count = self._count
+        return {token: (count[child], child) for token, child in self._followers(state, length).items()}
+
+    def _followers(self, state: int, length: int) -> dict[int, int]:
+        """`state`'s transitions (token -> state) where the counts of their states are kept, else none."""
         if not self.counts or self.count_depth is not None and length + 1 > self.count_depth:
             return {}
-        count = self._count
-        return {token: (count[child], child) for token, child in self._next[state].items()}
+        return self._next[state]
 
     def likeliest(self, state: int, length: int, limit: int, min_prob: float, smoothing: int = 0) -> list[Continuation]:
         """Up to `limit` continuations of the string of `state` (`length` tokens), grown best first by probability:
@@ -230,13 +234,11 @@ class SuffixIndex:
         heap: list = []  # (-probability, order, token, state, length, parent, given)
         order = itertools.count()  # ties: earlier offered first
 
-        count, nexts, deepest = self._count, self._next, self.count_depth
+        count = self._count
 
         def offer(state: int, length: int, probability: float, parent: int) -> None:
-            # next_counts' answer, read in place (this runs for every node of every step's tree)
-            if not self.counts or deepest is not None and length + 1 > deepest:
-                return
-            following = nexts[state]
+            # next_counts' answer read in place: this runs for every node of every step's tree
+            following = self._followers(state, length)
             total = sum(count[child] for child in following.values()) + smoothing
             for token, child in following.items():
                 given = count[child] / total
