@@ -1,13 +1,60 @@
-"""Writing a file or a folder so that no reader ever sees half of it: a partial sibling, then one rename."""
+"""Writing a file or a folder so that no reader ever sees half of it: a partial sibling, then one rename.
+
+A partial name carries its writer's process id. A writer that is killed (SIGKILL, a power cut) cannot remove its
+partial, so each write first removes the partials beside it whose writer is gone: a cut-off conversion's staging
+folder (gigabytes for a 1.5B model) does not stay in the cache for good.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+
+# a partial of a writer from before partial names carried a process id: removed once it is this old
+UNOWNED_AGE_S = 24 * 3600
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process `pid` runs here (one of another user's counts as running)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (not ours to signal), or no such check here
+        return False
+    return False
+
+
+def _sweep(folder: Path, pattern: re.Pattern) -> None:
+    """Remove the entries of `folder` whose names match `pattern` and whose writer (the pattern's group "pid")
+    is gone, or, without one, that are older than UNOWNED_AGE_S."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            pid = match.group("pid")
+            if not (_gone(int(pid)) if pid else time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except (OSError, ValueError):  # removed meanwhile by another writer, or not ours to remove
+            continue
 
 
 @contextmanager
@@ -16,6 +63,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     block ends without an exception it is renamed over `path`. Either way no partial file remains. The name
     carries the process id (two processes may build the same file) and keeps the suffix (tools read it)."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial{path.suffix}")
+    _sweep(path.parent, re.compile(re.escape(path.name) + r"\.(?P<pid>\d+)\.partial" + re.escape(path.suffix)))
     try:
         yield partial
         os.replace(partial, path)
@@ -29,7 +77,8 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     renamed to `target`, which so appears complete or not at all. Where another process published `target` first
     (its file `done` is there) that copy is kept. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+    _sweep(target.parent, re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+"))
+    staging = Path(tempfile.mkdtemp(prefix=f".partial-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
         try:

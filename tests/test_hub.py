@@ -383,6 +383,42 @@ def test_a_published_folder_appears_whole_once(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["m", "o"]  # no staging folder left
 
 
+def _finished_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
+    import os
+    import time
+
+    from fafo_cli.files import UNOWNED_AGE_S, atomic_path, publish_dir
+
+    models, dead, alive = tmp_path / "models", _finished_pid(), os.getppid()
+    for name in (f".partial-{dead}-ab_cd", f".partial-{alive}-ef_gh", ".partial-old_one", ".partial-new_one"):
+        (models / name).mkdir(parents=True)
+        (models / name / "model.safetensors").write_bytes(b"half")
+    aged = time.time() - UNOWNED_AGE_S - 60
+    os.utime(models / ".partial-old_one", (aged, aged))  # an unowned one (written before names had a pid)
+    with publish_dir(models / "m", "config.json") as staging:
+        assert staging.name.startswith(f".partial-{os.getpid()}-")
+        (staging / "config.json").write_text("{}")
+    # the dead writer's and the day-old unowned one are gone; a running writer's and a fresh unowned one stay
+    assert sorted(p.name for p in models.iterdir()) == [f".partial-{alive}-ef_gh", ".partial-new_one", "m"]
+
+    target = tmp_path / "package.pt2"
+    for pid in (dead, alive):
+        (tmp_path / f"package.pt2.{pid}.partial.pt2").write_bytes(b"half")
+    (tmp_path / f"other.pt2.{dead}.partial.pt2").write_bytes(b"half")  # another file's: left to its own writes
+    with atomic_path(target) as partial:
+        partial.write_bytes(b"whole")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "other.pt2.%d.partial.pt2" % dead, "package.pt2", "package.pt2.%d.partial.pt2" % alive]
+
+
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):
     import shutil
 
