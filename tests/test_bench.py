@@ -16,7 +16,8 @@ from fafo_cli.errors import FafoError
 
 FAST = ["--samples", "1", "--repeats", "2", "--warmup", "0", "--tokens", "24", "--dtype", "float32"]
 REQUIRED = {"method", "compressor", "suite", "tokens_per_s", "speedup", "worst_speedup", "speedup_by_prompt", "tau",
-            "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions", "steps"}
+            "exact", "peak_memory_mb", "settings", "model", "dtype", "device", "versions", "steps", "mean_draft",
+            "mean_rows", "step_rows", "accepted_from"}
 
 
 def test_first_divergence():
@@ -43,6 +44,14 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monke
         assert record["exact"] == "1/1" and record["tokens_per_s"] > 0 and record["runs"] == 2
         assert record["dtype"] == "float32" and record["versions"]["torch"]
     assert {r["compressor"] for r in records if r["method"] == "fafo"} == {"stream", "none"}
+    for record in records:  # where accepted tokens came from, the mean draft and the row counts of FAFO's steps
+        if record["method"] == "fafo":
+            assert set(record["accepted_from"]) == {"text", "window"}
+            assert sum(record["accepted_from"].values()) == record["accepted_tokens"]
+            assert record["step_rows"] and all(int(rows) >= 1 and n > 0 for rows, n in record["step_rows"].items())
+            assert record["mean_rows"] >= 1 and record["mean_draft"] > 0
+        elif record["method"] == "vanilla":
+            assert record["step_rows"] == {} and record["accepted_from"] == {} and record["mean_draft"] is None
     assert next(r for r in records if r["row"] == "vanilla")["speedup"] == 1.0
     for record in records:
         if record["speedup"] is not None:  # one prompt per suite here: the worst is the median
@@ -55,6 +64,7 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monke
     assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "fafo-stream" in out and "hf-prompt-lookup" in out  # the Rich tables, whole on a pipe (not cut to 80)
     assert "…" not in out and "acceptance" in out and "peak memory" in out
+    assert all(column in out for column in ("draft", "rows", "from text"))
     assert not list(tmp_path.glob("*.partial*"))
 
 

@@ -97,6 +97,31 @@ def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, 
     assert {engine.compiled.step_ms(size) > 0 for size in (1, 2, 3, 6)} == {True}  # the planner's measured costs
 
 
+def test_tune_times_the_packages_side_by_side_for_the_planner(compiled_cache, tiny, tmp_path, monkeypatch, capsys):
+    """`fafo bench --tune` on compiled steps keeps the packages' costs, timed side by side, beside them; the planner
+    then reads those instead of each package's build-time record."""
+    from fafo_cli.bench import tune
+    from fafo_cli.compiled.timing import STEP_COSTS, read_step_costs
+
+    config = tmp_path / "config.yaml"  # fafo-stream with the sizes 1, 2, 3, 6 the test above built
+    config.write_text("compile: on\ncompressor: stream\nbudget: 48\nsink: 4\nstreams: 1\nngram: 3\nguesses: 1\n"
+                      "draft_tokens: 3\nchat_template: false\n")
+    monkeypatch.setattr(tune, "CANDIDATES", ((1, 3, 1),))  # the current setting only: no other package to build
+    monkeypatch.setattr(tune, "TOKENS", 8)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
+    costs_file = engine.steps_folder / STEP_COSTS
+    try:
+        assert entrypoint(["bench", str(tiny), "--tune", "--config", str(config), "--dtype", "float32"]) == 0
+        assert "compiled steps, side by side: 1 rows" in capsys.readouterr().out
+        tuned = read_step_costs(engine.steps_folder)
+        assert set(tuned) == {"eager", "compiled"} and {1, 6} <= set(tuned["compiled"]) <= {1, 2, 3, 6}
+        assert all(ms > 0 for ms in tuned["compiled"].values())
+        for size, ms in tuned["compiled"].items():  # what the planner's StepCosts are built from
+            assert engine.compiled.step_ms(size) == ms
+    finally:
+        costs_file.unlink(missing_ok=True)  # the other tests read the packages' own records
+
+
 def test_fafo_stays_compiled_where_only_its_larger_packages_are_missing(compiled_cache, tiny):
     """Under `compile: auto` a package that measured slower than eager (or was never built) is not used: FAFO's
     steps then keep to the sizes that are, instead of the whole answer running eager."""
