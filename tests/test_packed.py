@@ -203,9 +203,10 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
                    ffn_gate=(512, 256), ffn_up=(512, 256), ffn_down=(256, 512))  # [out, in]
 
 
-def write_tiny_gguf(path, seed: int = 0):
-    """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a tied Q8_0
-    embedding), its matrices random blocks of TINY_TYPES with scales that keep activations moderate."""
+def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
+    """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
+    embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of TINY_TYPES
+    with scales that keep activations moderate."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -238,6 +239,8 @@ def write_tiny_gguf(path, seed: int = 0):
         writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
 
     matrix("token_embd.weight", "Q8_0", len(tokens), 256)
+    if head is not None:
+        matrix("output.weight", head, len(tokens), 256)
     for layer, kinds in TINY_TYPES.items():
         for name, kind in kinds.items():
             matrix(f"blk.{layer}.{name}.weight", kind, *TINY_SHAPES[name])
@@ -345,6 +348,31 @@ def test_eager_rows_over_packed_blocks_compute_plain_decodings_logits_bit_for_bi
     assert torch.equal(multi, single)
     if dtype == "bfloat16":  # our kernel reads bf16 keys itself: half the bytes (float32 where AMX would read them)
         assert session.cache.dtype == session.cache.read_dtype == (torch.float32 if loader.has_amx() else torch.bfloat16)
+
+
+def test_a_head_matrix_of_its_own_is_packed_apart_from_the_embedding(compiled_cache, tmp_path):
+    """A GGUF with its own `output.weight` (as Qwen2.5-Coder's files have): converted untied, the vocabulary head
+    packed from that matrix in its own format (not from the embedding), the embedding left as it is, and greedy
+    decoding over the blocks gives the dense model's tokens."""
+    from fafo_cli import load
+    from fafo_cli.compiled import packed
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel(torch.float32) == "plain":
+        pytest.skip("this CPU lacks AVX2: float32 steps keep dense weights")
+    path = write_tiny_gguf(tmp_path / "tiny-own-head.gguf", seed=1, head="Q6_K")
+    dense = load(str(path), dtype="float32", compile="off")
+    assert not dense.model.hf.config.tie_word_embeddings
+    assert not torch.equal(dense.model.hf.lm_head.weight, dense.model.embed.weight)
+    engine = load(str(path), dtype="float32", compile="auto", notify=lambda _: None)
+    head = engine.model.lm_head
+    assert isinstance(head, packed.PackedLinear) and head.packed.shape[-1] == packed.ENTRY_BYTES["Q6_K"]
+    weight, _ = head.dense()
+    assert torch.equal(weight, dense.model.hf.lm_head.weight)  # the head's own values, bit for bit
+    ours, theirs = (run.complete("one two three four", max_tokens=24, method=method)
+                    for run, method in ((engine, "fafo"), (dense, "vanilla")))
+    assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24
 
 
 def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):

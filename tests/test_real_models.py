@@ -1,11 +1,16 @@
-"""Real instruct models, where their files are present (CI need not download them): Qwen2.5-Coder-0.5B-Instruct
-as a Q4_K_M .gguf file (Qwen2: qkv biases, its own lm_head tensor, Q5_0/Q8_0/Q4_K/Q6_K blocks), converted and run
-end to end, its greedy output equal to transformers' own `generate` on the same dequantized weights."""
+"""Real instruct models, where their files are present (CI need not download them): Qwen2.5-Coder-0.5B- and
+-1.5B-Instruct as Q4_K_M .gguf files (Qwen2: qkv biases, a vocabulary head of its own; Q5_0/Q8_0/Q4_K/Q6_K blocks in
+the 0.5B file, Q4_K/Q6_K in the 1.5B one), where `../shared/models/get-qwen-coder.sh 0.5b|1.5b` puts them (or
+FAFO_MODELS_DIR): converted once and run end to end, greedy output equal to transformers' own `generate` on the same
+dequantized weights, and `fafo run`, `chat` and `bench` over the file's blocks as a user runs them."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,47 +20,93 @@ from fafo_cli.cli import entrypoint
 
 from .conftest import hf_greedy
 
-pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+pytestmark = [pytest.mark.device, pytest.mark.slow]  # the exactness test runs on --device (tests/conftest.py)
 
-QWEN_GGUF = Path(os.environ.get("FAFO_QWEN_GGUF", "/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+MODELS = Path(os.environ.get("FAFO_MODELS_DIR") or Path.home() / ".cache" / "fafo-models")  # the script's default
+SIZES = ("0.5b", "1.5b")
 QUESTION = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome, "
                                         "ignoring case and spaces. Explain it briefly."}]
 
 
-@pytest.fixture(scope="session")
-def qwen_coder() -> Path:
-    """The .gguf file converted once per session at most (into the user's cache, like the embedded model, so later
-    sessions find it converted)."""
-    if not QWEN_GGUF.is_file():
-        pytest.skip(f"no Qwen2.5-Coder .gguf file at {QWEN_GGUF} (set FAFO_QWEN_GGUF to one)")
-    return hub.resolve(str(QWEN_GGUF))
+def gguf_file(size: str) -> Path:
+    return MODELS / f"qwen2.5-coder-{size}-instruct-q4_k_m.gguf"
 
 
-# how the engine names the file's weights: written out, not computed with the header reader under test (a file
-# given by FAFO_QWEN_GGUF must be a Q4_K_M one too)
-WEIGHTS = "Q4_K_M GGUF, dequantized to float32"
+@pytest.fixture(scope="module", params=SIZES)
+def qwen_coder(request) -> tuple[Path, Path]:
+    """The .gguf file and its converted folder (converted once at most, into the user's cache like the embedded
+    model, so later sessions find it converted)."""
+    path = gguf_file(request.param)
+    if not path.is_file():
+        pytest.skip(f"no Qwen2.5-Coder-{request.param.upper()} .gguf file at {path} (get it with "
+                    f"../shared/models/get-qwen-coder.sh {request.param}, or set FAFO_MODELS_DIR)")
+    return path, hub.resolve(str(path))
 
 
-@pytest.mark.slow
 def test_qwen_coder_gguf_greedy_matches_transformers(qwen_coder):
-    engine = load(str(QWEN_GGUF), dtype="float32", compile="off")
-    assert engine.folder == qwen_coder  # not converted again
-    assert engine.weights == WEIGHTS
-    assert engine.stop_ids == {engine.tokenizer.convert_tokens_to_ids("<|im_end|>")}  # the end of a chat turn
+    path, folder = qwen_coder
+    engine = load(str(path), dtype="float32", compile="off")
+    assert engine.folder == folder  # not converted again
+    assert engine.weights == "Q4_K_M GGUF, dequantized to float32"  # written out, not computed by the code under test
+    assert engine.stop_ids == {engine.tokenizer.get_vocab()["<|im_end|>"]}  # the end of a chat turn
     ids = engine.encode(QUESTION)
     assert engine.tokenizer.decode(ids).startswith("<|im_start|>system\n")  # Qwen2's template, its default system
-    expected = hf_greedy(qwen_coder, ids, 64)
+    expected = hf_greedy(folder, ids, 64)
     for method in ("vanilla", "fafo"):
         assert engine.complete(QUESTION, method=method, max_tokens=64).token_ids == expected, method
 
 
-@pytest.mark.slow
-def test_fafo_run_on_the_qwen_coder_gguf(qwen_coder, tmp_path, capsys):
+def test_fafo_run_reads_the_blocks_as_stored(qwen_coder, tmp_path, capsys):
+    path, folder = qwen_coder
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(QUESTION[0]["content"])
-    assert entrypoint(["run", str(QWEN_GGUF), "-p", str(prompt), "-n", "32", "--json", "--dtype", "float32",
-                       "--no-compile"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert len(result["token_ids"]) == 32 and result["text"].strip()
-    assert result["settings"]["weights"] == WEIGHTS
-    assert result["settings"]["model_path"] == str(qwen_coder)
+    for method in ("vanilla", "fafo"):
+        assert entrypoint(["run", str(path), "-p", str(prompt), "-n", "48", "--json", "--dtype", "float32",
+                           "--method", method]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert len(result["token_ids"]) == 48 and result["text"].strip()
+        assert result["settings"]["weights"] == "Q4_K_M GGUF, read as stored"  # every matrix packed
+        assert result["settings"]["model_path"] == str(folder)
+        if method == "vanilla":
+            plain = result["token_ids"]
+    assert result["token_ids"] == plain  # FAFO over the blocks: plain decoding's tokens over the same blocks
+
+
+def _python(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_the_packed_model_stays_near_the_files_size_in_memory(qwen_coder, tmp_path):
+    """A later start reads the packed blocks kept beside the packages: its peak resident memory over a bare process
+    with torch and fafo imported is about the file's size (the dense matrices they replace are never read, and of the
+    embedding table only the prompt's rows are)."""
+    path, _ = qwen_coder
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(QUESTION[0]["content"])
+    assert _python("-m", "fafo_cli", "run", str(path), "-p", str(prompt), "-n", "4", "--dtype", "float32").returncode == 0
+    bare = _python("-c", "import torch, fafo_cli.cli; print(int(open('/proc/self/statm').read().split()[1]) * 4096)")
+    run = _python("-m", "fafo_cli", "run", str(path), "-p", str(prompt), "-n", "16", "--json", "--dtype", "float32")
+    assert run.returncode == 0, run.stderr
+    peak_mb, bare_mb = json.loads(run.stdout)["stats"]["peak_memory_mb"], int(bare.stdout) / 2**20
+    file_mb = path.stat().st_size / 2**20
+    assert peak_mb - bare_mb < 1.3 * file_mb, (peak_mb, bare_mb, file_mb)  # 0.5B: 1.11x, 1.5B: 1.19x (Zen 3)
+
+
+def test_fafo_chat_answers_two_turns(qwen_coder):
+    path, _ = qwen_coder
+    chat = _python("-m", "fafo_cli", "chat", str(path), "--dtype", "float32", "-n", "12",
+                   stdin="Say hello.\nNow say it in French.\n/stats\n")
+    assert chat.returncode == 0, chat.stderr
+    assert re.search(r"2 turns · \d+ tokens generated", chat.stdout) and "Traceback" not in chat.stderr
+
+
+def test_fafo_bench_is_exact_on_code(qwen_coder, tmp_path):
+    path, _ = qwen_coder
+    out = tmp_path / "bench.json"
+    assert entrypoint(["bench", str(path), "--suites", "code", "--samples", "1", "--tokens", "16", "--repeats", "1",
+                       "--warmup", "0", "--methods", "fafo", "--no-external", "--dtype", "float32",
+                       "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["row"] for r in records] == ["vanilla", "fafo"]
+    assert all(r["exact"] == "1/1" and r["tokens_per_s"] > 0 for r in records)

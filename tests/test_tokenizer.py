@@ -13,7 +13,7 @@ from fafo_cli import hub
 from fafo_cli.runtime.tokenizer import Tokenizer, lean_tokenizer
 
 from .conftest import build_tiny_model
-from .test_real_models import QWEN_GGUF
+from .test_real_models import SIZES, gguf_file
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines  ", "naïve café — 東京 🙂 ÅÆØ",
          "def f(x):\n    return x ** 2  # square\n", "<|im_start|>user\nspecial tokens inside text<|im_end|>",
@@ -59,10 +59,12 @@ def test_the_embedded_model_tokenizes_as_transformers(smollm2):
 
 
 @pytest.mark.slow
-def test_qwen_coder_tokenizes_as_transformers():
-    if not QWEN_GGUF.is_file():
-        pytest.skip(f"no Qwen2.5-Coder .gguf file at {QWEN_GGUF} (set FAFO_QWEN_GGUF to one)")
-    assert_same(hub.resolve(str(QWEN_GGUF)), converted=True)
+@pytest.mark.parametrize("size", SIZES)
+def test_qwen_coder_tokenizes_as_transformers(size):
+    path = gguf_file(size)
+    if not path.is_file():
+        pytest.skip(f"no Qwen2.5-Coder .gguf file at {path} (get-qwen-coder.sh {size}, or set FAFO_MODELS_DIR)")
+    assert_same(hub.resolve(str(path)), converted=True)
 
 
 @pytest.mark.parametrize("change", ["LlamaTokenizer", "auto_map", "add_bos_token", "remote code", "no tokenizer.json"])
