@@ -105,10 +105,15 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
-    with publish_dir(target, "config.json") as staging:
-        write_gguf_as_hf(path, staging)
-        record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
-        (staging / SOURCE_MARKER).write_text(json.dumps(record))
+    from .runtime.memory import release_freed_memory
+
+    try:
+        with publish_dir(target, "config.json") as staging:
+            write_gguf_as_hf(path, staging)
+            record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
+            (staging / SOURCE_MARKER).write_text(json.dumps(record))
+    finally:
+        release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
     return target
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import first_line
 from ..runtime.cache import KVCache
+from ..runtime.memory import release_freed_memory
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
@@ -116,6 +117,8 @@ class CompiledSteps(OnceNotices):
             self.notify_once(f"cannot read the packed weights of {self.gguf.name} "
                              f"({first_line(error, named=True)}); compiling with dense weights")
             return {}
+        finally:
+            release_freed_memory()  # the blocks dequantized to check them, a matrix at a time
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             packed.save(modules, self.folder / PACKED_FILE)
