@@ -22,8 +22,9 @@ UNOWNED_AGE_S = 24 * 3600
 
 
 def _gone(pid: int) -> bool:
-    """Whether no process `pid` runs here (one of another user's counts as running)."""
-    if pid == os.getpid():
+    """Whether no process `pid` runs here (one of another user's counts as running; on Windows, where a signal to
+    a process ends it, every writer counts as running)."""
+    if pid == os.getpid() or os.name == "nt":
         return False
     try:
         os.kill(pid, 0)

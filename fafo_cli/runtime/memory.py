@@ -38,10 +38,9 @@ class PeakMemory:
 
 
 def release_freed_memory() -> None:
-    """Hand the heap that freed tensors left back to the system. glibc keeps freed memory for reuse: after a
-    .gguf conversion (every tensor dequantized, then written) or the first packing of its blocks, a process held
-    1.1-1.3 GB more than it used for the rest of its life (Qwen2.5-Coder-0.5B; docs/benchmarks.md). Elsewhere
-    (another libc, another system) nothing to do."""
+    """Hand the heap that freed tensors left back to the system. glibc keeps freed memory for reuse, so after a
+    .gguf conversion (every tensor dequantized, then written) or the first packing of its blocks a process kept
+    gigabytes it no longer used for the rest of its life (docs/benchmarks.md). Another libc: nothing to do."""
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name).malloc_trim if name else None
