@@ -8,6 +8,7 @@ fafo's own cache, atomically, so an interrupted conversion never leaves a half-w
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -96,9 +97,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. Before
     a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
     converted before is found without reading the file at all (the embedded default's every run)."""
-    stat = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{name or path.stem}-{key}"
+    target = cache_dir() / "models" / f"{name or path.stem}-{_conversion_key(path)}"
     if (target / "config.json").is_file():
         return target
     header = gguf_header(path)
@@ -114,7 +113,35 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
     finally:
         release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
+    _remove_unreachable_conversions(keep=target)
     return target
+
+
+def _conversion_key(path: Path) -> str:
+    """Which version of which file a conversion is of (its folder's suffix): the file's path, size and time."""
+    stat = path.resolve().stat()
+    return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def _remove_unreachable_conversions(keep: Path) -> None:
+    """Remove the conversions no file leads to any more, with their compiled steps: their .gguf file changed (a new
+    version of the embedded model's package) or is gone (a deleted virtual environment), so no run finds them
+    again, and each install would otherwise leave its own behind (0.9 GB for the embedded model). A conversion
+    whose record cannot be read is left alone."""
+    for folder in (cache_dir() / "models").iterdir():
+        if folder == keep or folder.name.startswith(".") or not (folder / SOURCE_MARKER).is_file():
+            continue
+        source = source_record(folder).get("gguf")
+        if not isinstance(source, str):
+            continue
+        try:
+            if folder.name.endswith(f"-{_conversion_key(Path(source))}"):
+                continue
+        except OSError:  # the file is gone
+            pass
+        shutil.rmtree(folder, ignore_errors=True)
+        for steps in (cache_dir() / "compiled").glob(f"{glob.escape(folder.name)}-*"):
+            shutil.rmtree(steps, ignore_errors=True)
 
 
 def weights_in(folder: Path, dtype: str) -> Path:

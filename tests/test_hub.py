@@ -384,6 +384,33 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
+def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    compiled = caches / "fafo" / "compiled"
+
+    def convert(path: Path) -> Path:
+        folder = hub.convert_gguf(path)
+        (compiled / f"{folder.name}-0123abcd").mkdir(parents=True)  # its compiled steps
+        return folder
+
+    first, second, third = (_gguf_header(tmp_path / f"{name}.gguf", "llama", **Q4_1_MODEL) for name in "abc")
+    old = convert(first)
+    os.utime(first, ns=(1, 1))  # a new version of the same file (a package reinstalled): another conversion
+    new = convert(first)
+    assert not old.exists() and new.is_dir() and not list(compiled.glob(f"{old.name}-*"))
+    gone, kept = convert(second), convert(third)
+    (gone / hub.SOURCE_MARKER).write_text("{damaged")  # a record that cannot be read: left alone
+    second.unlink()  # the file of a deleted environment
+    convert(_gguf_header(tmp_path / "d.gguf", "llama", **Q4_1_MODEL))
+    assert gone.is_dir() and kept.is_dir() and new.is_dir()
+    (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": "b"}))
+    convert(_gguf_header(tmp_path / "e.gguf", "llama", **Q4_1_MODEL))
+    assert not gone.exists() and not list(compiled.glob(f"{gone.name}-*")) and kept.is_dir() and new.is_dir()
+    assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e"]
+
+
 def test_a_published_folder_appears_whole_once(tmp_path):
     from fafo_cli.files import publish_dir
 
