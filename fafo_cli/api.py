@@ -355,7 +355,7 @@ def _compiled_folder(model: Model, folder: Path) -> Path:
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
                      if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
     source = json.dumps([str(folder.resolve()), weights])
-    return hub.cache_dir() / "compiled" / f"{folder.name}-{identity(model, source)}"
+    return hub.compiled_steps_folder(folder, identity(model, source))
 
 
 def _sampling_defaults(generation_config) -> dict:

@@ -140,8 +140,15 @@ def _remove_unreachable_conversions(keep: Path) -> None:
         except OSError:  # the file is gone
             pass
         shutil.rmtree(folder, ignore_errors=True)
-        for steps in (cache_dir() / "compiled").glob(f"{glob.escape(folder.name)}-*"):
+        for steps in (cache_dir() / "compiled").glob(compiled_steps_folder(folder, "*").name):
             shutil.rmtree(steps, ignore_errors=True)
+
+
+def compiled_steps_folder(folder: Path, identity: str) -> Path:
+    """Where the compiled steps of the model in `folder` live, for one `identity` (its weights, dtype, device:
+    api._compiled_folder) or, as "*", a pattern for all of them."""
+    name = glob.escape(folder.name) if identity == "*" else folder.name
+    return cache_dir() / "compiled" / f"{name}-{identity}"
 
 
 def weights_in(folder: Path, dtype: str) -> Path:
