@@ -38,14 +38,19 @@ def cpu_flags() -> str:
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # what our kernels' AMX paths need, as /proc/cpuinfo names it
 
 
+def _has_flag(name: str) -> bool:
+    """Whether the CPU lists `name` (a word search: every compiled step asks, through `attends`)."""
+    return f" {name} " in f" {cpu_flags()} "
+
+
 def has_amx() -> bool:
-    return AMX_FLAGS <= set(cpu_flags().split())
+    return all(_has_flag(flag) for flag in AMX_FLAGS)
 
 
 def attends() -> bool:
     """Whether steps attend with our kernel here: its vectors are built for AVX-512 (16 floats) and AVX2 (8); on
     other CPUs (ARM, x86 without AVX2) the compiler would split them into narrower registers, so torch's serves."""
-    return bool({"avx512f", "avx2"} & set(cpu_flags().split()))
+    return _has_flag("avx512f") or _has_flag("avx2")
 
 
 def cpu_features() -> str:
