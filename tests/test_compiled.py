@@ -12,6 +12,8 @@ import torch
 from fafo_cli import load
 from fafo_cli.cli import entrypoint
 
+from fafo_cli.compiled.timing import read_step_costs, write_step_costs
+
 from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
 
 # Each package costs a build (a minute or more on a small CPU, most of this file's time), so the methods share
@@ -53,7 +55,7 @@ def test_one_package_per_row_count_built_once(compiled_engine, compiled_cache):
     folder = engine.compiled.folder
     built = {int(p.stem.removeprefix("rows")) for p in folder.glob("*.pt2")}
     assert built == {1, 2, 3, 6, 12}
-    records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    records = [json.loads(p.read_text()) for p in folder.glob("rows*.json")]
     assert {r["rows"] for r in records} == built and all(r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in records)
     compiling = [n for n in engine.notices if n.startswith("compiling")]
     assert len(compiling) == len(built)  # one build per size, however many requests used it
@@ -94,14 +96,16 @@ def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, 
     assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
     assert len(engine.compiled.calls_by_size) >= 2 and set(engine.compiled.calls_by_size) <= {1, 2, 3, 6}
     assert sum(engine.compiled.calls_by_size.values()) == result.stats.steps - 1
-    assert {engine.compiled.step_ms(size) > 0 for size in (1, 2, 3, 6)} == {True}  # the planner's measured costs
+    kept = read_step_costs(engine.compiled.folder)["compiled"]  # the planner's costs, timed side by side and kept
+    assert {1, 2, 3, 6} <= set(kept) and all(ms > 0 for ms in kept.values())
+    assert engine.compiled.step_costs([1, 2, 3, 6]) == {size: kept[size] for size in (1, 2, 3, 6)}
 
 
 def test_tune_times_the_packages_side_by_side_for_the_planner(compiled_cache, tiny, tmp_path, monkeypatch, capsys):
     """`fafo bench --tune` on compiled steps keeps the packages' costs, timed side by side, beside them; the planner
     then reads those instead of each package's build-time record."""
     from fafo_cli.bench import tune
-    from fafo_cli.compiled.timing import STEP_COSTS, read_step_costs
+    from fafo_cli.compiled.timing import STEP_COSTS
 
     config = tmp_path / "config.yaml"  # fafo-stream with the sizes 1, 2, 3, 6 the test above built
     config.write_text("compile: on\ncompressor: stream\nbudget: 48\nsink: 4\nstreams: 1\nngram: 3\nguesses: 1\n"
@@ -116,10 +120,10 @@ def test_tune_times_the_packages_side_by_side_for_the_planner(compiled_cache, ti
         tuned = read_step_costs(engine.steps_folder)
         assert set(tuned) == {"eager", "compiled"} and {1, 6} <= set(tuned["compiled"]) <= {1, 2, 3, 6}
         assert all(ms > 0 for ms in tuned["compiled"].values())
-        for size, ms in tuned["compiled"].items():  # what the planner's StepCosts are built from
-            assert engine.compiled.step_ms(size) == ms
+        sizes = sorted(tuned["compiled"])  # what the planner's StepCosts are built from
+        assert engine.compiled.step_costs(sizes) == tuned["compiled"]
     finally:
-        costs_file.unlink(missing_ok=True)  # the other tests read the packages' own records
+        costs_file.unlink(missing_ok=True)  # the next FAFO run times its packages side by side again
 
 
 def test_fafo_stays_compiled_where_only_its_larger_packages_are_missing(compiled_cache, tiny):
@@ -143,6 +147,35 @@ def test_side_by_side_times_each_package(compiled_engine):
     steps = compiled_engine.compiled
     ms = timing.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
     assert set(ms) == {1, 6} and all(value > 0 for value in ms.values())
+
+
+def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path):
+    """The planner's package costs: timed together when first asked for (not each package's build record), kept
+    beside the packages and read from there after; a size not kept yet re-times it with the kept ones."""
+    import time
+
+    from fafo_cli.compiled.steps import CompiledSteps
+
+    model = load(str(tiny), dtype="float32", chat_template=False, compile="off").model
+    steps = CompiledSteps(model, tmp_path, mode="auto", notify=print)
+    calls: list[int] = []
+
+    def package(rows: int):
+        def run(*_):
+            calls.append(rows)
+            time.sleep(rows / 1e3)
+        return run
+
+    steps._runners = {1: package(1), 2: package(2), 3: package(3), 4: None}
+    write_step_costs(tmp_path, {"eager": {1: 9.0}})  # `bench --tune`'s eager curve stays beside them
+    first = steps.step_costs([1, 3])
+    assert set(first) == {1, 3} and first[3] > first[1] and set(calls) == {1, 3}
+    assert read_step_costs(tmp_path) == {"eager": {1: 9.0}, "compiled": first}
+    calls.clear()
+    assert steps.step_costs([3, 1]) == first and calls == []  # kept: not timed again
+    assert set(steps.step_costs([1, 2])) == {1, 2} and set(calls) == {1, 2, 3}
+    assert set(read_step_costs(tmp_path)["compiled"]) == {1, 2, 3}
+    assert steps.step_costs([1, 4]) is None  # no package serves 4 rows
 
 
 def test_auto_never_builds(compiled_cache, tiny_models):

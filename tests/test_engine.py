@@ -181,7 +181,7 @@ class _PackageRequests:
     def notify_once(self, message: str) -> None:
         pass
 
-    def step_ms(self, rows: int):
+    def step_costs(self, sizes):
         return None
 
 

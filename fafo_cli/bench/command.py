@@ -174,7 +174,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
 
         err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")
         engine.session.step_costs = {**engine.session.step_costs, "eager": tune.step_costs(engine)}
-        write_step_costs(engine.steps_folder, engine.session.step_costs)
+        write_step_costs(engine.steps_folder, {"eager": engine.session.step_costs["eager"]})
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
     runs: list[Run] = []

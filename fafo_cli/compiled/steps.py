@@ -15,7 +15,7 @@ from ..runtime.memory import release_freed_memory
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
-from .timing import Timing, measure, read_step_costs
+from .timing import Timing, measure, read_step_costs, side_by_side, write_step_costs
 from . import packed
 from .kernels import loader
 
@@ -133,15 +133,21 @@ class CompiledSteps(OnceNotices):
             self._constants = step_constants(self.model, self.packed_modules())
         return self._constants
 
-    def step_ms(self, rows: int) -> float | None:
-        """What a step in the package serving `rows` rows takes: as `fafo bench --tune` timed the packages side by
-        side, else as its build timed it (its record); None: not measured."""
-        size = bucket(rows)
-        if size is None:
-            return None
-        tuned = read_step_costs(self.folder).get("compiled", {}).get(size)
-        timing = Timing.read(self.paths(size)[1]) if tuned is None else None
-        return tuned if tuned is not None else timing.compiled_ms if timing is not None else None
+    def step_costs(self, sizes) -> dict[int, float] | None:
+        """What a step takes in the package serving each of `sizes` (ms), timed side by side: as kept beside the
+        packages (by `fafo bench --tune` or an earlier call), else timed now, once, with the packages kept before,
+        and kept. Not each package's build record: those are taken minutes apart, and on a CPU whose speed drifts
+        they misstate the ratios the planner weighs rows by (docs/benchmarks.md). None: a size no package serves."""
+        packages = {size: bucket(size) for size in sizes}
+        kept = read_step_costs(self.folder).get("compiled", {})
+        if not set(packages.values()) <= set(kept):
+            runners = {size: self.runner(size) for size in sorted(set(packages.values()) | set(kept))
+                       if size is not None}
+            if any(runners.get(size) is None for size in packages.values()):
+                return None
+            kept = side_by_side(self.model, {size: runner for size, runner in runners.items() if runner is not None})
+            write_step_costs(self.folder, {"compiled": kept})
+        return {size: kept[package] for size, package in packages.items()}
 
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"

@@ -50,8 +50,9 @@ def read_step_costs(folder: Path) -> dict[str, dict[int, float]]:
 
 
 def write_step_costs(folder: Path, costs: dict[str, dict[int, float]]) -> None:
+    """Keep `costs` beside the packages: their modes' figures replace those kept, the other modes' stay."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / STEP_COSTS, json.dumps(costs, indent=1))
+    write_atomic(folder / STEP_COSTS, json.dumps({**read_step_costs(folder), **costs}, indent=1))
 
 
 def _step_inputs(model: Model, rows: int, context: int):

@@ -59,8 +59,8 @@ class CompiledStepRunner(Protocol):
     def notify_once(self, message: str) -> None:
         """Tell the user `message`, once per process."""
 
-    def step_ms(self, rows: int) -> float | None:
-        """What a step in the package of `rows` rows takes (ms, as tuned or as built); None: not measured."""
+    def step_costs(self, sizes: list[int]) -> dict[int, float] | None:
+        """What a step of each of `sizes` rows takes (ms, timed side by side); None: not measured."""
 
 
 class Session:
@@ -76,7 +76,7 @@ class Session:
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
         # one pass's measured ms against its rows (`fafo bench --tune`): "eager" here; compiled packages' times are read
-        # through CompiledSteps.step_ms; for decoders that plan their steps
+        # through CompiledSteps.step_costs; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
         self._masks = PrefixMasks(model.device)  # eager steps' masks
         self.kept: KeptConversations | None = None  # earlier conversations besides the live one (keep_conversations)

@@ -145,18 +145,16 @@ def eager_costs(session: Session) -> StepCosts:
 
 
 def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepRunner | None) -> StepCosts:
-    """What a pass costs against its rows, for the planner: on compiled steps, per package size that serves (as
-    `fafo bench --tune` timed them side by side, else as each package's build timed it); eager, the tuned curve.
-    Before anything is measured, a default curve. FAFO runs compiled where the plain step and the window's step
-    are served; larger sizes that are not (under `compile: auto`, a package that measured slower than eager) only
-    bound the step's rows, so a long copy is verified over more steps rather than the whole answer running eager."""
+    """What a pass costs against its rows, for the planner: on compiled steps, per package size that serves (timed
+    side by side: `CompiledSteps.step_costs`); eager, the tuned curve. Before anything is measured, a default curve.
+    FAFO runs compiled where the plain step and the window's step are served; larger sizes that are not (under
+    `compile: auto`, a package that measured slower than eager) only bound the step's rows, so a long copy is
+    verified over more steps rather than the whole answer running eager."""
     accelerator = session.model.device.type != "cpu"
     sizes = [size for size in settings.step_sizes if compiled is not None and compiled.serves(size)]
     if {1, 1 + settings.window_rows} <= set(sizes):
-        ms = {size: compiled.step_ms(size) for size in sizes}
-        if all(ms.values()):
-            return StepCosts(ms, sizes)
-        return StepCosts.default(accelerator, sizes)
+        ms = compiled.step_costs(sizes)
+        return StepCosts(ms, sizes) if ms else StepCosts.default(accelerator, sizes)
     return eager_costs(session)
 
 
