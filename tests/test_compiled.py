@@ -157,7 +157,8 @@ def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path):
     from fafo_cli.compiled.steps import CompiledSteps
 
     model = load(str(tiny), dtype="float32", chat_template=False, compile="off").model
-    steps = CompiledSteps(model, tmp_path, mode="auto", notify=print)
+    notices: list[str] = []
+    steps = CompiledSteps(model, tmp_path, mode="auto", notify=notices.append)
     calls: list[int] = []
 
     def package(rows: int):
@@ -172,7 +173,7 @@ def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path):
     assert set(first) == {1, 3} and first[3] > first[1] and set(calls) == {1, 3}
     assert read_step_costs(tmp_path) == {"eager": {1: 9.0}, "compiled": first}
     calls.clear()
-    assert steps.step_costs([3, 1]) == first and calls == []  # kept: not timed again
+    assert steps.step_costs([3, 1]) == first and calls == [] and len(notices) == 1  # kept: not timed again
     assert set(steps.step_costs([1, 2])) == {1, 2} and set(calls) == {1, 2, 3}
     assert set(read_step_costs(tmp_path)["compiled"]) == {1, 2, 3}
     assert steps.step_costs([1, 4]) is None  # no package serves 4 rows

@@ -26,6 +26,7 @@ from .kernels import loader
 PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modules (packed.save)
 PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
+COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
 
 
 def bucket(rows: int) -> int | None:
@@ -145,7 +146,9 @@ class CompiledSteps(OnceNotices):
                        if size is not None}
             if any(runners.get(size) is None for size in packages.values()):
                 return None
-            kept = side_by_side(self.model, {size: runner for size, runner in runners.items() if runner is not None})
+            self.notify("timing the compiled steps side by side for the step planner, once (later runs read it)")
+            kept = side_by_side(self.model, {size: runner for size, runner in runners.items() if runner is not None},
+                                repeats=COST_ROUNDS)
             write_step_costs(self.folder, {"compiled": kept})
         return {size: kept[package] for size, package in packages.items()}
 
