@@ -228,9 +228,9 @@ class StepCosts:
 
     def unseen(self, rows: int, window: bool = False) -> bool:
         """Whether fewer than FIT_LEAST steps of this class have counted. A size the planner never runs keeps the
-        cost it was given, which for compiled packages (each timed at its own build, unless `fafo bench --tune` timed
-        them side by side) can be stale beside the others': a 4-row package timed cheaper than the 1-row one made
-        every step verify guesses that did not pay. So the planner runs compiled plain steps until theirs counts."""
+        cost it was given, which for compiled packages is a timing taken at another moment, on a CPU whose speed
+        swings (once each package's own build record: a 4-row package timed cheaper than the 1-row one made every
+        step verify guesses that did not pay). So the planner runs compiled plain steps until theirs counts."""
         return self._seen.get(self._class(rows, window), 0) < FIT_LEAST
 
     def _class(self, rows: int, window: bool) -> tuple[int, bool]:
