@@ -11,7 +11,6 @@ import torch
 
 from fafo_cli import load
 from fafo_cli.cli import entrypoint
-
 from fafo_cli.compiled.timing import read_step_costs, write_step_costs
 
 from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
@@ -103,7 +102,7 @@ def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, 
 
 def test_tune_times_the_packages_side_by_side_for_the_planner(compiled_cache, tiny, tmp_path, monkeypatch, capsys):
     """`fafo bench --tune` on compiled steps keeps the packages' costs, timed side by side, beside them; the planner
-    then reads those instead of each package's build-time record."""
+    then reads those."""
     from fafo_cli.bench import tune
     from fafo_cli.compiled.timing import STEP_COSTS
 
