@@ -85,7 +85,7 @@ def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_
 
 def test_fafo_steps_in_the_planners_packages_match_transformers(compiled_cache, tiny):
     """FAFO's planner runs each step in one of its packages (1 row, one guess, the window alone, the window with
-    guesses), as their recorded costs make worth it: still transformers' greedy tokens, on a prompt longer than the
+    guesses), as their side-by-side costs make worth it: still transformers' greedy tokens, on a prompt longer than the
     compressed budget."""
     settings = dict(METHODS["fafo-stream"], streams=1, guesses=1, draft_tokens=3)  # sizes 1, 2, 3, 6
     notices: list[str] = []
@@ -113,6 +113,7 @@ def test_tune_times_the_packages_side_by_side_for_the_planner(compiled_cache, ti
     monkeypatch.setattr(tune, "TOKENS", 8)
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
     costs_file = engine.steps_folder / STEP_COSTS
+    costs_file.unlink(missing_ok=True)  # what an earlier FAFO test kept: tune must write its own
     try:
         assert entrypoint(["bench", str(tiny), "--tune", "--config", str(config), "--dtype", "float32"]) == 0
         assert "compiled steps, side by side: 1 rows" in capsys.readouterr().out
@@ -148,16 +149,18 @@ def test_side_by_side_times_each_package(compiled_engine):
     assert set(ms) == {1, 6} and all(value > 0 for value in ms.values())
 
 
-def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path):
+def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path, monkeypatch):
     """The planner's package costs: timed together when first asked for (not each package's build record), kept
-    beside the packages and read from there after; a size not kept yet re-times it with the kept ones."""
+    beside the packages and read from there after; a size not kept yet re-times it with the kept ones whose
+    packages are still there; `refresh` (bench --tune) times them again; a folder that cannot keep them keeps them
+    in memory."""
     import time
 
-    from fafo_cli.compiled.steps import CompiledSteps
+    from fafo_cli.compiled import steps as steps_mod
 
     model = load(str(tiny), dtype="float32", chat_template=False, compile="off").model
     notices: list[str] = []
-    steps = CompiledSteps(model, tmp_path, mode="auto", notify=notices.append)
+    steps = steps_mod.CompiledSteps(model, tmp_path, mode="auto", notify=notices.append)
     calls: list[int] = []
 
     def package(rows: int):
@@ -167,15 +170,30 @@ def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path):
         return run
 
     steps._runners = {1: package(1), 2: package(2), 3: package(3), 4: None}
+    for rows in (1, 2, 3):
+        steps.paths(rows)[0].touch()
     write_step_costs(tmp_path, {"eager": {1: 9.0}})  # `bench --tune`'s eager curve stays beside them
     first = steps.step_costs([1, 3])
     assert set(first) == {1, 3} and first[3] > first[1] and set(calls) == {1, 3}
     assert read_step_costs(tmp_path) == {"eager": {1: 9.0}, "compiled": first}
     calls.clear()
     assert steps.step_costs([3, 1]) == first and calls == [] and len(notices) == 1  # kept: not timed again
-    assert set(steps.step_costs([1, 2])) == {1, 2} and set(calls) == {1, 2, 3}
-    assert set(read_step_costs(tmp_path)["compiled"]) == {1, 2, 3}
-    assert steps.step_costs([1, 4]) is None  # no package serves 4 rows
+    assert steps_mod.CompiledSteps(model, tmp_path, mode="auto", notify=print).step_costs([1, 3]) == first  # read
+    steps.paths(3)[0].unlink()  # a kept size whose package is gone is not timed again, and no longer kept
+    assert set(steps.step_costs([1, 2])) == {1, 2} and set(calls) == {1, 2}
+    assert set(read_step_costs(tmp_path)["compiled"]) == {1, 2}
+    calls.clear()
+    assert steps.step_costs([1, 2], refresh=True) and set(calls) == {1, 2}
+    assert steps.step_costs([1, 4]) is None and steps.step_costs([1, 1000]) is None  # no package serves 4, 1000
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(steps_mod, "write_step_costs", full)
+    costs = steps.step_costs([1, 2], refresh=True)
+    assert set(costs) == {1, 2} and any("cannot keep the compiled steps' timings" in n for n in notices)
+    calls.clear()
+    assert steps.step_costs([2, 1]) == costs and calls == []  # kept in memory
 
 
 def test_auto_never_builds(compiled_cache, tiny_models):

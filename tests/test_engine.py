@@ -181,7 +181,7 @@ class _PackageRequests:
     def notify_once(self, message: str) -> None:
         pass
 
-    def step_costs(self, sizes):
+    def step_costs(self, sizes, refresh=False):
         return None
 
 

@@ -19,7 +19,7 @@ import torch
 
 from .. import config as config_mod
 from ..compiled.steps import bucket
-from ..compiled.timing import side_by_side, write_step_costs
+from ..compiled.timing import write_step_costs
 from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
 from ..runtime.model import causal_attention
@@ -102,13 +102,14 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     compiled = compiled_for(engine.session.compiled, config.compressor)
     planned = FafoSettings.from_config(config)
     planned = replace(planned, streams=model_streams(planned, compiled, StepCosts(costs), engine.model))
-    if hasattr(compiled, "runner") and compiled.serves(planned.max_rows):  # compiled packages (not CUDA graphs)
+    if compiled is not None and compiled.serves(planned.max_rows):
         packages = sorted({bucket(size) for size in planned.step_sizes if compiled.serves(size)})
-        measured["compiled"] = side_by_side(engine.model, {rows: compiled.runner(rows) for rows in packages})
-        console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
-                                                                   for size, ms in measured["compiled"].items()))
+        timed = compiled.step_costs(packages, refresh=True)  # kept beside the packages (CUDA graphs: None)
+        if timed:
+            console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
+                                                                       for size, ms in timed.items()))
     write_step_costs(engine.steps_folder, measured)
-    engine.session.step_costs = measured
+    engine.session.step_costs = {**engine.session.step_costs, **measured}
     console.print(f"The step planner reads these costs from {engine.steps_folder}.")
 
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,

@@ -118,7 +118,7 @@ class GraphSteps(OnceNotices):
     def serves(self, rows: int) -> bool:
         return not self.failed and bucket(rows) is not None
 
-    def step_costs(self, sizes: list[int]) -> dict[int, float] | None:
+    def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
         return None  # not measured: the planner starts from an accelerator's default curve
 
     def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor,

@@ -3,6 +3,7 @@ dispatch of a decoding step to the package that serves it (padding rows up to it
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -59,6 +60,7 @@ class CompiledSteps(OnceNotices):
         self._packed: dict | None = None
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
+        self._timings: dict[int, float] | None = None  # the packages' side-by-side timings (step_costs), once read
         self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
         self._whole_cache = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
@@ -75,7 +77,7 @@ class CompiledSteps(OnceNotices):
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
-                kept = self._kept_packed()
+                kept = self._timings_packed()
                 self._packed = kept if kept is not None else self._pack()
         return self._packed
 
@@ -134,23 +136,43 @@ class CompiledSteps(OnceNotices):
             self._constants = step_constants(self.model, self.packed_modules())
         return self._constants
 
-    def step_costs(self, sizes) -> dict[int, float] | None:
+    def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
         """What a step takes in the package serving each of `sizes` (ms), timed side by side: as kept beside the
-        packages (by `fafo bench --tune` or an earlier call), else timed now, once, with the packages kept before,
-        and kept. Not each package's build record: those are taken minutes apart, and on a CPU whose speed drifts
-        they misstate the ratios the planner weighs rows by (docs/benchmarks.md). None: a size no package serves."""
+        packages, else (or with `refresh`, as `fafo bench --tune` asks) timed now with the kept sizes whose packages
+        are still on disk, and kept. Not each package's build record: those are taken minutes apart, and on a CPU
+        whose speed drifts they misstate the ratios the planner weighs rows by (docs/benchmarks.md). None: a size
+        no usable package serves, or the timing failed (the planner then starts from a default curve)."""
         packages = {size: bucket(size) for size in sizes}
-        kept = read_step_costs(self.folder).get("compiled", {})
-        if not set(packages.values()) <= set(kept):
-            runners = {size: self.runner(size) for size in sorted(set(packages.values()) | set(kept))
-                       if size is not None}
-            if any(runners.get(size) is None for size in packages.values()):
+        if None in packages.values():
+            return None
+        if self._timings is None:
+            self._timings = read_step_costs(self.folder).get("compiled", {})
+        if refresh or not set(packages.values()) <= set(self._timings):
+            if any(self.runner(package) is None for package in set(packages.values())):
                 return None
-            self.notify("timing the compiled steps side by side for the step planner, once (later runs read it)")
-            kept = side_by_side(self.model, {size: runner for size, runner in runners.items() if runner is not None},
-                                repeats=COST_ROUNDS)
-            write_step_costs(self.folder, {"compiled": kept})
-        return {size: kept[package] for size, package in packages.items()}
+            timed = self._time_side_by_side(set(packages.values()) | {size for size in self._timings
+                                                                      if self.paths(size)[0].exists()})
+            if timed is None:
+                return None
+            self._timings = timed
+        return {size: self._timings[package] for size, package in packages.items()}
+
+    def _time_side_by_side(self, sizes: set[int]) -> dict[int, float] | None:
+        """Every package of `sizes` that loads (a kept size whose package no longer does is dropped), timed side
+        by side and kept beside them (in memory too, where the folder cannot be written)."""
+        runners = {size: self.runner(size) for size in sorted(sizes)}
+        runners = {size: runner for size, runner in runners.items() if runner is not None}
+        self.notify("timing the compiled steps side by side for the step planner, once (later runs read it)")
+        try:
+            timed = side_by_side(self.model, runners, repeats=COST_ROUNDS)
+        except Exception as error:  # noqa: BLE001 - a package that fails to run: the planner's default curve
+            self.notify_once(f"timing the compiled steps failed ({first_line(error, named=True)})")
+            return None
+        try:
+            write_step_costs(self.folder, {"compiled": timed})
+        except OSError as error:
+            self.notify_once(f"cannot keep the compiled steps' timings in {self.folder} ({error.strerror})")
+        return timed
 
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
@@ -197,6 +219,9 @@ class CompiledSteps(OnceNotices):
             return None
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
+        self._timings = {}  # timed before this package was: the next step_costs times them all again
+        with contextlib.suppress(OSError):  # (a folder that takes no more is told when the timings are written)
+            write_step_costs(self.folder, {"compiled": {}})
         return runner
 
     def _build_estimate(self) -> str:

@@ -50,7 +50,8 @@ def read_step_costs(folder: Path) -> dict[str, dict[int, float]]:
 
 
 def write_step_costs(folder: Path, costs: dict[str, dict[int, float]]) -> None:
-    """Keep `costs` beside the packages: their modes' figures replace those kept, the other modes' stay."""
+    """Keep `costs` beside the packages: their modes' figures replace those kept, the other modes' stay (read and
+    written without a lock: two processes writing at once may lose one's figures, which are then measured again)."""
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / STEP_COSTS, json.dumps({**read_step_costs(folder), **costs}, indent=1))
 

@@ -59,8 +59,9 @@ class CompiledStepRunner(Protocol):
     def notify_once(self, message: str) -> None:
         """Tell the user `message`, once per process."""
 
-    def step_costs(self, sizes: list[int]) -> dict[int, float] | None:
-        """What a step of each of `sizes` rows takes (ms, timed side by side); None: not measured."""
+    def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
+        """What a step takes in the package serving each of `sizes` (ms, timed side by side; `refresh`: timed
+        again); None: not measured."""
 
 
 class Session:
