@@ -77,7 +77,7 @@ class CompiledSteps(OnceNotices):
             self._packed = {}
             load_kernels(self.model, self.folder.parent)
             if self.gguf is not None and packed.supported(self.model):
-                kept = self._timings_packed()
+                kept = self._kept_packed()
                 self._packed = kept if kept is not None else self._pack()
         return self._packed
 
