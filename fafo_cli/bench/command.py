@@ -14,7 +14,6 @@ import torch
 
 from .. import __version__
 from ..compiled.graphs import GraphSteps
-from ..compiled.timing import write_step_costs
 from ..config import METHODS
 from ..errors import FafoError
 from ..files import write_atomic
@@ -173,8 +172,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
 
         err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")
-        engine.session.step_costs = {**engine.session.step_costs, "eager": tune.step_costs(engine)}
-        write_step_costs(engine.steps_folder, {"eager": engine.session.step_costs["eager"]})
+        tune.keep_eager_costs(engine, tune.step_costs(engine))
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
     runs: list[Run] = []

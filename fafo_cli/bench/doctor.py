@@ -21,7 +21,6 @@ import torch
 from .. import config as config_mod
 from ..compiled import packed
 from ..compiled.kernels import loader
-from ..compiled.timing import write_step_costs
 from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
 from ..errors import FafoError
@@ -120,8 +119,7 @@ def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> Non
             tune.write_settings(path, {"streams": recommended["streams"]})
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
-    write_step_costs(engine.steps_folder, {"eager": costs})
-    engine.session.step_costs = {**engine.session.step_costs, "eager": costs}
+    tune.keep_eager_costs(engine, costs)
 
 
 def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):

@@ -63,6 +63,12 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
     return {rows: statistics.median(t[2:]) * 1e3 for rows, t in times.items()}
 
 
+def keep_eager_costs(engine, costs: dict[int, float]) -> None:
+    """The eager cost curve for FAFO's planner: beside the model's packages for later runs, and in this session."""
+    write_step_costs(engine.steps_folder, {"eager": costs})
+    engine.session.step_costs = {**engine.session.step_costs, "eager": costs}
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
     if device.type == "cuda":
@@ -94,7 +100,6 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     path = config_path or config_mod.user_config_path()
     accelerator = engine.model.device.type != "cpu"
     costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
-    measured = {"eager": costs}
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
     for rows, ms in costs.items():
         table.add_row(str(rows), f"{ms:.1f}", f"{ms / costs[1]:.2f}×")
@@ -108,8 +113,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
         if timed:
             console.print("compiled steps, side by side: " + ", ".join(f"{size} rows {ms:.1f} ms"
                                                                        for size, ms in timed.items()))
-    write_step_costs(engine.steps_folder, measured)
-    engine.session.step_costs = {**engine.session.step_costs, **measured}
+    keep_eager_costs(engine, costs)
     console.print(f"The step planner reads these costs from {engine.steps_folder}.")
 
     sample = suites.fitting(engine, suites.load_suite("chat")[:2] + suites.load_suite("edit")[:1], TOKENS,
