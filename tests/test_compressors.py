@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
 import torch
 
 from fafo_cli import load
-from fafo_cli.config import COMPRESSORS
+from fafo_cli.config import COMPRESSORS, MIN_BUDGET, Config
 from fafo_cli.runtime.cache import KVCache
 from fafo_cli.decoders.fafo.compressors.h2o import H2OCompressor
 from fafo_cli.decoders.fafo.compressors.quest import QuestCompressor, page_bounds
@@ -229,6 +230,17 @@ def test_three_turn_chat_is_lossless(tiny, compressor):
         assert result.token_ids == hf_greedy(tiny, engine.encode(messages), 60), (compressor, len(messages))
         messages.append({"role": "assistant", "content": result.text})
     assert result.stats.cached_prompt_tokens > 0  # later turns prefilled only their new tokens
+
+
+@pytest.mark.parametrize("compressor", ["stream", "quest", "snapkv", "h2o"])
+def test_the_least_budget_holds_the_view_through_a_long_answer(tiny, compressor):
+    """At the least budget the config admits, the view (its fixed part and the ring of new tokens) stays within
+    the budget: snapkv's observation window once took every slot and its ring wrote past them."""
+    engine = fafo_engine(tiny)
+    least = MIN_BUDGET[compressor](replace(Config(), **OPTIONS))[1]
+    result = engine.complete(LONG, max_tokens=40, compressor=compressor, **{**OPTIONS, "budget": least})
+    assert result.token_ids == engine.complete(LONG, max_tokens=40, method="vanilla").token_ids
+    assert result.stats.fumble_positions <= least
 
 
 def test_fraction_budget_scales_with_the_prompt(tiny):

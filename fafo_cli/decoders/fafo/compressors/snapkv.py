@@ -71,7 +71,7 @@ class SnapKVCompressor(ViewCompressor):
     def select_prompt(self, cache: KVCache) -> torch.Tensor:
         """[layers, n] prompt positions: the pooled top scores plus the observation window."""
         length = cache.length
-        window = min(self.window, length)
+        window = min(self.window, length, self.budget - self.ring)  # the ring's slots stay free whatever the budget
         keep = max(0, min(length - window, self.budget - self.ring - window))
         chosen = []
         for layer in range(cache.keys.shape[0]):
