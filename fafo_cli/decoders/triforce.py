@@ -140,7 +140,9 @@ class TriForce:
         self.sampling, self.draws = request.sampling, draws and draws.below()  # the middle level's
         # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
         slack = self.gamma2 + self.gamma1 + 1
-        self.retrieval = self.model.new_cache(initial_slots=self.budget + slack, max_slots=self.budget + slack)
+        # grown as filled: a budget beyond the context never holds more than the context (nor is allocated)
+        self.retrieval = self.model.new_cache(initial_slots=min(self.budget + slack, 4096),
+                                              max_slots=self.budget + slack)
         self._rebuild()
 
     def _rebuild(self) -> None:
