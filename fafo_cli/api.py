@@ -85,6 +85,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.folder = folder
         self.config = config
+        # keys of `config` its caller gave explicitly (a command's flags): each must have an effect on every request
+        # (config.check_given); the config file's and load()'s are defaults that a request may not use
+        self.explicit: frozenset[str] = frozenset()
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
@@ -163,6 +166,8 @@ class Engine:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if config.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
+        for message in messages:
+            _check_text(message.get("content"), "the prompt")
         if config.chat_template and self.has_chat_template:
             from jinja2 import TemplateError  # what transformers renders chat templates with
 
@@ -186,6 +191,7 @@ class Engine:
         config = config_mod.build(self.config, **overrides)
         unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
+        config_mod.check_given(config, self.explicit)
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config
@@ -373,3 +379,14 @@ def _stop_ids(generation_config, tokenizer) -> frozenset[int]:
     if ids is None:
         ids = tokenizer.eos_token_id
     return frozenset([ids] if isinstance(ids, int) else ids or [])
+
+
+def _check_text(text, what: str) -> None:
+    """`text` is text the tokenizer can take: undecodable bytes read as surrogate escapes (standard input in
+    some locales) or a JSON string's lone \\ud800-style escape are not characters."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise FafoError(f"{what} is not UTF-8 text: character {e.start + 1} is a lone surrogate "
+                            f"({ascii(text[e.start])}), not a character") from None

@@ -82,7 +82,10 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 def _read_prompt(source: str) -> str:
     if source == "-":
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise FafoError("standard input is not UTF-8 text") from None
     else:
         path = Path(source).expanduser()
         if path.is_dir():
@@ -100,12 +103,27 @@ def _read_prompt(source: str) -> str:
     return text
 
 
-def _load(config: config_mod.Config, err_console):
+def _check_output(flag: str, path: str | None) -> None:
+    """An output file can be written where `path` says: its folder exists and it is not a folder itself."""
+    if path is None or path == "-":
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise FafoError(f"{flag} {path} is a folder, not a file")
+    if not target.parent.is_dir():
+        raise FafoError(f"{flag} {path}: no such folder {target.parent}")
+
+
+def _load(config: config_mod.Config, err_console, flags: dict | None = None):
+    """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
+    every answer (`config.check_given`)."""
     from .api import Engine
 
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
     engine = Engine.from_config(config)
+    engine.explicit = frozenset(key for key, value in (flags or {}).items() if value is not None)
+    engine.request_config()  # a flag that would do nothing is refused before any work
     if config.chat_template and not engine.has_chat_template:
         print(f"note: {engine.name} has no chat template; the prompt is continued as plain text", file=sys.stderr)
     return engine
@@ -127,10 +145,12 @@ def run(
     """Generate one answer, streamed, with live statistics."""
     from .ui import StreamView, consoles, method_label
 
+    if quiet and verbose:
+        raise FafoError("--quiet and --verbose ask for opposite things: give one")
     text = _read_prompt(prompt)
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
-    engine = _load(settings, err)
+    engine = _load(settings, err, flags)
     engine.count_syncs = verbose
     if as_json:
         print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
@@ -152,7 +172,7 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
 
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
-    Repl(_load(settings, err), out, err).run()
+    Repl(_load(settings, err, flags), out, err).run()
 
 
 @app.command()
@@ -224,7 +244,7 @@ def bench(
     prompts: Annotated[Optional[str], typer.Option(help="Your own prompts: a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
-                                               min=0.0)] = 0.0,
+                                               min=0.0, max=100.0)] = 0.0,
     *, flags: dict,
     external: Annotated[Optional[bool], typer.Option("--external/--no-external", help="Time transformers' "
                                                      "generate and its prompt lookup too (default: with --full).",
@@ -267,6 +287,9 @@ def bench(
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,
         csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file, context=context,
         documents=tuple(documents or ()))
+    config_mod.check_given(settings, [key for key, value in flags.items() if value is not None], options.methods)
+    for flag, path in (("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)):
+        _check_output(flag, path)  # before the run, which may take hours
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod
@@ -478,6 +501,10 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `fafo run ... | head`
         return 0
+    except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
+        path = e.filename2 or e.filename  # a rename's target, not its temporary source
+        print(f"error: cannot use {path}: {e.strerror or e}" if path else f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
         # it skips frozen ones

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -107,7 +107,7 @@ class Config:
     min_p: float | None = _opt(None, "drop tokens less likely than min_p times the likeliest (0 = off; empty: "
                                      "the model's default)", low=0.0, high=1.0, nullable=True)
     seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one, reported in --json)",
-                            nullable=True, low=0)
+                            nullable=True, low=0, high=2**64 - 1)  # (runtime/sampling.Draws keys on 64 bits)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
     # The two opt-ins are off unless asked for, so they have no --no- form.
@@ -272,6 +272,31 @@ def _check_together(config: Config) -> None:
                         f"compressor: it needs at least {what} = {least}")
 
 
+# Sampling settings at the values that change nothing
+SAMPLING_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def check_given(config: Config, given: Iterable[str], methods: Iterable[str] | None = None) -> None:
+    """Settings given explicitly (a command's flags, a request's fields) must have an effect: a method's own
+    settings only where that method runs (`methods`, else the config's), and a sampling setting other than its
+    neutral value only where decoding samples (temperature above 0, the model's default filled in)."""
+    given = set(given)
+    running = set(methods) if methods is not None else {config.method}
+    specs = {spec.name: spec for spec in fields(Config)}
+    for key in sorted(given & specs.keys()):
+        owner = method_of(specs[key])
+        if owner is not None and owner not in running:
+            raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
+                            f"{', '.join(sorted(running))})")
+    if "system" in given and config.system and not config.chat_template:
+        raise FafoError("'system' needs the chat template: the prompt is continued as plain text without it")
+    if config.temperature == 0:
+        for key in sorted(given & SAMPLING_NEUTRAL.keys()):
+            if getattr(config, key) != SAMPLING_NEUTRAL[key]:
+                raise FafoError(f"'{key}' has no effect when decoding greedily (temperature 0): give a temperature "
+                                "above 0 to sample")
+
+
 def view_compressor(name: str) -> str:
     """The compressor a window runs with under config value `name` (`auto` names none)."""
     return AUTO_COMPRESSOR if name == "auto" else name
@@ -376,9 +401,16 @@ def flags(command: str) -> list[Flag]:
     return [_flag(spec) for spec in fields(Config) if command in commands(spec)]
 
 
-def section(spec) -> str | None:
+def method_of(spec) -> str | None:
     """The method a key belongs to, by its help's first word ("fafo stream: ..."); None for the general keys."""
-    return SECTIONS.get(spec.metadata["help"].split(":")[0].split()[0])
+    first = spec.metadata["help"].split(":")[0].split()[0]
+    return first if first in SECTIONS else None
+
+
+def section(spec) -> str | None:
+    """The option panel of a key: its method's (see `method_of`); None for the general keys."""
+    method = method_of(spec)
+    return SECTIONS[method] if method else None
 
 
 def _command_line_type(spec) -> type:

@@ -80,6 +80,49 @@ def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
     assert len(json.loads(out)["token_ids"]) == 3  # the flag overrides the file
 
 
+@pytest.mark.parametrize("stdin, message", [
+    (lambda: io.TextIOWrapper(io.BytesIO(b"\xff\xfe\x00bad"), encoding="utf-8"), "standard input is not UTF-8 text"),
+    # undecodable bytes as a locale may hand them over: surrogate escapes, which are no characters
+    (lambda: io.StringIO("caf\udce9"), "the prompt is not UTF-8 text: character 4 is a lone surrogate"),
+])
+def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch, tiny, stdin, message):
+    monkeypatch.setattr(sys, "stdin", stdin())
+    code, out, err = run_cli(capsys, "run", tiny, "-p", "-", "-n", "3", "--dtype", "float32")
+    assert code == 1 and out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lookup-ngram", "5"], "'lookup_ngram' is a setting of method prompt-lookup, which is not running here"),
+    (["--method", "vanilla", "--compressor", "stream"], "'compressor' is a setting of method fafo"),
+    (["--top-p", "0.5"], "'top_p' has no effect when decoding greedily"),
+    (["--no-chat-template", "--system", "Be brief."], "'system' needs the chat template"),
+])
+def test_a_flag_that_would_change_nothing_is_refused(capsys, tiny, prompt_file, flags, message):
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", *flags)
+    assert code == 1 and out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_the_same_flags_where_they_take_effect_run(capsys, tiny, prompt_file):
+    for flags in (["--method", "prompt-lookup", "--lookup-ngram", "5"], ["--top-p", "0.5", "--temperature", "0.7"],
+                  ["--top-k", "0"]):  # a neutral value changes nothing and asks for nothing either
+        code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", "--json",
+                                 *flags)
+        assert code == 0, (flags, err)
+
+
+def test_bench_outputs_are_checked_before_the_run(capsys, tiny, tmp_path):
+    for flag, path in (("--plot", tmp_path / "missing" / "x.png"), ("--json", tmp_path)):
+        code, out, err = run_cli(capsys, "bench", tiny, "--dtype", "float32", "--samples", "1", "--tokens", "4",
+                                 flag, path)
+        assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {flag} "), err
+
+
+def test_an_unusable_cache_folder_is_one_line(capsys, monkeypatch, prompt_file):
+    monkeypatch.setenv("FAFO_CACHE", str(prompt_file))  # a file where the embedded model's conversion should go
+    code, out, err = run_cli(capsys, "run", "-p", prompt_file, "-n", "2")
+    assert code == 1 and err == f"error: cannot use {prompt_file}/models: Not a directory\n", err
+
+
 def test_seeded_sampling_is_reproducible_from_the_cli(capsys, tiny, prompt_file):
     args = ("run", tiny, "-p", prompt_file, "--json", "-n", "20", "--temperature", "1", "--seed", "11",
             "--method", "vanilla")
@@ -272,9 +315,9 @@ def test_chat_exits_on_end_of_input(tiny):
     assert result.returncode == 0 and "turns" not in result.stdout
 
 
-def test_quiet_silences_the_footer_even_with_verbose(capsys, tiny, prompt_file):
+def test_quiet_and_verbose_together_are_refused(capsys, tiny, prompt_file):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "6", "--dtype", "float32", "-q", "-v")
-    assert code == 0 and out.strip() and err == ""
+    assert code == 1 and out == "" and err == "error: --quiet and --verbose ask for opposite things: give one\n"
 
 
 def test_chat_set_command_changes_and_validates_settings(tiny):
