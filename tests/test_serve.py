@@ -492,8 +492,23 @@ BAD = [
     ("chat", {"messages": MESSAGES, "dtype": "float16"}, 400, "dtype"),
     ("chat", {"messages": MESSAGES, "cacheback_table": "/etc/passwd"}, 400, "cacheback_table"),
     ("chat", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    ("chat", {"messages": MESSAGES, "seed": 2**64}, 400, "seed"),
+    ("chat", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    # asked for, but would change nothing: another method's setting, a sampling setting while greedy, a second
+    # system prompt
+    ("chat", {"messages": MESSAGES, "method": "suffix", "compressor": "h2o"}, 400, "compressor"),
+    ("chat", {"messages": MESSAGES, "top_p": 0.5}, 400, "top_p"),
+    ("chat", {"messages": CHAT, "system": "Be brief."}, 400, "system"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}]}, 400,
+     "messages[0].content[0].cache"),
+    # lone surrogate escapes are valid JSON but no text, wherever they are (an echo of one was a 500)
+    ("chat", b'{"messages": [{"role": "user", "content": "\\ud800 hi"}]}', 400, None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', 400, None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "\\udfff": 1}', 400, None),
+    ("chat", b"[" * 50_000 + b"]" * 50_000, 400, None),  # nested deeper than the parser goes
     ("text", {}, 400, "prompt"),
-    ("text", {"prompt": ""}, 400, None),
+    ("text", {"prompt": ""}, 400, "prompt"),
+    ("text", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
     ("text", {"prompt": [1, 2, 3]}, 400, "prompt"),
     ("text", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("text", {"prompt": "x " * 2100}, 400, "context_length_exceeded"),
@@ -522,6 +537,17 @@ def test_bad_input_gets_an_openai_error(served, endpoint, body, status, where):
         error = _check_error(http.post(path, content=content, headers={"Content-Type": "application/json"}), status)
         if where is not None:
             assert where in (error["param"], error["code"]), error
+
+
+def test_a_body_that_is_not_sent_as_json_is_a_415(served):
+    """Form and text posts (what a web page may send another origin without asking first) are refused."""
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        body = json.dumps({"prompt": TEXT, "max_tokens": 2})
+        for media in ("text/plain", "application/x-www-form-urlencoded"):
+            error = _check_error(http.post("/completions", content=body, headers={"Content-Type": media}), 415)
+            assert error["code"] == "unsupported_media_type"
+        for media in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            assert http.post("/completions", content=body, headers={"Content-Type": media}).status_code == 200
 
 
 def test_out_of_memory_is_its_own_error(served, monkeypatch):

@@ -6,7 +6,8 @@ from starlette.responses import JSONResponse
 
 # OpenAI's error types by status: the clients' own exception classes follow the status, the type is for people
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 500: "server_error",
+         503: "server_error"}
 
 
 class ApiError(Exception):

@@ -24,7 +24,8 @@ CHAT = COMMON | {"messages", "max_completion_tokens"}
 TEXT = COMMON | {"prompt"}
 # Fields accepted only at the value that asks for nothing (clients often send them explicitly)
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}
-TEXT_NEUTRAL = {**NEUTRAL, "echo": False, "best_of": 1}
+# (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
+TEXT_NEUTRAL = {**{key: value for key, value in NEUTRAL.items() if key != "logprobs"}, "echo": False, "best_of": 1}
 # Config keys a client may not set: they name files on the server's disk
 SERVER_ONLY = {"cacheback_table"}
 PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
@@ -64,8 +65,15 @@ def read_json(raw: bytes) -> dict:
         raise ApiError(400, "the request body is not UTF-8 text") from None
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON here: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:  # a lone "\\ud800" escape is valid JSON but no character: no field, key or echo of it may hold one
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape (such as \\ud800): not text") \
+            from None
     return body
 
 
@@ -89,6 +97,9 @@ def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
         raise ApiError(404, f"the model '{model}' does not exist: this server serves '{served}' (GET /v1/models)",
                        param="model", code="model_not_found")
     prompt = _messages(given) if kind == "chat" else _prompt(given)
+    if kind == "chat" and "system" in given and any(message["role"] == "system" for message in prompt):
+        raise ApiError(400, "'system' and a system message in 'messages' both give the system prompt: send one",
+                       param="system", code="invalid_value")
     overrides = {key: given[key] for key in PER_REQUEST & given.keys() if key != "max_tokens"}
     tokens = _max_tokens(given, kind)
     if tokens is not None:
@@ -103,6 +114,7 @@ def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
     stop = _stop(given)
     try:
         config = engine.request_config(**overrides)
+        config_mod.check_given(config, PER_REQUEST & given.keys())  # nothing a request asks for may go unheeded
     except FafoError as e:
         key = re.search(r"'(\w+)'", str(e))
         raise ApiError(400, str(e), param=key.group(1) if key else None, code="invalid_value") from None
@@ -117,16 +129,16 @@ def _typed(given: dict, key: str, kind: type, what: str) -> Any:
 
 
 def _max_tokens(given: dict, kind: str) -> int | None:
-    tokens = _typed(given, "max_tokens", int, "an integer")
+    tokens, key = _typed(given, "max_tokens", int, "an integer"), "max_tokens"
     if kind == "chat":
         newer = _typed(given, "max_completion_tokens", int, "an integer")
         if tokens is not None and newer is not None and tokens != newer:
             raise ApiError(400, "'max_tokens' and 'max_completion_tokens' differ: give one", param="max_tokens",
                            code="invalid_value")
-        tokens = newer if newer is not None else tokens
+        if newer is not None:
+            tokens, key = newer, "max_completion_tokens"
     if tokens is not None and tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be at least 1 (got {tokens})", param="max_tokens",
-                       code="invalid_value")
+        raise ApiError(400, f"'{key}' must be at least 1 (got {tokens})", param=key, code="invalid_value")
     return tokens
 
 
@@ -193,6 +205,10 @@ def _content(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}: "
                                     "this server takes text only", param=f"{where}[{i}]", code="unsupported_value")
+            unknown = sorted(key for key, value in part.items() if key not in ("type", "text") and value is not None)
+            if unknown:
+                raise ApiError(400, f"unsupported field '{where}[{i}].{unknown[0]}'", param=f"{where}[{i}].{unknown[0]}",
+                               code="unsupported_parameter")
             texts.append(part["text"])
         return "".join(texts)
     raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where,

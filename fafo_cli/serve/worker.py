@@ -140,7 +140,11 @@ class Worker:
                   time.perf_counter() - ticket.queued_at, _settings(job))
         last: Step | None = None
         try:
-            ids = engine.encode(job.prompt, job.config)
+            try:
+                ids = engine.encode(job.prompt, job.config)
+            except FafoError as e:  # the prompt itself: empty, or not text
+                raise ApiError(400, str(e), param="messages" if job.kind == "chat" else "prompt",
+                               code="invalid_value") from None
             stream = engine.generate(ids, job.fitted(len(ids), engine.model.max_context), job.stop)
             try:
                 for last in stream:
