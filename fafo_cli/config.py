@@ -352,7 +352,7 @@ def resolve(config_file: str | None, **flags: Any) -> Config:
     config = Config()
     if config_file is not None:
         config = load_file(Path(config_file), config)
-    elif user_config_path().is_file():
+    elif user_config_path().exists():  # (a folder there is an error, not no file)
         config = load_file(user_config_path(), config)
     return build(config, **flags)
 

@@ -178,3 +178,10 @@ def test_yaml_booleans_are_the_on_off_choices(tmp_path, written, expected):
     path.write_text(f"compile: {written}\ncuda_graphs: {written}\n")
     config = config_mod.resolve(str(path))
     assert (config.compile, config.cuda_graphs) == (expected, expected)
+
+
+def test_a_folder_where_the_user_config_goes_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "fafo" / "config.yaml").mkdir(parents=True)
+    with pytest.raises(FafoError, match="cannot read config file .*config.yaml: Is a directory"):
+        config_mod.resolve(None)
