@@ -8,10 +8,14 @@ drafting from the text could make of the curve, knowing where to copy from and f
 runs the model during the replay). With --packages, the steps are compiled ones instead: each set of package sizes
 is timed side by side (missing packages built first: minutes each), every step is padded up to the package that
 holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers
-(SuffixDecoding and the copy ceiling are replayed once, on the first set's).
+(SuffixDecoding and the copy ceiling are replayed once, on the first set's). With --temperature the answers are
+sampled, one per seed: every method that verifies one-hot guesses emits exactly plain sampling's tokens with the same
+seed (keyed draws, runtime/sampling.py), so a guess is accepted when the sampled answer confirms it, as greedy; FAFO
+then offers as many copies as it does when sampling.
 
     python scripts/replay.py --suites chat,edit,code --samples 3
     python scripts/replay.py --dtype float32 --suites chat,math --packages 1,4,9,20 1,2,4,9,20
+    python scripts/replay.py --suites chat,summarize --temperature 0.7 --seeds 3
 """
 
 from __future__ import annotations
@@ -50,13 +54,13 @@ def replay(answer: list[int], prompt: list[int], cost: StepCosts, guess) -> tupl
 
 
 class FafoGuesses:
-    def __init__(self, text: list[int], cost: StepCosts, draft_tokens: int):
-        self.index, self.draft_tokens = text_index(), draft_tokens
+    def __init__(self, text: list[int], cost: StepCosts, draft_tokens: int, greedy: bool = True):
+        self.index, self.draft_tokens, self.copies = text_index(), draft_tokens, AUTO_COPIES[greedy]
         self.index.extend(text)
         self.planner = Planner(Acceptance(), cost, window_rows=0, max_nodes=draft_tokens)
 
     def draft(self, text):
-        self.plan = self.planner.plan(text_chains(self.index, AUTO_COPIES[True], self.draft_tokens), room=1 << 30)
+        self.plan = self.planner.plan(text_chains(self.index, self.copies, self.draft_tokens), room=1 << 30)
         return self.plan.tree
 
     def accepted(self, emitted, path):
@@ -118,6 +122,8 @@ def main() -> None:
     parser.add_argument("--packages", nargs="+", default=None, metavar="SIZES",
                         help="replay on compiled steps: sets of package sizes, each comma-separated with 1 among them "
                              "(e.g. 1,4,9,20 1,2,4,9,20)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample the answers (0: greedy)")
+    parser.add_argument("--seeds", type=int, default=1, help="sampled answers per prompt, seeds 1..N (with --temperature)")
     args = parser.parse_args()
     engine = common.load_engine(args, compile="on" if args.packages else "auto")
     costs = {"eager": StepCosts(step_costs(engine, context=args.context))} if not args.packages else \
@@ -126,12 +132,16 @@ def main() -> None:
         print(f"{name} pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in cost.points))
     config = engine.request_config(method="fafo", max_tokens=args.tokens)
     speedups: dict[tuple[str, str], list[float]] = {}
-    for sample in common.prompts(args, engine):
+    greedy = args.temperature == 0
+    answers = [(sample, seed) for sample in common.prompts(args, engine) for seed in range(1, 2 if greedy else args.seeds + 1)]
+    for sample, seed in answers:
         engine.reset()
         prompt = engine.encode(list(sample.messages))
-        answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens).token_ids
+        answer = engine.complete(list(sample.messages), method="vanilla", max_tokens=args.tokens,
+                                 temperature=args.temperature, seed=seed).token_ids
         guesses = [(f"fafo {sizes}" if args.packages else "fafo", cost,
-                    FafoGuesses(prompt + answer[:1], cost, config.draft_tokens)) for sizes, cost in costs.items()]
+                    FafoGuesses(prompt + answer[:1], cost, config.draft_tokens, greedy))
+                   for sizes, cost in costs.items()]
         first = next(iter(costs.values()))
         guesses += [("suffix", first, SuffixGuesses(prompt + answer[:1], config)),
                     ("copy ceiling", first, CopyCeiling(prompt, answer, args.most))]
@@ -139,7 +149,7 @@ def main() -> None:
             plain = (len(answer) - 1) * cost.of(1)
             steps, rows, ms = replay(answer, prompt, cost, guess)
             speedups.setdefault((sample.suite, name), []).append(plain / ms)
-            print(f"{sample.suite:9s} {sample.id[:40]:40s} {name:18s} τ {len(answer) / (steps + 1):.2f} "
+            print(f"{sample.suite:9s} {sample.id[:36] + ('' if greedy else f'#{seed}'):40s} {name:18s} τ {len(answer) / (steps + 1):.2f} "
                   f"rows {rows / steps:.2f} speedup {plain / ms:.2f}", flush=True)
     for (suite, name), values in speedups.items():
         print(f"{suite:9s} {name:18s} median speedup {statistics.median(values):.2f}")
