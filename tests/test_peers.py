@@ -96,6 +96,18 @@ def test_peer_chat_turns_equal_generate_on_each_turns_history(tiny, peer):
     assert result.stats.cached_prompt_tokens > 0.5 * result.stats.prompt_tokens
 
 
+@pytest.mark.parametrize("budget", [128, 1_000_000])  # rebuilds keep more than the first allocation; beyond any context
+def test_triforce_retrieval_cache_grows_as_it_fills(tiny, monkeypatch, budget):
+    from fafo_cli.decoders import triforce
+
+    monkeypatch.setattr(triforce, "RETRIEVAL_SLOTS", 16)  # far less than a rebuild keeps
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    ids = engine.encode(LONG)
+    result = engine.complete(LONG, max_tokens=TOKENS, method="triforce", triforce_budget=budget)
+    assert result.token_ids == hf_greedy(tiny, ids, TOKENS)
+    assert result.stats.draft_memory_mb < 8  # the cache the budget asks for was never allocated whole
+
+
 def test_triforce_draft_model_follows_the_chat(tiny, draft_models):
     engine = load(str(tiny), dtype="float32", method="triforce", draft_model=str(draft_models["other"]),
                   triforce_budget=32, triforce_recent=8, triforce_draft_cache=24)

@@ -115,6 +115,9 @@ class StreamingDraftModel:
         return weights + self.cache.nbytes()
 
 
+RETRIEVAL_SLOTS = 4096  # the retrieval cache's first allocation at most; it grows as a rebuild or new tokens fill it
+
+
 class TriForce:
     runs_model = True
     MIN_ROUNDS = 4  # rounds since a rebuild before their acceptance may call for the next one
@@ -141,7 +144,7 @@ class TriForce:
         # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
         slack = self.gamma2 + self.gamma1 + 1
         # grown as filled: a budget beyond the context never holds more than the context (nor is allocated)
-        self.retrieval = self.model.new_cache(initial_slots=min(self.budget + slack, 4096),
+        self.retrieval = self.model.new_cache(initial_slots=min(self.budget + slack, RETRIEVAL_SLOTS),
                                               max_slots=self.budget + slack)
         self._rebuild()
 
@@ -152,6 +155,8 @@ class TriForce:
         keep = min(self.keep, length)
         cut = length - keep
         recent = torch.arange(cut, length, device=keys.device)
+        self.retrieval.truncate(0)
+        self.retrieval.reserve(min(self.budget, length))
         for layer in range(len(self.model.layers)):
             chosen = (select_positions(keys[layer, :cut], self.queries[layer], self.chunk,
                                        self.budget - self.keep - self.room) if cut else
@@ -160,7 +165,6 @@ class TriForce:
             kept = positions.shape[1]  # whole chunks: up to a chunk less than the budget
             self.retrieval.keys[layer, :kept] = gather_positions(keys[layer, :length], positions)
             self.retrieval.values[layer, :kept] = gather_positions(values[layer, :length], positions)
-        self.retrieval.truncate(0)
         self.retrieval.commit(kept)
         self.synced = self.rebuilt_at = length  # main-cache positions the retrieval cache has seen
         self.rebuilds += 1
@@ -244,6 +248,7 @@ class TriForce:
             self.period, self.rounds = [0, 0], 0
             self._rebuild()
             return
+        self.retrieval.reserve(start + added)
         self.retrieval.keys[:, start:start + added] = self.main.keys[:, self.synced:length]
         self.retrieval.values[:, start:start + added] = self.main.values[:, self.synced:length]
         self.retrieval.commit(added)
