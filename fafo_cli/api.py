@@ -86,7 +86,7 @@ class Engine:
         self.folder = folder
         self.config = config
         # keys of `config` its caller gave explicitly (a command's flags): each must have an effect on every request
-        # (config.check_given); the config file's and load()'s are defaults that a request may not use
+        # (config.check_given); the config file's and load()'s are defaults, which a request might not use
         self.explicit: frozenset[str] = frozenset()
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -192,6 +192,8 @@ class Engine:
         unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
         config_mod.check_given(config, self.explicit)
+        if "system" in self.explicit and config.system and not self.has_chat_template:
+            raise FafoError(f"'system' needs a chat template, and {self.name} has none")
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config

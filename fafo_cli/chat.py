@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import yaml
 from rich.console import Console
 
+from . import config as config_mod
 from .api import Engine
 from .errors import FafoError
 from .ui import StreamView, method_label
@@ -89,8 +90,13 @@ class Repl:
         while True:
             try:
                 text = self._read()
+                if text is not None:
+                    text.encode("utf-8")  # undecodable input bytes arrive as lone surrogates, or raise below
             except KeyboardInterrupt:
                 self.out.print("\n(use /exit or Ctrl-D to leave)")
+                continue
+            except (UnicodeDecodeError, UnicodeEncodeError):
+                self._warn("error: that message is not UTF-8 text; it was not sent")
                 continue
             if text is None:
                 if self.interactive:
@@ -134,7 +140,8 @@ class Repl:
         key, raw = words
         try:
             value = yaml.safe_load(raw)
-            self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
+            config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
+            config_mod.check_given(config, {key})  # and like a flag: it must change something
         except (FafoError, yaml.YAMLError) as e:
             self._warn(f"error: {e}")
             return

@@ -4,6 +4,7 @@ events."""
 from __future__ import annotations
 
 import functools
+import errno
 import gc
 import inspect
 import json
@@ -119,11 +120,13 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     every answer (`config.check_given`)."""
     from .api import Engine
 
+    explicit = frozenset(key for key, value in (flags or {}).items() if value is not None)
+    config_mod.check_given(config, explicit)  # before any work (the sampling defaults of the model come later)
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
     engine = Engine.from_config(config)
-    engine.explicit = frozenset(key for key, value in (flags or {}).items() if value is not None)
-    engine.request_config()  # a flag that would do nothing is refused before any work
+    engine.explicit = explicit
+    engine.request_config()  # with the model's sampling defaults filled in
     if config.chat_template and not engine.has_chat_template:
         print(f"note: {engine.name} has no chat template; the prompt is continued as plain text", file=sys.stderr)
     return engine
@@ -172,7 +175,9 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
 
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
-    Repl(_load(settings, err, flags), out, err).run()
+    engine = _load(settings, err, flags)
+    engine.explicit = frozenset()  # checked at launch; from here on /set may change any of them (and is checked)
+    Repl(engine, out, err).run()
 
 
 @app.command()
@@ -287,7 +292,6 @@ def bench(
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,
         csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file, context=context,
         documents=tuple(documents or ()))
-    config_mod.check_given(settings, [key for key, value in flags.items() if value is not None], options.methods)
     for flag, path in (("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)):
         _check_output(flag, path)  # before the run, which may take hours
     out, err = consoles()
@@ -469,6 +473,11 @@ def cacheback_build_table(
           f"in {len(texts)} file(s)")
 
 
+# what a path the user chose or set up can be that makes it unusable (anything else is ours to fix: a traceback)
+UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
+                 errno.EEXIST, errno.ENAMETOOLONG}
+
+
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
@@ -503,7 +512,9 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 0
     except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
         path = e.filename2 or e.filename  # a rename's target, not its temporary source
-        print(f"error: cannot use {path}: {e.strerror or e}" if path else f"error: {e}", file=sys.stderr)
+        if e.errno not in UNUSABLE_PATH or not path:
+            raise
+        print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)
         return 1
     finally:
         # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);

@@ -276,18 +276,18 @@ def _check_together(config: Config) -> None:
 SAMPLING_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
-def check_given(config: Config, given: Iterable[str], methods: Iterable[str] | None = None) -> None:
+def check_given(config: Config, given: Iterable[str]) -> None:
     """Settings given explicitly (a command's flags, a request's fields) must have an effect: a method's own
-    settings only where that method runs (`methods`, else the config's), and a sampling setting other than its
-    neutral value only where decoding samples (temperature above 0, the model's default filled in)."""
+    settings only where that method runs, `system` only with the chat template, and a sampling setting other than
+    its neutral value only where decoding samples (temperature above 0; None, the model's default, is not checked
+    here)."""
     given = set(given)
-    running = set(methods) if methods is not None else {config.method}
     specs = {spec.name: spec for spec in fields(Config)}
     for key in sorted(given & specs.keys()):
         owner = method_of(specs[key])
-        if owner is not None and owner not in running:
+        if owner is not None and owner != config.method:
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
-                            f"{', '.join(sorted(running))})")
+                            f"{config.method})")
     if "system" in given and config.system and not config.chat_template:
         raise FafoError("'system' needs the chat template: the prompt is continued as plain text without it")
     if config.temperature == 0:
@@ -484,7 +484,10 @@ def reference_markdown() -> str:
         "`~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config path` "
         "prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
         "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
-        "the key allows is an error that names the key.", "",
+        "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "
+        "chat` (or a field of a `fafo serve` request) that would change nothing is an error: another method's "
+        "setting, `top_p`, `top_k` or `min_p` other than 1, 0, 0 while decoding greedily, `system` without a chat "
+        "template.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]
     for command in others:

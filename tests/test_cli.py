@@ -286,6 +286,21 @@ def _chat(model, script: str, *extra):
                            *extra], input=script, capture_output=True, text=True, env=env, timeout=120)
 
 
+def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    script = b"caf\xe9\n/set top_p 0.5\n/set temperature 0\nhello\n"
+    result = subprocess.run([sys.executable, "-m", "fafo_cli", "chat", str(tiny), "--dtype", "float32", "-n", "4",
+                             "--temperature", "0.7", "--top-p", "0.9"], input=script, capture_output=True, env=env,
+                            timeout=120)
+    err = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in err, err
+    assert "error: that message is not UTF-8 text; it was not sent" in err
+    # top_p's flag does not stop /set temperature 0 (the command line's flags are checked at launch), and
+    # /set top_p while greedy is refused as its flag would be
+    assert "temperature = 0" in result.stdout.decode()
+    assert _chat(tiny, "/set top_p 0.5\n").stderr.startswith("error: 'top_p' has no effect when decoding greedily")
+
+
 def test_chat_repl_script(tiny):
     script = '/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n/reset\n/stats\n'
     result = _chat(tiny, script)

@@ -174,7 +174,7 @@ def test_draft_model_must_share_the_tokenizer(tmp_path, tiny, capsys):
     assert code == 1 and err.strip().count("\n") == 0
     assert "does not share the tokenizer" in err
     code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "fafo", "--draft-model", str(tiny)])
-    assert code == 1 and "used by method triforce only" in capsys.readouterr().err
+    assert code == 1 and "'draft_model' is a setting of method triforce" in capsys.readouterr().err
 
 
 def test_cacheback_frozen_table_built_by_the_cli_is_used(tmp_path, tiny, capsys):

@@ -51,7 +51,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         except ClientDisconnect:  # nothing was submitted: no error, nobody to tell
             log.debug("%s %s: the client left while sending its body", request.method, request.url.path)
             return Response(status_code=499)
-        media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower() or "application/json"
         if media != "application/json" and not media.endswith("+json"):  # also keeps web pages' simple (unchecked
             # cross-origin) form and text posts from starting generations
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got {media})",
