@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "load", "__version__"]
+__all__ = ["Engine", "FafoError", "load", "__version__"]
+
+from .errors import FafoError  # what every refusal raises (light: no torch)
 
 
 def __getattr__(name: str):

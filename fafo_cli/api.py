@@ -88,6 +88,7 @@ class Engine:
         # keys of `config` its caller gave explicitly (a command's flags): each must have an effect on every request
         # (config.check_given); the config file's and load()'s are defaults, which a request might not use
         self.explicit: frozenset[str] = frozenset()
+        self._answering: object | None = None  # the stream the session serves (see generate)
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
@@ -163,11 +164,11 @@ class Engine:
     def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
         """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""
         config = config or self.config
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if config.system and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt)
+        if config.system and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
         for message in messages:
-            _check_text(message.get("content"), "the prompt")
+            _check_text(message["content"], "the prompt")
         if config.chat_template and self.has_chat_template:
             from jinja2 import TemplateError  # what transformers renders chat templates with
 
@@ -218,17 +219,32 @@ class Engine:
         context = self.model.max_context
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
+        stop = (stop,) if isinstance(stop, str) else stop  # one string is one stop string, not its characters
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise FafoError(f"stop must be a string or a list of strings (got {stop!r})")
         if not all(stop):
             raise FafoError("a stop string must not be empty")
+        if on_prefill is not None and not callable(on_prefill):
+            raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop), on_prefill)
         self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
         steps = DECODERS[config.method](self.session, request, emitter)
+        # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
+        # was suspended took it over, and this one may neither go on nor undo anything of it
+        self._answering = owner = object()
         try:
-            yield from counted(steps, self.model.device) if self.count_syncs else steps
+            for step in counted(steps, self.model.device) if self.count_syncs else steps:
+                yield step
+                if self._answering is not owner:
+                    raise FafoError("another answer started on this engine before this stream was finished; an "
+                                    "engine runs one answer at a time (finish or close a stream first, or load a "
+                                    "second engine)")
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
-            self.session.rollback(min(len(self.session.ids), self.session.cache.length))
+            if self._answering is owner:
+                self._answering = None
+                self.session.rollback(min(len(self.session.ids), self.session.cache.length))
 
     def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Result:
         config = self.request_config(**overrides)
@@ -392,3 +408,18 @@ def _check_text(text, what: str) -> None:
         except UnicodeEncodeError as e:
             raise FafoError(f"{what} is not UTF-8 text: character {e.start + 1} is a lone surrogate "
                             f"({ascii(text[e.start])}), not a character") from None
+
+
+def _messages(prompt) -> list[dict]:
+    """A prompt's chat messages, each a dict with a string `role` and string `content` (copied)."""
+    if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+        raise FafoError(f"a prompt is a string or a list of messages {{'role': ..., 'content': ...}} (got "
+                        f"{type(prompt).__name__})")
+    if not prompt:
+        raise FafoError("the prompt has no messages")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise FafoError(f"message {i} of the prompt must be a dict with a string 'role' and string 'content' "
+                            f"(got {message!r:.80})")
+    return [dict(message) for message in prompt]

@@ -223,3 +223,41 @@ def test_prompt_longer_than_the_real_prefill_chunk(tiny, settings):
     result = engine.stream(prompt, max_tokens=40, on_prefill=events.append)
     assert [t for step in result for t in step.token_ids] == hf_greedy(tiny, ids, 40)
     assert [e.done for e in events] == [session_mod.PREFILL_CHUNK, len(ids)]
+
+
+def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
+    """An engine runs one answer at a time: a stream resumed after another answer began must not go on with the
+    session that answer now holds (it gave wrong tokens), nor undo it; the other answer stays exact."""
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    first, second = "one two three four", "the cat sat on"
+    expected = {p: engine.complete(p, max_tokens=12).token_ids for p in (first, second)}
+    suspended = engine.stream(first, max_tokens=12)
+    next(suspended)
+    overtaking = engine.stream(second, max_tokens=12)
+    ids = list(next(overtaking).token_ids)
+    with pytest.raises(FafoError, match="another answer started on this engine"):
+        next(suspended)
+    ids += [t for step in overtaking for t in step.token_ids]
+    assert ids == expected[second]
+    assert engine.complete(first, max_tokens=12).token_ids == expected[first]
+
+
+@pytest.mark.parametrize("prompt, stop, message", [
+    (123, (), "a prompt is a string or a list of messages"),
+    (["hi"], (), "message 0 of the prompt must be a dict"),
+    ([{"role": "user", "content": 5}], (), "message 0 of the prompt must be a dict"),
+    ([], (), "the prompt has no messages"),
+    ("hi", [5], "stop must be a string or a list of strings"),
+])
+def test_malformed_arguments_are_refused_by_name(tiny, prompt, stop, message):
+    engine = load(str(tiny), dtype="float32")
+    with pytest.raises(FafoError, match=message):
+        engine.complete(prompt, max_tokens=2, stop=stop)
+
+
+def test_one_stop_string_is_not_split_into_characters(tiny):
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    text = engine.complete("one two three", max_tokens=24).text
+    assert len(text) > 4
+    stop = text[2:4] + "\x00"  # never in the text: with its characters taken one by one, the answer stopped early
+    assert engine.complete("one two three", max_tokens=24, stop=stop).text == text
