@@ -13,7 +13,7 @@ from rich.console import Console
 
 from . import config as config_mod
 from .api import Engine
-from .errors import FafoError
+from .errors import FafoError, first_line
 from .ui import StreamView, method_label
 
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
@@ -57,8 +57,9 @@ class Repl:
         """One line on stderr, never wrapped (scripts and tests read it whole)."""
         self.err.print(message, markup=False, highlight=False, soft_wrap=True)
 
-    def _read(self) -> str | None:
-        """One user message (possibly multi-line); None at end of input."""
+    def _read(self) -> tuple[str, bool] | None:
+        """One user message (possibly multi-line) and whether it was a \"\"\" block (a message even where it
+        starts with /); None at end of input."""
         try:
             line = input(">>> " if self.interactive else "")
         except EOFError:
@@ -69,11 +70,12 @@ class Repl:
                 try:
                     more = input("... " if self.interactive else "")
                 except EOFError:
-                    break
+                    self._warn('error: the input ended inside a """ block; that message was not sent')
+                    return None
                 if more.strip() == '"""':
                     break
                 lines.append(more)
-            return "\n".join(lines)
+            return "\n".join(lines), True
         lines = [line]
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
@@ -81,7 +83,7 @@ class Repl:
                 lines.append(input("... " if self.interactive else ""))
             except EOFError:
                 break
-        return "\n".join(lines)
+        return "\n".join(lines), False
 
     def run(self) -> None:
         if self.interactive:
@@ -89,22 +91,23 @@ class Repl:
                            "Ctrl-D to leave")
         while True:
             try:
-                text = self._read()
-                if text is not None:
-                    text.encode("utf-8")  # undecodable input bytes arrive as lone surrogates, or raise below
+                read = self._read()
+                if read is not None:
+                    read[0].encode("utf-8")  # undecodable input bytes arrive as lone surrogates, or raise below
             except KeyboardInterrupt:
                 self.out.print("\n(use /exit or Ctrl-D to leave)")
                 continue
             except (UnicodeDecodeError, UnicodeEncodeError):
                 self._warn("error: that message is not UTF-8 text; it was not sent")
                 continue
-            if text is None:
+            if read is None:
                 if self.interactive:
                     self.out.print()
                 return
+            text, block = read
             if not text.strip():
                 continue
-            if text.strip().startswith("/"):
+            if not block and text.strip().startswith("/"):
                 if self._command(text.strip()):
                     return
                 continue
@@ -142,8 +145,11 @@ class Repl:
             value = yaml.safe_load(raw)
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
             config_mod.check_given(config, {key})  # and like a flag: it must change something
-        except (FafoError, yaml.YAMLError) as e:
+        except FafoError as e:
             self._warn(f"error: {e}")
+            return
+        except yaml.YAMLError as e:
+            self._warn(f"error: cannot read {raw!r} as a value ({first_line(e)})")
             return
         self.settings[key] = value
         self.out.print(f"{key} = {value}", markup=False)
@@ -151,15 +157,16 @@ class Repl:
     def _fit_context(self) -> bool:
         """Drop the oldest exchanges until the conversation fits the model's context; False if it cannot."""
         context = self.engine.model.max_context
-        dropped = 0
-        while len(self.engine.encode(self.messages)) >= context:
-            first = next((i for i, m in enumerate(self.messages) if m["role"] != "system"), None)
-            if first is None or first >= len(self.messages) - 1:  # only the newest message is left
-                self.messages.pop()
+        messages, dropped = list(self.messages), 0
+        while len(self.engine.encode(messages)) >= context:
+            first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+            if first is None or first >= len(messages) - 1:  # only the newest message is left: refused, and the
+                self.messages.pop()                            # conversation kept as it was
                 self._warn(f"error: this message alone does not fit the model's context ({context} tokens)")
                 return False
-            del self.messages[first:first + 2]  # the oldest user message and its answer
+            del messages[first:first + 2]  # the oldest user message and its answer
             dropped += 1
+        self.messages[:] = messages
         if dropped:
             self._warn(f"note: the conversation outgrew the model's context ({context} tokens); dropped the "
                        f"oldest {dropped} exchange{'s' if dropped > 1 else ''} (/reset starts over)")

@@ -301,6 +301,34 @@ def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
     assert _chat(tiny, "/set top_p 0.5\n").stderr.startswith("error: 'top_p' has no effect when decoding greedily")
 
 
+def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_as_messages(tiny):
+    huge = "word " * 3000  # beyond the tiny model's context alone
+    script = f'first message\n{huge}\n"""\n/etc/hosts lists names\n"""\n/set temperature [1\n/stats\n"""\nunclosed\n'
+    result = _chat(tiny, script)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "error: this message alone does not fit the model's context" in result.stderr
+    assert "unknown command" not in result.stderr  # the block starting with / was a message
+    assert "2 turns" in result.stdout and "reused from the cache" in result.stdout  # the first exchange was kept
+    assert "error: cannot read '[1' as a value (while parsing a flow sequence)" in result.stderr
+    assert result.stderr.rstrip().endswith('the input ended inside a """ block; that message was not sent')
+
+
+def test_a_message_too_long_for_the_context_leaves_the_conversation_as_it_was(tiny):
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    err = io_mod.StringIO()
+    repl = Repl(load(str(tiny), dtype="float32"), Console(file=io_mod.StringIO()), Console(file=err))
+    earlier = [{"role": "user", "content": "My name is Zorblax."}, {"role": "assistant", "content": "Hello."}]
+    repl.messages = [*earlier, {"role": "user", "content": "word " * 3000}]
+    assert not repl._fit_context()
+    assert repl.messages == earlier and "does not fit the model's context" in err.getvalue()
+
+
 def test_chat_repl_script(tiny):
     script = '/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n/reset\n/stats\n'
     result = _chat(tiny, script)
