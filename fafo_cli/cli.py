@@ -460,6 +460,9 @@ def cacheback_build_table(
     from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
 
     settings = config_mod.resolve(config, model=model, **flags)
+    _check_output("--out", out)
+    if Path(out).expanduser().resolve() in {Path(f).expanduser().resolve() for f in files}:
+        raise FafoError(f"--out {out} is one of the text files to learn from")
     texts = read_corpus(files)  # every file checked before the tokenizer loads
     folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
     from .api import load_tokenizer
@@ -494,8 +497,7 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 130
     except typer.TyperException as e:  # bad usage: unknown option, wrong type, missing argument
         ctx = getattr(e, "ctx", None)
-        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:  # bare `fafo` or `fafo config`
-            print(ctx.get_help())
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `fafo` or `fafo config`: typer printed the help
             return 0
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)

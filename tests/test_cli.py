@@ -438,3 +438,18 @@ def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):
     assert "reading the prompt" in screens[0] and "16/" in screens[0] and " tokens · " in screens[0]
     assert "reading the prompt" not in screens[-1]  # the last chunk: done
     assert "reading the prompt" not in after.file.getvalue()  # decoding: the bar is gone
+
+
+def test_cacheback_table_is_never_written_over_an_input_or_a_folder(capsys, tmp_path):
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("some text to learn from " * 20)
+    for out, message in ((corpus, "is one of the text files to learn from"), (tmp_path, "is a folder, not a file")):
+        code, _, err = run_cli(capsys, "cacheback", "build-table", corpus, "--out", out)
+        assert code == 1 and message in err and err.count("\n") == 1, err
+    assert corpus.read_text().startswith("some text")
+
+
+@pytest.mark.parametrize("argv", [[], ["config"], ["cacheback"]])
+def test_a_bare_command_group_prints_its_help_once(capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and out.count("Usage:") == 1 and err == "", (out, err)

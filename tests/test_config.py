@@ -185,3 +185,9 @@ def test_a_folder_where_the_user_config_goes_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "fafo" / "config.yaml").mkdir(parents=True)
     with pytest.raises(FafoError, match="cannot read config file .*config.yaml: Is a directory"):
         config_mod.resolve(None)
+
+
+def test_an_empty_string_empties_a_key_that_may_be_empty():
+    assert config_mod.build(model="", system="").model is None
+    with pytest.raises(FafoError, match="'method' must be one of"):
+        config_mod.build(method="")

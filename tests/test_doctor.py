@@ -50,6 +50,8 @@ def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "Wrote the cost curve" in out  # no window on a CPU, none named: streams stays auto
     assert config_mod.load_file(isolated).streams == "auto"
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated), "--json"])
+    assert code == 0 and set(json.loads(capsys.readouterr().out)["written"]) == {"step_costs"}  # no config written
     isolated.write_text(isolated.read_text() + "compressor: stream\n")
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
     out = capsys.readouterr().out

@@ -151,7 +151,9 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
     report["recommended"] = recommend(engine, config, costs)
     if write_to is not None:
         write(engine, write_to, report["recommended"], costs)
-        report["written"] = {"config": str(write_to), "step_costs": str(engine.steps_folder)}
+        # the config only where a window is recommended (its width is the setting written)
+        report["written"] = {"step_costs": str(engine.steps_folder),
+                             **({"config": str(write_to)} if report["recommended"]["window"] else {})}
     return report, engine
 
 
