@@ -208,7 +208,7 @@ class Config:
 
 def _check(name: str, value: Any, spec) -> Any:
     meta = spec.metadata
-    if value is None or value == "" and meta["nullable"]:  # "" is empty too (a command line has no null)
+    if value is None or (value == "" and meta["nullable"]):  # "" is empty too (a command line has no null)
         if meta["nullable"]:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
