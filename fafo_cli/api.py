@@ -228,19 +228,19 @@ class Engine:
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop), on_prefill)
-        self.session.recall(ids)
-        emitter = Emitter(self.session, request, self.tokenizer)
-        steps = DECODERS[config.method](self.session, request, emitter)
         # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
         # was suspended took it over, and this one may neither go on nor undo anything of it
         self._answering = owner = object()
+        self.session.recall(ids)
+        emitter = Emitter(self.session, request, self.tokenizer)
+        steps = DECODERS[config.method](self.session, request, emitter)
         try:
             for step in counted(steps, self.model.device) if self.count_syncs else steps:
                 yield step
                 if self._answering is not owner:
-                    raise FafoError("another answer started on this engine before this stream was finished; an "
-                                    "engine runs one answer at a time (finish or close a stream first, or load a "
-                                    "second engine)")
+                    raise FafoError("another answer started on this engine (or it was reset) before this stream "
+                                    "was finished; an engine runs one answer at a time (finish or close a stream "
+                                    "first, or load a second engine)")
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
             if self._answering is owner:
                 self._answering = None
@@ -256,7 +256,8 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached conversation (the next request prefills from scratch), the kept ones, and what decoders
-        learned from earlier answers."""
+        learned from earlier answers. A stream not finished yet stops (see generate)."""
+        self._answering = None
         self.session.reset()
 
     def keep_conversations(self, count: int, max_mb: float) -> None:

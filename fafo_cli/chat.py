@@ -6,6 +6,7 @@ its KV cache does not already hold (so a turn costs its own new tokens, not the 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import yaml
@@ -86,6 +87,9 @@ class Repl:
         return "\n".join(lines), False
 
     def run(self) -> None:
+        # undecodable bytes arrive as lone surrogates, which the check below refuses line by line (a strict
+        # reader, as under most UTF-8 locales, would throw away the rest of its buffer with them)
+        getattr(sys.stdin, "reconfigure", lambda **_: None)(errors="surrogateescape")
         if self.interactive:
             self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.request_config())} · /help for commands, "
                            "Ctrl-D to leave")
@@ -93,11 +97,11 @@ class Repl:
             try:
                 read = self._read()
                 if read is not None:
-                    read[0].encode("utf-8")  # undecodable input bytes arrive as lone surrogates, or raise below
+                    read[0].encode("utf-8")
             except KeyboardInterrupt:
                 self.out.print("\n(use /exit or Ctrl-D to leave)")
                 continue
-            except (UnicodeDecodeError, UnicodeEncodeError):
+            except UnicodeEncodeError:
                 self._warn("error: that message is not UTF-8 text; it was not sent")
                 continue
             if read is None:
@@ -144,7 +148,8 @@ class Repl:
         try:
             value = yaml.safe_load(raw)
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
-            config_mod.check_given(config, {key})  # and like a flag: it must change something
+            if value not in (None, ""):  # (which restores the default)
+                config_mod.check_given(config, {key})  # and like a flag: it must change something
         except FafoError as e:
             self._warn(f"error: {e}")
             return

@@ -120,7 +120,7 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     every answer (`config.check_given`)."""
     from .api import Engine
 
-    explicit = frozenset(key for key, value in (flags or {}).items() if value is not None)
+    explicit = frozenset(key for key, value in (flags or {}).items() if value not in (None, ""))  # "": empty
     config_mod.check_given(config, explicit)  # before any work (the sampling defaults of the model come later)
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
@@ -460,6 +460,8 @@ def cacheback_build_table(
     from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
 
     settings = config_mod.resolve(config, model=model, **flags)
+    if out == "-":
+        raise FafoError("--out names the table file to write (a table is binary: not to standard output)")
     _check_output("--out", out)
     if Path(out).expanduser().resolve() in {Path(f).expanduser().resolve() for f in files}:
         raise FafoError(f"--out {out} is one of the text files to learn from")
@@ -478,7 +480,7 @@ def cacheback_build_table(
 
 # what a path the user chose or set up can be that makes it unusable (anything else is ours to fix: a traceback)
 UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
-                 errno.EEXIST, errno.ENAMETOOLONG}
+                 errno.EDQUOT, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EXDEV}
 
 
 def entrypoint(argv: list[str] | None = None) -> int:
@@ -497,7 +499,10 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 130
     except typer.TyperException as e:  # bad usage: unknown option, wrong type, missing argument
         ctx = getattr(e, "ctx", None)
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `fafo` or `fafo config`: typer printed the help
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `fafo` or `fafo config`: the help (rich help printed
+            help = e.format_message()                   # it already, and its message is empty)
+            if help.strip():
+                print(help)
             return 0
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)

@@ -285,7 +285,7 @@ def check_given(config: Config, given: Iterable[str]) -> None:
     specs = {spec.name: spec for spec in fields(Config)}
     for key in sorted(given & specs.keys()):
         owner = method_of(specs[key])
-        if owner is not None and owner != config.method:
+        if owner is not None and owner != config.method and getattr(config, key) is not None:  # (None: emptied)
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
                             f"{config.method})")
     if "system" in given and config.system and not config.chat_template:

@@ -240,6 +240,11 @@ def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
     ids += [t for step in overtaking for t in step.token_ids]
     assert ids == expected[second]
     assert engine.complete(first, max_tokens=12).token_ids == expected[first]
+    suspended = engine.stream(first, max_tokens=12)
+    next(suspended)
+    engine.reset()  # the cache it was answering from is gone
+    with pytest.raises(FafoError, match="another answer started on this engine"):
+        next(suspended)
 
 
 @pytest.mark.parametrize("prompt, stop, message", [
