@@ -3,8 +3,8 @@ events."""
 
 from __future__ import annotations
 
-import functools
 import errno
+import functools
 import gc
 import inspect
 import json
