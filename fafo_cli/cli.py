@@ -1,5 +1,5 @@
-"""The `fafo` command: pull, list, run, chat, serve, bench, compile, config. Thin: parse flags, call the API, render
-events."""
+"""The `fafo` command: pull, list, run, chat, serve, bench, doctor, compile, config, cacheback. Thin: parse flags,
+call the API, render events."""
 
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def run(
                                         show_default=False)] = ...,
     config: ConfigOpt = None,
     *, flags: dict,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, stats, "
-                                          "settings.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, "
+                                          "finish_reason, stats, settings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr even when stdout is not "
                                           "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
@@ -246,7 +246,8 @@ def bench(
     warmup: Annotated[int, typer.Option(help="Untimed runs of every row first.", min=0)] = 1,
     samples: Annotated[Optional[int], typer.Option(help="Prompts per suite (default: 1; --full: 3).", min=1,
                                                    show_default=False)] = None,
-    prompts: Annotated[Optional[str], typer.Option(help="Your own prompts: a JSONL file, {\"prompt\": ...} or "
+    prompts: Annotated[Optional[str], typer.Option(help="Your own prompts, as one more suite "
+                                                   "(`custom`): a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
                                                min=0.0, max=100.0)] = 0.0,
@@ -268,7 +269,7 @@ def bench(
     plot_file: Annotated[Optional[str], typer.Option("--plot", help="Speedup chart (PNG; needs matplotlib).",
                                                      show_default=False)] = None,
     tune: Annotated[bool, typer.Option("--tune", help="Measure this machine and write the best FAFO settings "
-                                       "into the user config.")] = False,
+                                       "into the user config (or the --config file).")] = False,
 ) -> None:
     """FAFO against plain decoding, the peer methods and transformers, side by side."""
     from .bench import command

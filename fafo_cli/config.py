@@ -78,7 +78,7 @@ class Config:
                                    "SmolLM2-135M-Instruct", nullable=True, argument=True, also=("bench", "doctor"))
     method: str = _opt("fafo", "decoding method: fafo, vanilla (plain decoding, one token per step) or a peer "
                                "method", choices=METHODS)
-    dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float32)",
+    dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float16 on a GPU, float32 on a CPU)",
                       choices=DTYPES, also=("bench", "doctor"))
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES,
                        also=("bench", "doctor"))
