@@ -115,6 +115,19 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path}: no such folder {target.parent}")
 
 
+def _check_plot_format(path: str) -> None:
+    """A chart file whose suffix matplotlib writes (png, svg, pdf, ...)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # told when the chart is drawn, with how to install it
+        return
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise FafoError(f"--plot {path}: a chart is written as one of {', '.join(sorted(formats))}, by the file's "
+                        "suffix")
+
+
 def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
     every answer (`config.check_given`)."""
@@ -276,6 +289,17 @@ def bench(
     from .bench.suites import parse_suites
     from .ui import consoles
 
+    if tune:  # it measures with prompts and settings of its own
+        ignored = [flag for flag, given in (
+            ("--suites", suites), ("--context", context), ("--documents", documents), ("--methods", methods),
+            ("--compressors", compressors), ("--tokens", tokens != 512), ("--repeats", repeats),
+            ("--warmup", warmup != 1), ("--samples", samples), ("--prompts", prompts), ("--temperature", temperature),
+            ("--external/--no-external", external is not None), ("--full", full), ("--verify", verify),
+            ("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)) if given]
+        if ignored:
+            raise FafoError(f"--tune measures with its own prompts and settings: drop {', '.join(ignored)}")
+    if verify and temperature > 0:
+        raise FafoError("--verify checks greedy rows for identical tokens: drop it, or use --temperature 0")
     settings = config_mod.resolve(config, **flags)
     matrix = command.FULL if full else command.QUICK
     chosen = parse_suites(suites)
@@ -293,8 +317,12 @@ def bench(
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,
         csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file, context=context,
         documents=tuple(documents or ()))
+    if compressors is not None and "fafo" not in options.methods:
+        raise FafoError("--compressors names FAFO rows: add fafo to --methods")
     for flag, path in (("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)):
         _check_output(flag, path)  # before the run, which may take hours
+    if plot_file is not None:
+        _check_plot_format(plot_file)
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod
@@ -377,6 +405,10 @@ def compile_steps(
     for method, sizes in build_ahead(engine, chosen):
         listed = ", ".join(map(str, sizes)) if sizes else "none (it runs eager)"
         print(f"{method}: compiled steps of {listed} rows, in {engine.steps_folder}")
+    failed = engine.compiled.failed()
+    if failed:
+        raise FafoError(f"the compiled step{'s' if len(failed) > 1 else ''} of {', '.join(map(str, failed))} rows "
+                        "could not be built (the notes above say why); those steps run eager")
 
 
 @app.command()
@@ -389,7 +421,7 @@ def pull(
 ) -> None:
     """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
     allow_pickle = flags["allow_pickle"]
-    folder = hub.pull(model, revision=revision, allow_pickle=bool(allow_pickle), quiet=quiet)
+    folder = hub.pull(model, revision=revision or None, allow_pickle=bool(allow_pickle), quiet=quiet)  # "": main
     hub.check_folder(folder, allow_pickle=bool(allow_pickle), trust_remote_code=True)
     print(folder)
 

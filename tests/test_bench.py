@@ -116,7 +116,8 @@ def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_p
 
 def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
     prompts = tmp_path / "mine.jsonl"
-    prompts.write_text('{"prompt": "Say hi.", "id": "hi"}\n\n{"messages": [{"role": "user", "content": "Bye?"}]}\n')
+    prompts.write_text('\ufeff{"prompt": "Say hi.", "id": "hi"}\n\n{"messages": [{"role": "user", "content": "Bye?"}]}\n',
+                       encoding="utf-8")  # with a byte-order mark, as some editors write
     out = tmp_path / "out.json"
     code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), "--suites", "chat", "--samples", "1",
                        "--methods", "vanilla", "--no-external", *FAST[2:], "--json", str(out)])
@@ -124,7 +125,10 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
     assert [r["suite"] for r in json.loads(out.read_text())] == ["chat", "custom"]
     capsys.readouterr()
     for bad, message in (('{"prompt": ""}', "needs a non-empty 'prompt'"), ("not json", "not valid JSON"),
-                         ('{"messages": [{"role": "assistant", "content": "x"}]}', "ending with a user message")):
+                         ('{"messages": [{"role": "assistant", "content": "x"}]}', "ending with a user message"),
+                         # runs, references and speedups are keyed by id: a shared one lost results
+                         ('{"prompt": "a", "id": "dup"}\n{"prompt": "b", "id": "dup"}', "the prompt id 'dup' is used twice"),
+                         ('{"prompt": "a", "id": null, "suite": 3}', "'suite' must be a non-empty string")):
         prompts.write_text(bad + "\n")
         code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), *FAST])
         err = capsys.readouterr().err
@@ -132,7 +136,12 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
     for flags, message in ((["--suites", "poetry"], "unknown suite 'poetry'"),
                            (["--methods", "magic"], "unknown value 'magic'"),
                            (["--compressors", "zip"], "unknown value 'zip'"),
-                           (["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found")):
+                           (["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found"),
+                           # options that would change nothing
+                           (["--tune", "--suites", "math", "--json", "t.json"], "its own prompts and settings: drop --suites,"),
+                           (["--verify", "--temperature", "0.5"], "--verify checks greedy rows"),
+                           (["--methods", "suffix", "--compressors", "stream"], "add fafo to --methods"),
+                           (["--plot", str(tmp_path / "chart.txt")], "a chart is written as one of")):
         code = entrypoint(["bench", str(tiny), *flags, *FAST])
         err = capsys.readouterr().err
         assert code == 1 and message in err, err

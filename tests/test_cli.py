@@ -457,3 +457,9 @@ def test_a_bare_command_group_prints_its_help_once(capsys, argv):
     plain = subprocess.run([sys.executable, "-m", "fafo_cli", *argv], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "TYPER_USE_RICH": "0"})  # without rich's help, which prints itself
     assert plain.returncode == 0 and plain.stdout.count("Usage:") == 1, plain
+
+
+def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, prompt_file):
+    monkeypatch.setenv("FAFO_CACHE", str(prompt_file))  # a file where the packages should go
+    code, out, err = run_cli(capsys, "compile", tiny, "--methods", "vanilla")
+    assert code == 1 and "could not be built" in err.splitlines()[-1], err

@@ -51,12 +51,15 @@ def _from_record(record: dict, suite: str, where: str) -> Sample:
         messages = [{"role": "user", "content": record["prompt"]}]
     else:
         raise FafoError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list")
-    return Sample(str(record.get("suite", suite)), str(record.get("id", where)), tuple(messages))
+    for key in ("suite", "id"):
+        if record.get(key) is not None and not (isinstance(record[key], str) and record[key].strip()):
+            raise FafoError(f"{where}: '{key}' must be a non-empty string")
+    return Sample(record.get("suite") or suite, record.get("id") or where, tuple(messages))
 
 
 def read_jsonl(path: Path, suite: str) -> list[Sample]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # (a leading byte-order mark is no JSON)
     except FileNotFoundError:
         raise FafoError(f"prompts file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -199,6 +202,11 @@ def collect(suites: list[str], samples: int, prompts_file: str | None, long_sett
                                              else load_suite(name)[:samples])]
     if prompts_file is not None:
         chosen += read_jsonl(Path(prompts_file).expanduser(), "custom")
+    seen: set[str] = set()
+    for sample in chosen:  # runs, references and speedups are keyed by prompt id
+        if sample.id in seen:
+            raise FafoError(f"--prompts: the prompt id '{sample.id}' is used twice (each prompt needs an id of its own)")
+        seen.add(sample.id)
     return chosen
 
 

@@ -231,6 +231,10 @@ class CompiledSteps(OnceNotices):
             return "a minute or more on a CPU"
         return f"about {sum(builds) / len(builds):.0f} s, as builds here took"
 
+    def failed(self) -> list[int]:
+        """The package sizes that could not be built or loaded where `compile: on` asked for them (they run eager)."""
+        return sorted(size for size, runner in self._runners.items() if runner is None) if self.mode == "on" else []
+
     def built(self) -> list[int]:
         """The package sizes loaded in this process so far (each runs its steps compiled)."""
         return sorted(size for size, runner in self._runners.items() if runner is not None)
