@@ -331,8 +331,13 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
     if silence:
         disable_progress_bars()
     try:
-        # huggingface_hub writes each file to a temporary name and renames it: no half-written files.
+        # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
+        # first: a model we cannot run is refused before its weights download (and stay in the cache)
+        _check_config(Path(snapshot_download(repo_id, revision=revision, allow_patterns=["config.json"])),
+                      trust_remote_code=True)
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except FafoError:
+        raise
     except Exception as e:
         raise FafoError(_hub_error(repo_id, e)) from None
     finally:
@@ -395,8 +400,8 @@ def _check_architecture(config: dict, where: str) -> None:
                     f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def check_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> None:
-    """Refuse, in one line, a folder that is not a supported causal LM or whose loading would run code."""
+def _check_config(folder: Path, trust_remote_code: bool) -> None:
+    """The folder's config.json names a causal LM we run, whose loading runs no code unless that is allowed."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FafoError(f"{folder} is not a model folder (no config.json)")
@@ -407,6 +412,11 @@ def check_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code:
     if config.get("auto_map") and not trust_remote_code:
         raise FafoError(f"{folder} ships its own Python code; pass --trust-remote-code to allow running it")
     _check_architecture(config, str(folder))
+
+
+def check_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> None:
+    """Refuse, in one line, a folder that is not a supported causal LM or whose loading would run code."""
+    _check_config(folder, trust_remote_code)
     names = [p.name for p in folder.iterdir()]
     if any(n.endswith(".safetensors") for n in names):
         return

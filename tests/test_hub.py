@@ -184,7 +184,8 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
 
     fake_hub.requests.clear()
     assert hub.pull("org/tiny") == folder
-    assert fake_hub.requests == [("GET", "/api/models/org/tiny/revision/main")]  # which commit; no file again
+    # which commit (for the config, checked first, then for the rest); no file again
+    assert fake_hub.requests == [("GET", "/api/models/org/tiny/revision/main")] * 2
 
     assert hub.pull("org/tiny", allow_pickle=True) == folder
     assert _names(fake_hub.downloads()) == ["pytorch_model.bin"]
@@ -214,6 +215,17 @@ def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypa
     assert entrypoint(["pull", "org/tiny"]) == 0
     out, err = capsys.readouterr()
     assert Path(out.strip()).name == fake_hub.repos["org/tiny"].sha and "100%" in err  # the bar ran to its end
+
+
+def test_a_model_we_cannot_run_is_refused_before_its_weights_download(fake_hub, caches, tiny, capsys):
+    files = {p.name: p.read_bytes() for p in tiny.iterdir()}
+    config = json.loads(files["config.json"])
+    files["config.json"] = json.dumps({**config, "architectures": ["BertForMaskedLM"]}).encode()
+    fake_hub.add("org/bert", files)
+    assert entrypoint(["pull", "org/bert", "-q"]) == 1
+    assert "BertForMaskedLM" in capsys.readouterr().err
+    assert _names(fake_hub.downloads()) == ["config.json"]  # not the weights
+    assert entrypoint(["list", "--json"]) == 0 and "org/bert" not in capsys.readouterr().out
 
 
 def test_fafo_pull_command_with_its_progress_bar(fake_hub, tiny):
