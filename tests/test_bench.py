@@ -43,6 +43,7 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monke
         assert REQUIRED <= set(record), record
         assert record["exact"] == "1/1" and record["tokens_per_s"] > 0 and record["runs"] == 2
         assert record["dtype"] == "float32" and record["versions"]["torch"]
+        assert not {"max_tokens", "temperature", "method"} & set(record["settings"])  # set per run, not the config's
     assert {r["compressor"] for r in records if r["method"] == "fafo"} == {"stream", "none"}
     for record in records:  # where accepted tokens came from, the mean draft and the row counts of FAFO's steps
         if record["method"] == "fafo":

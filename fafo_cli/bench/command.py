@@ -67,13 +67,17 @@ def parse_list(flag: str, spec: str | None, allowed: tuple[str, ...], default: l
     return list(dict.fromkeys(names))
 
 
+PER_RUN = ("model", "method", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+
+
 def _meta(engine, options: BenchOptions, config) -> dict:
     import transformers
 
     return {"model": engine.name, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "device": str(engine.model.device), "tokens": options.tokens, "repeats": options.repeats,
             "samples": options.samples, "temperature": options.temperature, "context": options.context,
-            "settings": {k: v for k, v in config.to_dict().items() if k not in ("model", "method")},
+            # the config's settings, but those the bench sets per run (the method, tokens and sampling above)
+            "settings": {k: v for k, v in config.to_dict().items() if k not in PER_RUN},
             "versions": {"fafo-cli": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
             "machine": f"{platform.machine()} · {os.cpu_count()} CPUs · {platform.processor() or platform.system()}",

@@ -131,7 +131,7 @@ def _cells(result: Result) -> list[str]:
     exact = "sampled" if result.matches is None else f"{result.matches}/{result.compared}"
     acceptance = "—" if result.acceptance is None else f"{result.acceptance:.0%}"
     memory = f"{result.peak_memory_mb:,.0f} MB"
-    if result.draft_memory_mb:
+    if result.draft_memory_mb >= 0.05:  # (what rounds to 0.0 is not shown)
         memory += f" (+{result.draft_memory_mb:,.1f})"
     speedup, worst = ("—" if value is None else f"{value:.2f}×" for value in (result.speedup, result.worst_speedup))
     accepted = sum(result.accepted_from.values())
