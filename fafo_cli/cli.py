@@ -115,6 +115,10 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path}: no such folder {target.parent}")
 
 
+# settings of an answer, not of the steps that compute it (what `fafo compile` builds)
+ANSWER_ONLY = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "system", "chat_template")
+
+
 def _check_plot_format(path: str) -> None:
     """A chart file whose suffix matplotlib writes (png, svg, pdf, ...)."""
     try:
@@ -400,6 +404,13 @@ def compile_steps(
     if settings.compile == "off":
         raise FafoError("fafo compile builds compiled steps; --no-compile (or compile: off) contradicts it")
     chosen = parse_list("--methods", methods, config_mod.METHODS, [settings.method])
+    given = {key for key, value in flags.items() if value not in (None, "")}
+    if methods is not None and "method" in given:
+        raise FafoError("--methods names the methods to build for: drop --method")
+    unused = sorted(given & set(ANSWER_ONLY))  # the packages' shapes do not depend on these
+    unused += sorted(key for key in given if config_mod.method_of(config_mod.key_spec(key)) not in (None, *chosen))
+    if unused:
+        raise FafoError(f"fafo compile builds the steps of {', '.join(chosen)}; '{unused[0]}' does not change them")
     _, err = consoles()
     engine = _load(replace(settings, compile="on"), err)
     for method, sizes in build_ahead(engine, chosen):

@@ -401,6 +401,11 @@ def flags(command: str) -> list[Flag]:
     return [_flag(spec) for spec in fields(Config) if command in commands(spec)]
 
 
+def key_spec(key: str):
+    """The declaration of config key `key`."""
+    return next(field for field in fields(Config) if field.name == key)
+
+
 def method_of(spec) -> str | None:
     """The method a key belongs to, by its help's first word ("fafo stream: ..."); None for the general keys."""
     first = spec.metadata["help"].split(":")[0].split()[0]
@@ -487,7 +492,8 @@ def reference_markdown() -> str:
         "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "
         "chat` (or a field of a `fafo serve` request) that would change nothing is an error: another method's "
         "setting, `top_p`, `top_k` or `min_p` other than 1, 0, 0 while decoding greedily, `system` without a chat "
-        "template.", "",
+        "template; `fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`) and other "
+        "methods' settings, which do not shape the steps it builds.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]
     for command in others:

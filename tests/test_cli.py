@@ -463,3 +463,13 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
     monkeypatch.setenv("FAFO_CACHE", str(prompt_file))  # a file where the packages should go
     code, out, err = run_cli(capsys, "compile", tiny, "--methods", "vanilla")
     assert code == 1 and "could not be built" in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--methods", "vanilla", "--temperature", "0.7"], "'temperature' does not change them"),
+    (["--methods", "vanilla", "--lookup-ngram", "4"], "'lookup_ngram' does not change them"),
+    (["--methods", "vanilla", "--method", "suffix"], "drop --method"),
+])
+def test_compile_refuses_settings_that_do_not_shape_its_steps(capsys, tiny, flags, message):
+    code, out, err = run_cli(capsys, "compile", tiny, *flags)
+    assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
