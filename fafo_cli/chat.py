@@ -34,13 +34,14 @@ Ctrl-C stops the current answer; the conversation stays."""
 class Totals:
     turns: int = 0
     generated_tokens: int = 0
+    decoded_tokens: int = 0  # after each answer's first, over decode_s: the decode speed, as `fafo run` counts it
     decode_s: float = 0.0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     steps: int = 0
 
     def line(self) -> str:
-        speed = self.generated_tokens / self.decode_s if self.decode_s else 0.0
+        speed = self.decoded_tokens / self.decode_s if self.decode_s else 0.0
         tau = self.generated_tokens / self.steps if self.steps else 0.0
         return (f"{self.turns} turns · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
                 f"prompt tokens {self.prompt_tokens} ({self.cached_prompt_tokens} reused from the cache)")
@@ -204,7 +205,8 @@ class Repl:
             t = self.totals
             t.turns += 1
             t.generated_tokens += stats.generated_tokens
-            t.decode_s += stats.decode_s + stats.ttft_s
+            t.decoded_tokens += max(0, stats.generated_tokens - 1)
+            t.decode_s += stats.decode_s
             t.prompt_tokens += stats.prompt_tokens
             t.cached_prompt_tokens += stats.cached_prompt_tokens
             t.steps += stats.steps

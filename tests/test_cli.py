@@ -473,3 +473,10 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
 def test_compile_refuses_settings_that_do_not_shape_its_steps(capsys, tiny, flags, message):
     code, out, err = run_cli(capsys, "compile", tiny, *flags)
     assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
+
+
+def test_chat_stats_speed_is_the_decode_speed_as_run_counts_it():
+    from fafo_cli.chat import Totals
+
+    # 3 answers of 11 tokens: 30 decoded after the first of each, in 2 s of decoding (prefill not counted)
+    assert "15.0 tok/s" in Totals(turns=3, generated_tokens=33, decoded_tokens=30, decode_s=2.0, steps=20).line()
