@@ -363,6 +363,8 @@ def doctor(
     if gpu_report is not None:  # refused before minutes of measuring
         report_path = doctor_mod.check_report_path(gpu_report)
         gpu_mod.check(device, gpu_shape)
+    # the model found (or converted) before the first progress line: a missing one is one line
+    hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
     report, _ = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,

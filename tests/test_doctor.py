@@ -133,3 +133,9 @@ def test_doctor_checks_exactness_on_a_float32_copy_of_a_half_precision_model(tin
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["machine"]["dtype"] == "bfloat16"  # costs measured as configured
     assert report["exactness"] and all(check["equal"] for check in report["exactness"])  # in float32
+
+
+def test_a_missing_model_is_one_line_before_any_progress(tmp_path, capsys):
+    code = entrypoint(["doctor", str(tmp_path / "none.gguf")])
+    err = capsys.readouterr().err
+    assert code == 1 and err == f"error: no such model file or folder: {tmp_path / 'none.gguf'}\n", err
