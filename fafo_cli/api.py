@@ -411,6 +411,9 @@ def _check_text(text, what: str) -> None:
                             f"({ascii(text[e.start])}), not a character") from None
 
 
+ROLES = ("system", "user", "assistant")  # what every supported chat template takes
+
+
 def _messages(prompt) -> list[dict]:
     """A prompt's chat messages, each a dict with a string `role` and string `content` (copied)."""
     if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
@@ -420,7 +423,10 @@ def _messages(prompt) -> list[dict]:
         raise FafoError("the prompt has no messages")
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise FafoError(f"message {i} of the prompt must be a dict with a string 'role' and string 'content' "
+                or not isinstance(message.get("content"), str) or set(message) - {"role", "content"}:
+            raise FafoError(f"message {i} of the prompt must be a dict of a string 'role' and string 'content' "
                             f"(got {message!r:.80})")
+        if message["role"] not in ROLES:
+            raise FafoError(f"message {i} of the prompt: the role must be one of {', '.join(ROLES)} (got "
+                            f"{message['role']!r})")
     return [dict(message) for message in prompt]

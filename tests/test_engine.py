@@ -252,6 +252,8 @@ def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
     (["hi"], (), "message 0 of the prompt must be a dict"),
     ([{"role": "user", "content": 5}], (), "message 0 of the prompt must be a dict"),
     ([], (), "the prompt has no messages"),
+    ([{"role": "wizard", "content": "hi"}], (), "the role must be one of system, user, assistant"),
+    ([{"role": "user", "content": "hi", "name": "bob"}], (), "message 0 of the prompt must be a dict"),
     ("hi", [5], "stop must be a string or a list of strings"),
 ])
 def test_malformed_arguments_are_refused_by_name(tiny, prompt, stop, message):
