@@ -104,6 +104,11 @@ def _read_prompt(source: str) -> str:
     return text
 
 
+def _given(flags: dict) -> frozenset[str]:
+    """The config keys a command line gave a value (an empty one, "", empties its key: nothing asked for)."""
+    return frozenset(key for key, value in flags.items() if value not in (None, ""))
+
+
 def _check_output(flag: str, path: str | None) -> None:
     """An output file can be written where `path` says: its folder exists and it is not a folder itself."""
     if path is None or path == "-":
@@ -137,7 +142,7 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     every answer (`config.check_given`)."""
     from .api import Engine
 
-    explicit = frozenset(key for key, value in (flags or {}).items() if value not in (None, ""))  # "": empty
+    explicit = _given(flags or {})
     config_mod.check_given(config, explicit)  # before any work (the sampling defaults of the model come later)
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
@@ -406,11 +411,11 @@ def compile_steps(
     if settings.compile == "off":
         raise FafoError("fafo compile builds compiled steps; --no-compile (or compile: off) contradicts it")
     chosen = parse_list("--methods", methods, config_mod.METHODS, [settings.method])
-    given = {key for key, value in flags.items() if value not in (None, "")}
+    given = _given(flags)
     if methods is not None and "method" in given:
         raise FafoError("--methods names the methods to build for: drop --method")
     unused = sorted(given & set(ANSWER_ONLY))  # the packages' shapes do not depend on these
-    unused += sorted(key for key in given if config_mod.method_of(config_mod.key_spec(key)) not in (None, *chosen))
+    unused += sorted(key for key in given if config_mod.method_of(config_mod.SPECS[key]) not in (None, *chosen))
     if unused:
         raise FafoError(f"fafo compile builds the steps of {', '.join(chosen)}; '{unused[0]}' does not change them")
     _, err = consoles()

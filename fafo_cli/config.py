@@ -206,6 +206,9 @@ class Config:
         return asdict(self)
 
 
+SPECS = {spec.name: spec for spec in fields(Config)}  # each config key's declaration
+
+
 def _check(name: str, value: Any, spec) -> Any:
     meta = spec.metadata
     if value is None or (value == "" and meta["nullable"]):  # "" is empty too (a command line has no null)
@@ -245,11 +248,10 @@ def _check(name: str, value: Any, spec) -> Any:
 
 def build(base: Config | None = None, **changes: Any) -> Config:
     """A validated Config; keys with value None in `changes` are left as they are (flag not given)."""
-    known = {f.name: f for f in fields(Config)}
-    unknown = sorted(set(changes) - set(known))
+    unknown = sorted(set(changes) - set(SPECS))
     if unknown:
-        raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(known)})")
-    given = {k: _check(k, v, known[k]) for k, v in changes.items() if v is not None}
+        raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(SPECS)})")
+    given = {k: _check(k, v, SPECS[k]) for k, v in changes.items() if v is not None}
     config = replace(base or Config(), **given)
     _check_together(config)
     return config
@@ -282,9 +284,8 @@ def check_given(config: Config, given: Iterable[str]) -> None:
     its neutral value only where decoding samples (temperature above 0; None, the model's default, is not checked
     here)."""
     given = set(given)
-    specs = {spec.name: spec for spec in fields(Config)}
-    for key in sorted(given & specs.keys()):
-        owner = method_of(specs[key])
+    for key in sorted(given & SPECS.keys()):
+        owner = method_of(SPECS[key])
         if owner is not None and owner != config.method and getattr(config, key) is not None:  # (None: emptied)
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
                             f"{config.method})")
@@ -339,9 +340,8 @@ def load_file(path: Path, base: Config | None = None) -> Config:
         config = build(base, **{str(k): v for k, v in data.items()})
     except FafoError as e:
         raise FafoError(f"{path}: {e}") from None
-    known = {f.name: f for f in fields(Config)}
     for key in explicit_nulls:
-        if not known[key].metadata["nullable"]:
+        if not SPECS[key].metadata["nullable"]:
             raise FafoError(f"{path}: config key '{key}' must not be empty")
         config = replace(config, **{key: None})
     return config
@@ -399,11 +399,6 @@ def commands(spec) -> tuple[str, ...]:
 def flags(command: str) -> list[Flag]:
     """The keys `command` offers on its command line, in declaration order."""
     return [_flag(spec) for spec in fields(Config) if command in commands(spec)]
-
-
-def key_spec(key: str):
-    """The declaration of config key `key`."""
-    return next(field for field in fields(Config) if field.name == key)
 
 
 def method_of(spec) -> str | None:

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..api import ROLES
 from ..errors import FafoError
 from . import long
 
@@ -45,7 +46,7 @@ def _from_record(record: dict, suite: str, where: str) -> Sample:
         messages = record["messages"]
         if (not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in
-                ("system", "user", "assistant") for m in messages) or messages[-1]["role"] != "user"):
+                ROLES for m in messages) or messages[-1]["role"] != "user"):
             raise FafoError(f"{where}: 'messages' must be a list of {{role, content}} ending with a user message")
     elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
         messages = [{"role": "user", "content": record["prompt"]}]

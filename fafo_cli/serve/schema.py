@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .. import config as config_mod
-from ..api import LOAD_KEYS, Engine
+from ..api import LOAD_KEYS, ROLES as API_ROLES, Engine
 from ..errors import FafoError
 from .errors import ApiError
 
@@ -29,7 +29,7 @@ TEXT_NEUTRAL = {**{key: value for key, value in NEUTRAL.items() if key != "logpr
 # Config keys a client may not set: they name files on the server's disk
 SERVER_ONLY = {"cacheback_table"}
 PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI: developer
+ROLES = {**{role: role for role in API_ROLES}, "developer": "system"}  # OpenAI: developer
 # messages are what system messages were
 
 
