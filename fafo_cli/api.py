@@ -91,7 +91,7 @@ class Engine:
         self._answering: object | None = None  # the stream the session serves (see generate)
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer)
+        self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer, gguf=hub.is_converted(folder))
         self.sampling_defaults = _sampling_defaults(model.hf.generation_config)
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
@@ -392,12 +392,24 @@ def _sampling_defaults(generation_config) -> dict:
     return {**fallback, "temperature": 1.0, **{key: value for key, value in given.items() if value is not None}}
 
 
-def _stop_ids(generation_config, tokenizer) -> frozenset[int]:
-    """The model's generation_config decides, as in transformers; the tokenizer's eos is the fallback."""
+# The tokens llama.cpp ends a generation at besides a .gguf file's eos (llama-vocab.cpp's end-of-generation list):
+# a converted .gguf model stops where llama.cpp and ollama stop it (Qwen2's files name <|im_end|> alone, and a
+# completion without the chat template ends at <|endoftext|>)
+GGUF_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+                   "<|end_of_text|>")
+
+
+def _stop_ids(generation_config, tokenizer, gguf: bool = False) -> frozenset[int]:
+    """The model's generation_config decides, as in transformers; the tokenizer's eos is the fallback; a converted
+    .gguf model also ends at GGUF_END_TOKENS."""
     ids = getattr(generation_config, "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
-    return frozenset([ids] if isinstance(ids, int) else ids or [])
+    stops = set([ids] if isinstance(ids, int) else ids or [])
+    if gguf:
+        vocab = tokenizer.get_vocab()
+        stops |= {vocab[token] for token in GGUF_END_TOKENS if token in vocab}
+    return frozenset(stops)
 
 
 def _check_text(text, what: str) -> None:

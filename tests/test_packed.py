@@ -230,7 +230,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3)
     writer.add_token_merges(["t h"])
-    writer.add_bos_token_id(len(tokens) - 2)  # no end-of-text token: greedy runs go to their token limit
+    writer.add_bos_token_id(len(tokens) - 2)  # no eos: llama.cpp's end tokens by name (<|endoftext|>, <|im_end|>)
     writer.add_pad_token_id(len(tokens) - 3)
     writer.add_chat_template(CHAT_TEMPLATE)
 
@@ -312,8 +312,20 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
         dense = model.forward(ids, torch.tensor([context]), dense_cache, attend)[0].float()
     assert compiled.argmax() == dense.argmax()
     assert (compiled - dense).abs().mean() < 0.05 * dense.abs().mean()
+    engine.stop_ids = frozenset()  # random weights: run to the token limit
     result = engine.complete("one two three four", max_tokens=12, method="vanilla")
     assert len(result.token_ids) == 12 and engine.compiled.calls == 11
+
+
+def test_a_gguf_model_stops_where_llama_cpp_does(tiny_gguf):
+    """A .gguf file names one eos (or none, as the tiny one); llama.cpp also ends a generation at the end tokens of
+    other templates by their text, and so does fafo (Qwen2's files name <|im_end|>, and a completion without the
+    chat template ends at <|endoftext|>)."""
+    from fafo_cli import load
+
+    engine = load(str(tiny_gguf), dtype="float32", compile="off")
+    vocab = engine.tokenizer.get_vocab()
+    assert engine.stop_ids == {vocab["<|endoftext|>"], vocab["<|im_end|>"]}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -54,7 +54,8 @@ def test_qwen_coder_gguf_greedy_matches_transformers(qwen_coder):
     engine = load(str(path), dtype="float32", compile="off")
     assert engine.folder == folder  # not converted again
     assert engine.weights == "Q4_K_M GGUF, dequantized to float32"  # written out, not computed by the code under test
-    assert engine.stop_ids == {engine.tokenizer.get_vocab()["<|im_end|>"]}  # the end of a chat turn
+    vocab = engine.tokenizer.get_vocab()  # the end of a chat turn, and of a text (as llama.cpp stops this model)
+    assert engine.stop_ids == {vocab["<|im_end|>"], vocab["<|endoftext|>"]}
     ids = engine.encode(QUESTION)
     assert engine.tokenizer.decode(ids).startswith("<|im_start|>system\n")  # Qwen2's template, its default system
     expected = hf_greedy(folder, ids, tokens)
