@@ -8,7 +8,8 @@ drafting from the text could make of the curve, knowing where to copy from and f
 runs the model during the replay). With --packages, the steps are compiled ones instead: each set of package sizes
 is timed side by side (missing packages built first: minutes each), every step is padded up to the package that
 holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers
-(SuffixDecoding and the copy ceiling are replayed once, on the first set's). With --temperature the answers are
+(SuffixDecoding and the copy ceiling are replayed once, on the first set's). --row-ms asks what a cheaper multi-row
+product would be worth: every point of the curve past 4 rows costs the 4-row one plus that much a row. With --temperature the answers are
 sampled, one per seed: every method that verifies one-hot guesses emits exactly plain sampling's tokens with the same
 seed (keyed draws, runtime/sampling.py), so a guess is accepted when the sampled answer confirms it, as greedy; FAFO
 then offers as many copies as it does when sampling.
@@ -16,6 +17,7 @@ then offers as many copies as it does when sampling.
     python scripts/replay.py --suites chat,edit,code --samples 3
     python scripts/replay.py --dtype float32 --suites chat,math --packages 1,4,9,20 1,2,4,9,20
     python scripts/replay.py --suites chat,summarize --temperature 0.7 --seeds 3
+    python scripts/replay.py --suites edit --samples 3 --row-ms 0.58
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ def package_costs(engine, sets: list[list[int]], context: int) -> dict[str, Step
     return {",".join(map(str, sizes)): StepCosts({size: ms[size] for size in sizes}, sizes) for sizes in sets}
 
 
+def past_four(ms: dict[int, float], row_ms: float) -> dict[int, float]:
+    """The curve `ms` with every point past 4 rows at the 4-row cost plus `row_ms` a row."""
+    if 4 not in ms:
+        raise SystemExit("--row-ms: the curve needs a 4-row point (a 4-row package)")
+    return {rows: ms[4] + row_ms * (rows - 4) if rows > 4 else cost for rows, cost in ms.items()}
+
+
 def main() -> None:
     parser = common.parser(__doc__, "model", "dtype", "tokens", "suites", "samples", "prompts", suites="chat,edit,code",
                            tokens=256)
@@ -124,10 +133,15 @@ def main() -> None:
                              "(e.g. 1,4,9,20 1,2,4,9,20)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sample the answers (0: greedy)")
     parser.add_argument("--seeds", type=int, default=1, help="sampled answers per prompt, seeds 1..N (with --temperature)")
+    parser.add_argument("--row-ms", type=float, default=None,
+                        help="replay on a curve whose rows past 4 cost this many ms each beyond the 4-row step")
     args = parser.parse_args()
     engine = common.load_engine(args, compile="on" if args.packages else "auto")
     costs = {"eager": StepCosts(step_costs(engine, context=args.context))} if not args.packages else \
         package_costs(engine, [sorted(map(int, sizes.split(","))) for sizes in args.packages], args.context)
+    if args.row_ms is not None:
+        costs = {name: StepCosts(past_four(dict(cost.points), args.row_ms), cost.sizes)
+                 for name, cost in costs.items()}
     for name, cost in costs.items():  # never told a step's time: as measured, for every replay and the planner
         print(f"{name} pass, ms by rows: " + ", ".join(f"{rows} {ms:.1f}" for rows, ms in cost.points))
     config = engine.request_config(method="fafo", max_tokens=args.tokens)
