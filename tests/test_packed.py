@@ -317,7 +317,7 @@ def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf)
     assert len(result.token_ids) == 12 and engine.compiled.calls == 11
 
 
-def test_a_gguf_model_stops_where_llama_cpp_does(tiny_gguf):
+def test_a_gguf_model_stops_where_llama_cpp_does(compiled_cache, tiny_gguf):
     """A .gguf file names one eos (or none, as the tiny one); llama.cpp also ends a generation at the end tokens of
     other templates by their text, and so does fafo (Qwen2's files name <|im_end|>, and a completion without the
     chat template ends at <|endoftext|>)."""
