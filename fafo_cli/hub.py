@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 from .errors import FafoError, first_line
 from .files import publish_dir
@@ -63,6 +64,8 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             folder = convert_gguf(path)
         elif _looks_like_path(spec) or not _REPO_ID.match(spec):
             raise FafoError(f"no such model file or folder: {spec}")
+        elif (converted := converted_named(spec)) is not None:  # a name `fafo list` shows, as ollama runs them
+            folder = converted
         else:
             folder = cached_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
@@ -468,6 +471,13 @@ def cached_models() -> list[CachedModel]:
         found.append(CachedModel(repo.repo_id, repo.size_on_disk,
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),
                                  latest.snapshot_path, "hub", stored_precision(latest.snapshot_path)))
+    for folder, name, converted in _conversions():
+        found.append(CachedModel(name, _folder_size(folder), converted, folder, "gguf", converted_quantization(folder)))
+    return sorted(found, key=lambda m: m.name.lower())
+
+
+def _conversions() -> Iterator[tuple[Path, str, datetime]]:
+    """The converted .gguf models in fafo's cache: (folder, the name `fafo list` shows, when converted)."""
     models = cache_dir() / "models"
     for folder in sorted(models.iterdir()) if models.is_dir() else ():
         marker = folder / SOURCE_MARKER
@@ -475,6 +485,10 @@ def cached_models() -> list[CachedModel]:
             continue
         name = source_record(folder).get("name")
         name = name if isinstance(name, str) and name else folder.name  # a damaged record: the folder's name
-        found.append(CachedModel(name, _folder_size(folder), datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc),
-                                 folder, "gguf", converted_quantization(folder)))
-    return sorted(found, key=lambda m: m.name.lower())
+        yield folder, name, datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc)
+
+
+def converted_named(name: str) -> Path | None:
+    """The converted model `fafo list` shows as `name` (the newest, where several conversions share it), if any."""
+    named = [(converted, folder) for folder, listed, converted in _conversions() if listed == name]
+    return max(named)[1] if named else None

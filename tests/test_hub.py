@@ -423,6 +423,22 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
     assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e"]
 
 
+def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch, tmp_path):
+    """As `ollama run NAME`: the name `fafo list` gives a converted .gguf model resolves to its folder, the newest
+    where two files share a name (a new version of the file), without any hub lookup; others stay hub ids."""
+    import os
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "pull", lambda *a, **k: pytest.fail("looked the name up on the hub"))
+    (tmp_path / "old").mkdir()
+    older = hub.convert_gguf(_gguf_header(tmp_path / "old" / "model.Q4_1.gguf", "llama", **Q4_1_MODEL))
+    os.utime(older / hub.SOURCE_MARKER, ns=(1, 1))
+    newer = hub.convert_gguf(_gguf_header(tmp_path / "model.Q4_1.gguf", "llama", **Q4_1_MODEL))
+    assert [m.name for m in hub.cached_models()] == ["model.Q4_1", "model.Q4_1"]
+    assert hub.resolve("model.Q4_1") == newer != older
+    assert hub.converted_named("model") is None and hub.converted_named("model.Q4_1.gguf") is None
+
+
 def test_a_published_folder_appears_whole_once(tmp_path):
     from fafo_cli.files import publish_dir
 
