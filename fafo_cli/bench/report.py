@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -196,14 +197,15 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     suites = list(dict.fromkeys(r.suite for r in results))
     names = list(dict.fromkeys(r.row.name for r in results))
     width = 0.8 / max(1, len(names))
-    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(suites) + 2), 4))
+    inches = max(6, 1.6 * len(suites) + 2)
+    figure, axes = plt.subplots(figsize=(inches, 4))
     for i, name in enumerate(names):
         values = [next((r.speedup or 0 for r in results if r.suite == s and r.row.name == name), 0) for s in suites]
         axes.bar([j + i * width for j in range(len(suites))], values, width, label=name)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(suites))], suites)
     axes.set_ylabel("speedup over vanilla")
-    axes.set_title(title, fontsize=9)
+    axes.set_title(textwrap.fill(title, int(inches * 13)), fontsize=9)  # ~13 characters an inch at 9 points
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     with atomic_path(path) as partial:
