@@ -422,6 +422,8 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
         code = entrypoint(["bench", str(tiny), "--suites", "long", "--context", "1536", *FAST, *argv])
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1 and message in err, err
+    material = long.user_files([str(short)])  # no prose given: the summary's comes from the standard library
+    assert (material.code_from, material.prose_from) == ("your files'", "the standard library's")
     (tmp_path / "bad.py").write_text("def broken(:\n")
     with pytest.raises(FafoError, match="bad.py is not valid Python"):
         long.user_files([str(tmp_path / "bad.py")])

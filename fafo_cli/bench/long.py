@@ -62,12 +62,16 @@ def contexts(context: int | None, max_context: int, answer: int) -> list[int]:
     return [context]
 
 
+STANDARD_LIBRARY, USERS = "the standard library's", "your files'"
+
+
 @dataclass(frozen=True)
 class Material:
     """What the documents are cut from: Python sources (recall, edit) and prose (summary), each (name, text)."""
     code: tuple[tuple[str, str], ...]
     prose: tuple[tuple[str, str], ...]
-    where: str  # in error messages: "the standard library's", "your files'"
+    code_from: str  # whose each kind is, in error messages: "the standard library's", "your files'"
+    prose_from: str
 
 
 def _module_docs(name: str) -> str:
@@ -87,7 +91,7 @@ def standard_library() -> Material:
     return Material(tuple((f"{name.replace('.', '/')}.py", inspect.getsource(importlib.import_module(name)))
                           for name in SOURCE_MODULES),
                     tuple((f"Module {name}", _module_docs(name)) for name in DOC_MODULES),
-                    "the standard library's")
+                    STANDARD_LIBRARY, STANDARD_LIBRARY)
 
 
 def user_files(paths: list[str]) -> Material:
@@ -111,7 +115,8 @@ def user_files(paths: list[str]) -> Material:
         elif text.strip():
             prose.append((path.name, text))
     fallback = standard_library()
-    return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose, "your files'")
+    return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose,
+                    USERS if code else STANDARD_LIBRARY, USERS if prose else STANDARD_LIBRARY)
 
 
 def _sources(first: int, chars: int, material: Material) -> tuple[list[str], list[tuple[int, int, str]]]:
@@ -155,7 +160,7 @@ def _recall_start(functions, material: Material) -> int:
     names = [f[2] for f in functions]
     first = next((start for start, end, name in functions if end - start >= 3 and names.count(name) == 1), None)
     if first is None:
-        raise FafoError(f"{material.where} Python sources hold no function of four lines or more with a name of its "
+        raise FafoError(f"{material.code_from} Python sources hold no function of four lines or more with a name of its "
                         "own, for the long suite's recall task")
     return first
 
@@ -231,6 +236,7 @@ def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple
     prompts = []
     for task in tasks:
         make, cuts = builders[task]
-        messages, length = _longest(task, make, cuts, limit, encode, material.where)
+        messages, length = _longest(task, make, cuts, limit, encode,
+                                    material.prose_from if task == "summary" else material.code_from)
         prompts.append(LongPrompt(task, context, document, tuple(messages), length))
     return prompts
