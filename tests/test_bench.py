@@ -276,6 +276,29 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     assert yaml.safe_load(text)["max_tokens"] == 99 and not list(tmp_path.glob("*.partial*"))
 
 
+def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch, capsys):
+    """A speedup above τ cannot come from FAFO's steps (each costs at least a plain one): plain decoding was slowed
+    by something else, and the sample decides nothing."""
+    from dataclasses import replace
+
+    from fafo_cli.bench import tune
+
+    monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1),))
+    monkeypatch.setattr(tune, "TOKENS", 16)
+    measured = tune.run_once
+
+    def slowed(engine, row, *args, **kwargs):  # plain decoding at a tenth of its speed, as under another process
+        run = measured(engine, row, *args, **kwargs)
+        return replace(run, tokens_per_s=run.tokens_per_s / 10) if row.method == "vanilla" else run
+
+    monkeypatch.setattr(tune, "run_once", slowed)
+    path = tmp_path / "config.yaml"
+    path.write_text("streams: 2\n")
+    code = entrypoint(["bench", str(tiny), "--tune", "--config", str(path), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "the timings were disturbed" in err and path.read_text() == "streams: 2\n", err
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_bench_numbers_are_checked(tiny, capsys, value):
     code = entrypoint(["bench", str(tiny), "--tokens", value])

@@ -35,6 +35,9 @@ ROWS = (1, 2, 4, 8, 12, 16, 24)
 WIDE_ROWS = (32, 64, 128)  # measured too on an accelerator, for the wide candidates' steps
 TOKENS = 96
 NOISE = 0.03  # a setting must beat the current one by more than run-to-run noise to replace it
+# A step emits τ tokens and costs at least a plain step, so a speedup above τ means another process slowed the
+# plain runs; beyond this margin the sample is not trusted
+DISTURBED = 0.15
 
 
 def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
@@ -144,6 +147,10 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     best = max(settings, key=lambda s: statistics.median(speed[s]))
     before, after = statistics.median(speed[current]), statistics.median(speed[best])
+    if after > statistics.median(taus[best]) * (1 + DISTURBED):
+        raise FafoError(f"the timings were disturbed (W={best[0]}, k={best[1]}, G={best[2]} ran {after:.2f}× plain "
+                        f"decoding at {statistics.median(taus[best]):.2f} tokens a step, more than its steps can "
+                        f"give); {path} is unchanged: run again with the machine otherwise idle")
     if best == current or after < before * (1 + NOISE):
         console.print(f"The current settings (W={current[0]}, k={current[1]}, G={current[2]}, {before:.2f}× plain "
                       f"decoding) are the fastest here or within {NOISE:.0%} of it; {path} is unchanged.")
