@@ -218,7 +218,8 @@ class Engine:
             check_spread(config)
         context = self.model.max_context
         if len(ids) >= context:
-            raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens")
+            raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens, and an answer "
+                            "needs at least one more")
         stop = (stop,) if isinstance(stop, str) else stop  # one string is one stop string, not its characters
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
             raise FafoError(f"stop must be a string or a list of strings (got {stop!r})")

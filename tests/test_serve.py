@@ -411,6 +411,85 @@ def test_closing_answers_every_waiting_request_and_starts_none(tiny):
     assert started == ["long"] and not worker._thread.is_alive()
 
 
+def test_a_request_cancelled_mid_prefill_stops_after_the_chunk_in_flight(tiny, caplog):
+    """A long prompt's prefill runs in chunks of seconds each on a CPU: a client that leaves (or a server that stops)
+    during it ends the request after the chunk in flight, not after the whole prompt, and the engine serves the
+    next request from a consistent cache."""
+    import asyncio
+
+    from fafo_cli.runtime.session import PREFILL_CHUNK
+    from fafo_cli.serve import schema
+    from fafo_cli.serve.errors import ApiError, shutting_down
+    from fafo_cli.serve.worker import Worker
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    prompt = ("red green blue " * 200)[:1700]  # over three chunks, within the tiny model's context of 2048
+    assert 3 * PREFILL_CHUNK < len(engine.encode(prompt, engine.config)) < engine.model.max_context - 8
+    worker, tickets, chunks = Worker(engine, max_waiting=4), [], []
+    forward = engine.session.forward
+
+    def chunk(ids, *args, **kwargs):  # the first chunk of the long prompt: its client leaves meanwhile
+        chunks.append(len(ids))
+        if len(chunks) == 1:
+            worker.cancel(tickets[0], shutting_down())
+        return forward(ids, *args, **kwargs)
+
+    engine.session.forward = chunk
+
+    def job(text: str, tokens: int):
+        return schema.parse({"prompt": text, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        tickets.append(worker.submit(job(prompt, 8), loop))
+        told = await asyncio.wait_for(tickets[0].next(), 30)
+        following = worker.submit(job("next", 3), loop)
+        answer = [await asyncio.wait_for(following.next(), 30)]
+        while not answer[-1].finish_reason:
+            answer.append(await asyncio.wait_for(following.next(), 30))
+        worker.close()
+        return told, answer
+
+    with caplog.at_level(logging.INFO, logger="fafo.serve"):
+        told, answer = asyncio.run(scenario())
+    assert isinstance(told, ApiError) and told.code == "shutting_down"
+    # the long prompt's first chunk only, then the next request's prefill
+    assert chunks[:2] == [PREFILL_CHUNK, len(engine.encode("next", engine.config))]
+    assert len(engine.session.ids) == engine.session.cache.length
+    assert [step.stats.generated_tokens for step in answer][-1] == 3
+    assert re.search(r"cmpl-\w+ text vanilla cancelled before its first token", caplog.text)
+
+
+def test_a_stop_while_a_step_outlasts_the_grace_answers_503_and_waits_for_the_engine(tiny, monkeypatch):
+    """A big model's prefill chunk on a CPU can outlast the grace uvicorn gives answers in flight: the request is
+    still answered 503 `shutting_down` in JSON (not a plain-text 500 and a traceback), and the server returns only
+    once the engine's thread has ended (a process that exits while it runs a torch operation aborts)."""
+    monkeypatch.setattr(server_mod, "GRACE_S", 0.5)
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    forward = engine.session.forward
+
+    def slow_chunk(ids, *args, **kwargs):
+        time.sleep(3)
+        return forward(ids, *args, **kwargs)
+
+    engine.session.forward = slow_chunk
+    live, answer = _start(engine), {}
+
+    def ask() -> None:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            response = http.post("/completions", json={"prompt": "red green blue", "max_tokens": 4})
+            answer.update(status=response.status_code, body=response.json())
+
+    client = threading.Thread(target=ask)
+    client.start()
+    live.logged("start after")  # the request runs: its prefill is in its 3 s chunk
+    _stop(live)
+    client.join(30)
+    assert answer["status"] == 503 and answer["body"]["error"]["code"] == "shutting_down", answer
+    assert not live.server.worker.running
+    assert any("waiting for the engine's step in flight" in line for line in live.log), live.log
+
+
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         assert http.get(guarded.health).status_code == 200  # open: a liveness probe

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from ..api import Engine
 from ..runtime.events import Step
 from . import responses, schema
-from .errors import ApiError
+from .errors import ApiError, shutting_down
 from .worker import Ticket, Worker
 
 log = logging.getLogger("fafo.serve")
@@ -68,6 +68,9 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         except ClientGone:
             worker.cancel(ticket)
             return Response(status_code=499)  # nobody reads it (nginx's code for a client that closed the request)
+        except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown: a step in flight outlasted its grace
+            worker.cancel(ticket)
+            return shutting_down().response()
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model(served, started)]})

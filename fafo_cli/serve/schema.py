@@ -47,7 +47,8 @@ class Job:
         """The config with max_tokens bounded by the context left after the prompt (an error if asked beyond)."""
         room = context - prompt_tokens
         if room <= 0:
-            raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this model's context is {context} tokens",
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this model's context is {context} tokens, and "
+                                "an answer needs at least one more",
                            param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded")
         if self.config.max_tokens <= room:
             return self.config

@@ -3,7 +3,7 @@ app, the request log on stderr, and a clean stop on SIGINT/SIGTERM.
 
 On a signal the server stops accepting connections, cancels the queued requests and the running one (each client
 is told: 503 "the server is shutting down", or that error as the stream's last event), waits for the answers in
-flight to close and exits 0.
+flight to close and for the engine's step in flight to end, and exits 0.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import copy
 import errno
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -113,8 +114,20 @@ class Server(uvicorn.Server):
             self.run(sockets=[sock])
         finally:
             self.worker.close()
-            self.worker.join(GRACE_S)
+            self._wait_for_engine()
         log.info("stopped")
+
+    def _wait_for_engine(self) -> None:
+        """The engine's thread ends after its step in flight (a prefill chunk of a long prompt at most); a process
+        that exits while it runs a torch operation aborts, so wait for it. A second Ctrl-C exits at once."""
+        self.worker.join(GRACE_S)
+        if not self.worker.running:
+            return
+        log.info("waiting for the engine's step in flight to end (Ctrl-C again exits at once)")
+        try:
+            self.worker.join(None)
+        except KeyboardInterrupt:
+            os._exit(130)
 
     def stop(self) -> None:
         """What a signal does, from any thread."""

@@ -2,7 +2,8 @@
 time, handing each Step to the event loop of the request that asked.
 
 A cancelled request (its client left, or the server is stopping) ends after the step in flight: the flag is read
-between steps, and closing the engine's stream rolls its cache back to a consistent state for the next request.
+between steps, and between the chunks of a long prompt's prefill (one chunk can take seconds on a CPU); closing the
+engine's stream rolls its cache back to a consistent state for the next request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from .errors import ApiError, shutting_down
 from .schema import Job
 
 log = logging.getLogger("fafo.serve")
+
+
+class _Cancelled(Exception):
+    """Raised between two prefill chunks of a cancelled request: the prefill stops there."""
 
 
 class Ticket:
@@ -97,6 +102,8 @@ class Worker:
             self._waiting.remove(ticket)
             if ending is not None:
                 ticket.post(ending)
+            log.info("%s %s %s cancelled in the queue after %.2fs", ticket.id, ticket.job.kind,
+                     ticket.job.config.method, time.perf_counter() - ticket.queued_at)
 
     def close(self) -> None:
         """Accept nothing more: in one step, every waiting request leaves the queue answered `shutting_down`, the
@@ -108,8 +115,13 @@ class Worker:
                 self._cancel(ticket, shutting_down())
             self._lock.notify()
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float | None) -> None:
         self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine's thread still runs (close() ends it after its step in flight)."""
+        return self._thread.is_alive()
 
     @property
     def load(self) -> dict:
@@ -145,7 +157,11 @@ class Worker:
             except FafoError as e:  # the prompt itself: empty, or not text
                 raise ApiError(400, str(e), param="messages" if job.kind == "chat" else "prompt",
                                code="invalid_value") from None
-            stream = engine.generate(ids, job.fitted(len(ids), engine.model.max_context), job.stop)
+            def prefilled(_) -> None:
+                if ticket.cancelled:
+                    raise _Cancelled
+
+            stream = engine.generate(ids, job.fitted(len(ids), engine.model.max_context), job.stop, prefilled)
             try:
                 for last in stream:
                     ticket.post(last)
@@ -153,6 +169,8 @@ class Worker:
                         break
             finally:
                 stream.close()
+        except _Cancelled:
+            pass
         except ApiError as e:
             return self._failed(ticket, e)
         except FafoError as e:
@@ -183,9 +201,9 @@ def request_line(ticket: Ticket, last: Step | None, finish: str) -> str:
     if last is None:
         return f"{ticket.id} {job.kind} {method} {finish} before its first token"
     s = last.stats
+    speed = f"{s.tokens_per_s:.1f}" if s.generated_tokens > 1 else "-"  # decoding's: from the second token on
     return (f"{ticket.id} {job.kind} {method} prompt={s.prompt_tokens} cached={s.cached_prompt_tokens} "
-            f"generated={s.generated_tokens} {s.tokens_per_s:.1f} tok/s τ={s.tokens_per_step:.2f} {finish} "
-            f"{s.total_s:.2f}s")
+            f"generated={s.generated_tokens} {speed} tok/s τ={s.tokens_per_step:.2f} {finish} {s.total_s:.2f}s")
 
 
 def _settings(job: Job) -> str:
