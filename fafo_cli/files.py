@@ -2,7 +2,9 @@
 
 A partial name carries its writer's process id. A writer that is killed (SIGKILL, a power cut) cannot remove its
 partial, so each write first removes the partials beside it whose writer is gone: a cut-off conversion's staging
-folder (gigabytes for a 1.5B model) does not stay in the cache for good.
+folder (gigabytes for a 1.5B model) does not stay in the cache for good. A partial that carries this process's own
+id but that it did not make was left by an earlier process with the same id: in a container, fafo is often
+process 1 every time.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from typing import Iterator
 
 # a partial of a writer from before partial names carried a process id: removed once it is this old
 UNOWNED_AGE_S = 24 * 3600
+_made: set[str] = set()  # the partials this process is writing
 
 
 def _gone(pid: int) -> bool:
     """Whether no process `pid` runs here (one of another user's counts as running; on Windows, where a signal to
     a process ends it, every writer counts as running)."""
-    if pid == os.getpid() or os.name == "nt":
+    if os.name == "nt":
         return False
     try:
         os.kill(pid, 0)
@@ -48,7 +51,9 @@ def _sweep(folder: Path, pattern: re.Pattern) -> None:
             continue
         try:
             pid = match.group("pid")
-            if not (_gone(int(pid)) if pid else time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
+            if os.path.abspath(entry.path) in _made or not (
+                    (int(pid) == os.getpid() or _gone(int(pid))) if pid else
+                    time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -63,13 +68,21 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """A sibling path to write `path`'s new content to (by us or by a tool: a compiler, a plotter); when the
     block ends without an exception it is renamed over `path`. Either way no partial file remains. The name
     carries the process id (two processes may build the same file) and keeps the suffix (tools read it)."""
+    if path.is_symlink():  # a dotfiles link: its file gets the new content, the link stays
+        path = path.resolve()
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial{path.suffix}")
     _sweep(path.parent, re.compile(re.escape(path.name) + r"\.(?P<pid>\d+)\.partial" + re.escape(path.suffix)))
+    _made.add(os.path.abspath(partial))
     try:
         yield partial
         os.replace(partial, path)
+    except OSError as e:  # a write's error names no file, a rename's the partial: name the file asked for
+        if e.filename not in (None, str(partial)):
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         partial.unlink(missing_ok=True)  # gone after a successful rename; removed after a failure
+        _made.discard(os.path.abspath(partial))
 
 
 @contextmanager
@@ -80,6 +93,7 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep(target.parent, re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+"))
     staging = Path(tempfile.mkdtemp(prefix=f".partial-{os.getpid()}-", dir=target.parent))
+    _made.add(os.path.abspath(staging))
     try:
         yield staging
         try:
@@ -89,6 +103,7 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        _made.discard(os.path.abspath(staging))
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -109,11 +109,15 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
                         f"architectures: {', '.join(SUPPORTED)})")
     from .runtime.memory import release_freed_memory
 
+    from safetensors import SafetensorError
+
     try:
         with publish_dir(target, "config.json") as staging:
             write_gguf_as_hf(path, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
+    except SafetensorError as e:  # safetensors' own type for a failed write: a full disk, a quota
+        raise FafoError(f"cannot write the conversion of {path.name} into {target.parent}: {first_line(e)}") from None
     finally:
         release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
     _remove_unreachable_conversions(keep=target)
@@ -166,7 +170,7 @@ def weights_in(folder: Path, dtype: str) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     try:
@@ -182,6 +186,8 @@ def weights_in(folder: Path, dtype: str) -> Path:
             save_file(tensors, staging / "model.safetensors", metadata=metadata)
     except OSError as e:
         raise FafoError(f"cannot write {target}: {e.strerror or e}") from None
+    except SafetensorError as e:  # a failed write of the weights: a full disk, a quota
+        raise FafoError(f"cannot write {target}: {first_line(e)}") from None
     return target
 
 

@@ -396,6 +396,20 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
+def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tmp_path):
+    """safetensors reports a full disk as its own error type, not an OSError: still one line, nothing left."""
+    from safetensors import SafetensorError
+
+    def full_disk(path, out):
+        (out / "config.json").write_text("{}")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", full_disk)
+    with pytest.raises(FafoError, match="cannot write the conversion of model.gguf into .*: .*No space left"):
+        hub.convert_gguf(_gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL))
+    assert not list((caches / "fafo" / "models").iterdir())
+
+
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
@@ -492,6 +506,44 @@ def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
         partial.write_bytes(b"whole")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
         "other.pt2.%d.partial.pt2" % dead, "package.pt2", "package.pt2.%d.partial.pt2" % alive]
+
+
+def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed(tmp_path):
+    """In a container fafo is process 1 every time: what a killed process 1 left carries the next one's own id."""
+    import os
+
+    from fafo_cli.files import atomic_path, publish_dir
+
+    models = tmp_path / "models"
+    (models / f".partial-{os.getpid()}-left_by_a_killed_run").mkdir(parents=True)
+    with publish_dir(models / "m", "config.json") as staging:
+        (staging / "config.json").write_text("{}")
+        with publish_dir(models / "n", "config.json") as other:  # a second write meanwhile keeps the first's folder
+            (other / "config.json").write_text("{}")
+        assert staging.is_dir()
+    assert sorted(p.name for p in models.iterdir()) == ["m", "n"]
+    (tmp_path / f"a.yaml.{os.getpid()}.partial.yaml").write_text("half")
+    with atomic_path(tmp_path / "a.yaml") as partial:
+        partial.write_text("whole")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["a.yaml"]
+
+
+def test_an_atomic_write_keeps_a_symlink_and_names_the_file_asked_for(tmp_path):
+    """A config file linked from a dotfiles folder gets the new text through the link; an error while writing
+    names the file, not the partial beside it."""
+    from fafo_cli.files import atomic_path, write_atomic
+
+    (tmp_path / "dotfiles").mkdir()
+    real, link = tmp_path / "dotfiles" / "config.yaml", tmp_path / "config.yaml"
+    real.write_text("old")
+    link.symlink_to(real)
+    write_atomic(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"
+    with pytest.raises(OSError) as failed, atomic_path(tmp_path / "chart.png") as partial:
+        partial.write_text("half")
+        raise OSError(28, "No space left on device")  # as a plotter's write on a full disk: no file named
+    assert failed.value.filename == str(tmp_path / "chart.png") and failed.value.errno == 28
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "dotfiles"]
 
 
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):
