@@ -393,11 +393,13 @@ def _sampling_defaults(generation_config) -> dict:
     return {**fallback, "temperature": 1.0, **{key: value for key, value in given.items() if value is not None}}
 
 
-# The tokens llama.cpp ends a generation at besides a .gguf file's eos (llama-vocab.cpp's end-of-generation list):
-# a converted .gguf model stops where llama.cpp and ollama stop it (Qwen2's files name <|im_end|> alone, and a
-# completion without the chat template ends at <|endoftext|>)
-GGUF_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-                   "<|end_of_text|>")
+# The tokens llama.cpp ends a generation at besides a .gguf file's eos, by their text (llama-vocab.cpp's
+# end-of-generation set: ends of turns, and the fill-in-the-middle separators a completion must not run past): a
+# converted .gguf model stops where llama.cpp and ollama stop it (Qwen2.5's files name <|im_end|> alone, and a
+# completion without the chat template ends at <|endoftext|> or, for the coder models, <|file_sep|>)
+GGUF_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+                   "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+                   "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
 def _stop_ids(generation_config, tokenizer, gguf: bool = False) -> frozenset[int]:

@@ -3,12 +3,13 @@
 A partial name carries its writer's process id. A writer that is killed (SIGKILL, a power cut) cannot remove its
 partial, so each write first removes the partials beside it whose writer is gone: a cut-off conversion's staging
 folder (gigabytes for a 1.5B model) does not stay in the cache for good. A partial that carries this process's own
-id but that it did not make was left by an earlier process with the same id: in a container, fafo is often
-process 1 every time.
+id but that it did not make is another process's with the same id (in containers fafo is often process 1: an
+earlier run's, or another container's sharing the cache), removed once it is a day old, as one without an id.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Iterator
 
 
-# a partial of a writer from before partial names carried a process id: removed once it is this old
+# a partial whose writer cannot be told (from before partial names carried a process id, or with this process's
+# id but not made by it): removed once it is this old
 UNOWNED_AGE_S = 24 * 3600
 _made: set[str] = set()  # the partials this process is writing
 
@@ -51,8 +53,11 @@ def _sweep(folder: Path, pattern: re.Pattern) -> None:
             continue
         try:
             pid = match.group("pid")
-            if os.path.abspath(entry.path) in _made or not (
-                    (int(pid) == os.getpid() or _gone(int(pid))) if pid else
+            if os.path.abspath(entry.path) in _made:
+                continue
+            # our own id on one we did not make: an earlier process's, or another container's (its process 1 too,
+            # sharing the cache): taken as unowned
+            if not (_gone(int(pid)) if pid and int(pid) != os.getpid() else
                     time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
                 continue
             if entry.is_dir(follow_symlinks=False):
@@ -69,7 +74,10 @@ def atomic_path(path: Path) -> Iterator[Path]:
     block ends without an exception it is renamed over `path`. Either way no partial file remains. The name
     carries the process id (two processes may build the same file) and keeps the suffix (tools read it)."""
     if path.is_symlink():  # a dotfiles link: its file gets the new content, the link stays
-        path = path.resolve()
+        try:
+            path = path.resolve()
+        except RuntimeError:  # a loop of links (an OSError from Python 3.13 on)
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial{path.suffix}")
     _sweep(path.parent, re.compile(re.escape(path.name) + r"\.(?P<pid>\d+)\.partial" + re.escape(path.suffix)))
     _made.add(os.path.abspath(partial))
@@ -77,7 +85,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield partial
         os.replace(partial, path)
     except OSError as e:  # a write's error names no file, a rename's the partial: name the file asked for
-        if e.filename not in (None, str(partial)):
+        if e.errno is None or e.filename not in (None, str(partial)):
             raise
         raise OSError(e.errno, e.strerror, str(path)) from None
     finally:

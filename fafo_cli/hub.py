@@ -62,10 +62,12 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             if path.suffix != ".gguf":
                 raise FafoError(f"{spec} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
             folder = convert_gguf(path)
-        elif _looks_like_path(spec) or not _REPO_ID.match(spec):
+        elif _looks_like_path(spec):
             raise FafoError(f"no such model file or folder: {spec}")
         elif (converted := converted_named(spec)) is not None:  # a name `fafo list` shows, as ollama runs them
             folder = converted
+        elif not _REPO_ID.match(spec):
+            raise FafoError(f"no such model file or folder: {spec}")
         else:
             folder = cached_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
@@ -491,7 +493,11 @@ def _conversions() -> Iterator[tuple[Path, str, datetime]]:
             continue
         name = source_record(folder).get("name")
         name = name if isinstance(name, str) and name else folder.name  # a damaged record: the folder's name
-        yield folder, name, datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc)
+        try:
+            converted = datetime.fromtimestamp(marker.stat().st_mtime, timezone.utc)
+        except OSError:  # removed meanwhile (another process's clean-up)
+            continue
+        yield folder, name, converted
 
 
 def converted_named(name: str) -> Path | None:

@@ -9,10 +9,10 @@ runs the model during the replay). With --packages, the steps are compiled ones 
 is timed side by side (missing packages built first: minutes each), every step is padded up to the package that
 holds it, and FAFO's planner chooses among that set's sizes, so sets of sizes can be compared on the same answers
 (SuffixDecoding and the copy ceiling are replayed once, on the first set's). --row-ms asks what a cheaper multi-row
-product would be worth: every point of the curve past 4 rows costs the 4-row one plus that much a row. With --temperature the answers are
-sampled, one per seed: every method that verifies one-hot guesses emits exactly plain sampling's tokens with the same
-seed (keyed draws, runtime/sampling.py), so a guess is accepted when the sampled answer confirms it, as greedy; FAFO
-then offers as many copies as it does when sampling.
+product would be worth: every point of the curve past 4 rows costs the 4-row one plus that much a row. With
+--temperature the answers are sampled, one per seed: every method that verifies one-hot guesses emits exactly plain
+sampling's tokens with the same seed (keyed draws, runtime/sampling.py), so a guess is accepted when the sampled
+answer confirms it, as greedy; FAFO then offers as many copies as it does when sampling.
 
     python scripts/replay.py --suites chat,edit,code --samples 3
     python scripts/replay.py --dtype float32 --suites chat,math --packages 1,4,9,20 1,2,4,9,20

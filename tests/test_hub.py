@@ -451,6 +451,8 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     assert [m.name for m in hub.cached_models()] == ["model.Q4_1", "model.Q4_1"]
     assert hub.resolve("model.Q4_1") == newer != older
     assert hub.converted_named("model") is None and hub.converted_named("model.Q4_1.gguf") is None
+    downloaded = hub.convert_gguf(_gguf_header(tmp_path / "model (1).gguf", "llama", **Q4_1_MODEL))
+    assert hub.resolve("model (1)") == downloaded  # a name no hub id could be
 
 
 def test_a_published_folder_appears_whole_once(tmp_path):
@@ -508,21 +510,27 @@ def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
         "other.pt2.%d.partial.pt2" % dead, "package.pt2", "package.pt2.%d.partial.pt2" % alive]
 
 
-def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed(tmp_path):
-    """In a container fafo is process 1 every time: what a killed process 1 left carries the next one's own id."""
+def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed_once_a_day_old(tmp_path):
+    """In a container fafo is process 1 every time: what a killed process 1 left carries the next one's own id, as
+    does a live conversion of another container sharing the cache: removed only once as old as an unowned one."""
     import os
+    import time
 
-    from fafo_cli.files import atomic_path, publish_dir
+    from fafo_cli.files import UNOWNED_AGE_S, atomic_path, publish_dir
 
     models = tmp_path / "models"
-    (models / f".partial-{os.getpid()}-left_by_a_killed_run").mkdir(parents=True)
+    for name in ("left_by_a_killed_run", "another_containers"):
+        (models / f".partial-{os.getpid()}-{name}").mkdir(parents=True)
+    aged = time.time() - UNOWNED_AGE_S - 60
+    os.utime(models / f".partial-{os.getpid()}-left_by_a_killed_run", (aged, aged))
     with publish_dir(models / "m", "config.json") as staging:
         (staging / "config.json").write_text("{}")
         with publish_dir(models / "n", "config.json") as other:  # a second write meanwhile keeps the first's folder
             (other / "config.json").write_text("{}")
         assert staging.is_dir()
-    assert sorted(p.name for p in models.iterdir()) == ["m", "n"]
+    assert sorted(p.name for p in models.iterdir()) == [f".partial-{os.getpid()}-another_containers", "m", "n"]
     (tmp_path / f"a.yaml.{os.getpid()}.partial.yaml").write_text("half")
+    os.utime(tmp_path / f"a.yaml.{os.getpid()}.partial.yaml", (aged, aged))
     with atomic_path(tmp_path / "a.yaml") as partial:
         partial.write_text("whole")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["a.yaml"]
@@ -543,7 +551,15 @@ def test_an_atomic_write_keeps_a_symlink_and_names_the_file_asked_for(tmp_path):
         partial.write_text("half")
         raise OSError(28, "No space left on device")  # as a plotter's write on a full disk: no file named
     assert failed.value.filename == str(tmp_path / "chart.png") and failed.value.errno == 28
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "dotfiles"]
+    with pytest.raises(OSError, match="encoder error -2"), atomic_path(tmp_path / "chart.png"):
+        raise OSError("encoder error -2 when writing image file")  # no errno: kept as it is
+    import errno
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(OSError) as looped:
+        write_atomic(tmp_path / "loop", "text")
+    assert looped.value.errno == errno.ELOOP
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "dotfiles", "loop"]
 
 
 def test_a_converted_model_keeps_its_half_precision_weights_once(tiny, tmp_path):

@@ -54,8 +54,9 @@ def test_qwen_coder_gguf_greedy_matches_transformers(qwen_coder):
     engine = load(str(path), dtype="float32", compile="off")
     assert engine.folder == folder  # not converted again
     assert engine.weights == "Q4_K_M GGUF, dequantized to float32"  # written out, not computed by the code under test
-    vocab = engine.tokenizer.get_vocab()  # the end of a chat turn, and of a text (as llama.cpp stops this model)
-    assert engine.stop_ids == {vocab["<|im_end|>"], vocab["<|endoftext|>"]}
+    vocab = engine.tokenizer.get_vocab()  # a chat turn's end, a text's, a file's (as llama.cpp stops this model)
+    assert engine.stop_ids == {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>",
+                                                  "<|file_sep|>")}
     ids = engine.encode(QUESTION)
     assert engine.tokenizer.decode(ids).startswith("<|im_start|>system\n")  # Qwen2's template, its default system
     expected = hf_greedy(folder, ids, tokens)

@@ -490,6 +490,46 @@ def test_a_stop_while_a_step_outlasts_the_grace_answers_503_and_waits_for_the_en
     assert any("waiting for the engine's step in flight" in line for line in live.log), live.log
 
 
+def test_a_stop_while_a_streamed_step_outlasts_the_grace_ends_the_stream_with_the_error(tiny, monkeypatch):
+    """As above, mid-stream: the answer's last event is the `shutting_down` error, with no traceback logged."""
+    monkeypatch.setattr(server_mod, "GRACE_S", 0.5)
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    run = engine.session.run
+
+    def slow_step(*args, **kwargs):
+        time.sleep(3)
+        return run(*args, **kwargs)
+
+    engine.session.run = slow_step
+    live, events = _start(engine), []
+    errors: list[logging.LogRecord] = []
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    catch = Lines([])
+    catch.emit = errors.append
+    uvicorn_log.addHandler(catch)
+
+    def ask() -> None:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            body = {"prompt": "red green blue", "max_tokens": 8, "stream": True, "method": "vanilla"}
+            with http.stream("POST", "/completions", json=body) as response:
+                events.extend(json.loads(line[6:]) for line in response.iter_lines()
+                              if line.startswith("data: {"))
+
+    client = threading.Thread(target=ask)
+    client.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not events:  # the first token is streamed: the second step takes 3 s
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _stop(live)
+        client.join(30)
+    finally:
+        uvicorn_log.removeHandler(catch)
+    assert events[-1]["error"]["code"] == "shutting_down", events
+    assert not any(record.exc_info for record in errors), [record.getMessage() for record in errors]
+
+
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         assert http.get(guarded.health).status_code == 200  # open: a liveness probe

@@ -160,8 +160,8 @@ def _recall_start(functions, material: Material) -> int:
     names = [f[2] for f in functions]
     first = next((start for start, end, name in functions if end - start >= 3 and names.count(name) == 1), None)
     if first is None:
-        raise FafoError(f"{material.code_from} Python sources hold no function of four lines or more with a name of its "
-                        "own, for the long suite's recall task")
+        raise FafoError(f"{material.code_from} Python sources hold no function of four lines or more with a name of "
+                        "its own, for the long suite's recall task")
     return first
 
 

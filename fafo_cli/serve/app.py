@@ -108,6 +108,8 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown: the stream's last event told the client
+            pass
         finally:
             self.on_close()
 
@@ -128,7 +130,10 @@ async def _events(ticket: Ticket, item: Step | ApiError, model: str) -> AsyncIte
                 yield responses.event(responses.usage_chunk(ticket, model, item.stats))
             yield responses.event("[DONE]")
             return
-        item = await ticket.next()
+        try:
+            item = await ticket.next()
+        except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown: a step in flight outlasted its grace
+            item = shutting_down()
 
 
 async def _whole(ticket: Ticket, item: Step | ApiError, model: str) -> Response:

@@ -119,13 +119,12 @@ class Server(uvicorn.Server):
 
     def _wait_for_engine(self) -> None:
         """The engine's thread ends after its step in flight (a prefill chunk of a long prompt at most); a process
-        that exits while it runs a torch operation aborts, so wait for it. A second Ctrl-C exits at once."""
-        self.worker.join(GRACE_S)
-        if not self.worker.running:
-            return
-        log.info("waiting for the engine's step in flight to end (Ctrl-C again exits at once)")
+        that exits while it runs a torch operation aborts, so wait for it. Ctrl-C meanwhile exits at once."""
         try:
-            self.worker.join(None)
+            self.worker.join(0.2)
+            if self.worker.running:
+                log.info("waiting for the engine's step in flight to end (Ctrl-C exits at once)")
+                self.worker.join(None)
         except KeyboardInterrupt:
             os._exit(130)
 
