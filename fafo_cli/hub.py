@@ -109,9 +109,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
-    from .runtime.memory import release_freed_memory
-
     from safetensors import SafetensorError
+
+    from .runtime.memory import release_freed_memory
 
     try:
         with publish_dir(target, "config.json") as staging:

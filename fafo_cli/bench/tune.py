@@ -126,8 +126,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     greedy = {"temperature": 0.0, "compressor": config.compressor}
     speed: dict[tuple, list[float]] = {s: [] for s in settings}
     taus: dict[tuple, list[float]] = {s: [] for s in settings}
-    ceilings: dict[tuple, list[float]] = {s: [] for s in settings}  # tokens a decoding step (the speed's, after
-    # the prefill's first token)
+    # tokens per decoding step, the most a speedup can be (the speed leaves out the prefill's first token)
+    ceilings: dict[tuple, list[float]] = {s: [] for s in settings}
     if sample:  # the first run pays one-time costs (first calls, allocations): not one to compare
         run_once(engine, Row("vanilla", "vanilla"), sample[0], 0, TOKENS, greedy)
     for item in sample:

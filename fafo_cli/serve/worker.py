@@ -157,7 +157,8 @@ class Worker:
             except FafoError as e:  # the prompt itself: empty, or not text
                 raise ApiError(400, str(e), param="messages" if job.kind == "chat" else "prompt",
                                code="invalid_value") from None
-            def prefilled(_) -> None:
+
+            def prefilled(_) -> None:  # told after each chunk of the prompt's prefill
                 if ticket.cancelled:
                     raise _Cancelled
 
