@@ -61,7 +61,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if device.type == "mps":
         return torch.float16
     # On CPUs with native bf16 (AVX512-BF16/AMX) half the bytes per step is a clear win; elsewhere it is emulated.

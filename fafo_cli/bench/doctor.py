@@ -70,7 +70,8 @@ def _cpu_name() -> str:
 def _gpu(index: int) -> dict:
     properties = torch.cuda.get_device_properties(index)
     return {"name": properties.name, "capability": f"{properties.major}.{properties.minor}",
-            "memory_gib": round(properties.total_memory / 2**30, 1), "bf16": torch.cuda.is_bf16_supported()}
+            "memory_gib": round(properties.total_memory / 2**30, 1),
+            "bf16": properties.major >= 8}  # native from Ampere on (older GPUs emulate it, slowly)
 
 
 def prompts(engine) -> list[suites.Sample]:

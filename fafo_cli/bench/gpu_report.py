@@ -44,7 +44,7 @@ class Measured:
 
 def report_dtype(device: torch.device) -> torch.dtype:
     """bf16, as decoding on a GPU runs by default; fp16 where the GPU lacks bf16."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.float16
     return torch.bfloat16
 

@@ -13,13 +13,14 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     draws = request.sampling.draws()
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens, steps=1,
                                      progress=emitter.prefilling)
-    emitter.prefilled(reused)
     position = len(request.prompt_ids)
+    token = next_token(logits, request.sampling, draws, position)
+    emitter.prefilled(reused)  # after the first token's read: on a GPU the prefill has then run, not just launched
     while True:
-        token = next_token(logits, request.sampling, draws, position)
         position += 1
         step = emitter.emit([token])
         yield step
         if step.finish_reason:
             return
         logits = session.step(token)
+        token = next_token(logits, request.sampling, draws, position)
