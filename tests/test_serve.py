@@ -502,9 +502,8 @@ def test_a_stop_while_a_streamed_step_outlasts_the_grace_ends_the_stream_with_th
 
     engine.session.run = slow_step
     live, events = _start(engine), []
-    errors: list[logging.LogRecord] = []
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    catch = Lines([])
+    errors: list[logging.LogRecord] = []  # uvicorn's own log, where a failed response's traceback goes
+    uvicorn_log, catch = logging.getLogger("uvicorn.error"), logging.Handler()
     catch.emit = errors.append
     uvicorn_log.addHandler(catch)
 
