@@ -466,8 +466,8 @@ def list_models(
     table = Table("name", "quantization", "size", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
-        table.add_row(m.name, m.quantization or "—", f"{m.size_bytes / 1e6:,.0f} MB", m.modified.strftime("%Y-%m-%d %H:%M"),
-                      str(m.path))
+        size = f"{m.size_bytes / 1e6:,.0f} MB" if m.size_bytes >= 0.5e6 else "<1 MB"
+        table.add_row(m.name, m.quantization or "—", size, m.modified.strftime("%Y-%m-%d %H:%M"), str(m.path))
     out.print(table)
 
 

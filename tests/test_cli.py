@@ -240,6 +240,14 @@ def test_list_json(capsys, monkeypatch, tmp_path):
     assert code == 0 and json.loads(out) == []
     code, out, _ = run_cli(capsys, "list")
     assert "No cached models" in out
+    from datetime import datetime, timezone
+
+    from fafo_cli import hub
+
+    tiny = hub.CachedModel("tiny", 1000, datetime.now(timezone.utc), tmp_path, "gguf", "Q8_0")  # a test model
+    monkeypatch.setattr(hub, "cached_models", lambda: [tiny])
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0 and "<1 MB" in out and " 0 MB" not in out
 
 
 def test_module_entry_point_and_version():
