@@ -62,11 +62,9 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             if path.suffix != ".gguf":
                 raise FafoError(f"{spec} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
             folder = convert_gguf(path)
-        elif _looks_like_path(spec):
-            raise FafoError(f"no such model file or folder: {spec}")
-        elif (converted := converted_named(spec)) is not None:  # a name `fafo list` shows, as ollama runs them
-            folder = converted
-        elif not _REPO_ID.match(spec):
+        elif not _looks_like_path(spec) and (converted := converted_named(spec)) is not None:
+            folder = converted  # a name `fafo list` shows, as ollama runs them
+        elif _looks_like_path(spec) or not _REPO_ID.match(spec):
             raise FafoError(f"no such model file or folder: {spec}")
         else:
             folder = cached_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
