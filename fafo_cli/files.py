@@ -12,8 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,6 +93,18 @@ def atomic_path(path: Path) -> Iterator[Path]:
         _made.discard(os.path.abspath(partial))
 
 
+def _new_dir(parent: Path, prefix: str) -> Path:
+    """A new folder `prefix` + a random name in `parent`, with the umask's permissions (tempfile's are 0700: a
+    published model would be unreadable to the other users of a shared cache)."""
+    while True:
+        path = parent / (prefix + secrets.token_hex(4))
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
 @contextmanager
 def publish_dir(target: Path, done: str) -> Iterator[Path]:
     """A staging folder (`.partial-*`, beside `target`) to fill; when the block ends without an exception it is
@@ -100,7 +112,7 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     (its file `done` is there) that copy is kept. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep(target.parent, re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+"))
-    staging = Path(tempfile.mkdtemp(prefix=f".partial-{os.getpid()}-", dir=target.parent))
+    staging = _new_dir(target.parent, f".partial-{os.getpid()}-")
     _made.add(os.path.abspath(staging))
     try:
         yield staging

@@ -464,6 +464,9 @@ def test_a_published_folder_appears_whole_once(tmp_path):
     with publish_dir(target, "config.json") as staging:  # a concurrent writer that finished second
         (staging / "config.json").write_text("second")
     assert (target / "config.json").read_text() == "first" and [p.name for p in target.parent.iterdir()] == ["m"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o777 & ~umask  # readable by a shared cache's other users
     with pytest.raises(RuntimeError), publish_dir(tmp_path / "models" / "n", "config.json") as staging:
         (staging / "config.json").write_text("half")
         raise RuntimeError("killed")
