@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -192,12 +192,16 @@ class Engine:
         config = config_mod.build(self.config, **overrides)
         unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
-        config_mod.check_given(config, self.explicit)
+        self.check_given(config, self.explicit)
         if "system" in self.explicit and config.system and not self.has_chat_template:
             raise FafoError(f"'system' needs a chat template, and {self.name} has none")
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config
+
+    def check_given(self, config: config_mod.Config, given: Iterable[str]) -> None:
+        """`config.check_given` on this engine's device."""
+        config_mod.check_given(config, given, accelerator=self.model.device.type != "cpu")
 
     def settings(self, config: config_mod.Config) -> dict:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,

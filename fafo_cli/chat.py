@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import yaml
 from rich.console import Console
 
-from . import config as config_mod
 from .api import Engine
 from .errors import FafoError, first_line
 from .ui import StreamView, method_label
@@ -140,7 +139,12 @@ class Repl:
     def _set(self, words: list[str]) -> None:
         if not words:
             config = self.engine.request_config(**self.settings)
-            self.out.print("  ".join(f"{key}={getattr(config, key)}" for key in SETTABLE), markup=False)
+            seed = self.settings.get("seed")
+            seed = self.engine.config.seed if seed in (None, "") else seed
+            if seed is None and config.temperature > 0:  # each sampled answer draws its own (not request_config's)
+                seed = "random"
+            shown = {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
+            self.out.print("  ".join(f"{key}={value}" for key, value in shown.items()), markup=False)
             return
         if len(words) != 2 or words[0] not in SETTABLE:
             self._warn(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
@@ -150,7 +154,7 @@ class Repl:
             value = yaml.safe_load(raw)
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
             if value not in (None, ""):  # (which restores the default)
-                config_mod.check_given(config, {key})  # and like a flag: it must change something
+                self.engine.check_given(config, {key})  # and like a flag: it must change something
         except FafoError as e:
             self._warn(f"error: {e}")
             return

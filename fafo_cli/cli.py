@@ -140,10 +140,11 @@ def _check_plot_format(path: str) -> None:
 def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
     every answer (`config.check_given`)."""
-    from .api import Engine
+    from .api import Engine, pick_device
 
     explicit = _given(flags or {})
-    config_mod.check_given(config, explicit)  # before any work (the sampling defaults of the model come later)
+    # before any work (the sampling defaults of the model come later)
+    config_mod.check_given(config, explicit, accelerator=pick_device(config.device).type != "cpu")
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
     engine = Engine.from_config(config)

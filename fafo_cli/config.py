@@ -142,7 +142,7 @@ class Config:
                                    "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
                                    "end attends to), h2o (heavy hitters + recent); naming one runs the window under "
                                    "streams: auto; auto: stream, where a window runs", choices=("auto",) + COMPRESSORS)
-    budget: int | float = _opt(256, "fafo: compressed budget B: tokens (>= 1) or a fraction of the prompt "
+    budget: int | float = _opt(256, "fafo stream/quest/snapkv/h2o: compressed budget B: tokens (>= 1) or a fraction of the prompt "
                                     "(e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
                                short="-B")
     sink: int = _opt(4, "fafo stream: first positions always kept (< budget)", low=0)
@@ -278,22 +278,44 @@ def _check_together(config: Config) -> None:
 SAMPLING_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
-def check_given(config: Config, given: Iterable[str]) -> None:
+# FAFO's keys that act only where its lookahead window runs (the pool it feeds, the view its rows read), besides
+# each compressor's own (`compressors_of`)
+WINDOW_KEYS = frozenset({"prefix", "pool_per_key", "compressor", "attention"})
+
+
+def runs_window(streams: int | str, compressor_named: bool, accelerator: bool) -> bool:
+    """Whether FAFO's lookahead window runs under `streams`: not at 0, nor at `auto` on a CPU unless a compressor
+    is named (see the key's help)."""
+    return streams != 0 and (streams != "auto" or compressor_named or accelerator)
+
+
+def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None:
     """Settings given explicitly (a command's flags, a request's fields) must have an effect: a method's own
-    settings only where that method runs, `system` only with the chat template, and a sampling setting other than
-    its neutral value only where decoding samples (temperature above 0; None, the model's default, is not checked
-    here)."""
-    given = set(given)
-    for key in sorted(given & SPECS.keys()):
+    settings only where that method runs (FAFO's window settings where its window runs, on `accelerator` or not, a
+    compressor's where it is the one), `system` only with the chat template, and a sampling setting other than its
+    neutral value, or a seed, only where decoding samples (temperature above 0; None, the model's default, is not
+    checked here)."""
+    given = {key for key in given if key in SPECS and getattr(config, key) is not None}  # (None: emptied)
+    for key in sorted(given):
         owner = method_of(SPECS[key])
-        if owner is not None and owner != config.method and getattr(config, key) is not None:  # (None: emptied)
+        if owner is not None and owner != config.method:
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
                             f"{config.method})")
+        compressors = compressors_of(SPECS[key])
+        if owner == "fafo" and (key in WINDOW_KEYS or compressors):
+            if not runs_window(config.streams, config.compressor != "auto", accelerator):
+                why = ("streams: 0" if config.streams == 0 else
+                       "on a CPU, streams: auto runs it only where a compressor is named")
+                raise FafoError(f"'{key}' sets FAFO's lookahead window, which does not run here ({why})")
+            compressor = view_compressor(config.compressor)
+            if compressors and compressor not in compressors:
+                raise FafoError(f"'{key}' is a setting of the {'/'.join(compressors)} compressor, which the window "
+                                f"does not use here (compressor: {compressor})")
     if "system" in given and config.system and not config.chat_template:
         raise FafoError("'system' needs the chat template: the prompt is continued as plain text without it")
     if config.temperature == 0:
-        for key in sorted(given & SAMPLING_NEUTRAL.keys()):
-            if getattr(config, key) != SAMPLING_NEUTRAL[key]:
+        for key in sorted(given & (SAMPLING_NEUTRAL.keys() | {"seed"})):
+            if getattr(config, key) != SAMPLING_NEUTRAL.get(key):
                 raise FafoError(f"'{key}' has no effect when decoding greedily (temperature 0): give a temperature "
                                 "above 0 to sample")
 
@@ -407,6 +429,12 @@ def method_of(spec) -> str | None:
     return first if first in SECTIONS else None
 
 
+def compressors_of(spec) -> tuple[str, ...]:
+    """The compressors a FAFO key belongs to, by its help ("fafo snapkv/h2o: ..."); () for the others."""
+    head = spec.metadata["help"].split(":")[0].split()
+    return tuple(head[1].split("/")) if len(head) == 2 and head[0] == "fafo" else ()
+
+
 def section(spec) -> str | None:
     """The option panel of a key: its method's (see `method_of`); None for the general keys."""
     method = method_of(spec)
@@ -486,9 +514,12 @@ def reference_markdown() -> str:
         "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
         "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "
         "chat` (or a field of a `fafo serve` request) that would change nothing is an error: another method's "
-        "setting, `top_p`, `top_k` or `min_p` other than 1, 0, 0 while decoding greedily, `system` without a chat "
-        "template; `fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`) and other "
-        "methods' settings, which do not shape the steps it builds.", "",
+        "setting; a setting of FAFO's lookahead window where none runs (`streams: 0`, or `auto` on a CPU without a "
+        "compressor named) or of a compressor the window does not use; `top_p`, `top_k` or `min_p` other than 1, "
+        "0, 0, or a `seed`, while decoding greedily (a server request may send a seed with temperature 0, as "
+        "clients do for repeatable answers); `system` without a chat template. `fafo compile` refuses the "
+        "answer's settings (sampling, `max_tokens`, `system`, `chat_template`) and other methods' settings, which "
+        "do not shape the steps it builds.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]
     for command in others:

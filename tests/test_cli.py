@@ -96,6 +96,14 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch, tiny, 
     (["--method", "vanilla", "--compressor", "stream"], "'compressor' is a setting of method fafo"),
     (["--top-p", "0.5"], "'top_p' has no effect when decoding greedily"),
     (["--no-chat-template", "--system", "Be brief."], "'system' needs the chat template"),
+    (["--seed", "3"], "'seed' has no effect when decoding greedily"),
+    # FAFO's window settings where no window runs (a CPU's default), or another compressor's
+    (["--budget", "64"], "'budget' sets FAFO's lookahead window, which does not run here (on a CPU, streams: auto"),
+    (["-W", "0", "--compressor", "quest"], "'compressor' sets FAFO's lookahead window, which does not run here "
+                                            "(streams: 0)"),
+    (["--compressor", "quest", "--sink", "2"], "'sink' is a setting of the stream compressor, which the window "
+                                               "does not use here (compressor: quest)"),
+    (["--compressor", "none", "--budget", "64"], "'budget' is a setting of the stream/quest/snapkv/h2o compressor"),
 ])
 def test_a_flag_that_would_change_nothing_is_refused(capsys, tiny, prompt_file, flags, message):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", *flags)
@@ -105,7 +113,9 @@ def test_a_flag_that_would_change_nothing_is_refused(capsys, tiny, prompt_file, 
 def test_the_same_flags_where_they_take_effect_run(capsys, tiny, prompt_file):
     for flags in (["--method", "prompt-lookup", "--lookup-ngram", "5"], ["--top-p", "0.5", "--temperature", "0.7"],
                   ["--top-k", "0"],  # a neutral value changes nothing and asks for nothing either
-                  ["--draft-model", ""]):  # nor does emptying a key
+                  ["--draft-model", ""],  # nor does emptying a key
+                  ["--compressor", "quest", "--budget", "64", "--page-size", "8"],  # naming one runs the window
+                  ["-W", "1", "--sink", "2"]):  # whose compressor is then stream
         code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", "--json",
                                  *flags)
         assert code == 0, (flags, err)

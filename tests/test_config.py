@@ -191,3 +191,17 @@ def test_an_empty_string_empties_a_key_that_may_be_empty():
     assert config_mod.build(model="", system="").model is None
     with pytest.raises(FafoError, match="'method' must be one of"):
         config_mod.build(method="")
+
+
+def test_window_settings_count_where_a_window_runs():
+    from fafo_cli.errors import FafoError
+
+    given = {"budget", "sink"}
+    config_mod.check_given(config_mod.build(compressor="stream"), given, accelerator=False)  # named: W=1
+    config_mod.check_given(config_mod.build(), given, accelerator=True)  # auto is wide on a GPU, with stream
+    for config, accelerator in ((config_mod.build(), False), (config_mod.build(streams=0), True)):
+        with pytest.raises(FafoError, match="'budget' sets FAFO's lookahead window, which does not run here"):
+            config_mod.check_given(config, given, accelerator)
+    with pytest.raises(FafoError, match="'sink' is a setting of the stream compressor"):
+        config_mod.check_given(config_mod.build(compressor="h2o"), given, accelerator=True)
+    assert config_mod.compressors_of(config_mod.SPECS["window"]) == ("snapkv", "h2o")

@@ -616,6 +616,7 @@ BAD = [
     # system prompt
     ("chat", {"messages": MESSAGES, "method": "suffix", "compressor": "h2o"}, 400, "compressor"),
     ("chat", {"messages": MESSAGES, "top_p": 0.5}, 400, "top_p"),
+    ("chat", {"messages": MESSAGES, "budget": 64}, 400, "budget"),  # no window runs on a CPU by default
     ("chat", {"messages": CHAT, "system": "Be brief."}, 400, "system"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}]}, 400,
      "messages[0].content[0].cache"),

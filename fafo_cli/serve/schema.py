@@ -115,7 +115,9 @@ def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
     stop = _stop(given)
     try:
         config = engine.request_config(**overrides)
-        config_mod.check_given(config, PER_REQUEST & given.keys())  # nothing a request asks for may go unheeded
+        # nothing a request asks for may go unheeded, but a seed while greedy: clients send one with temperature 0
+        # for repeatable answers, which greedy answers are
+        engine.check_given(config, PER_REQUEST & given.keys() - {"seed"})
     except FafoError as e:
         key = re.search(r"'(\w+)'", str(e))
         raise ApiError(400, str(e), param=key.group(1) if key else None, code="invalid_value") from None

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
-from ...config import MIN_BUDGET, view_compressor
+from ...config import MIN_BUDGET, runs_window, view_compressor
 from ...runtime.events import Step
 from ...runtime.rows import draft_step
 from ...runtime.sampling import argmax_ids, next_token
@@ -111,10 +111,10 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
     where the step's rows cost arithmetic: compiled, or eager over packed GGUF blocks (`packed`: the same kernel;
     W=1 measured faster than W=2 on both), else `widest_window` by the eager cost curve (`eager`; before one is
     measured, the device's default curve), as on an accelerator."""
+    if not runs_window(settings.streams, settings.compressor_named, accelerator):
+        return 0
     if settings.streams != "auto":
         return settings.streams
-    if not accelerator and not settings.compressor_named:
-        return 0
     compiled_window = compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)
     if not accelerator and (packed or compiled_window):
         return 1
