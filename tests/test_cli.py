@@ -308,7 +308,7 @@ def _chat(model, script: str, *extra):
 def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
     # a strict reader (most UTF-8 locales) threw the rest of its buffer away with the bad line
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8:strict"}
-    script = b"caf\xe9\n/set top_p 0.5\n/set temperature 0\nhello\n"
+    script = b"caf\xe9\n/set\n/set top_p 0.5\n/set temperature 0\nhello\n"
     result = subprocess.run([sys.executable, "-m", "fafo_cli", "chat", str(tiny), "--dtype", "float32", "-n", "4",
                              "--temperature", "0.7", "--top-p", "0.9"], input=script, capture_output=True, env=env,
                             timeout=120)
@@ -318,6 +318,7 @@ def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
     # top_p's flag does not stop /set temperature 0 (the command line's flags are checked at launch), and
     # /set top_p while greedy is refused as its flag would be
     assert "temperature = 0" in result.stdout.decode()
+    assert "seed=random" in result.stdout.decode()  # each sampled answer draws its own
     assert _chat(tiny, "/set top_p 0.5\n").stderr.startswith("error: 'top_p' has no effect when decoding greedily")
 
 
