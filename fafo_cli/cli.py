@@ -419,10 +419,11 @@ def compile_steps(
     unused += sorted(key for key in given if config_mod.method_of(config_mod.SPECS[key]) not in (None, *chosen))
     if unused:
         raise FafoError(f"fafo compile builds the steps of {', '.join(chosen)}; '{unused[0]}' does not change them")
+    if settings.gpus > 1:  # one device's graph cannot hold a spread model's step
+        raise FafoError(f"--gpus {settings.gpus}: a model spread over GPUs runs eager steps; fafo compile has "
+                        "nothing to build for it")
     _, err = consoles()
     engine = _load(replace(settings, compile="on"), err)
-    if engine.compiled is None:  # a model spread over several GPUs: one device's graph cannot hold its step
-        raise FafoError(f"{engine.name} is spread over several devices, whose steps run eager: nothing to build")
     for method, sizes in build_ahead(engine, chosen):
         listed = ", ".join(map(str, sizes)) if sizes else "none (it runs eager)"
         print(f"{method}: compiled steps of {listed} rows, in {engine.steps_folder}")

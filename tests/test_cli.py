@@ -488,6 +488,7 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
     (["--methods", "vanilla", "--temperature", "0.7"], "'temperature' does not change them"),
     (["--methods", "vanilla", "--lookup-ngram", "4"], "'lookup_ngram' does not change them"),
     (["--methods", "vanilla", "--method", "suffix"], "drop --method"),
+    (["--gpus", "2"], "a model spread over GPUs runs eager steps"),
 ])
 def test_compile_refuses_settings_that_do_not_shape_its_steps(capsys, tiny, flags, message):
     code, out, err = run_cli(capsys, "compile", tiny, *flags)
