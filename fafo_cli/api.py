@@ -193,15 +193,15 @@ class Engine:
         unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
         self.check_given(config, self.explicit)
-        if "system" in self.explicit and config.system and not self.has_chat_template:
-            raise FafoError(f"'system' needs a chat template, and {self.name} has none")
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config
 
     def check_given(self, config: config_mod.Config, given: Iterable[str]) -> None:
-        """`config.check_given` on this engine's device."""
+        """`config.check_given` on this engine's device, and `system` only for a model with a chat template."""
         config_mod.check_given(config, given, accelerator=self.model.device.type != "cpu")
+        if "system" in given and config.system and not self.has_chat_template:
+            raise FafoError(f"'system' needs a chat template, and {self.name} has none")
 
     def settings(self, config: config_mod.Config) -> dict:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,

@@ -429,6 +429,12 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     code, out, err = run_cli(capsys, "run", folder, "-p", prompt_file, "-n", "4", "--dtype", "float32")
     assert code == 0 and out.strip()
     assert err == f"note: {folder} has no chat template; the prompt is continued as plain text\n"
+    from fafo_cli import load
+    from fafo_cli.errors import FafoError
+
+    engine = load(str(folder), dtype="float32")
+    with pytest.raises(FafoError, match="'system' needs a chat template"):  # as a server request's field
+        engine.check_given(engine.request_config(system="Be brief."), {"system"})
 
 
 def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):
