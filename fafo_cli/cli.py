@@ -367,7 +367,10 @@ def doctor(
     device = pick_device(settings.device)
     report_path = None
     if gpu_report is not None:  # refused before minutes of measuring
-        report_path = doctor_mod.check_report_path(gpu_report)
+        if gpu_report == "-":
+            raise FafoError("--gpu-report writes a file: name one (--json prints the rest of the report)")
+        _check_output("--gpu-report", gpu_report)
+        report_path = Path(gpu_report).expanduser()
         gpu_mod.check(device, gpu_shape)
     # the model found (or converted) before the first progress line: a missing one is one line
     hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)

@@ -89,7 +89,7 @@ def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path)]) == 1
     assert "is a folder, not a file" in capsys.readouterr().err
     assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path / "no" / "r.json")]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
     assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "13b"]) == 1
     assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, 135m, tiny (got '13b')"
 

@@ -203,15 +203,5 @@ def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
 
-def check_report_path(path: str) -> Path:
-    """Where the GPU report goes: refused at once when it cannot be written, before minutes of measuring."""
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise FafoError(f"--gpu-report {path} is a folder, not a file")
-    if not target.parent.is_dir():
-        raise FafoError(f"--gpu-report {path}: the folder {target.parent} does not exist")
-    return target
-
-
 def default_config_path(given: str | None) -> Path:
     return Path(given) if given else config_mod.user_config_path()
