@@ -228,7 +228,7 @@ def serve(
     from .serve import server
 
     settings = config_mod.resolve(config, **flags)
-    options = server.Options(host, port, api_key or None, tuple(cors or ()), queue, conversations, conversations_mb,
+    options = server.Options(api_key or None, tuple(cors or ()), queue, conversations, conversations_mb,
                              verbose)
     sock = server.bind(host, port)  # before the model loads: a taken port fails at once
     try:

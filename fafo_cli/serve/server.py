@@ -36,9 +36,7 @@ GRACE_S = 10  # after a signal, the longest wait for answers in flight to close 
 
 
 @dataclass(frozen=True)
-class Options:
-    host: str = "127.0.0.1"
-    port: int = 8000
+class Options:  # (the address is the socket's: `bind`)
     api_key: str | None = None
     cors: tuple[str, ...] = ()
     queue: int = 32  # requests that may wait while one runs
