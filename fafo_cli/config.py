@@ -78,7 +78,8 @@ class Config:
                                    "SmolLM2-135M-Instruct", nullable=True, argument=True, also=("bench", "doctor"))
     method: str = _opt("fafo", "decoding method: fafo, vanilla (plain decoding, one token per step) or a peer "
                                "method", choices=METHODS)
-    dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where supported, else float16 on a GPU, float32 on a CPU)",
+    dtype: str = _opt("auto", "weights and KV cache precision (auto: bfloat16 where the device computes it natively, "
+                               "else float16 on a GPU (always on Apple's MPS), float32 on a CPU)",
                       choices=DTYPES, also=("bench", "doctor"))
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES,
                        also=("bench", "doctor"))
@@ -142,8 +143,8 @@ class Config:
                                    "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
                                    "end attends to), h2o (heavy hitters + recent); naming one runs the window under "
                                    "streams: auto; auto: stream, where a window runs", choices=("auto",) + COMPRESSORS)
-    budget: int | float = _opt(256, "fafo stream/quest/snapkv/h2o: compressed budget B: tokens (>= 1) or a fraction of the prompt "
-                                    "(e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
+    budget: int | float = _opt(256, "fafo stream/quest/snapkv/h2o: compressed budget B: tokens (>= 1) or a "
+                                    "fraction of the prompt (e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
                                short="-B")
     sink: int = _opt(4, "fafo stream: first positions always kept (< budget)", low=0)
     page_size: int = _opt(16, "fafo quest: tokens per page", low=1, high=4096)

@@ -37,7 +37,9 @@ class Timing:
             return None
 
 
-STEP_COSTS = "step-costs.json"  # beside a model's packages: {"eager" | "compiled": {rows: ms}} (`fafo bench --tune`)
+# beside a model's packages: {"eager" | "compiled": {rows: ms}}; eager from `fafo bench --tune` or `fafo doctor
+# --write`, compiled also on the packages' first use (CompiledSteps.step_costs)
+STEP_COSTS = "step-costs.json"
 
 
 def read_step_costs(folder: Path) -> dict[str, dict[int, float]]:
