@@ -22,7 +22,7 @@ from .. import config as config_mod
 from ..compiled import packed
 from ..compiled.kernels import loader
 from ..decoders.fafo.planner import StepCosts
-from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
+from ..decoders.fafo.step import WINDOW_SHARE, FafoSettings, compiled_for, model_streams
 from ..errors import FafoError
 from . import exactness, suites, tune
 
@@ -190,8 +190,8 @@ def render(report: dict, console) -> None:
         table.add_row(str(rows), f"{ms:.2f}", f"{ms / costs[1]:.2f}×")
     console.print(table)
     streams, window = report["recommended"]["streams"], report["recommended"]["window"]
-    width = (f"streams={streams} (the widest window whose step costs at most 25% more than a plain step; "
-             "`streams: auto` derives it from this curve)")
+    width = (f"streams={streams} (the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain "
+             "step; `streams: auto` derives it from this curve)")
     console.print(f"Recommended: {width}" if window else "Recommended: no window (`streams: auto` on a CPU, unless a "
                   f"compressor is named: its rows cost more than its guesses earn here); with one named, {width}")
     if "written" in report:

@@ -64,7 +64,7 @@ def worth_preparing(model: Model) -> bool:
 
 
 # Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear
-# pays its rebuild per row tile, a dense GEMM once (at 512 rows 1.55x faster, at 64 about even: docs/benchmarks.md).
+# pays its rebuild per row tile, a dense GEMM once (faster from a few hundred rows on: docs/benchmarks.md).
 # Every compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
 DENSE_ROWS = 256
 

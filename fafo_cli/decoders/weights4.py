@@ -21,7 +21,7 @@ from ..runtime.model import Model
 WEIGHT_GROUP = 128  # inputs per scale: the group size of the paper's 4-bit weights
 LEVELS = 15
 OFFSET = 8  # torch's int4 kernel reads a weight as (code - 8) * scale + zero
-COMPUTE = torch.bfloat16  # the CPU int4 kernel is ~40x slower with float32 activations than with bfloat16
+COMPUTE = torch.bfloat16  # the CPU int4 kernel is many times slower with float32 activations than with bfloat16
 ROWS = 16  # the CPU int4 kernel's outputs come in multiples of this: padded with zero rows
 
 

@@ -41,8 +41,8 @@ STEP_ROWS = 256
 def attention_kernels(device: torch.device, rows: int) -> ContextManager:
     """A decoding step's attention on CUDA runs on flash, memory-efficient or math kernels, never cuDNN's, which
     torch prefers on recent GPUs: cuDNN builds a plan for every new key length, so once per layer in every step
-    (measured on an H200: 1.7 ms of host time each, most of a plain step; docs/gpu.md). A prefill chunk, planned
-    once, keeps torch's choice."""
+    (on an H200 most of a plain step's host time: docs/gpu.md). A prefill chunk, planned once, keeps torch's
+    choice."""
     if device.type != "cuda" or rows > STEP_ROWS:
         return nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -230,11 +230,11 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float) -> torch.Tensor:
     """torch's attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim] under `mask` [rows, keys]
     (None: every key), the query heads that share a KV head folded into that head's rows. On a CPU torch's kernel
-    then reads each KV head once for all its query heads, where `enable_gqa` took a path several times slower
-    (bf16: 6x at 8K keys). The result is enable_gqa's up to rounding (tested). Not on CUDA: there a masked
-    `enable_gqa` call takes the math path (flash takes no mask, memory-efficient no unequal head counts), and the
-    folded call the memory-efficient kernel, which on an H200 was up to 8% faster over 512 keys but 2.2x slower
-    for a row over 4096 (it splits the work by query rows only; docs/gpu.md, scripts/gqa_steps.py)."""
+    then reads each KV head once for all its query heads, where `enable_gqa` took a path several times slower at
+    long contexts. The result is enable_gqa's up to rounding (tested). Not on CUDA: there a masked `enable_gqa`
+    call takes the math path (flash takes no mask, memory-efficient no unequal head counts), and the folded call
+    the memory-efficient kernel, which splits the work by query rows only and so measured far slower for one row
+    over a long cache (docs/gpu.md, scripts/gqa_steps.py)."""
     heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if heads == kv_heads:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -258,8 +258,8 @@ class StepCosts:
     @classmethod
     def default(cls, accelerator: bool, sizes: Sequence[int] | None = None) -> "StepCosts":
         """Before anything is measured: on a CPU each row adds a few percent of a one-row pass; on an accelerator
-        half a percent (an H200's CUDA graph steps: 0.3% for a 7B-shaped model, 0.8% for SmolLM2-135M). Relative
-        units (only ratios matter)."""
+        about half a percent (as an H200's CUDA graph steps measured: docs/gpu.md). Relative units (only ratios
+        matter)."""
         per_row = 0.005 if accelerator else 0.04
         return cls({1: 1.0, 64: 1.0 + 63 * per_row}, sizes)
 
