@@ -51,14 +51,15 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def test_no_import_cycles():
-    graph = _imports()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a loop (Tarjan's strongly connected
+    components of more than one module)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     cycles = []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         for nxt in graph[node]:
@@ -80,20 +81,40 @@ def test_no_import_cycles():
     for node in graph:
         if node not in index:
             visit(node)
-    assert cycles == []
+    return cycles
+
+
+def _wrong_direction(graph: dict[str, set[str]], layer: str) -> set[tuple[str, str]]:
+    """The imports of `layer`'s modules that point at a layer it may not import."""
+    return {(module, target) for module, targets in graph.items() if _layer(module) == layer
+            for target in targets
+            if _layer(target) not in ALLOWED[layer] | LEAVES | {layer}}
+
+
+def test_no_import_cycles():
+    assert _cycles(_imports()) == []
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_layers_import_only_downwards(layer):
-    wrong = {(module, target) for module, targets in _imports().items() if _layer(module) == layer
-             for target in targets
-             if _layer(target) not in ALLOWED[layer] | LEAVES | {layer}}
-    assert wrong == set()
+    assert _wrong_direction(_imports(), layer) == set()
 
 
 def test_the_checks_see_a_cycle_and_a_wrong_direction(tmp_path, monkeypatch):
-    """The graph really holds the imports the tests judge (a relative import of a module, a function-level one)."""
+    """The graph really holds the imports the tests judge (a relative import of a module, a function-level one),
+    and the checks flag a cycle and an upward import in a package that has them."""
     graph = _imports()
     assert "fafo_cli.runtime.cache" in graph["fafo_cli.runtime.model"]
     assert "fafo_cli.runtime.session" in graph["fafo_cli.decoders.vanilla"]
     assert any(_layer(t) == "decoders" for t in graph["fafo_cli.api"])
+    package = tmp_path / "fafo_cli"
+    for path, text in {"__init__.py": "", "runtime/__init__.py": "", "decoders/__init__.py": "",
+                       "runtime/cache.py": "def f():\n    from ..decoders import draft\n",  # upward, in a function
+                       "decoders/draft.py": "from ..runtime import cache\n"}.items():  # and back: a cycle
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    fake = _imports()
+    assert _cycles(fake) == [["fafo_cli.decoders.draft", "fafo_cli.runtime.cache"]]
+    assert _wrong_direction(fake, "runtime") == {("fafo_cli.runtime.cache", "fafo_cli.decoders.draft")}
+    assert _wrong_direction(fake, "decoders") == set()
