@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.model import Model
+from ..runtime.model import STEP_ROWS, Model
 
 # GGUF tensor name (per block) -> the decoder layer's module
 LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -65,8 +65,9 @@ def worth_preparing(model: Model) -> bool:
 
 # Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear
 # pays its rebuild per row tile, a dense GEMM once (faster from a few hundred rows on: docs/benchmarks.md).
-# Every compiled package has at most this many rows (steps.ROW_BUCKETS), so their graphs never take this path.
-DENSE_ROWS = 256
+# No decoding step has more rows (the compiled packages' largest: steps.ROW_BUCKETS), so their graphs never take this
+# path.
+DENSE_ROWS = STEP_ROWS
 
 
 def _multiply(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from ..errors import first_line
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
-from ..runtime.model import Model
+from ..runtime.model import STEP_ROWS, Model
 from ..runtime.rows import StepRows
 from .build import MIN_LENGTH, CompileError, build, load_kernels, load_package, step_constants, stored_dtype
 from .timing import Timing, measure, read_step_costs, side_by_side, write_step_costs
@@ -26,7 +26,7 @@ from .kernels import loader
 # small steps get packages of their exact size; larger ones are bucketed to bound the number of builds.
 PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modules (packed.save)
 PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
-ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, 256)  # larger steps run eager
+ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  # larger steps run eager
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
 
 
@@ -64,8 +64,8 @@ class CompiledSteps(OnceNotices):
         self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
         self._whole_cache = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
-        self._true_rows = torch.ones(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
-        self._false_rows = torch.zeros(ROW_BUCKETS[-1], dtype=torch.bool, device=model.device)
+        self._true_rows = torch.ones(STEP_ROWS, dtype=torch.bool, device=model.device)
+        self._false_rows = torch.zeros(STEP_ROWS, dtype=torch.bool, device=model.device)
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
