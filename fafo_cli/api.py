@@ -231,7 +231,7 @@ class Engine:
             raise FafoError("a stop string must not be empty")
         if on_prefill is not None and not callable(on_prefill):
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
-        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
+        sampling = Sampling.of(config)
         request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop), on_prefill)
         # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
         # was suspended took it over, and this one may neither go on nor undo anything of it
@@ -390,7 +390,7 @@ def _compiled_folder(model: Model, folder: Path) -> Path:
 
 def _sampling_defaults(generation_config) -> dict:
     """The model's sampling settings (generation_config.json), as transformers would apply them."""
-    fallback = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    fallback = {"temperature": 0.0, **config_mod.SAMPLING_NEUTRAL}
     if not getattr(generation_config, "do_sample", False):
         return fallback
     given = {key: getattr(generation_config, key, None) for key in fallback}

@@ -14,7 +14,7 @@ import torch
 
 from .. import __version__
 from ..compiled.graphs import GraphSteps
-from ..config import METHODS
+from ..config import METHODS, SAMPLING_NEUTRAL
 from ..errors import FafoError
 from ..files import write_atomic
 from . import exactness, report, suites
@@ -178,7 +178,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")
         tune.keep_eager_costs(engine, tune.step_costs(engine))
     greedy = options.temperature == 0
-    settings = {"temperature": options.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
+    settings = {"temperature": options.temperature, **SAMPLING_NEUTRAL, "seed": 0}
     runs: list[Run] = []
     interrupted = False
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -121,7 +121,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
     engine.reset()
     if row.external:
         config = engine.request_config(**settings)
-        sampling = Sampling(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
+        sampling = Sampling.of(config)
         ids = engine.encode(list(sample.messages), config)
         generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
         step_ms = 1e3 / speed if speed else 0.0  # one token per pass

@@ -63,6 +63,11 @@ class Sampling:
     seed: int | None = None
     min_p: float = 0.0  # 0 = off
 
+    @classmethod
+    def of(cls, config) -> "Sampling":
+        """A request's sampling from its config (`api.Engine.request_config`: the model's defaults filled in)."""
+        return cls(config.temperature, config.top_p, config.top_k, config.seed, config.min_p)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
