@@ -14,7 +14,7 @@ import time
 import torch
 
 from fafo_cli.bench import gpu_report
-from fafo_cli.bench.tune import synchronize
+from fafo_cli.compiled.timing import synchronize
 from fafo_cli.runtime.model import Model, causal_attention
 
 # Model.forward without its inference_mode: torch.compile cannot trace inference tensors (no grad is kept anyway)

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import FafoError
 from ..runtime.model import Attention, Model, causal_attention
-from .tune import synchronize
+from ..compiled.timing import synchronize
 
 # hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, SmolLM2-135M's, a tiny one (tests)
 SHAPES = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from .. import config as config_mod
 from ..compiled.steps import bucket
-from ..compiled.timing import write_step_costs
+from ..compiled.timing import median_ms, write_step_costs
 from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
 from ..runtime.model import causal_attention
@@ -41,10 +40,8 @@ DISTURBED = 0.15
 
 
 def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
-    """Median milliseconds of one forward pass with each row count, after `context` cached tokens. The row counts
-    take turns (1, 2, 4, ... then again), so the machine's drift and the first passes' warm-up hit them all alike
-    (timed one count after another, the first count measured a one-row pass dearer than a two-row one); the first
-    two rounds are warm-up."""
+    """Median milliseconds of one forward pass with each row count, after `context` cached tokens, the counts
+    taking turns (`median_ms`)."""
     session, model = engine.session, engine.model
     engine.reset()
     ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
@@ -54,28 +51,18 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, r
                      torch.arange(length, length + rows, device=model.device),
                      causal_attention(torch.ones(rows, length + rows, dtype=torch.bool, device=model.device),
                                       model.scaling)) for rows in row_counts}
-    times: dict[int, list[float]] = {rows: [] for rows in row_counts}
-    for _ in range(repeats + 2):
-        for rows, (tokens, positions, attend) in passes.items():
-            synchronize(model.device)
-            start = time.perf_counter()
-            model.forward(tokens, positions, session.cache, attend)  # written after the prefix, never committed
-            synchronize(model.device)
-            times[rows].append(time.perf_counter() - start)
+    # each pass writes after the prefix, never committed
+    runs = {rows: (lambda args=args: model.forward(args[0], args[1], session.cache, args[2]))
+            for rows, args in passes.items()}
+    costs = median_ms(runs, repeats, model.device)
     engine.reset()
-    return {rows: statistics.median(t[2:]) * 1e3 for rows, t in times.items()}
+    return costs
 
 
 def keep_eager_costs(engine, costs: dict[int, float]) -> None:
     """The eager cost curve for FAFO's planner: beside the model's packages for later runs, and in this session."""
     write_step_costs(engine.steps_folder, {"eager": costs})
     engine.session.step_costs = {**engine.session.step_costs, "eager": costs}
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:

@@ -70,13 +70,23 @@ def _step_inputs(model: Model, rows: int, context: int):
     return ids, positions, mask, mask[:, context:].contiguous(), sees_cache, ~sees_cache, view_mask
 
 
-def median_ms(runs: dict, repeats: int) -> dict:
-    """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift hits all alike."""
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(runs: dict, repeats: int, device: torch.device | None = None) -> dict:
+    """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift and the first calls'
+    warm-up hit all alike (timed one after another, the first measured a one-row pass dearer than a two-row one);
+    the first two rounds are warm-up. `device`: whose queued work each call waits for."""
     times: dict = {name: [] for name in runs}
     for _ in range(repeats + 2):
         for name, run in runs.items():
+            synchronize(device)
             start = time.perf_counter()
             run()
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
 
