@@ -98,7 +98,10 @@ class Engine:
         self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
 
     @classmethod
-    def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None) -> "Engine":
+    def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None,
+                    draft: bool | None = None) -> "Engine":
+        """The engine `config` describes. `draft`: whether to load `config.draft_model`, which TriForce alone reads
+        (None: where the method is triforce; a file's key is a default, kept for when TriForce runs)."""
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
@@ -113,9 +116,7 @@ class Engine:
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
             engine.compiled.install_packed()
-        if config.draft_model is not None:
-            if config.method != "triforce":
-                raise FafoError(f"--draft-model is used by method triforce only (the method is {config.method})")
+        if config.draft_model is not None and (config.method == "triforce" if draft is None else draft):
             draft_tokenizer, draft, _ = _load_model(config.draft_model, config, device, dtype)
             if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise FafoError(f"the draft model {config.draft_model} does not share the tokenizer of "

@@ -137,9 +137,9 @@ def _check_plot_format(path: str) -> None:
                         "suffix")
 
 
-def _load(config: config_mod.Config, err_console, flags: dict | None = None):
+def _load(config: config_mod.Config, err_console, flags: dict | None = None, draft: bool | None = None):
     """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
-    every answer (`config.check_given`)."""
+    every answer (`config.check_given`); `draft`: as Engine.from_config's."""
     from .api import Engine, pick_device
 
     explicit = _given(flags or {})
@@ -147,7 +147,7 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None):
     config_mod.check_given(config, explicit, accelerator=pick_device(config.device).type != "cpu")
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
-    engine = Engine.from_config(config)
+    engine = Engine.from_config(config, draft=draft)
     engine.explicit = explicit
     engine.request_config()  # with the model's sampling defaults filled in
     if config.chat_template and not engine.has_chat_template:
@@ -338,7 +338,8 @@ def bench(
         from .bench import tune as tune_mod
 
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
-    raise typer.Exit(command.run(_load(settings, err), settings, options, out, err))
+    engine = _load(settings, err, draft="triforce" in options.methods)  # its rows read the draft model
+    raise typer.Exit(command.run(engine, settings, options, out, err))
 
 
 @app.command()

@@ -80,6 +80,19 @@ def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
     assert len(json.loads(out)["token_ids"]) == 3  # the flag overrides the file
 
 
+def test_a_files_draft_model_waits_for_triforce(capsys, tiny, tmp_path, prompt_file):
+    from fafo_cli import config as config_mod
+    from fafo_cli.api import Engine
+
+    config = tmp_path / "c.yaml"
+    config.write_text("draft_model: Org/not-there\n")  # a default for TriForce: other methods do not load it
+    code, out, err = run_cli(capsys, "run", tiny, "-c", config, "-p", prompt_file, "-n", "2", "--dtype", "float32")
+    assert code == 0, err
+    settings = config_mod.build(model=str(tiny), dtype="float32", draft_model=str(tiny))
+    assert Engine.from_config(settings, draft=True).session.draft_model is not None  # bench's triforce rows
+    assert Engine.from_config(settings).session.draft_model is None
+
+
 @pytest.mark.parametrize("stdin, message", [
     (lambda: io.TextIOWrapper(io.BytesIO(b"\xff\xfe\x00bad"), encoding="utf-8"), "standard input is not UTF-8 text"),
     # undecodable bytes as a locale may hand them over: surrogate escapes, which are no characters
