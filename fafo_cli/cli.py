@@ -113,11 +113,32 @@ def _check_output(flag: str, path: str | None) -> None:
     """An output file can be written where `path` says: its folder exists and it is not a folder itself."""
     if path is None or path == "-":
         return
+    if not path.strip():
+        raise FafoError(f"{flag} needs a file name")
     target = Path(path).expanduser()
     if target.is_dir():
         raise FafoError(f"{flag} {path} is a folder, not a file")
     if not target.parent.is_dir():
         raise FafoError(f"{flag} {path}: no such folder {target.parent}")
+
+
+def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]], binary: tuple[str, ...] = ()) -> None:
+    """A command's output files ({flag: path}) can each be written (`_check_output`), none overwrites an input
+    ({flag: paths}) or another output, and at most one is standard output (-), which a `binary` one cannot be."""
+    def same(a: str, b: str) -> bool:
+        return a != "-" and b != "-" and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+    given = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for i, (flag, path) in enumerate(given):
+        _check_output(flag, path)
+        if path == "-" and flag in binary:
+            raise FafoError(f"{flag} writes a binary file: name one (not - for standard output)")
+        for source, paths in inputs.items():
+            if any(same(path, p) for p in paths):
+                raise FafoError(f"{flag} {path} is also an input ({source}): give the output a file of its own")
+        for other, other_path in given[:i]:
+            if same(path, other_path) or path == other_path == "-":
+                raise FafoError(f"{other} and {flag} both write {path}: give each its own")
 
 
 # settings of an answer, not of the steps that compute it (what `fafo compile` builds)
@@ -329,8 +350,9 @@ def bench(
         documents=tuple(documents or ()))
     if compressors is not None and "fafo" not in options.methods:
         raise FafoError("--compressors names FAFO rows: add fafo to --methods")
-    for flag, path in (("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)):
-        _check_output(flag, path)  # before the run, which may take hours
+    outputs = {"--json": json_file, "--csv": csv_file, "--markdown": markdown_file, "--plot": plot_file}
+    _check_outputs(outputs, {"--prompts": [prompts] if prompts else [], "--documents": list(documents or ()),
+                             "--config": [config] if config else []}, binary=("--plot",))  # before the run: hours
     if plot_file is not None:
         _check_plot_format(plot_file)
     out, err = consoles()
@@ -339,7 +361,8 @@ def bench(
 
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
     engine = _load(settings, err, draft="triforce" in options.methods)  # its rows read the draft model
-    raise typer.Exit(command.run(engine, settings, options, out, err))
+    tables = err if "-" in outputs.values() else out  # standard output carries that file alone
+    raise typer.Exit(command.run(engine, settings, options, tables, err))
 
 
 @app.command()
@@ -519,11 +542,7 @@ def cacheback_build_table(
     from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
 
     settings = config_mod.resolve(config, model=model, **flags)
-    if out == "-":
-        raise FafoError("--out names the table file to write (a table is binary: not to standard output)")
-    _check_output("--out", out)
-    if Path(out).expanduser().resolve() in {Path(f).expanduser().resolve() for f in files}:
-        raise FafoError(f"--out {out} is one of the text files to learn from")
+    _check_outputs({"--out": out}, {"a text file to learn from": list(files)}, binary=("--out",))
     texts = read_corpus(files)  # every file checked before the tokenizer loads
     folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
     from .api import load_tokenizer

@@ -306,12 +306,14 @@ def test_bench_numbers_are_checked(tiny, capsys, value):
     assert code == 2 and "--tokens" in capsys.readouterr().err
 
 
-def test_sampled_bench_compares_speed_not_tokens(tiny, tmp_path):
+def test_sampled_bench_compares_speed_not_tokens(tiny, tmp_path, capsys):
     out = tmp_path / "out.json"
     code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo,quantspec", "--temperature", "0.7",
-                       "--no-external", *FAST, "--json", str(out)])
+                       "--no-external", *FAST, "--json", str(out), "--csv", "-"])
     records = json.loads(out.read_text())
     assert code == 0 and [r["exact"] for r in records] == [None, None, None]
+    lines = capsys.readouterr().out.splitlines()  # the CSV alone: the tables went to standard error
+    assert lines[0].startswith("method,") and len(lines) == 1 + len(records), lines
     assert all(r["temperature"] == 0.7 and r["tokens_per_s"] > 0 for r in records)
 
 

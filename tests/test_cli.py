@@ -135,10 +135,17 @@ def test_the_same_flags_where_they_take_effect_run(capsys, tiny, prompt_file):
 
 
 def test_bench_outputs_are_checked_before_the_run(capsys, tiny, tmp_path):
-    for flag, path in (("--plot", tmp_path / "missing" / "x.png"), ("--json", tmp_path)):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    for flags, message in ((["--plot", tmp_path / "missing" / "x.png"], "--plot "), (["--json", tmp_path], "--json "),
+                           (["--prompts", prompts, "--json", prompts], f"--json {prompts} is also an input (--prompts)"),
+                           (["--json", "-", "--csv", "-"], "--json and --csv both write -"),
+                           (["--csv", tmp_path / "a", "--json", tmp_path / "a"], "--json and --csv both write"),
+                           (["--plot", "-"], "--plot writes a binary file"), (["--json", ""], "--json needs a file")):
         code, out, err = run_cli(capsys, "bench", tiny, "--dtype", "float32", "--samples", "1", "--tokens", "4",
-                                 flag, path)
-        assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {flag} "), err
+                                 *flags)
+        assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
 
 
 def test_an_unusable_cache_folder_is_one_line(capsys, monkeypatch, prompt_file):
@@ -482,7 +489,7 @@ def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):
 def test_cacheback_table_is_never_written_over_an_input_or_a_folder(capsys, tmp_path):
     corpus = tmp_path / "notes.txt"
     corpus.write_text("some text to learn from " * 20)
-    for out, message in ((corpus, "is one of the text files to learn from"), (tmp_path, "is a folder, not a file")):
+    for out, message in ((corpus, "is also an input (a text file to learn from)"), (tmp_path, "is a folder, not a file")):
         code, _, err = run_cli(capsys, "cacheback", "build-table", corpus, "--out", out)
         assert code == 1 and message in err and err.count("\n") == 1, err
     assert corpus.read_text().startswith("some text")
