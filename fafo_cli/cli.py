@@ -304,9 +304,9 @@ def bench(
                                        "minutes).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-run the greedy rows in float32 and require "
                                          "identical tokens.")] = False,
-    json_file: Annotated[Optional[str], typer.Option("--json", help="Write one record per method × suite.",
-                                                     show_default=False)] = None,
-    csv_file: Annotated[Optional[str], typer.Option("--csv", help="Write the records as CSV.",
+    json_file: Annotated[Optional[str], typer.Option("--json", help="Write one record per method × suite (- for "
+                                                     "standard output).", show_default=False)] = None,
+    csv_file: Annotated[Optional[str], typer.Option("--csv", help="Write the records as CSV (- for standard output).",
                                                     show_default=False)] = None,
     markdown_file: Annotated[Optional[str], typer.Option("--markdown", help="Write a markdown table (- for "
                                                          "standard output).", show_default=False)] = None,
