@@ -455,3 +455,17 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
         long.user_files([str(tmp_path / "bad.py")])
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--documents", str(source), *FAST])
     assert code == 1 and "add long to --suites" in capsys.readouterr().err
+
+
+def test_a_cost_curve_cheaper_past_one_row_is_measured_again_then_refused(monkeypatch):
+    from fafo_cli.bench import tune
+
+    monkeypatch.setattr(tune, "CURVE_SLACK", 0.1)
+    assert tune.curve_disturbed({1: 10.0, 2: 9.5, 4: 12.0}) is None  # within the noise of a quiet machine
+    assert "2 rows measured 0.50× one row" in tune.curve_disturbed({1: 10.0, 2: 5.0, 4: 12.0})
+    curves = [{1: 10.0, 2: 5.0}, {1: 10.0, 2: 11.0}]
+    monkeypatch.setattr(tune, "_measured_costs", lambda *args: curves.pop(0))
+    assert tune.step_costs(None) == {1: 10.0, 2: 11.0} and curves == []  # the second, undisturbed one
+    calls = []
+    monkeypatch.setattr(tune, "_measured_costs", lambda *args: calls.append(1) or {1: 10.0, 2: 5.0})
+    assert tune.curve_disturbed(tune.step_costs(None)) and len(calls) == tune.CURVE_ATTEMPTS

@@ -177,7 +177,11 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
 
         err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")
-        tune.keep_eager_costs(engine, tune.step_costs(engine))
+        costs = tune.step_costs(engine)
+        if tune.curve_disturbed(costs):  # the planner's default curve this time
+            err_console.print(f"[yellow]{tune.curve_disturbed(costs)}; not kept[/]")
+        else:
+            tune.keep_eager_costs(engine, costs)
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, **SAMPLING_NEUTRAL, "seed": 0}
     runs: list[Run] = []

@@ -149,7 +149,10 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
     progress("measuring one pass against its rows")
     costs = tune.step_costs(engine, row_counts=ROWS)
     report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
+    report["disturbed"] = tune.curve_disturbed(costs)
     report["recommended"] = recommend(engine, config, costs)
+    if write_to is not None and report["disturbed"]:
+        raise FafoError(f"{report['disturbed']}; nothing written")
     if write_to is not None:
         write(engine, write_to, report["recommended"], costs)
         # the config only where a window is recommended (its width is the setting written)
@@ -189,6 +192,8 @@ def render(report: dict, console) -> None:
     for rows, ms in costs.items():
         table.add_row(str(rows), f"{ms:.2f}", f"{ms / costs[1]:.2f}×")
     console.print(table)
+    if report["disturbed"]:
+        console.print(f"[yellow]{report['disturbed']}[/]")
     streams, window = report["recommended"]["streams"], report["recommended"]["window"]
     width = (f"streams={streams} (the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain "
              "step; `streams: auto` derives it from this curve)")

@@ -39,9 +39,32 @@ NOISE = 0.03  # a setting must beat the current one by more than run-to-run nois
 DISTURBED = 0.15
 
 
+# A pass of more rows measured this much cheaper than a one-row pass: another process slowed the one-row passes
+CURVE_SLACK = 0.1
+CURVE_ATTEMPTS = 3  # measurements of a curve before one that is not disturbed is given up on
+
+
+def curve_disturbed(costs: dict[int, float]) -> str | None:
+    """Why the cost curve `costs` cannot be this machine's when quiet (a pass of more rows cheaper than one row);
+    None when it can be."""
+    cheaper = [rows for rows in costs if rows > 1 and costs[rows] < (1 - CURVE_SLACK) * costs[1]]
+    if not cheaper:
+        return None
+    return (f"the pass costs were disturbed ({cheaper[0]} rows measured {costs[cheaper[0]] / costs[1]:.2f}× one "
+            f"row, {CURVE_ATTEMPTS} times): another process is using this machine; measure again when it is quiet")
+
+
 def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
     """Median milliseconds of one forward pass with each row count, after `context` cached tokens, the counts
-    taking turns (`median_ms`)."""
+    taking turns (`median_ms`); measured again, up to CURVE_ATTEMPTS times, while `curve_disturbed`."""
+    for _ in range(CURVE_ATTEMPTS):
+        costs = _measured_costs(engine, context, row_counts, repeats)
+        if curve_disturbed(costs) is None:
+            break
+    return costs
+
+
+def _measured_costs(engine, context: int, row_counts: tuple[int, ...], repeats: int) -> dict[int, float]:
     session, model = engine.session, engine.model
     engine.reset()
     ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
@@ -90,6 +113,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     path = config_path or config_mod.user_config_path()
     accelerator = engine.model.device.type != "cpu"
     costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
+    if curve_disturbed(costs):
+        raise FafoError(curve_disturbed(costs) + "; nothing written")
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
     for rows, ms in costs.items():
         table.add_row(str(rows), f"{ms:.1f}", f"{ms / costs[1]:.2f}×")
