@@ -8,8 +8,11 @@ that `fafo config show` prints and the reference page docs/configuration.md (`re
 
 from __future__ import annotations
 
+import datetime
+import difflib
 import math
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -210,6 +213,9 @@ class Config:
 SPECS = {spec.name: spec for spec in fields(Config)}  # each config key's declaration
 
 
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e-3, 2.5E4: numbers YAML 1.1 leaves as text
+
+
 def _check(name: str, value: Any, spec) -> Any:
     meta = spec.metadata
     if value is None or (value == "" and meta["nullable"]):  # "" is empty too (a command line has no null)
@@ -228,13 +234,17 @@ def _check(name: str, value: Any, spec) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise FafoError(f"config key '{name}' must be an integer (got {value!r})")
     elif kind is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-3 as text
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise FafoError(f"config key '{name}' must be a number (got {value!r})")
         value = float(value)
     elif isinstance(value, bool) and meta["switch"]:  # YAML reads `on`, `off`, `true` as booleans
         value = meta["switch"][0] if value else meta["switch"][1]
     elif not isinstance(value, str):
-        raise FafoError(f"config key '{name}' must be text (got {value!r})")
+        read_as = {bool: "true or false", datetime.date: "a date", datetime.datetime: "a date"}.get(type(value))
+        hint = f", which YAML reads as {read_as}: put it in quotes" if read_as else ""
+        raise FafoError(f"config key '{name}' must be text (got {value!s}{hint})")
     if meta["choices"] and value not in meta["choices"]:
         raise FafoError(f"config key '{name}' must be one of {', '.join(meta['choices'])} (got {value!r})")
     low, high = meta["low"], meta["high"]
@@ -251,7 +261,9 @@ def build(base: Config | None = None, **changes: Any) -> Config:
     """A validated Config; keys with value None in `changes` are left as they are (flag not given)."""
     unknown = sorted(set(changes) - set(SPECS))
     if unknown:
-        raise FafoError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(SPECS)})")
+        close = difflib.get_close_matches(str(unknown[0]), SPECS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise FafoError(f"unknown config key '{unknown[0]}' ({hint}`fafo config show` lists every key)")
     given = {k: _check(k, v, SPECS[k]) for k, v in changes.items() if v is not None}
     config = replace(base or Config(), **given)
     _check_together(config)
@@ -340,6 +352,20 @@ def user_config_path() -> Path:
     return Path(root) / "fafo" / "config.yaml"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice (YAML keeps the last without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_file(path: Path, base: Config | None = None) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
@@ -347,12 +373,19 @@ def load_file(path: Path, base: Config | None = None) -> Config:
         raise FafoError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
+    return load_text(text, path, base)
+
+
+def load_text(text: str, path: Path, base: Config | None = None) -> Config:
+    """`load_file` for the text of the file `path` (named in the errors)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
-        raise FafoError(f"config file {path} is not valid YAML{where}") from None
+        problem = getattr(e, "problem", None)
+        problem = f": {problem}" if problem and "given twice" in problem else ""
+        raise FafoError(f"config file {path} is not valid YAML{where}{problem}") from None
     if data is None:
         return base or Config()
     if not isinstance(data, dict):
@@ -373,6 +406,8 @@ def load_file(path: Path, base: Config | None = None) -> Config:
 def resolve(config_file: str | None, **flags: Any) -> Config:
     """The effective config: defaults, then the user's file (or `config_file`), then the flags."""
     config = Config()
+    if config_file is not None and not config_file.strip():
+        raise FafoError("--config needs a file name")
     if config_file is not None:
         config = load_file(Path(config_file), config)
     elif user_config_path().exists():  # (a folder there is an error, not no file)

@@ -69,6 +69,10 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("streams: wide\n", "'streams' must be auto or an integer from 0 to 64 \\(got 'wide'\\)"),
     ("streams: true\n", "'streams' must be auto or an integer from 0 to 64"),
     ("copies: 17\n", "'copies' must be auto or an integer from 0 to 16 \\(got 17\\)"),
+    ("temprature: 0.5\n", "unknown config key 'temprature' \\(did you mean 'temperature'\\?"),
+    ("max_tokens: 3\nmax_tokens: 4\n", "not valid YAML \\(line 2\\): the key 'max_tokens' is given twice"),
+    ("device: on\n", "'device' must be text \\(got True, which YAML reads as true or false: put it in quotes\\)"),
+    ("model: 2024-01-01\n", "'model' must be text \\(got 2024-01-01, which YAML reads as a date"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):
@@ -205,3 +209,20 @@ def test_window_settings_count_where_a_window_runs():
     with pytest.raises(FafoError, match="'sink' is a setting of the stream compressor"):
         config_mod.check_given(config_mod.build(compressor="h2o"), given, accelerator=True)
     assert config_mod.compressors_of(config_mod.SPECS["window"]) == ("snapkv", "h2o")
+
+
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    config = config_mod.load_file(write(tmp_path, "min_p: 1e-3\ntemperature: 2.5E-1\n"))
+    assert config.min_p == 0.001 and config.temperature == 0.25
+
+
+def test_settings_are_written_in_place_of_the_values(tmp_path):
+    from fafo_cli.bench.tune import write_settings
+
+    path = write(tmp_path, '# mine\n"streams": 4  # keep this\nmax_tokens: 100\n')
+    write_settings(path, {"streams": 2, "ngram": 4})
+    assert path.read_text() == '# mine\n"streams": 2  # keep this\nmax_tokens: 100\nngram: 4\n'
+    flow = write(tmp_path, "{max_tokens: 100}\n")
+    with pytest.raises(FafoError, match=f"config file {flow} is one {{...}} mapping"):
+        write_settings(flow, {"streams": 2})
+    assert flow.read_text() == "{max_tokens: 100}\n" and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]

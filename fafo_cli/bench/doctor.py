@@ -129,6 +129,8 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
     the configured dtype differs, released before the configured model loads: never both in memory at once."""
     from ..api import pick_device, pick_dtype
 
+    if write_to is not None:
+        tune.settings_file(write_to)  # one that cannot be written is said before a minute of measuring
     float32 = pick_dtype(config.dtype, pick_device(config.device)) == torch.float32
     progress("checking FAFO against plain decoding in float32")
     if float32:

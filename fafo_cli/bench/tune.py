@@ -9,12 +9,12 @@ speedup over the sample) is written into the config file, keeping its comments a
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import yaml
 
 from .. import config as config_mod
 from ..compiled.steps import bucket
@@ -93,24 +93,45 @@ def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:
     return CANDIDATES + (WIDE_CANDIDATES if accelerator else ())
 
 
+def settings_file(path: Path) -> tuple[str, yaml.MappingNode | None]:
+    """The text of the config file `path` that `write_settings` would edit (the defaults where there is none yet),
+    and its top mapping (None: empty); a file that cannot be edited line by line is one FafoError, which the
+    commands that measure before they write raise before measuring."""
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
+    config_mod.load_text(text, path)  # a valid config to begin with
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None and (not isinstance(root, yaml.MappingNode) or root.flow_style):
+        raise FafoError(f"config file {path} is one {{...}} mapping; fafo writes its settings into a file of one "
+                        "`key: value` a line: rewrite it so, or give another with --config")
+    return text, root
+
+
 def write_settings(path: Path, values: dict) -> None:
-    """Set `values` in a YAML config file, keeping its comments and other lines (atomic)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml()
+    """Set `values` in a YAML config file, in place of the values given there (every line else, comments
+    included, as it was) or as lines of their own at its end (atomic)."""
+    text, root = settings_file(path)
+    spans = []  # (start, end, new text), replaced from the end so that earlier offsets hold
     for key, value in values.items():
-        line = f"{key}: {value}"
-        text, count = re.subn(rf"(?m)^{key}:.*$", line, text)
-        if not count:
-            text = text.rstrip("\n") + f"\n{line}\n"
+        nodes = [node for key_node, node in (root.value if root else ()) if key_node.value == key]
+        spans += [(node.start_mark.index, node.end_mark.index, str(value)) for node in nodes]
+        if not nodes:
+            text = text.rstrip("\n") + f"\n{key}: {value}\n"
+    for start, end, new in sorted(spans, reverse=True):
+        text = text[:start] + new + text[end:]
+    config_mod.load_text(text, path)  # what is written is a valid config
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as partial:
         partial.write_text(text, encoding="utf-8")
-        config_mod.load_file(partial)  # validate before replacing the user's file
 
 
 def run(engine, config, console, err_console, config_path: Path | None = None) -> int:
     from rich.table import Table
 
     path = config_path or config_mod.user_config_path()
+    settings_file(path)  # one that cannot be written is said before minutes of measuring
     accelerator = engine.model.device.type != "cpu"
     costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
     if curve_disturbed(costs):
