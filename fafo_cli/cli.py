@@ -8,6 +8,7 @@ import functools
 import gc
 import inspect
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,7 +22,19 @@ from . import hub
 from .errors import FafoError, first_line, is_out_of_memory
 from .files import write_atomic
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class _Commands(typer.core.TyperGroup):
+    """fafo's commands: a Ctrl-C that no command reported itself is one line (typer makes it a silent exit 130)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless fast decoding for local LLMs (FAFO).")
 config_app = typer.Typer(no_args_is_help=True, help="Show or create the YAML configuration file.")
 app.add_typer(config_app, name="config")
@@ -561,9 +574,27 @@ UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.
                  errno.EDQUOT, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EXDEV}
 
 
+def _interrupt(signum, frame) -> None:
+    """Python's own SIGINT handler (a KeyboardInterrupt), remembering that it ran: an interrupt that lands inside
+    a module's import can surface later as another error (numpy: "cannot load module more than once")."""
+    _interrupted.append(signum)
+    raise KeyboardInterrupt
+
+
+_interrupted: list[int] = []
+
+
+def _after_interrupt() -> int:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
+    _interrupted.clear()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where a caller set its own)
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         result = command.main(args=argv, prog_name="fafo", standalone_mode=False)
         return result if isinstance(result, int) else 0
@@ -573,8 +604,7 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _after_interrupt()
     except typer.TyperException as e:  # bad usage: unknown option, wrong type, missing argument
         ctx = getattr(e, "ctx", None)
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `fafo` or `fafo config`: the help (rich help printed
@@ -586,10 +616,11 @@ def entrypoint(argv: list[str] | None = None) -> int:
         print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _after_interrupt()
     except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
         if not is_out_of_memory(e):
+            if _interrupted:
+                return _after_interrupt()
             raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1
@@ -598,9 +629,15 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
         path = e.filename2 or e.filename  # a rename's target, not its temporary source
         if e.errno not in UNUSABLE_PATH or not path:
+            if _interrupted:
+                return _after_interrupt()
             raise
         print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)
         return 1
+    except Exception:
+        if _interrupted:
+            return _after_interrupt()
+        raise
     finally:
         # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
         # it skips frozen ones

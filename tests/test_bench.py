@@ -251,6 +251,7 @@ def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
                        "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
     captured = capsys.readouterr()
     assert code == 130 and "reporting the 4 runs measured so far" in captured.err
+    assert captured.err.count("interrupt") == 1, captured.err  # its own line alone
     assert "prompt-lookup" in captured.out and "chat-cooking" not in captured.out
 
 

@@ -527,3 +527,20 @@ def test_chat_stats_speed_is_the_decode_speed_as_run_counts_it():
 
     # 3 answers of 11 tokens: 30 decoded after the first of each, in 2 s of decoding (prefill not counted)
     assert "15.0 tok/s" in Totals(turns=3, generated_tokens=33, decoded_tokens=30, decode_s=2.0, steps=20).line()
+
+
+def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_file):
+    from fafo_cli import cli
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_read_prompt", interrupted)
+    assert run_cli(capsys, "run", tiny, "-p", prompt_file) == (130, "", "interrupted\n")
+
+    def half_imported(path):  # an interrupt inside an import, which numpy then refuses to finish
+        cli._interrupted.append(2)  # what cli._interrupt records
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(cli, "_read_prompt", half_imported)
+    assert run_cli(capsys, "run", tiny, "-p", prompt_file) == (130, "", "interrupted\n")
