@@ -294,8 +294,9 @@ def bench(
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods (default: fafo, prompt-lookup, "
                                                    "suffix; --full: all). vanilla always runs: it is the reference.",
                                                    show_default=False)] = None,
-    compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor, auto included "
-                                                       "(default: the config's; a named one runs the window).",
+    compressors: Annotated[Optional[str], typer.Option(help="FAFO rows, one per compressor named (auto among "
+                                                       "them: as configured; default: the config's; a named one "
+                                                       "runs the window).",
                                                        show_default=False)] = None,
     tokens: Annotated[int, typer.Option(help="New tokens per answer.", min=1)] = 512,
     repeats: Annotated[Optional[int], typer.Option(help="Repetitions per prompt, medians reported (default: 1; "

@@ -454,6 +454,9 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
     (tmp_path / "bad.py").write_text("def broken(:\n")
     with pytest.raises(FafoError, match="bad.py is not valid Python"):
         long.user_files([str(tmp_path / "bad.py")])
+    (tmp_path / "blank.txt").write_text(" \n")
+    with pytest.raises(FafoError, match="blank.txt has no text"):  # not the standard library's text in its place
+        long.user_files([str(short), str(tmp_path / "blank.txt")])
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--documents", str(source), *FAST])
     assert code == 1 and "add long to --suites" in capsys.readouterr().err
 

@@ -106,13 +106,15 @@ def user_files(paths: list[str]) -> Material:
             raise FafoError(f"--documents: file not found: {given}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise FafoError(f"--documents: cannot read {given}: {getattr(e, 'strerror', None) or e}") from None
+        if not text.strip():  # (a kind not given at all comes from the standard library; an empty file is a mistake)
+            raise FafoError(f"--documents: {given} has no text")
         if path.suffix == ".py":
             try:
                 ast.parse(text)
             except SyntaxError as e:
                 raise FafoError(f"--documents: {given} is not valid Python (line {e.lineno})") from None
             code.append((path.name, text))
-        elif text.strip():
+        else:
             prose.append((path.name, text))
     fallback = standard_library()
     return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose,
