@@ -99,8 +99,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None,
-                    draft: bool | None = None) -> "Engine":
-        """The engine `config` describes. `draft`: whether to load `config.draft_model`, which TriForce alone reads
+                    load_draft: bool | None = None) -> "Engine":
+        """The engine `config` describes. `load_draft`: whether to load `config.draft_model`, which TriForce alone reads
         (None: where the method is triforce; a file's key is a default, kept for when TriForce runs)."""
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
@@ -116,7 +116,7 @@ class Engine:
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder))
             engine.session.compiled = engine.compiled
             engine.compiled.install_packed()
-        if config.draft_model is not None and (config.method == "triforce" if draft is None else draft):
+        if config.draft_model is not None and (config.method == "triforce" if load_draft is None else load_draft):
             draft_tokenizer, draft, _ = _load_model(config.draft_model, config, device, dtype)
             if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise FafoError(f"the draft model {config.draft_model} does not share the tokenizer of "

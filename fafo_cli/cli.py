@@ -171,9 +171,9 @@ def _check_plot_format(path: str) -> None:
                         "suffix")
 
 
-def _load(config: config_mod.Config, err_console, flags: dict | None = None, draft: bool | None = None):
+def _load(config: config_mod.Config, err_console, flags: dict | None = None, load_draft: bool | None = None):
     """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
-    every answer (`config.check_given`); `draft`: as Engine.from_config's."""
+    every answer (`config.check_given`); `load_draft`: as Engine.from_config's."""
     from .api import Engine, pick_device
 
     explicit = _given(flags or {})
@@ -181,7 +181,7 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None, dra
     config_mod.check_given(config, explicit, accelerator=pick_device(config.device).type != "cpu")
     if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
-    engine = Engine.from_config(config, draft=draft)
+    engine = Engine.from_config(config, load_draft=load_draft)
     engine.explicit = explicit
     engine.request_config()  # with the model's sampling defaults filled in
     if config.chat_template and not engine.has_chat_template:
@@ -374,7 +374,7 @@ def bench(
         from .bench import tune as tune_mod
 
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
-    engine = _load(settings, err, draft="triforce" in options.methods)  # its rows read the draft model
+    engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
     raise typer.Exit(command.run(engine, settings, options, tables, err))
 

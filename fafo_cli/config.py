@@ -147,8 +147,8 @@ class Config:
                                    "end attends to), h2o (heavy hitters + recent); naming one runs the window under "
                                    "streams: auto; auto: stream, where a window runs", choices=("auto",) + COMPRESSORS)
     budget: int | float = _opt(256, "fafo stream/quest/snapkv/h2o: compressed budget B: tokens (>= 1) or a "
-                                    "fraction of the prompt (e.g. 0.1)", allowed="an integer >= 1 (tokens) or a fraction in (0, 1)",
-                               short="-B")
+                                    "fraction of the prompt (e.g. 0.1)",
+                               allowed="an integer >= 1 (tokens) or a fraction in (0, 1)", short="-B")
     sink: int = _opt(4, "fafo stream: first positions always kept (< budget)", low=0)
     page_size: int = _opt(16, "fafo quest: tokens per page", low=1, high=4096)
     refresh: int = _opt(16, "fafo quest: re-select pages every this many new tokens", low=1)

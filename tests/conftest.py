@@ -133,13 +133,13 @@ def pytest_configure(config):
 
     from_config = api.Engine.from_config.__func__
 
-    def on_test_device(cls, settings, notify=None, draft=None):
+    def on_test_device(cls, settings, notify=None, load_draft=None):
         if settings.device == "auto":
             settings = replace(settings, device=DEVICE["now"])
         if compile_all and settings.compile == "auto":
             settings = replace(settings, compile="on")
             notify = notify or (lambda _: None)
-        return from_config(cls, settings, notify=notify, draft=draft)
+        return from_config(cls, settings, notify=notify, load_draft=load_draft)
 
     api.Engine.from_config = classmethod(on_test_device)
 

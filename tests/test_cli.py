@@ -89,7 +89,7 @@ def test_a_files_draft_model_waits_for_triforce(capsys, tiny, tmp_path, prompt_f
     code, out, err = run_cli(capsys, "run", tiny, "-c", config, "-p", prompt_file, "-n", "2", "--dtype", "float32")
     assert code == 0, err
     settings = config_mod.build(model=str(tiny), dtype="float32", draft_model=str(tiny))
-    assert Engine.from_config(settings, draft=True).session.draft_model is not None  # bench's triforce rows
+    assert Engine.from_config(settings, load_draft=True).session.draft_model is not None  # bench's triforce rows
     assert Engine.from_config(settings).session.draft_model is None
 
 

@@ -143,7 +143,7 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
     from ..api import Engine
 
     engine = Engine.from_config(replace(engine_config, dtype="float32"),
-                                draft=any(row.method == "triforce" for row in rows))
+                                load_draft=any(row.method == "triforce" for row in rows))
     failures = []
     for sample in samples:
         reference = run_once(engine, rows[0], sample, 0, tokens, {"temperature": 0.0}).token_ids
