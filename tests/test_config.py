@@ -222,6 +222,8 @@ def test_settings_are_written_in_place_of_the_values(tmp_path):
     path = write(tmp_path, '# mine\n"streams": 4  # keep this\nmax_tokens: 100\n')
     write_settings(path, {"streams": 2, "ngram": 4})
     assert path.read_text() == '# mine\n"streams": 2  # keep this\nmax_tokens: 100\nngram: 4\n'
+    write_settings(write(tmp_path, "seed:  # none\n"), {"seed": 3, "streams": 2})  # an empty value; a new key
+    assert path.read_text() == "seed: 3  # none\nstreams: 2\n"
     flow = write(tmp_path, "{max_tokens: 100}\n")
     with pytest.raises(FafoError, match=f"config file {flow} is one {{...}} mapping"):
         write_settings(flow, {"streams": 2})

@@ -116,9 +116,11 @@ def write_settings(path: Path, values: dict) -> None:
     spans = []  # (start, end, new text), replaced from the end so that earlier offsets hold
     for key, value in values.items():
         nodes = [node for key_node, node in (root.value if root else ()) if key_node.value == key]
-        spans += [(node.start_mark.index, node.end_mark.index, str(value)) for node in nodes]
+        # (an empty value, `seed:`, is a node of no text right after the colon)
+        spans += [(node.start_mark.index, node.end_mark.index,
+                   str(value) if node.end_mark.index > node.start_mark.index else f" {value}") for node in nodes]
         if not nodes:
-            text = text.rstrip("\n") + f"\n{key}: {value}\n"
+            text = (text.rstrip("\n") + "\n" if text.strip() else "") + f"{key}: {value}\n"
     for start, end, new in sorted(spans, reverse=True):
         text = text[:start] + new + text[end:]
     config_mod.load_text(text, path)  # what is written is a valid config
