@@ -90,7 +90,7 @@ def stats_panel(stats: Stats, title: str, weights: str | None = None) -> Panel:
 def footer(stats: Stats, method: str, finish_reason: str | None) -> str:
     """One line per answer, the same vocabulary every time."""
     parts = [method, f"{stats.generated_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s",
-             f"τ {stats.tokens_per_step:.2f}"]
+             f"τ {stats.tokens_per_step:.2f}", f"{stats.steps_ran} steps"]
     if stats.drafted_tokens:
         parts.append(f"accepted/drafted {_acceptance(stats)} in {stats.accepted_ngrams} n-grams")
         parts.append(f"per step {_drafts(stats)}")

@@ -38,6 +38,7 @@ def test_compiled_steps_match_transformers(compiled_engine, tiny, method):
         result = engine.complete(prompt, max_tokens=TOKENS, **METHODS[method])
         assert result.token_ids == hf_greedy(tiny, engine.encode(prompt), TOKENS), (method, prompt[:20])
         assert engine.compiled.calls - before == result.stats.steps - 1  # every step after the prefill's
+        assert result.stats.compiled_steps == result.stats.steps - 1 and result.stats.steps_ran == "compiled"
     assert not [n for n in engine.notices if "running eager" in n or "runs eager" in n]
 
 
@@ -234,10 +235,11 @@ def test_cli_compile_flag(compiled_cache, compiled_engine, tiny, tmp_path, capsy
     code = entrypoint(["run", str(tiny), "-p", str(prompt), "--compile", "--dtype", "float32", "--no-chat-template",
                        "--method", "vanilla", "-n", "16", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["settings"]["compile"] == "on"
+    assert code == 0 and out["settings"]["compile"] == "on" and out["stats"]["steps_ran"] == "compiled"
     assert out["token_ids"] == hf_greedy(tiny, compiled_engine.encode(SHORT), 16)
     entrypoint(["run", str(tiny), "-p", str(prompt), "--no-compile", "--dtype", "float32", "-n", "4", "--json"])
-    assert json.loads(capsys.readouterr().out)["settings"]["compile"] == "off"
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"]["compile"] == "off" and out["stats"]["steps_ran"] == "eager"
 
 
 def test_fafo_compile_builds_what_each_method_runs_in(compiled_cache, compiled_engine, tiny, capsys):

@@ -105,3 +105,9 @@ def test_detokenizer_deltas_add_up_even_inside_multibyte_characters():
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
     assert detok.text == text
+
+
+def test_stats_say_how_the_decoding_steps_ran():
+    from fafo_cli.runtime.events import Stats
+
+    assert [Stats(steps=9, compiled_steps=n).steps_ran for n in (0, 3, 8)] == ["eager", "compiled 3/8", "compiled"]

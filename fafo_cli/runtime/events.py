@@ -35,6 +35,7 @@ class Stats:
     peak_memory_mb: float = 0.0
     memory_kind: str = "rss"  # "rss" (process resident memory) or "cuda" (allocated device memory)
     syncs: int | None = None  # host-device synchronisations while decoding (CUDA, when counted: runtime/syncs.py)
+    compiled_steps: int = 0  # decoding steps that ran compiled (packages, CUDA graphs); the others ran eager
 
     @property
     def tokens_per_step(self) -> float:
@@ -77,9 +78,18 @@ class Stats:
         """Accepted guessed tokens / drafted guessed tokens (None when nothing was drafted)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
+    @property
+    def steps_ran(self) -> str:
+        """How the decoding steps ran: compiled, eager, or so many of them compiled. In bf16 the two part at
+        near-ties (their sums round apart), so two answers are comparable token for token where they ran alike."""
+        decoding = self.steps - 1  # (the prefill's pass is one of `steps`)
+        if self.compiled_steps == 0:
+            return "eager"
+        return "compiled" if self.compiled_steps >= decoding else f"compiled {self.compiled_steps}/{decoding}"
+
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.update(tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s, total_s=self.total_s,
+        data.update(steps_ran=self.steps_ran, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s, total_s=self.total_s,
                     prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
                     mean_draft=self.mean_draft, mean_rows=self.mean_rows, syncs_per_step=self.syncs_per_step)
         return data

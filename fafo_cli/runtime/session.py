@@ -76,6 +76,7 @@ class Session:
         self.learned: dict = {}
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
+        self.compiled_runs = 0  # decoding steps run compiled so far (Stats.compiled_steps counts a request's)
         # one pass's measured ms against its rows (compiled/timing.STEP_COSTS): "eager" here; compiled packages'
         # times are read through CompiledSteps.step_costs; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
@@ -166,6 +167,7 @@ class Session:
         if self.compiled is not None and step.compiled:
             logits = self.compiled(step, ids, positions, self.cache)
             if logits is not None:  # in the model's dtype
+                self.compiled_runs += 1
                 return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
         self.cache.attend_in(self.model.attention_dtype)  # (the step's attention, FAFO's included, finds it so)
         attention = (step.view.attention(layout) if step.view is not None
@@ -204,6 +206,8 @@ class Emitter:
 
     def __init__(self, session: Session, request: Request, tokenizer):
         self.request = request
+        self.session = session
+        self._compiled_before = session.compiled_runs
         self.context_left = session.model.max_context - len(request.prompt_ids)
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(request.stop_strings) if request.stop_strings else None
@@ -251,6 +255,7 @@ class Emitter:
         stats = self.stats
         stats.generated_tokens = len(self.token_ids)
         stats.steps += 1
+        stats.compiled_steps = self.session.compiled_runs - self._compiled_before
         stats.drafted_tokens += drafted
         stats.draft_steps += drafted > 0
         if rows is not None:
