@@ -107,11 +107,15 @@ def _read_prompt(source: str) -> str:
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise FafoError(f"prompt file not found: {source}") from None
+            # llama.cpp's -p and mlx-lm's --prompt take the text itself
+            hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
+                    if len(source.split()) > 1 and "/" not in source else "")
+            raise FafoError(f"prompt file not found: {source}{hint}") from None
         except UnicodeDecodeError:
             raise FafoError(f"prompt file {source} is not UTF-8 text") from None
         except OSError as e:
             raise FafoError(f"cannot read prompt file {source}: {e.strerror}") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is no part of the text
     if not text.strip():
         raise FafoError("the prompt is empty")
     return text

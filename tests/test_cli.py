@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +175,8 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
     (tmp_path / "empty.txt").write_text("  \n")
     return [
         (["run", tiny, "-p", tmp_path / "missing.txt"], "prompt file not found"),
+        (["run", tiny, "-p", "Why is the sky blue?"], "prompt file not found: Why is the sky blue? (--prompt names a "
+                                                      "file; to give the text itself: echo '...' | fafo run -p -)"),
         (["run", tiny, "-p", tmp_path], "is a folder, not a file"),
         (["run", tiny, "-p", tmp_path / "binary.txt"], "is not UTF-8 text"),
         (["run", tiny, "-p", tmp_path / "empty.txt"], "the prompt is empty"),
@@ -544,3 +547,11 @@ def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_
 
     monkeypatch.setattr(cli, "_read_prompt", half_imported)
     assert run_cli(capsys, "run", tiny, "-p", prompt_file) == (130, "", "interrupted\n")
+
+
+def test_a_byte_order_mark_is_no_part_of_the_prompt(capsys, tiny, tmp_path, prompt_file):
+    marked = tmp_path / "bom.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + Path(prompt_file).read_bytes())  # as Windows editors save UTF-8
+    runs = [json.loads(run_cli(capsys, "run", tiny, "-p", path, "-n", "2", "--json", "--dtype", "float32")[1])
+            for path in (marked, prompt_file)]
+    assert runs[0]["stats"]["prompt_tokens"] == runs[1]["stats"]["prompt_tokens"]
