@@ -162,8 +162,8 @@ class StreamView:
             self.console.file.flush()
             return
         lines = (self._pending + step.text).split("\n")
-        for line in lines[:-1]:
-            self._live.console.print(Text(line), soft_wrap=False)
+        for line in lines[:-1]:  # soft: the terminal wraps a long line, which so copies as one (code stays code)
+            self._live.console.print(Text(line), soft_wrap=True)
         self._pending = lines[-1]
 
     def consume(self, steps: Iterable[Step]) -> Step | None:
@@ -175,7 +175,7 @@ class StreamView:
         if self._live:
             self._live.__exit__(*exc)
             if self._pending:
-                self.console.print(Text(self._pending))
+                self.console.print(Text(self._pending), soft_wrap=True)
         elif self._wrote_text:
             self.console.file.write("\n")
             self.console.file.flush()

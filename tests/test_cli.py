@@ -555,3 +555,19 @@ def test_a_byte_order_mark_is_no_part_of_the_prompt(capsys, tiny, tmp_path, prom
     runs = [json.loads(run_cli(capsys, "run", tiny, "-p", path, "-n", "2", "--json", "--dtype", "float32")[1])
             for path in (marked, prompt_file)]
     assert runs[0]["stats"]["prompt_tokens"] == runs[1]["stats"]["prompt_tokens"]
+
+
+def test_a_long_answer_line_is_not_broken_on_a_terminal():
+    from rich.console import Console
+
+    from fafo_cli.runtime.events import Stats, Step
+    from fafo_cli.ui import StreamView
+
+    buffer = io.StringIO()
+    view = StreamView(Console(file=buffer, force_terminal=True, width=40), method="fafo", live=True,
+                      show_footer=False)
+    line = "result = compute(first_argument, second_argument, third_argument)"  # longer than the 40 columns
+    with view:
+        view.show(Step((1,), line + "\n", Stats()))
+        view.show(Step((2,), line, Stats(), finish_reason="length"))
+    assert buffer.getvalue().count(line) == 2  # the terminal wraps it; no newline is put inside
