@@ -42,7 +42,7 @@ class Totals:
     def line(self) -> str:
         speed = self.decoded_tokens / self.decode_s if self.decode_s else 0.0
         tau = self.generated_tokens / self.steps if self.steps else 0.0
-        return (f"{self.turns} turns · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
+        return (f"{self.turns} turn{'s' if self.turns != 1 else ''} · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
                 f"prompt tokens {self.prompt_tokens} ({self.cached_prompt_tokens} reused from the cache)")
 
 
@@ -165,13 +165,17 @@ class Repl:
         self.out.print(f"{key} = {value}", markup=False)
 
     def _fit_context(self) -> bool:
-        """Drop the oldest exchanges until the conversation fits the model's context; False if it cannot."""
+        """Drop the oldest exchanges until the conversation leaves the answer room in the model's context (its
+        max_tokens, at most a quarter of the context); False if not even the newest message fits."""
         context = self.engine.model.max_context
+        room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
         messages, dropped = list(self.messages), 0
-        while len(self.engine.encode(messages)) >= context:
+        while (length := len(self.engine.encode(messages))) > context - room:
             first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
-            if first is None or first >= len(messages) - 1:  # only the newest message is left: refused, and the
-                self.messages.pop()                            # conversation kept as it was
+            if first is None or first >= len(messages) - 1:  # only the newest message is left
+                if length < context:  # it is answered in what room there is
+                    break
+                self.messages.pop()  # refused, and the conversation kept as it was
                 self._warn(f"error: this message alone does not fit the model's context ({context} tokens)")
                 return False
             del messages[first:first + 2]  # the oldest user message and its answer

@@ -571,3 +571,25 @@ def test_a_long_answer_line_is_not_broken_on_a_terminal():
         view.show(Step((1,), line + "\n", Stats()))
         view.show(Step((2,), line, Stats(), finish_reason="length"))
     assert buffer.getvalue().count(line) == 2  # the terminal wraps it; no newline is put inside
+
+
+def test_chat_leaves_its_answer_room_in_the_context(tmp_path):
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    engine = load(str(build_tiny_model(tmp_path / "small", "llama-gqa", max_positions=160)), dtype="float32",
+                  max_tokens=20)
+    repl = Repl(engine, Console(file=io.StringIO()), Console(file=io.StringIO()))
+    for i in range(40):  # a few exchanges, then a last message that brings the prompt just under the context
+        repl.messages += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "yes"}]
+        if len(engine.encode(repl.messages)) > 100:
+            break
+    last = ""
+    while len(engine.encode(repl.messages + [{"role": "user", "content": last}])) < 150:
+        last += "x"
+    repl.messages.append({"role": "user", "content": last})
+    assert len(engine.encode(repl.messages)) < 159 and repl._fit_context()  # without room: a token or two
+    assert len(engine.encode(repl.messages)) <= 160 - 20  # max_tokens of room (at most a quarter of the context)
+    assert repl.messages[-1]["content"] == last
