@@ -8,6 +8,7 @@ fafo's own cache, atomically, so an interrupted conversion never leaves a half-w
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -273,6 +274,24 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+@contextmanager
+def _bar_on_terminals_only():
+    """transformers' dequantizing loop draws its own tqdm bar, which its progress-bar switch does not reach: on a
+    terminal it shows a long conversion's progress, elsewhere (a pipe, `--json`, a log) it would only add lines of
+    carriage returns. tqdm's disable=None is its own test for a terminal."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:  # (another transformers version: nothing to do)
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def write_gguf_as_hf(path: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -284,14 +303,16 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
         _check_architecture(config.to_dict(), str(path))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with _bar_on_terminals_only():
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # The weights are dequantized now: save them as a plain float32 checkpoint, not as "gguf-quantized".
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.dtype = "float32"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with quiet_transformers():  # (its bar of shards written: a second or two)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
 
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:

@@ -418,3 +418,12 @@ def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):
     assert not torch.equal(logits[0], logits[1])  # the packed kernel's sums, not torch's
     ours, theirs = (run.complete("one two three four", max_tokens=24, method="vanilla") for run in (engine, dense))
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24
+
+
+def test_a_conversion_draws_no_progress_bars_off_a_terminal(tmp_path, monkeypatch, capfd):
+    from fafo_cli import hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    hub.convert_gguf(write_tiny_gguf(tmp_path / "bars.gguf", seed=2))
+    err = capfd.readouterr().err
+    assert "Converting" not in err and "shards" not in err, err  # (`--json`, pipes and logs get no \r lines)
