@@ -302,10 +302,12 @@ def bench(
                                                        "them: as configured; default: the config's; a named one "
                                                        "runs the window).",
                                                        show_default=False)] = None,
-    tokens: Annotated[int, typer.Option(help="New tokens per answer.", min=1)] = 512,
+    tokens: Annotated[Optional[int], typer.Option(help="New tokens per answer (default: 512).", min=1,
+                                                  show_default=False)] = None,
     repeats: Annotated[Optional[int], typer.Option(help="Repetitions per prompt, medians reported (default: 1; "
                                                    "--full: 3).", min=1, show_default=False)] = None,
-    warmup: Annotated[int, typer.Option(help="Untimed runs of every row first.", min=0)] = 1,
+    warmup: Annotated[Optional[int], typer.Option(help="Untimed runs of every row first (default: 1).", min=0,
+                                                  show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option(help="Prompts per suite (default: 1; --full: 3).", min=1,
                                                    show_default=False)] = None,
     prompts: Annotated[Optional[str], typer.Option(help="Your own prompts, as one more suite "
@@ -341,8 +343,8 @@ def bench(
     if tune:  # it measures with prompts and settings of its own
         ignored = [flag for flag, given in (
             ("--suites", suites), ("--context", context), ("--documents", documents), ("--methods", methods),
-            ("--compressors", compressors), ("--tokens", tokens != 512), ("--repeats", repeats),
-            ("--warmup", warmup != 1), ("--samples", samples), ("--prompts", prompts), ("--temperature", temperature),
+            ("--compressors", compressors), ("--tokens", tokens is not None), ("--repeats", repeats),
+            ("--warmup", warmup is not None), ("--samples", samples), ("--prompts", prompts), ("--temperature", temperature),
             ("--external/--no-external", external is not None), ("--full", full), ("--verify", verify),
             ("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)) if given]
         if ignored:
@@ -361,7 +363,8 @@ def bench(
         methods=command.parse_list("--methods", methods, config_mod.METHODS, list(matrix.methods)),
         compressors=command.parse_list("--compressors", compressors, ("auto",) + config_mod.COMPRESSORS,
                                        [settings.compressor]),
-        tokens=tokens, repeats=matrix.repeats if repeats is None else repeats, warmup=warmup,
+        tokens=512 if tokens is None else tokens, repeats=matrix.repeats if repeats is None else repeats,
+        warmup=1 if warmup is None else warmup,
         samples=matrix.samples if samples is None else samples, prompts=prompts, temperature=temperature,
         external=matrix.external if external is None else external, verify=verify, json_path=json_file,
         csv_path=csv_file, markdown_path=markdown_file, plot_path=plot_file, context=context,
