@@ -287,7 +287,9 @@ def serve(
 def bench(
     config: ConfigOpt = None,
     suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit, long "
-                                                  "(default: all but long).", show_default=False)] = None,
+                                                  "(default: all but long); custom: the --prompts file alone "
+                                                  "(else it is added to the suites).",
+                                                  show_default=False)] = None,
     context: Annotated[Optional[int], typer.Option(help="The long suite's prompts at this many tokens, the answer "
                                                    "included (default: 4096 and 8192, where the model's context "
                                                    "allows).", show_default=False)] = None,

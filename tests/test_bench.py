@@ -124,7 +124,12 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
                        "--methods", "vanilla", "--no-external", *FAST[2:], "--json", str(out)])
     assert code == 0
     assert [r["suite"] for r in json.loads(out.read_text())] == ["chat", "custom"]
+    code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), "--suites", "custom", "--methods", "vanilla",
+                       "--no-external", *FAST[2:], "--json", str(out)])
+    assert code == 0 and [r["suite"] for r in json.loads(out.read_text())] == ["custom"]  # yours alone
     capsys.readouterr()
+    assert entrypoint(["bench", str(tiny), "--suites", "custom", *FAST]) == 1
+    assert "--suites custom is the --prompts file's suite: give --prompts FILE" in capsys.readouterr().err
     for bad, message in (('{"prompt": ""}', "needs a non-empty 'prompt'"), ("not json", "not valid JSON"),
                          ('{"messages": [{"role": "assistant", "content": "x"}]}', "ending with a user message"),
                          # runs, references and speedups are keyed by id: a shared one lost results

@@ -28,6 +28,7 @@ from . import long
 
 SUITES = ("chat", "math", "code", "summarize", "edit", "long")
 DEFAULT_SUITES = SUITES[:-1]  # long: asked for by name
+CUSTOM = "custom"  # the suite of the user's --prompts file
 DATA = Path(__file__).parent / "data"
 LONG_INPUT_CHARS = 5000  # about 1,200-1,500 tokens: long for a chat model, short enough to prefill quickly
 
@@ -187,22 +188,25 @@ def parse_suites(spec: str | None) -> list[str]:
     if spec is None:
         return list(DEFAULT_SUITES)
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SUITES]
+    unknown = [s for s in names if s not in SUITES + (CUSTOM,)]
     if unknown or not names:
-        raise FafoError(f"--suites: unknown suite '{unknown[0] if unknown else spec}' (suites: {', '.join(SUITES)})")
+        raise FafoError(f"--suites: unknown suite '{unknown[0] if unknown else spec}' (suites: {', '.join(SUITES)}, "
+                        f"and {CUSTOM}: the --prompts file's)")
     return list(dict.fromkeys(names))
 
 
 def collect(suites: list[str], samples: int, prompts_file: str | None, long_settings: LongSettings | None = None
             ) -> list[Sample]:
     """The first `samples` of each suite (the long suite: each task at each length from `samples` documents), then
-    the user's file, if any, all of it."""
+    the user's file, if any, all of it (suite CUSTOM, which `suites` may name alone)."""
     if "long" in suites and long_settings is None:
         raise FafoError("the long suite needs the model's tokenizer: pass LongSettings")
-    chosen = [s for name in suites for s in (long_suite(long_settings, samples) if name == "long"
-                                             else load_suite(name)[:samples])]
+    if CUSTOM in suites and prompts_file is None:
+        raise FafoError(f"--suites {CUSTOM} is the --prompts file's suite: give --prompts FILE")
+    chosen = [s for name in suites if name != CUSTOM
+              for s in (long_suite(long_settings, samples) if name == "long" else load_suite(name)[:samples])]
     if prompts_file is not None:
-        chosen += read_jsonl(Path(prompts_file).expanduser(), "custom")
+        chosen += read_jsonl(Path(prompts_file).expanduser(), CUSTOM)
     seen: set[str] = set()
     for sample in chosen:  # runs, references and speedups are keyed by prompt id
         if sample.id in seen:
