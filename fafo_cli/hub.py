@@ -101,9 +101,15 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. Before
     a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
     converted before is found without reading the file at all (the embedded default's every run)."""
-    target = cache_dir() / "models" / f"{name or path.stem}-{_conversion_key(path)}"
+    key = _conversion_key(path)
+    target = cache_dir() / "models" / f"{name or path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    # the same file converted under another name (the embedded default's, or its path's): one conversion, and one
+    # set of compiled steps, per file
+    same = sorted(folder for folder in (cache_dir() / "models").glob(f"*-{key}") if (folder / "config.json").is_file())
+    if same:
+        return same[0]
     header = gguf_header(path)
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "

@@ -379,6 +379,7 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     monkeypatch.setattr(memory, "release_freed_memory", lambda: released.append(len(calls)))
     folder = hub.convert_gguf(gguf, name="Tiny")
     assert hub.convert_gguf(gguf, name="Tiny") == folder and len(calls) == 1  # converted once
+    assert hub.convert_gguf(gguf) == folder and len(calls) == 1  # named by its path: the same file, the same folder
     assert released == [1]  # the conversion's heap handed back once it is written
     with monkeypatch.context() as patch:  # found again without reading the file's header
         patch.setattr(hub, "gguf_header", lambda path: pytest.fail("read the header of a converted model"))
