@@ -252,9 +252,11 @@ class Engine:
                 self._answering = None
                 self.session.rollback(min(len(self.session.ids), self.session.cache.length))
 
-    def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), **overrides) -> Result:
+    def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), on_prefill: Callable[[Prefill], None] | None = None,
+                 **overrides) -> Result:
+        """`stream`'s answer whole."""
         config = self.request_config(**overrides)
-        steps = list(self.stream(prompt, stop=stop, **{**overrides, "seed": config.seed}))
+        steps = list(self.stream(prompt, stop=stop, on_prefill=on_prefill, **{**overrides, "seed": config.seed}))
         last = steps[-1]
         token_ids = [t for step in steps for t in step.token_ids]
         return Result("".join(s.text for s in steps), token_ids, last.stats, last.finish_reason,

@@ -175,15 +175,20 @@ def _check_plot_format(path: str) -> None:
                         "suffix")
 
 
-def _load(config: config_mod.Config, err_console, flags: dict | None = None, load_draft: bool | None = None):
+def _load(config: config_mod.Config, err_console, flags: dict | None = None, load_draft: bool | None = None,
+          quiet: bool = False):
     """The engine for `config`; `flags`: the command line's settings, each of which must then have an effect on
-    every answer (`config.check_given`); `load_draft`: as Engine.from_config's."""
+    every answer (`config.check_given`); `load_draft`: as Engine.from_config's; `quiet`: no line naming the model."""
     from .api import Engine, pick_device
 
     explicit = _given(flags or {})
     # before any work (the sampling defaults of the model come later)
     config_mod.check_given(config, explicit, accelerator=pick_device(config.device).type != "cpu")
-    if config.model is None and not err_console.is_dumb_terminal and err_console.is_terminal:
+    if config.method == "cacheback" and config.cacheback_table:
+        from .decoders.ngram_table import table_file
+
+        table_file(config.cacheback_table)
+    if config.model is None and not quiet and not err_console.is_dumb_terminal and err_console.is_terminal:
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
     engine = Engine.from_config(config, load_draft=load_draft)
     engine.explicit = explicit
@@ -214,7 +219,7 @@ def run(
     text = _read_prompt(prompt)
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
-    engine = _load(settings, err, flags)
+    engine = _load(settings, err, flags, quiet=quiet)
     engine.count_syncs = verbose
     if as_json:
         print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))

@@ -110,7 +110,8 @@ class Config:
                              low=0, nullable=True)
     min_p: float | None = _opt(None, "drop tokens less likely than min_p times the likeliest (0 = off; empty: "
                                      "the model's default)", low=0.0, high=1.0, nullable=True)
-    seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one, reported in --json)",
+    seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one per answer, which `fafo run "
+                                 "--json` and the server's answers report)",
                             nullable=True, low=0, high=2**64 - 1)  # (runtime/sampling.Draws keys on 64 bits)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
@@ -544,8 +545,8 @@ def reference_markdown() -> str:
         "key's help, type, default, allowed values and flag once; the commands' `--help`, the checks on files and "
         "flags, `fafo config show` and this page are all read from there.", "",
         "## Where values come from", "",
-        "Later sources win: **defaults < user config file < `--config FILE` < flags**. The user config file is "
-        "`~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config path` "
+        "Later sources win: **defaults < the user config file, or `--config FILE` instead < flags**. The user config "
+        "file is `~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config path` "
         "prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
         "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
         "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "

@@ -191,7 +191,7 @@ def test_cacheback_frozen_table_built_by_the_cli_is_used(tmp_path, tiny, capsys)
     assert with_table.stats.accepted_tokens > expected.stats.accepted_tokens + 20
 
 
-def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsys):
+def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsys, monkeypatch):
     from fafo_cli.decoders.ngram_table import build_table
 
     build_table([[1, 2, 3, 4]], 1, 3, 4).save(tmp_path / "table.bin", "0123456789abcdef")
@@ -201,6 +201,9 @@ def test_cacheback_table_from_another_tokenizer_is_refused(tmp_path, tiny, capsy
                        str(tmp_path / "table.bin")])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "different tokenizer" in err
+    from fafo_cli import api
+
+    monkeypatch.setattr(api.Engine, "from_config", lambda *a, **k: pytest.fail("loaded the model first"))
     code = entrypoint(["run", str(tiny), "-p", str(prompt), "--method", "cacheback", "--cacheback-table",
                        str(tmp_path / "missing.bin")])
     assert code == 1 and "cacheback table not found" in capsys.readouterr().err

@@ -71,6 +71,16 @@ class FollowerTable:
         return FrozenTable(self.leader_length, self.follower_length, self._table.snapshot())
 
 
+def table_file(path: str | Path) -> Path:
+    """`path` as a table file to read: one clear error where there is none (before a model loads, from the CLI)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FafoError(f"cacheback table not found: {path}")
+    if path.is_dir():
+        raise FafoError(f"{path} is a folder, not a cacheback table file")
+    return path
+
+
 class FrozenTable:
     """Read-only leader -> followers (most recent first); lookups have no LRU effects."""
 
@@ -115,11 +125,7 @@ class FrozenTable:
     @classmethod
     def load(cls, path: str | Path, tokenizer_fingerprint: str) -> FrozenTable:
         """Read a table written by `save`; it must have been built with the same tokenizer."""
-        path = Path(path)
-        if not path.exists():
-            raise FafoError(f"cacheback table not found: {path}")
-        if path.is_dir():
-            raise FafoError(f"{path} is a folder, not a cacheback table file")
+        path = table_file(path)
         not_table = FafoError(f"{path} is not a fafo cacheback table")
         try:
             with safe_open(str(path), framework="pt") as f:

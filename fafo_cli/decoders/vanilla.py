@@ -16,11 +16,13 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     position = len(request.prompt_ids)
     token = next_token(logits, request.sampling, draws, position)
     emitter.prefilled(reused)  # after the first token's read: on a GPU the prefill has then run, not just launched
+    rows = None  # the prefill's token; every later one a one-row step's
     while True:
         position += 1
-        step = emitter.emit([token])
+        step = emitter.emit([token], rows=rows)
         yield step
         if step.finish_reason:
             return
         logits = session.step(token)
         token = next_token(logits, request.sampling, draws, position)
+        rows = 1
