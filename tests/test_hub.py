@@ -454,6 +454,14 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     assert hub.converted_named("model") is None and hub.converted_named("model.Q4_1.gguf") is None
     downloaded = hub.convert_gguf(_gguf_header(tmp_path / "model (1).gguf", "llama", **Q4_1_MODEL))
     assert hub.resolve("model (1)") == downloaded  # a name no hub id could be
+    # the embedded default's name: this install's file, though another environment's copy was converted later
+    (tmp_path / "mine").mkdir()
+    mine = _gguf_header(tmp_path / "mine" / "embedded.gguf", "llama", **Q4_1_MODEL)
+    monkeypatch.setattr(hub, "embedded_gguf", lambda: mine)
+    ours = hub.resolve(None)
+    os.utime(ours / hub.SOURCE_MARKER, ns=(1, 1))
+    theirs = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL), name=hub.EMBEDDED_NAME)
+    assert hub.converted_named(hub.EMBEDDED_NAME) == theirs != ours and hub.resolve(hub.EMBEDDED_NAME) == ours
 
 
 def test_a_published_folder_appears_whole_once(tmp_path):
