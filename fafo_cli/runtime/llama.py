@@ -16,6 +16,7 @@ import math
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,16 @@ class Embedding(nn.Embedding):
         pass
 
 
+_bf16_rms_norm: Callable | None = None  # fafo::rms_norm, where our kernel library is loaded
+
+
+def serve_bf16_rms_norm(op: Callable | None) -> None:
+    """bf16 RMSNorms on a CPU run `op` (fafo::rms_norm) from now on in this process: one order of a row's sum for
+    eager steps and compiled packages, whose own reductions part in the last bits (rms_norm.cpp says why)."""
+    global _bf16_rms_norm
+    _bf16_rms_norm = op
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -113,6 +124,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _bf16_rms_norm is not None and x.dtype == self.weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return _bf16_rms_norm(x, self.weight, self.variance_epsilon)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)

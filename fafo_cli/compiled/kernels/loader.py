@@ -1,6 +1,6 @@
-"""Our C++ kernels (attention_op.cpp, packed_linear.cpp), compiled once per machine and torch version with
-the C++ compiler that compiled steps need anyway, cached next to the compiled packages, and loaded into torch
-as `fafo::` ops."""
+"""Our C++ kernels (attention_op.cpp, packed_linear.cpp, rms_norm.cpp), compiled once per machine and torch version
+with the C++ compiler that compiled steps need anyway, cached next to the compiled packages, and loaded into
+torch as `fafo::` ops."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from ...files import atomic_path
+from ...runtime.llama import serve_bf16_rms_norm
 from ...runtime.model import serve_cpu_attention
 
-SOURCES = (Path(__file__).with_name("attention_op.cpp"), Path(__file__).with_name("packed_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention_op.cpp", "packed_linear.cpp", "rms_norm.cpp"))
 HEADERS = (Path(__file__).with_name("amx.h"),)  # what the sources include from this folder
 _loaded = False
 
@@ -131,8 +132,13 @@ def load(folder: Path) -> None:
     def _(x, packed, out_features, bias):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("fafo::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
     # bf16 keys take the AMX path where the CPU has one, which reads a draft tree's rows in place (attention_op.cpp:
     # a branch row may round unlike plain decoding's): there eager steps keep float32 keys (the vector path). Where
     # our kernel does not serve (`attends`), eager steps keep torch's, whose rows may round apart by ~1e-5 in float32.
     serve_cpu_attention(torch.ops.fafo.attend if attends() else None, reads_bf16=not has_amx())
+    serve_bf16_rms_norm(torch.ops.fafo.rms_norm)  # eager steps and the packages then norm alike
     _loaded = True
