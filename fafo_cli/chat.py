@@ -42,7 +42,8 @@ class Totals:
     def line(self) -> str:
         speed = self.decoded_tokens / self.decode_s if self.decode_s else 0.0
         tau = self.generated_tokens / self.steps if self.steps else 0.0
-        return (f"{self.turns} turn{'s' if self.turns != 1 else ''} · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
+        turns = f"{self.turns} turn{'s' if self.turns != 1 else ''}"
+        return (f"{turns} · {self.generated_tokens} tokens generated · {speed:.1f} tok/s · τ {tau:.2f} · "
                 f"prompt tokens {self.prompt_tokens} ({self.cached_prompt_tokens} reused from the cache)")
 
 
