@@ -351,7 +351,8 @@ def bench(
         ignored = [flag for flag, given in (
             ("--suites", suites), ("--context", context), ("--documents", documents), ("--methods", methods),
             ("--compressors", compressors), ("--tokens", tokens is not None), ("--repeats", repeats),
-            ("--warmup", warmup is not None), ("--samples", samples), ("--prompts", prompts), ("--temperature", temperature),
+            ("--warmup", warmup is not None), ("--samples", samples), ("--prompts", prompts),
+            ("--temperature", temperature),
             ("--external/--no-external", external is not None), ("--full", full), ("--verify", verify),
             ("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)) if given]
         if ignored:

@@ -546,8 +546,8 @@ def reference_markdown() -> str:
         "flags, `fafo config show` and this page are all read from there.", "",
         "## Where values come from", "",
         "Later sources win: **defaults < the user config file, or `--config FILE` instead < flags**. The user config "
-        "file is `~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config path` "
-        "prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
+        "file is `~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config "
+        "path` prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
         "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
         "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "
         "chat` (or a field of a `fafo serve` request) that would change nothing is an error: another method's "

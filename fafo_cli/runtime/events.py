@@ -89,9 +89,10 @@ class Stats:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.update(steps_ran=self.steps_ran, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s, total_s=self.total_s,
-                    prompt_tokens_per_s=self.prompt_tokens_per_s, acceptance_rate=self.acceptance_rate,
-                    mean_draft=self.mean_draft, mean_rows=self.mean_rows, syncs_per_step=self.syncs_per_step)
+        data.update(steps_ran=self.steps_ran, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
+                    total_s=self.total_s, prompt_tokens_per_s=self.prompt_tokens_per_s,
+                    acceptance_rate=self.acceptance_rate, mean_draft=self.mean_draft, mean_rows=self.mean_rows,
+                    syncs_per_step=self.syncs_per_step)
         return data
 
 
