@@ -139,7 +139,8 @@ def test_bench_outputs_are_checked_before_the_run(capsys, tiny, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     for flags, message in ((["--plot", tmp_path / "missing" / "x.png"], "--plot "), (["--json", tmp_path], "--json "),
-                           (["--prompts", prompts, "--json", prompts], f"--json {prompts} is also an input (--prompts)"),
+                           (["--prompts", prompts, "--json", prompts],
+                            f"--json {prompts} is also an input (--prompts)"),
                            (["--json", "-", "--csv", "-"], "--json and --csv both write -"),
                            (["--csv", tmp_path / "a", "--json", tmp_path / "a"], "--json and --csv both write"),
                            (["--plot", "-"], "--plot writes a binary file"), (["--json", ""], "--json needs a file")):
@@ -493,7 +494,8 @@ def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):
 def test_cacheback_table_is_never_written_over_an_input_or_a_folder(capsys, tmp_path):
     corpus = tmp_path / "notes.txt"
     corpus.write_text("some text to learn from " * 20)
-    for out, message in ((corpus, "is also an input (a text file to learn from)"), (tmp_path, "is a folder, not a file")):
+    for out, message in ((corpus, "is also an input (a text file to learn from)"),
+                         (tmp_path, "is a folder, not a file")):
         code, _, err = run_cli(capsys, "cacheback", "build-table", corpus, "--out", out)
         assert code == 1 and message in err and err.count("\n") == 1, err
     assert corpus.read_text().startswith("some text")
