@@ -84,11 +84,6 @@ def _meta(engine, options: BenchOptions, config) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
-def _compiled_calls(engine) -> int:
-    """Steps run compiled (packages or CUDA graphs) in this process so far."""
-    return sum(engine.compiled.calls_by_size.values()) if engine.compiled is not None else 0
-
-
 def _steps_mode(config, ran_compiled: bool, graphs: bool = False) -> str:
     """How the rows' steps ran, for the title: under `compile: auto` rows without "+compiled" run compiled wherever a
     package was built before (or as CUDA graphs on a GPU), so a table that does not say so reads as eager."""
@@ -172,7 +167,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         raise FafoError("no prompt fits the model's context with --tokens "
                         f"{options.tokens}")
     rows = plan_rows(options.methods, options.compressors, options.external, compiled=config.compile == "on")
-    compiled_before = _compiled_calls(engine)
+    compiled_before = engine.session.compiled_runs  # steps run compiled (packages or CUDA graphs) so far
     if "eager" not in engine.session.step_costs and any(row.method == "fafo" for row in rows):
         from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
 
@@ -218,7 +213,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)
     meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,
-            "steps": _steps_mode(config, _compiled_calls(engine) > compiled_before,
+            "steps": _steps_mode(config, engine.session.compiled_runs > compiled_before,
                                  graphs=isinstance(engine.compiled, GraphSteps))}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['steps']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
