@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Iterator
 
 from ..runtime.events import Step
-from .ngram_table import FollowerTable, FrozenTable, tokenizer_fingerprint
+from .ngram_table import FollowerTable, FrozenTable, table_file, tokenizer_fingerprint
 from ..runtime.session import Emitter, Request, Session
 from .tree import ROOT, DraftTree
 from ..errors import FafoError
@@ -30,10 +30,9 @@ def _frozen_table(path: str, modified_ns: int, fingerprint: str) -> FrozenTable:
 
 def load_frozen_table(path: str, tokenizer) -> FrozenTable:
     """The frozen table at `path`, loaded once per file version."""
+    path = str(table_file(path))
     try:
         modified = os.stat(path).st_mtime_ns
-    except FileNotFoundError:
-        raise FafoError(f"cacheback table not found: {path}") from None
     except OSError as e:
         raise FafoError(f"cannot read cacheback table {path}: {e.strerror}") from None
     return _frozen_table(path, modified, _fingerprint(tokenizer))
@@ -98,5 +97,5 @@ class Cacheback:
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
     config = request.config
     table = config.cacheback_table
-    frozen = load_frozen_table(os.path.expanduser(table), session.tokenizer) if table else None
+    frozen = load_frozen_table(table, session.tokenizer) if table else None
     yield from speculative.generate(session, request, emitter, Cacheback(config, frozen))
