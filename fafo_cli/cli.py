@@ -612,6 +612,20 @@ def entrypoint(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where a caller set its own)
         signal.signal(signal.SIGINT, _interrupt)
     try:
+        return _run(command, argv)
+    except Exception:  # after an interrupt, whatever it left half done (a module half imported)
+        if _interrupted:
+            return _after_interrupt()
+        raise
+    finally:
+        # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
+        # it skips frozen ones
+        gc.freeze()
+
+
+def _run(command, argv: list[str] | None) -> int:
+    """The command's exit code; each failure that a user can act on as one line on stderr."""
+    try:
         result = command.main(args=argv, prog_name="fafo", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except FafoError as e:
@@ -635,8 +649,6 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return _after_interrupt()
     except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
         if not is_out_of_memory(e):
-            if _interrupted:
-                return _after_interrupt()
             raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1
@@ -645,16 +657,6 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
         path = e.filename2 or e.filename  # a rename's target, not its temporary source
         if e.errno not in UNUSABLE_PATH or not path:
-            if _interrupted:
-                return _after_interrupt()
             raise
         print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)
         return 1
-    except Exception:
-        if _interrupted:
-            return _after_interrupt()
-        raise
-    finally:
-        # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
-        # it skips frozen ones
-        gc.freeze()
