@@ -142,7 +142,7 @@ class Config:
     planner: bool = _opt(True, "fafo: choose each step's guesses, and whether the window runs, for the most expected "
                                "tokens per second; off: every step verifies every candidate and runs the window")
     draft_tokens: int = _opt(16, "fafo: most guessed tokens a step verifies (the draft tree's nodes; a copy from the "
-                                 "text runs up to this long, and up to twice its match)", low=1, high=128, short="-D")
+                                 "text runs up to this long, and as long as its match)", low=1, high=128, short="-D")
     compressor: str = _opt("auto", "fafo: which cache positions the window's rows see: none (the whole cache), "
                                    "stream (sink + recent), quest (query-scored pages), snapkv (what the prompt's "
                                    "end attends to), h2o (heavy hitters + recent); naming one runs the window under "
