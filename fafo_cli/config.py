@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from collections.abc import Hashable
 from typing import Any, Iterable
 
 import yaml
@@ -224,6 +225,8 @@ def _check(name: str, value: Any, spec) -> Any:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
+        value = float(value)  # YAML 1.1 reads 1e-3 as text
     if name == "budget":
         return _budget(value)
     if name in AUTO_COUNTS:
@@ -235,8 +238,6 @@ def _check(name: str, value: Any, spec) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise FafoError(f"config key '{name}' must be an integer (got {value!r})")
     elif kind is float:
-        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-3 as text
-            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise FafoError(f"config key '{name}' must be a number (got {value!r})")
         value = float(value)
@@ -360,6 +361,8 @@ class _StrictLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # a list or map as a key: SafeLoader's own error says so
+                break
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
                                                         key_node.start_mark)

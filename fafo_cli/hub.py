@@ -53,9 +53,10 @@ def _looks_like_path(spec: str) -> bool:
 
 def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     """The local HF folder for a model argument, downloading or converting it first when needed."""
-    # the embedded default by name too: this install's file, not the newest conversion of that name (another
-    # virtual environment's copy)
-    if spec is None or spec == EMBEDDED_NAME and importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
+    # the embedded default by name too (unless a file or folder of that name is here): this install's file, not the
+    # newest conversion of that name (another virtual environment's copy)
+    if spec is None or spec == EMBEDDED_NAME and not Path(spec).expanduser().exists() \
+            and importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
         folder = convert_gguf(embedded_gguf(), name=EMBEDDED_NAME)
     else:
         path = Path(spec).expanduser()

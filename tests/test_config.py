@@ -71,6 +71,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("copies: 17\n", "'copies' must be auto or an integer from 0 to 16 \\(got 17\\)"),
     ("temprature: 0.5\n", "unknown config key 'temprature' \\(did you mean 'temperature'\\?"),
     ("max_tokens: 3\nmax_tokens: 4\n", "not valid YAML \\(line 2\\): the key 'max_tokens' is given twice"),
+    ("[a, b]: 1\n", "not valid YAML \\(line 1\\)"),
     ("device: on\n", "'device' must be text \\(got True, which YAML reads as true or false: put it in quotes\\)"),
     ("model: 2024-01-01\n", "'model' must be text \\(got 2024-01-01, which YAML reads as a date"),
 ])
@@ -212,8 +213,9 @@ def test_window_settings_count_where_a_window_runs():
 
 
 def test_numbers_in_exponent_form_are_numbers(tmp_path):
-    config = config_mod.load_file(write(tmp_path, "min_p: 1e-3\ntemperature: 2.5E-1\n"))
-    assert config.min_p == 0.001 and config.temperature == 0.25
+    config = config_mod.load_file(write(tmp_path, "min_p: 1e-3\ntemperature: 2.5E-1\nbudget: 5e-2\n"))
+    assert config.min_p == 0.001 and config.temperature == 0.25 and config.budget == 0.05
+    assert config_mod.load_file(write(tmp_path, "budget: 1e3\n")).budget == 1000
 
 
 def test_settings_are_written_in_place_of_the_values(tmp_path):

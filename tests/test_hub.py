@@ -462,6 +462,10 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     os.utime(ours / hub.SOURCE_MARKER, ns=(1, 1))
     theirs = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL), name=hub.EMBEDDED_NAME)
     assert hub.converted_named(hub.EMBEDDED_NAME) == theirs != ours and hub.resolve(hub.EMBEDDED_NAME) == ours
+    # but a folder of that name here is the user's (a clone of the hub repo)
+    monkeypatch.chdir(tmp_path)
+    build_tiny_model(tmp_path / hub.EMBEDDED_NAME, "llama-gqa")
+    assert hub.resolve(hub.EMBEDDED_NAME) == Path(hub.EMBEDDED_NAME)
 
 
 def test_a_published_folder_appears_whole_once(tmp_path):
