@@ -295,7 +295,7 @@ SAMPLING_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 # FAFO's keys that act only where its lookahead window runs (the pool it feeds, the view its rows read), besides
 # each compressor's own (`compressors_of`)
-WINDOW_KEYS = frozenset({"prefix", "pool_per_key", "compressor", "attention"})
+WINDOW_KEYS = frozenset({"ngram", "guesses", "prefix", "pool_per_key", "compressor", "attention"})
 
 
 def runs_window(streams: int | str, compressor_named: bool, accelerator: bool) -> bool:
@@ -317,7 +317,9 @@ def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
                             f"{config.method})")
         compressors = compressors_of(SPECS[key])
-        if owner == "fafo" and (key in WINDOW_KEYS or compressors):
+        # (`compressor: auto` names no compressor, which is what turns the window off on a CPU: always an answer)
+        if owner == "fafo" and (key in WINDOW_KEYS or compressors) and not (key == "compressor" and
+                                                                            config.compressor == "auto"):
             if not runs_window(config.streams, config.compressor != "auto", accelerator):
                 why = ("streams: 0" if config.streams == 0 else
                        "on a CPU, streams: auto runs it only where a compressor is named")

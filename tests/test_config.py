@@ -201,12 +201,17 @@ def test_an_empty_string_empties_a_key_that_may_be_empty():
 def test_window_settings_count_where_a_window_runs():
     from fafo_cli.errors import FafoError
 
-    given = {"budget", "sink"}
+    given = {"budget", "sink", "ngram", "guesses"}
     config_mod.check_given(config_mod.build(compressor="stream"), given, accelerator=False)  # named: W=1
     config_mod.check_given(config_mod.build(), given, accelerator=True)  # auto is wide on a GPU, with stream
     for config, accelerator in ((config_mod.build(), False), (config_mod.build(streams=0), True)):
-        with pytest.raises(FafoError, match="'budget' sets FAFO's lookahead window, which does not run here"):
-            config_mod.check_given(config, given, accelerator)
+        for key in given:
+            with pytest.raises(FafoError, match=f"'{key}' sets FAFO's lookahead window, which does not run here"):
+                config_mod.check_given(config, {key}, accelerator)
+    # naming no compressor is what turns a config file's window off on a CPU: an effect, not refused
+    config_mod.check_given(config_mod.build(compressor="auto"), {"compressor"}, accelerator=False)
+    with pytest.raises(FafoError, match="'compressor' sets FAFO's lookahead window"):
+        config_mod.check_given(config_mod.build(compressor="quest", streams=0), {"compressor"}, accelerator=False)
     with pytest.raises(FafoError, match="'sink' is a setting of the stream compressor"):
         config_mod.check_given(config_mod.build(compressor="h2o"), given, accelerator=True)
     assert config_mod.compressors_of(config_mod.SPECS["window"]) == ("snapkv", "h2o")

@@ -138,7 +138,9 @@ def test_fafo_sampling_is_plain_samplings_tokens(tiny, planner):
         assert a.stats.accepted_tokens > 0 and a.stats.steps < 120
 
 
-def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
+def test_pool_follows_the_conversation_and_reset_clears_it(tiny, monkeypatch):
+    from fafo_cli.decoders.fafo.pool import NgramPool
+
     engine = load(str(tiny), dtype="float32", method="fafo", compressor="stream", budget=32, planner=False)  # the window runs every step
     messages = [{"role": "user", "content": "tell me about cats " * 6}]
     first = engine.complete(messages, max_tokens=40)
@@ -146,6 +148,10 @@ def test_pool_follows_the_conversation_and_reset_clears_it(tiny):
     second = engine.complete(messages, max_tokens=40)
     assert second.stats.pool_ngrams > first.stats.pool_ngrams  # the first turn's n-grams are still there
     assert second.token_ids == hf_greedy(tiny, engine.encode(messages), 40)
+    with monkeypatch.context() as patched:  # a turn without the window offers none of the pool's n-grams
+        patched.setattr(NgramPool, "lookup", lambda *_: pytest.fail("the pool was read without a window"))
+        turn = messages + [{"role": "assistant", "content": second.text}, {"role": "user", "content": "dogs?"}]
+        assert engine.complete(turn, max_tokens=20, streams=0).token_ids == hf_greedy(tiny, engine.encode(turn), 20)
     engine.reset()
     fresh = engine.complete([{"role": "user", "content": "more"}], max_tokens=40)
     assert fresh.stats.pool_ngrams < second.stats.pool_ngrams  # the earlier turns' n-grams are gone

@@ -254,7 +254,7 @@ def test_auto_streams_run_no_window_on_a_cpu_unless_a_compressor_is_named():
 def test_compiled_step_sizes_are_few_and_cover_plain_short_medium_and_long_steps():
     sizes = lambda **keys: FafoSettings.from_config(config.build(**keys)).step_sizes
     # plain, one guess, an n-gram's or short copy's 3, a copy's 8, its 16 guesses
-    assert sizes(streams=0) == (1, 2, 4, 9, 17)
+    assert sizes(streams=0) == (1, 2, 4, 9, 17) == sizes(streams=0, guesses=3, ngram=5)  # G, k: the window's
     assert sizes(streams=1) == (1, 2, 3, 6, 11, 19)  # the window's 2 rows with the guesses, and the window alone
     assert sizes(streams=2, guesses=2, draft_tokens=6) == (1, 2, 6, 12)  # G·k = D: no medium size
 

@@ -37,6 +37,9 @@ def compiled_for(compiled: CompiledStepRunner | None, compressor: str) -> Compil
     return None if reads_queries(view_compressor(compressor)) else compiled
 
 
+SHORT_COPY = 3  # without a window, the guessed tokens of the middle package (G·k at their defaults, with one)
+
+
 @dataclass(frozen=True)
 class FafoSettings:
     streams: int | str  # W, or "auto" until generate() resolves it
@@ -73,11 +76,11 @@ class FafoSettings:
         """The row counts the planner chooses among on compiled steps (a package each): plain decoding's one row,
         the anchor with its likeliest guess (where each row costs arithmetic, as on a CPU, a guess accepted a third
         of the time pays for one row but not for the three of the next size), the window alone (free prose,
-        nothing worth verifying), the window with G of its n-grams (the paper's step), with D/2 guesses where that
-        is more (a copy: on a CPU the largest package costs several plain steps, a middle one far less) and with D
-        (a long copy). Few, because each is a build on first use."""
+        nothing worth verifying), the window with G of its n-grams (the paper's step; without a window, a short copy
+        of SHORT_COPY tokens), with D/2 guesses where that is more (a copy: on a CPU the largest package costs several
+        plain steps, a middle one far less) and with D (a long copy). Few, because each is a build on first use."""
         plain, window = 1, 1 + self.window_rows
-        guesses = min(self.draft_tokens, self.guesses * self.ngram)
+        guesses = min(self.draft_tokens, self.guesses * self.ngram if self.window_rows else SHORT_COPY)
         return tuple(sorted({plain, plain + 1, window, window + guesses,
                              window + max(self.draft_tokens // 2, guesses), self.max_rows}))
 
@@ -284,7 +287,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         start = cache.length
         compressor.prepare(cache)
         candidates = text_chains(index, settings.copies, settings.draft_tokens)
-        candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
+        if window is not None:  # without one the pool's n-grams are not offered (an earlier turn's, where its window ran)
+            candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
         plan = planner.plan(candidates, room=model.max_context - start)
         tree, shape = plan.tree, window.layout if plan.window else None
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
