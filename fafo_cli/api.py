@@ -72,7 +72,8 @@ def load(model: str | None = None, *, notify: Callable[[str], None] | None = Non
     """Load a model (hub id, folder, .gguf; None: the embedded default) with config settings as keywords.
     `notify` receives one-line notices (compilation progress, fallbacks); default: standard error."""
     config = config_mod.build(model=model, **settings)
-    return Engine.from_config(config, notify=notify)
+    # every call may name its method: the draft model TriForce reads is loaded wherever one is configured
+    return Engine.from_config(config, notify=notify, load_draft=config.draft_model is not None)
 
 
 def _print_notice(message: str) -> None:
@@ -101,7 +102,8 @@ class Engine:
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None,
                     load_draft: bool | None = None) -> "Engine":
         """The engine `config` describes. `load_draft`: whether to load `config.draft_model`, which TriForce alone reads
-        (None: where the method is triforce; a file's key is a default, kept for when TriForce runs)."""
+        (None: where the method is triforce: a command that runs one method; a server and `load` may run TriForce on
+        any request, and load it wherever one is configured)."""
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)

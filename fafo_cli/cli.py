@@ -281,7 +281,8 @@ def serve(
         from .ui import consoles
 
         server.setup_logging(verbose)
-        engine = _load(settings, consoles()[1])
+        # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
+        engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
         server.serve(engine, sock, options)
     finally:
         sock.close()

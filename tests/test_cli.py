@@ -83,7 +83,7 @@ def test_run_from_stdin_with_config_file(capsys, monkeypatch, tiny, tmp_path):
 
 def test_a_files_draft_model_waits_for_triforce(capsys, tiny, tmp_path, prompt_file):
     from fafo_cli import config as config_mod
-    from fafo_cli.api import Engine
+    from fafo_cli.api import Engine, load
 
     config = tmp_path / "c.yaml"
     config.write_text("draft_model: Org/not-there\n")  # a default for TriForce: other methods do not load it
@@ -92,6 +92,8 @@ def test_a_files_draft_model_waits_for_triforce(capsys, tiny, tmp_path, prompt_f
     settings = config_mod.build(model=str(tiny), dtype="float32", draft_model=str(tiny))
     assert Engine.from_config(settings, load_draft=True).session.draft_model is not None  # bench's triforce rows
     assert Engine.from_config(settings).session.draft_model is None
+    # the Python API: every call may name its method, TriForce among them
+    assert load(str(tiny), dtype="float32", draft_model=str(tiny)).session.draft_model is not None
 
 
 @pytest.mark.parametrize("stdin, message", [

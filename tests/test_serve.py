@@ -788,3 +788,14 @@ def test_smollm2_answers_through_the_server_as_through_the_engine(smollm2):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
     assert expected.text.strip()
+
+
+def test_a_draft_model_loads_at_start_whatever_the_default_method(tiny, monkeypatch):
+    """Any request may ask for TriForce, which reads the draft model: `--draft-model` under another default method
+    loads it at start (it was dropped, and TriForce requests ran without their bottom level)."""
+    from fafo_cli.serve import server
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: served.append(engine))
+    assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0", "--draft-model", str(tiny)]) == 0
+    assert served[0].config.method == "fafo" and served[0].session.draft_model is not None

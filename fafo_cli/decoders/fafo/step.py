@@ -166,8 +166,8 @@ def step_costs(session: Session, settings: FafoSettings, compiled: CompiledStepR
 # (measured: docs/benchmarks.md, "Sampled chat")
 AUTO_COPIES = {True: 2, False: 4}  # greedy -> copies
 
-# A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α; Arctic's
-# default): a short match is a weak hint, and a long continuation of one takes the draft rows of a better candidate.
+# A copy runs at most COPY_FACTOR times as long as the match that found it (SuffixDecoding's α·p rule, its α;
+# Arctic's default): a short match is a weak hint, and a long continuation of one takes a better candidate's rows.
 # α = 1 replayed 1-1.5% faster than α = 2 eager and the same compiled (docs/benchmarks.md, s30)
 COPY_FACTOR = 1
 # The frequency tree grows from the longest ending of the text of at most TREE_DEPTH tokens that occurred before,
@@ -287,7 +287,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         start = cache.length
         compressor.prepare(cache)
         candidates = text_chains(index, settings.copies, settings.draft_tokens)
-        if window is not None:  # without one the pool's n-grams are not offered (an earlier turn's, where its window ran)
+        if window is not None:  # without it no pool n-grams are offered (an earlier turn's, where its window ran)
             candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
         plan = planner.plan(candidates, room=model.max_context - start)
         tree, shape = plan.tree, window.layout if plan.window else None
