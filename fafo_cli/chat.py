@@ -13,7 +13,7 @@ import yaml
 from rich.console import Console
 
 from .api import Engine
-from .errors import FafoError, first_line
+from .errors import FafoError, first_line, interrupt_handled
 from .ui import StreamView, method_label
 
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
@@ -100,6 +100,7 @@ class Repl:
                 if read is not None:
                     read[0].encode("utf-8")
             except KeyboardInterrupt:
+                interrupt_handled()
                 self.out.print("\n(use /exit or Ctrl-D to leave)")
                 continue
             except UnicodeEncodeError:
@@ -202,6 +203,7 @@ class Repl:
                     view.show(step)
                     answer.append(step.text)
         except KeyboardInterrupt:
+            interrupt_handled()
             stream.close()
             self.out.print("[dim](stopped)[/]")
         except FafoError as e:

@@ -19,7 +19,7 @@ from rich.markup import escape
 from . import __version__
 from . import config as config_mod
 from . import hub
-from .errors import FafoError, first_line, is_out_of_memory
+from .errors import FafoError, first_line, is_out_of_memory, unhandled_interrupts
 from .files import write_atomic
 
 
@@ -592,13 +592,9 @@ UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.
 
 
 def _interrupt(signum, frame) -> None:
-    """Python's own SIGINT handler (a KeyboardInterrupt), remembering that it ran: an interrupt that lands inside
-    a module's import can surface later as another error (numpy: "cannot load module more than once")."""
-    _interrupted.append(signum)
+    """Python's own SIGINT handler (a KeyboardInterrupt), remembering that it ran (`unhandled_interrupts`)."""
+    unhandled_interrupts.append(signum)
     raise KeyboardInterrupt
-
-
-_interrupted: list[int] = []
 
 
 def _after_interrupt() -> int:
@@ -609,13 +605,13 @@ def _after_interrupt() -> int:
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
-    _interrupted.clear()
+    unhandled_interrupts.clear()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where a caller set its own)
         signal.signal(signal.SIGINT, _interrupt)
     try:
         return _run(command, argv)
     except Exception:  # after an interrupt, whatever it left half done (a module half imported)
-        if _interrupted:
+        if unhandled_interrupts:
             return _after_interrupt()
         raise
     finally:

@@ -6,6 +6,18 @@ class FafoError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 
 
+# Ctrl-Cs the CLI's SIGINT handler turned into KeyboardInterrupt that no command has handled: an interrupt that lands
+# inside a module's import can surface later as another error (numpy: "cannot load module more than once"), which
+# the CLI then reports as the interrupt (cli.entrypoint)
+unhandled_interrupts: list[int] = []
+
+
+def interrupt_handled() -> None:
+    """A command caught the Ctrl-C and went on (a chat answer stopped, a bench cut short): errors after it are
+    its own, not an interrupt's leftovers."""
+    unhandled_interrupts.clear()
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` means memory ran out: MemoryError; torch.OutOfMemoryError (CUDA, MPS), matched by name; or
     the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate ...")."""

@@ -537,7 +537,10 @@ def test_chat_stats_speed_is_the_decode_speed_as_run_counts_it():
 
 
 def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_file):
+    import signal
+
     from fafo_cli import cli
+    from fafo_cli.errors import interrupt_handled
 
     def interrupted(path):
         raise KeyboardInterrupt
@@ -546,11 +549,25 @@ def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_
     assert run_cli(capsys, "run", tiny, "-p", prompt_file) == (130, "", "interrupted\n")
 
     def half_imported(path):  # an interrupt inside an import, which numpy then refuses to finish
-        cli._interrupted.append(2)  # what cli._interrupt records
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # through the handler the CLI installs
+        except KeyboardInterrupt:
+            pass
         raise ImportError("cannot load module more than once per process")
 
     monkeypatch.setattr(cli, "_read_prompt", half_imported)
     assert run_cli(capsys, "run", tiny, "-p", prompt_file) == (130, "", "interrupted\n")
+
+    def handled_then_broken(path):  # a command that took its Ctrl-C and went on: a later bug stays a bug
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            interrupt_handled()
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cli, "_read_prompt", handled_then_broken)
+    with pytest.raises(ValueError, match="a bug"):
+        run_cli(capsys, "run", tiny, "-p", prompt_file)
 
 
 def test_a_byte_order_mark_is_no_part_of_the_prompt(capsys, tiny, tmp_path, prompt_file):

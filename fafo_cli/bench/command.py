@@ -15,7 +15,7 @@ import torch
 from .. import __version__
 from ..compiled.graphs import GraphSteps
 from ..config import METHODS, SAMPLING_NEUTRAL
-from ..errors import FafoError
+from ..errors import FafoError, interrupt_handled
 from ..files import write_atomic
 from . import exactness, report, suites
 from .runner import Progress, Run, measure, plan_rows, run_once
@@ -198,6 +198,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                 else:
                     runs.append(event)
         except KeyboardInterrupt:
+            interrupt_handled()
             interrupted = True
     if interrupted:
         err_console.print(f"interrupted: reporting the {len(runs)} runs measured so far")
