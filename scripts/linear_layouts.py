@@ -37,7 +37,7 @@ def main() -> None:
             for rows in args.rows:
                 x = torch.randn(rows, weights[0].shape[1])
                 ms = median_ms({"plain": lambda: [F.linear(x, w) for w in weights],
-                                "columns": lambda: [w @ x.T for w in weights]}, args.repeats)
+                                "columns": lambda: [w @ x.T for w in weights]}, args.repeats, x.device)
                 line += f"  {rows}: {ms['plain']:6.2f} / {ms['columns']:6.2f}"
             print(line, flush=True)
         layouts = {"F.linear": None, "W @ xᵀ": model.step_linear}

@@ -76,7 +76,7 @@ def synchronize(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(runs: dict, repeats: int, device: torch.device | None = None) -> dict:
+def median_ms(runs: dict, repeats: int, device: torch.device | None) -> dict:
     """Median ms of each of `runs`, called in turn (A B A B ...) so that the machine's drift and the first calls'
     warm-up hit all alike (timed one after another, the first measured a one-row pass dearer than a two-row one);
     the first two rounds are warm-up. `device`: whose queued work each call waits for."""
@@ -98,11 +98,11 @@ def measure(model: Model, runner, rows: int, context: int = 256, repeats: int = 
     ids, positions, mask, local, sees_cache, sees_view, view_mask = _step_inputs(model, rows, context)
     with torch.inference_mode():
         eager = median_ms({0: lambda: model.forward(ids, positions, cache, causal_attention(mask, model.scaling))},
-                           repeats)[0]
+                           repeats, model.device)[0]
         cache.store_as(stored_dtype(model))  # each path with the cache it runs with
         keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
         compiled = median_ms({0: lambda: runner(ids, positions, local, sees_cache, sees_view, view_mask, keys, values)},
-                              repeats)[0]
+                              repeats, model.device)[0]
     return Timing(rows, eager, compiled)
 
 
@@ -118,4 +118,4 @@ def side_by_side(model: Model, runners: dict, context: int = 256, repeats: int =
         runs[rows] = (lambda runner=runner, args=(ids, positions, local, sees_cache, sees_view, view_mask):
                       runner(*args, keys, values))
     with torch.inference_mode():
-        return median_ms(runs, repeats)
+        return median_ms(runs, repeats, model.device)
