@@ -423,7 +423,7 @@ def doctor(
     if gpu_report is not None:  # refused before minutes of measuring
         if gpu_report == "-":
             raise FafoError("--gpu-report writes a file: name one (--json prints the rest of the report)")
-        _check_output("--gpu-report", gpu_report)
+        _check_outputs({"--gpu-report": gpu_report}, {"the config file": [str(doctor_mod.default_config_path(config))]})
         report_path = Path(gpu_report).expanduser()
         gpu_mod.check(device, gpu_shape)
     # the model found (or converted) before the first progress line: a missing one is one line

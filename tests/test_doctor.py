@@ -90,6 +90,11 @@ def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     assert "is a folder, not a file" in capsys.readouterr().err
     assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path / "no" / "r.json")]) == 1
     assert "no such folder" in capsys.readouterr().err
+    config = tmp_path / "c.yaml"
+    config.write_text("dtype: float32\n")
+    assert entrypoint(["doctor", str(tiny), "-c", str(config), "--gpu-report", str(config)]) == 1
+    assert "--gpu-report " + str(config) + " is also an input (the config file)" in capsys.readouterr().err
+    assert config.read_text() == "dtype: float32\n"
     assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "13b"]) == 1
     assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, 135m, tiny (got '13b')"
 
