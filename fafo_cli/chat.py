@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import yaml
 from rich.console import Console
 
+from . import config as config_mod
 from .api import Engine
 from .errors import FafoError, first_line, interrupt_handled
 from .ui import StreamView, method_label
@@ -141,9 +142,8 @@ class Repl:
     def _set(self, words: list[str]) -> None:
         if not words:
             config = self.engine.request_config(**self.settings)
-            seed = self.settings.get("seed")
-            seed = self.engine.config.seed if seed in (None, "") else seed
-            if seed is None and config.temperature > 0:  # each sampled answer draws its own (not request_config's)
+            seed = config_mod.build(self.engine.config, **self.settings).seed  # (before request_config's draw)
+            if seed is None and config.temperature > 0:  # each sampled answer draws its own
                 seed = "random"
             shown = {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
             self.out.print("  ".join(f"{key}={value}" for key, value in shown.items()), markup=False)

@@ -347,6 +347,10 @@ def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
     assert "temperature = 0" in result.stdout.decode()
     assert "seed=random" in result.stdout.decode()  # each sampled answer draws its own
     assert _chat(tiny, "/set top_p 0.5\n").stderr.startswith("error: 'top_p' has no effect when decoding greedily")
+    # emptied, the launch's seed no longer holds; null keeps it
+    shown = _chat(tiny, '/set\n/set seed ""\n/set\n/set seed null\n/set\n', "--temperature", "0.7", "--seed", "42")
+    assert [line.split("seed=")[1].split()[0] for line in shown.stdout.splitlines() if "seed=" in line] == [
+        "42", "random", "42"]
 
 
 def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_as_messages(tiny):
