@@ -298,6 +298,9 @@ SAMPLING_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
 WINDOW_KEYS = frozenset({"ngram", "guesses", "prefix", "pool_per_key", "compressor", "attention"})
 
 
+DRAFT_MODEL_KEYS = frozenset({"triforce_gamma1", "triforce_draft_cache"})  # read by TriForce's bottom level only
+
+
 def runs_window(streams: int | str, compressor_named: bool, accelerator: bool) -> bool:
     """Whether FAFO's lookahead window runs under `streams`: not at 0, nor at `auto` on a CPU unless a compressor
     is named (see the key's help)."""
@@ -328,6 +331,8 @@ def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None
             if compressors and compressor not in compressors:
                 raise FafoError(f"'{key}' is a setting of the {'/'.join(compressors)} compressor, which the window "
                                 f"does not use here (compressor: {compressor})")
+        if key in DRAFT_MODEL_KEYS and config.draft_model is None:
+            raise FafoError(f"'{key}' sets TriForce's draft-model level, which runs only with a draft_model")
     if "system" in given and config.system and not config.chat_template:
         raise FafoError("'system' needs the chat template: the prompt is continued as plain text without it")
     if config.temperature == 0:

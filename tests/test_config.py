@@ -217,6 +217,16 @@ def test_window_settings_count_where_a_window_runs():
     assert config_mod.compressors_of(config_mod.SPECS["window"]) == ("snapkv", "h2o")
 
 
+def test_draft_model_settings_count_where_a_draft_model_runs():
+    from fafo_cli.errors import FafoError
+
+    given = {"triforce_gamma1", "triforce_draft_cache"}
+    config_mod.check_given(config_mod.build(method="triforce", draft_model="m"), given, accelerator=False)
+    for key in given:
+        with pytest.raises(FafoError, match=f"'{key}' sets TriForce's draft-model level, which runs only with a"):
+            config_mod.check_given(config_mod.build(method="triforce"), {key}, accelerator=False)
+
+
 def test_numbers_in_exponent_form_are_numbers(tmp_path):
     config = config_mod.load_file(write(tmp_path, "min_p: 1e-3\ntemperature: 2.5E-1\nbudget: 5e-2\n"))
     assert config.min_p == 0.001 and config.temperature == 0.25 and config.budget == 0.05
