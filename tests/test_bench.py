@@ -309,6 +309,29 @@ def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch,
     assert code == 1 and "the timings were disturbed" in err and path.read_text() == "streams: 2\n", err
 
 
+def test_a_disturbed_cost_curve_is_never_kept(tiny, tmp_path, monkeypatch, capsys):
+    """Each command that measures the pass-cost curve (bench, --tune, doctor --write) keeps and writes nothing from
+    one that says a 2-row pass is cheaper than a 1-row one, however often it is measured again."""
+    from fafo_cli.bench import tune
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # where a kept curve would go
+    monkeypatch.setattr(tune, "CURVE_SLACK", 0.1)  # (the suite's fixture accepts every curve)
+    measured = []
+    monkeypatch.setattr(tune, "_measured_costs", lambda *args: measured.append(1) or {1: 10.0, 2: 5.0, 4: 12.0})
+    path = tmp_path / "config.yaml"
+    path.write_text("streams: 2\n")
+    for command in (["bench", "--tune", "--config", str(path)], ["doctor", "--write", "--config", str(path)]):
+        measured.clear()
+        code = entrypoint([command[0], str(tiny), *command[1:], "--dtype", "float32"])
+        err = capsys.readouterr().err
+        assert code == 1 and "nothing written" in err and path.read_text() == "streams: 2\n", err
+        assert len(measured) == tune.CURVE_ATTEMPTS
+    code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo", "--tokens", "4", "--dtype",
+                       "float32", "--config", str(path)])
+    assert code == 0 and "not kept" in capsys.readouterr().err
+    assert "eager" not in load(str(tiny), dtype="float32").session.step_costs
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_bench_numbers_are_checked(tiny, capsys, value):
     code = entrypoint(["bench", str(tiny), "--tokens", value])
