@@ -13,9 +13,9 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Hashable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from collections.abc import Hashable
 from typing import Any, Iterable
 
 import yaml
@@ -320,7 +320,7 @@ def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None
             raise FafoError(f"'{key}' is a setting of method {owner}, which is not running here (method: "
                             f"{config.method})")
         compressors = compressors_of(SPECS[key])
-        # (`compressor: auto` names no compressor, which is what turns the window off on a CPU: always an answer)
+        # (`compressor: auto` is never refused: naming no compressor is what turns a file's window off on a CPU)
         if owner == "fafo" and (key in WINDOW_KEYS or compressors) and not (key == "compressor" and
                                                                             config.compressor == "auto"):
             if not runs_window(config.streams, config.compressor != "auto", accelerator):
