@@ -157,9 +157,9 @@ class Config:
     window: int = _opt(32, "fafo snapkv/h2o: prompt queries observed at prefill", low=1)
     kernel: int = _opt(7, "fafo snapkv: width of the score smoothing (max pooling; odd)", low=1, high=63)
     recent: int = _opt(64, "fafo h2o: most recent positions always kept (< budget)", low=1)
-    attention: str = _opt("auto", "fafo: how window rows skip what they do not see: split (two stock attention "
-                                  "calls) or block (one FlexAttention call with a block mask; never measured on a "
-                                  "GPU); auto: split", choices=ATTENTION)
+    attention: str = _opt("auto", "fafo stream/quest/snapkv/h2o: how window rows skip what the compressed view "
+                                  "leaves out: split (two stock attention calls) or block (one FlexAttention call "
+                                  "with a block mask; never measured on a GPU); auto: split", choices=ATTENTION)
 
     # Peer methods (see docs/peers.md); defaults measured like FAFO's (docs/benchmarks.md).
     lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)

@@ -490,6 +490,15 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
         long.user_files([str(short), str(tmp_path / "blank.txt")])
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--documents", str(source), *FAST])
     assert code == 1 and "add long to --suites" in capsys.readouterr().err
+    # a text without blank lines (a log) is cut at its lines, not given as one paragraph too long for any prompt
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"12:{i:02d} request {i} served in {i % 7} ms\n" for i in range(3000)))
+    settings = suites.LongSettings(engine.encode, engine.model.max_context, answer=64, context=1536,
+                                   documents=(str(source), str(log)))
+    summary = suites.long_suite(settings, documents=1)[1].messages[0]["content"]
+    assert "request 0 served" in summary and len(engine.encode(summary)) > 1000
+    assert long.paragraph_cuts(["a", "", "b", "c", ""]) == [2, 5]  # short paragraphs: between them only
+    assert long.paragraph_cuts(["x"] * 25) == list(range(1, 26))
 
 
 def test_a_cost_curve_cheaper_past_one_row_is_measured_again_then_refused(monkeypatch):

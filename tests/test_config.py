@@ -215,6 +215,9 @@ def test_window_settings_count_where_a_window_runs():
     with pytest.raises(FafoError, match="'sink' is a setting of the stream compressor"):
         config_mod.check_given(config_mod.build(compressor="h2o"), given, accelerator=True)
     assert config_mod.compressors_of(config_mod.SPECS["window"]) == ("snapkv", "h2o")
+    with pytest.raises(FafoError, match="'attention' is a setting of the stream/quest/snapkv/h2o compressor, which "
+                                        "the window does not use here \\(compressor: none\\)"):
+        config_mod.check_given(config_mod.build(compressor="none"), {"attention"}, accelerator=False)
 
 
 def test_draft_model_settings_count_where_a_draft_model_runs():

@@ -217,6 +217,23 @@ def _longest(task: str, build: Callable[[int], list[dict] | None], cuts: list[in
     return best
 
 
+PARAGRAPH_LINES = 20  # the summary's text ends between paragraphs, or anywhere in one longer than this
+
+
+def paragraph_cuts(lines: list[str]) -> list[int]:
+    """Where a text of `lines` may end (line counts, increasing): after a blank line, and after any line of a
+    paragraph longer than PARAGRAPH_LINES (a text without blank lines: a log, a CSV file, prose with single line
+    breaks)."""
+    cuts, start = [], 0
+    for end in [i for i, line in enumerate(lines) if not line.strip()] + [len(lines)]:
+        if end - start > PARAGRAPH_LINES:
+            cuts += range(start + 1, end + 1)
+        if end < len(lines):
+            cuts.append(end + 1)
+        start = end + 1
+    return cuts
+
+
 def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple[str, ...] = TASKS,
           material: Material | None = None) -> list[LongPrompt]:
     """The `tasks` at `context` tokens (prompt plus an `answer` of that many tokens) from document `document` of
@@ -229,7 +246,7 @@ def build(context: int, document: int, answer: int, encode: Encode, tasks: tuple
     # at any line: a long function without blank lines would leave a gap of hundreds of tokens (the tasks' own
     # functions are whole: the builders check)
     code_cuts = list(range(1, len(lines) + 1))
-    doc_cuts = [i + 1 for i, line in enumerate(docs) if not line.strip()]  # between paragraphs
+    doc_cuts = paragraph_cuts(docs)
     skip = _recall_start(functions, material)
     first = next((start - skip, end - skip, name) for start, end, name in functions if start == skip)
     builders = {"recall": (lambda k: _recall(lines[skip:], first, k), [c - skip for c in code_cuts if c > skip]),
