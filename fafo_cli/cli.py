@@ -522,7 +522,8 @@ def list_models(
     if not models:
         out.print("No cached models. `fafo pull ORG/NAME` downloads one; `fafo run` prepares the embedded default.")
         return
-    table = Table("name", "quantization", "size", "modified", box=None, header_style="bold")
+    # "on disk": a converted .gguf is held dequantized (float32, and the dtypes run), several times the file
+    table = Table("name", "quantization", "on disk", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
         size = f"{m.size_bytes / 1e6:,.0f} MB" if m.size_bytes >= 0.5e6 else "<1 MB"

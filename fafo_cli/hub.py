@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -121,6 +122,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
 
     from .runtime.memory import release_freed_memory
 
+    # seconds to minutes, once: said before it starts (the dequantizing bar shows on a terminal only)
+    print(f"note: converting {path.name} ({path.stat().st_size / 2**20:,.0f} MB) once: its tensors dequantized into "
+          f"{target.parent}; later runs load that", file=sys.stderr, flush=True)
     try:
         with publish_dir(target, "config.json") as staging:
             write_gguf_as_hf(path, staging)

@@ -628,3 +628,12 @@ def test_embedded_model_is_a_plain_hf_folder(smollm2):
     assert (smollm2 / "model.safetensors").is_file() and (smollm2 / "tokenizer.json").is_file()
     assert hub.resolve(None) == smollm2
     assert hub.weights_format(smollm2, "float32") == "Q4_1 GGUF, dequantized to float32"
+
+
+def test_a_conversion_is_announced_once(caches, monkeypatch, tmp_path, capsys):
+    """Minutes for a real model: said before it starts, on a terminal or not; a converted file says nothing."""
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    path = _gguf_header(tmp_path / "m.gguf", "llama", **Q4_1_MODEL)
+    assert hub.convert_gguf(path) == hub.convert_gguf(path)
+    err = capsys.readouterr().err
+    assert err.count("note: converting m.gguf (0 MB) once") == 1 and "later runs load that" in err, err
