@@ -495,13 +495,14 @@ def compile_steps(
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct.", show_default=False)],
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.", show_default=False)] = None,
+    config: ConfigOpt = None,
     *, flags: dict,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the path.")] = False,
 ) -> None:
     """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
-    allow_pickle = flags["allow_pickle"]
-    folder = hub.pull(model, revision=revision or None, allow_pickle=bool(allow_pickle), quiet=quiet)  # "": main
-    hub.check_folder(folder, allow_pickle=bool(allow_pickle), trust_remote_code=True)
+    allow_pickle = config_mod.resolve(config, **flags).allow_pickle  # the config file's, unless the flag says
+    folder = hub.pull(model, revision=revision or None, allow_pickle=allow_pickle, quiet=quiet)  # "": main
+    hub.check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=True)
     print(folder)
 
 

