@@ -6,6 +6,7 @@ its KV cache does not already hold (so a turn costs its own new tokens, not the 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from .api import Engine
 from .errors import FafoError, first_line, interrupt_handled
 from .ui import StreamView, method_label
 
+QUOTES = '"""'  # open and close a multi-line message
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
 
 HELP = """Commands:
@@ -26,7 +28,8 @@ HELP = """Commands:
   /reset            forget the conversation (and the cached keys and values)
   /stats            totals for this session
   /exit             leave (Ctrl-D too)
-Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\".
+Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\" (a line that ends with
+the closing quotes ends the message).
 Ctrl-C stops the current answer; the conversation stays."""
 
 
@@ -67,18 +70,22 @@ class Repl:
             line = input(">>> " if self.interactive else "")
         except EOFError:
             return None
-        if line.strip() == '"""':
-            lines = []
+        if line.lstrip().startswith(QUOTES):  # a block, as ollama reads one: text may follow the opening quotes,
+            first = line.lstrip()[3:]         # and the line that ends with the closing ones is its last
+            if first.rstrip().endswith(QUOTES):
+                return first.rstrip()[:-3], True
+            lines = [first] if first.strip() else []
             while True:
                 try:
                     more = input("... " if self.interactive else "")
                 except EOFError:
                     self._warn('error: the input ended inside a """ block; that message was not sent')
                     return None
-                if more.strip() == '"""':
-                    break
+                if more.rstrip().endswith(QUOTES):
+                    last = more.rstrip()[:-3]
+                    lines += [last] if last.strip() else []
+                    return "\n".join(lines), True
                 lines.append(more)
-            return "\n".join(lines), True
         lines = [line]
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
@@ -93,6 +100,8 @@ class Repl:
         # reader, as under most UTF-8 locales, would throw away the rest of its buffer with them)
         getattr(sys.stdin, "reconfigure", lambda **_: None)(errors="surrogateescape")
         if self.interactive:
+            with contextlib.suppress(ImportError):  # input() then edits lines and recalls earlier ones (arrow keys)
+                import readline  # noqa: F401
             self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.request_config())} · /help for commands, "
                            "Ctrl-D to leave")
         while True:

@@ -651,8 +651,6 @@ def _run(command, argv: list[str] | None) -> int:
             raise
         print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `fafo run ... | head`
-        return 0
     except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
         path = e.filename2 or e.filename  # a rename's target, not its temporary source
         if e.errno not in UNUSABLE_PATH or not path:

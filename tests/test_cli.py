@@ -364,6 +364,39 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_
     assert result.stderr.rstrip().endswith('the input ended inside a """ block; that message was not sent')
 
 
+def test_a_reader_that_leaves_early_is_no_error(tiny, prompt_file):
+    """`fafo run ... | head`: the pipe breaks mid-answer; nothing on stderr, status 1 (click's way with a broken
+    pipe: it quiets both streams and exits)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "fafo_cli", "run", str(tiny), "-p", str(prompt_file),
+                                "--dtype", "float32", "-n", "200", "--method", "vanilla"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(1)
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1 and err.decode() == "", err.decode()
+
+
+@pytest.mark.parametrize("typed, message", [
+    (['"""', "first", "second", '"""'], "first\nsecond"),
+    (['"""Summarize this:', "some text", 'end"""'], "Summarize this:\nsome text\nend"),  # as ollama reads them
+    (['  """one line"""  '], "one line"),
+    (['"""', "  indented", '  """'], "  indented"),
+])
+def test_a_quoted_block_is_one_message(monkeypatch, typed, message):
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli.chat import Repl
+
+    lines = iter(typed)
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    repl = Repl.__new__(Repl)  # _read needs no engine
+    repl.interactive, repl.err = False, Console(file=io_mod.StringIO())
+    assert repl._read() == (message, True)
+
+
 def test_a_message_too_long_for_the_context_leaves_the_conversation_as_it_was(tiny):
     import io as io_mod
 
