@@ -201,10 +201,12 @@ class Engine:
         return config
 
     def check_given(self, config: config_mod.Config, given: Iterable[str]) -> None:
-        """`config.check_given` on this engine's device, and `system` only for a model with a chat template."""
+        """`config.check_given` on this engine's device, and `system` or `chat_template` only for a model with a chat
+        template."""
         config_mod.check_given(config, given, accelerator=self.model.device.type != "cpu")
-        if "system" in given and config.system and not self.has_chat_template:
-            raise FafoError(f"'system' needs a chat template, and {self.name} has none")
+        for key in ("system", "chat_template"):  # both would change nothing: the prompt goes in as plain text
+            if key in given and getattr(config, key) and not self.has_chat_template:
+                raise FafoError(f"'{key}' needs a chat template, and {self.name} has none")
 
     def settings(self, config: config_mod.Config) -> dict:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,

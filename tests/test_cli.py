@@ -499,6 +499,9 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     engine = load(str(folder), dtype="float32")
     with pytest.raises(FafoError, match="'system' needs a chat template"):  # as a server request's field
         engine.check_given(engine.request_config(system="Be brief."), {"system"})
+    with pytest.raises(FafoError, match="'chat_template' needs a chat template"):  # a completion asking for it
+        engine.check_given(engine.request_config(chat_template=True), {"chat_template"})
+    engine.check_given(engine.request_config(chat_template=False), {"chat_template"})
 
 
 def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):

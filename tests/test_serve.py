@@ -545,11 +545,13 @@ def test_api_key(guarded):
 
 
 def test_cors_only_for_the_given_origin(served, guarded):
+    # the headers the openai JavaScript client sends besides these
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"}
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,x-stainless-lang"}
     with httpx.Client(timeout=30) as http:
         allowed = http.options(f"{guarded.url}/chat/completions", headers=preflight)
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+        assert "x-stainless-os" in allowed.headers["access-control-allow-headers"].lower()
         other = http.options(f"{guarded.url}/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
         assert _check_error(other, 400)["code"] == "cors_refused"
@@ -667,6 +669,23 @@ def test_a_body_that_is_not_sent_as_json_is_a_415(served):
             assert error["code"] == "unsupported_media_type"
         for media in ("application/json; charset=utf-8", "application/vnd.api+json"):
             assert http.post("/completions", content=body, headers={"Content-Type": media}).status_code == 200
+        # no type: a client's JSON, unless a web page sent it (its post without a type goes out unchecked)
+        assert http.post("/completions", content=body, headers={"Content-Type": ""}).status_code == 200
+        error = _check_error(http.post("/completions", content=body,
+                                       headers={"Content-Type": "", "Origin": "http://evil.example"}), 415)
+        assert error["code"] == "unsupported_media_type" and "web page" in error["message"]
+
+
+def test_a_loopback_server_answers_only_requests_addressed_to_this_machine(served):
+    """DNS rebinding: a web page whose domain resolves to 127.0.0.1 sends its own name as Host."""
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        port = served.url.split(":")[2].split("/")[0]
+        for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+            assert http.get("/models", headers={"Host": host}).status_code == 200, host
+        for path in ("/models", "/completions"):
+            error = _check_error(http.request("POST" if "compl" in path else "GET", path, headers={
+                "Host": f"evil.example:{port}", "Content-Type": "application/json"}, content=b"{}"), 403)
+            assert error["code"] == "host_not_allowed" and "'evil.example'" in error["message"]
 
 
 def test_out_of_memory_is_its_own_error(served, monkeypatch):

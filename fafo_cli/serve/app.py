@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from typing import AsyncIterator, Awaitable
@@ -51,9 +52,11 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         except ClientDisconnect:  # nothing was submitted: no error, nobody to tell
             log.debug("%s %s: the client left while sending its body", request.method, request.url.path)
             return Response(status_code=499)
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower() or "application/json"
-        if media != "application/json" and not media.endswith("+json"):  # also keeps web pages' simple (unchecked
-            # cross-origin) form and text posts from starting generations
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not media and "origin" in request.headers:  # a web page's post without a type goes out unchecked (a
+            raise ApiError(415, "a request from a web page must send its body as Content-Type: application/json",
+                           code="unsupported_media_type")  # CORS "simple request"), as its form and text posts do
+        if media and media != "application/json" and not media.endswith("+json"):
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got {media})",
                            code="unsupported_media_type")
         job = schema.parse(schema.read_json(body), kind, engine, served)
@@ -91,8 +94,9 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
               Route("/health", _answers_errors(health), methods=["GET"])]
     middleware = [Middleware(Guard, api_key=api_key, max_body=max_body)]
     if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
+        # any request header: the openai JS client adds its own (X-Stainless-*), and a refused one fails the call
         middleware.insert(0, Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
-                                        allow_headers=["Authorization", "Content-Type"]))
+                                        allow_headers=["*"]))
     handlers = {404: _http_error, 405: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
@@ -230,6 +234,12 @@ class Guard:
         await self.app(scope, bounded, send)
 
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
+        host = _foreign_host(scope, headers)
+        if host is not None:
+            return ApiError(403, f"this server listens on loopback and answers requests addressed to localhost or an "
+                                 f"IP address, not to '{host}' (a web page's DNS rebinding sends its own name); to "
+                                 "be reached by other names, listen on another address (--host)",
+                            code="host_not_allowed")
         if self.api_key and scope["path"] not in OPEN_PATHS:
             scheme, _, key = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not key.strip():
@@ -245,3 +255,24 @@ class Guard:
     def _too_large(self) -> ApiError:
         return ApiError(413, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
                              "this model's context takes", code="request_too_large")
+
+
+def _foreign_host(scope, headers: Headers) -> str | None:
+    """On a server that listens on loopback, the Host a request names when that is neither localhost nor an IP
+    address: a web page whose domain was rebound to 127.0.0.1 (DNS rebinding) counts as same-origin in the browser
+    and sends its own name (ollama refuses those too). None where the request may go on."""
+    server = scope.get("server")
+    try:
+        if not server or not ipaddress.ip_address(server[0]).is_loopback:
+            return None
+    except ValueError:  # a Unix socket's path
+        return None
+    host = headers.get("host", "").strip().lower()
+    name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    if not name or name == "localhost" or name.endswith(".localhost"):
+        return None
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        return name
