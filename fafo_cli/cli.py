@@ -166,8 +166,8 @@ def _check_plot_format(path: str) -> None:
     """A chart file whose suffix matplotlib writes (png, svg, pdf, ...)."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:  # told when the chart is drawn, with how to install it
-        return
+    except ImportError:  # before the run, which may take hours
+        raise FafoError("--plot needs matplotlib: pip install 'fafo-cli[bench]'") from None
     suffix = Path(path).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix not in formats:
@@ -212,7 +212,7 @@ def run(
                                           "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
-    from .ui import StreamView, consoles, method_label
+    from .ui import StreamView, consoles, footer, method_label
 
     if quiet and verbose:
         raise FafoError("--quiet and --verbose ask for opposite things: give one")
@@ -222,7 +222,10 @@ def run(
     engine = _load(settings, err, flags, quiet=quiet)
     engine.count_syncs = verbose
     if as_json:
-        print(json.dumps(engine.complete(text).to_dict(), ensure_ascii=False))
+        result = engine.complete(text)
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        if verbose:  # the statistics' line on stderr too, as without --json
+            print(footer(result.stats, method_label(engine.request_config()), result.finish_reason), file=sys.stderr)
         return
     request = engine.request_config()  # the model's sampling defaults filled in, a fresh seed drawn
     live = out.is_terminal and not quiet
@@ -345,7 +348,7 @@ def bench(
 ) -> None:
     """FAFO against plain decoding, the peer methods and transformers, side by side."""
     from .bench import command
-    from .bench.suites import parse_suites
+    from .bench.suites import check_installed, parse_suites
     from .ui import consoles
 
     if tune:  # it measures with prompts and settings of its own
@@ -385,11 +388,14 @@ def bench(
                              "--config": [config] if config else []}, binary=("--plot",))  # before the run: hours
     if plot_file is not None:
         _check_plot_format(plot_file)
+    if not tune:
+        check_installed(chosen)  # before the model loads
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod
 
-        raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, Path(config) if config else None))
+        written = Path(config).expanduser() if config else None
+        raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, written))
     engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
     raise typer.Exit(command.run(engine, settings, options, tables, err))
@@ -576,7 +582,8 @@ def cacheback_build_table(
     settings = config_mod.resolve(config, model=model, **flags)
     _check_outputs({"--out": out}, {"a text file to learn from": list(files)}, binary=("--out",))
     texts = read_corpus(files)  # every file checked before the tokenizer loads
-    folder = hub.resolve(settings.model, trust_remote_code=settings.trust_remote_code)
+    # only its tokenizer is read: pickle weights, never loaded here, are no reason to refuse it
+    folder = hub.resolve(settings.model, allow_pickle=True, trust_remote_code=settings.trust_remote_code)
     from .api import load_tokenizer
 
     tokenizer = load_tokenizer(folder, settings)

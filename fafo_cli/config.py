@@ -420,7 +420,7 @@ def resolve(config_file: str | None, **flags: Any) -> Config:
     if config_file is not None and not config_file.strip():
         raise FafoError("--config needs a file name")
     if config_file is not None:
-        config = load_file(Path(config_file), config)
+        config = load_file(Path(config_file).expanduser(), config)
     elif user_config_path().exists():  # (a folder there is an error, not no file)
         config = load_file(user_config_path(), config)
     return build(config, **flags)

@@ -377,7 +377,8 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
     try:
         # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
         # first: a model we cannot run is refused before its weights download (and stay in the cache)
-        files = [sibling.rfilename for sibling in HfApi().model_info(repo_id, revision=revision or "main").siblings or ()]
+        info = HfApi().model_info(repo_id, revision=revision or "main")
+        files = [sibling.rfilename for sibling in info.siblings or ()]
         if "config.json" not in files:
             raise FafoError(_not_a_model_repo(repo_id, files))
         _check_config(Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent,

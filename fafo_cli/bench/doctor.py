@@ -211,4 +211,4 @@ def _yes(value: bool) -> str:
 
 
 def default_config_path(given: str | None) -> Path:
-    return Path(given) if given else config_mod.user_config_path()
+    return Path(given).expanduser() if given else config_mod.user_config_path()

