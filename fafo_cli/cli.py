@@ -319,8 +319,8 @@ def bench(
                                                    "--full: 3).", min=1, show_default=False)] = None,
     warmup: Annotated[Optional[int], typer.Option(help="Untimed runs of every row first (default: 1).", min=0,
                                                   show_default=False)] = None,
-    samples: Annotated[Optional[int], typer.Option(help="Prompts per suite (default: 1; --full: 3).", min=1,
-                                                   show_default=False)] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Prompts per suite (default: 1; --full: 3; a --prompts "
+                                                        "file runs whole).", min=1, show_default=False)] = None,
     prompts: Annotated[Optional[str], typer.Option(help="Your own prompts, as one more suite "
                                                    "(`custom`): a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,

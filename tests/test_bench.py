@@ -116,6 +116,37 @@ def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_p
     assert {(r["samples"], r["repeats"]) for r in records} == {(1, 3)}
 
 
+def test_transformers_rows_decode_plainly_whatever_the_models_generation_settings(tiny, tmp_path):
+    """Qwen's generation_config.json sets a repetition penalty, which transformers applies even greedily: the
+    reference rows must still be plain greedy decoding (exact in float32)."""
+    import shutil
+
+    penalised = shutil.copytree(tiny, tmp_path / "penalised")
+    settings = json.loads((penalised / "generation_config.json").read_text())
+    (penalised / "generation_config.json").write_text(json.dumps({**settings, "repetition_penalty": 3.0,
+                                                                   "no_repeat_ngram_size": 2}))
+    out = tmp_path / "out.json"
+    assert entrypoint(["bench", str(penalised), "--suites", "chat", "--methods", "vanilla", "--external",
+                       "--warmup", "0", "--tokens", "24", "--dtype", "float32", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["row"], r["exact"]) for r in records] == [("vanilla", "1/1"), ("hf-generate", "1/1"),
+                                                         ("hf-prompt-lookup", "1/1")]
+
+
+def test_transformers_rows_count_the_tokens_after_the_prefills_pass():
+    """Prompt lookup's first pass (the prefill's) may accept several tokens; like our rows, their time is not timed,
+    so they are not counted."""
+    import torch
+
+    from fafo_cli.bench.runner import _Timing
+    from fafo_cli.runtime.memory import PeakMemory
+
+    timing = _Timing(PeakMemory(torch.device("cpu")))
+    for batch in ([[1, 2, 3, 4]], [5, 6, 7], [8], [9, 10]):  # the prompt, then the prefill pass's three tokens
+        timing.put(torch.tensor(batch))
+    assert timing.first_tokens == 3 and timing.last > timing.first
+
+
 def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('\ufeff{"prompt": "Say hi.", "id": "hi"}\n\n{"messages": [{"role": "user", "content": "Bye?"}]}\n',

@@ -80,6 +80,7 @@ class _Timing:
     def __init__(self, memory: PeakMemory):
         self.prompt_seen = False
         self.first = self.last = None
+        self.first_tokens = 0  # in the first batch: the prefill's pass, untimed (prompt lookup's may hold several)
         self.memory = memory
 
     def put(self, value) -> None:
@@ -87,7 +88,8 @@ class _Timing:
             self.prompt_seen = True
             return
         now = time.perf_counter()
-        self.first = self.first or now
+        if self.first is None:
+            self.first, self.first_tokens = now, value.numel()
         self.last = now
         self.memory.sample()
 
@@ -96,6 +98,8 @@ class _Timing:
 
 
 def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tuple[list[int], float, float]:
+    from transformers import GenerationConfig
+
     model = engine.hf_model
     memory = PeakMemory(engine.model.device)
     timing = _Timing(memory)
@@ -107,12 +111,21 @@ def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tu
         options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                        top_k=sampling.top_k or None, min_p=sampling.min_p or None)
         torch.manual_seed(sampling.seed or 0)
-    with torch.inference_mode():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=0,
-                             streamer=timing, eos_token_id=sorted(engine.stop_ids) or None, **options)
+    # generate() fills every setting not given from the model's generation_config.json, whose processors (Qwen's
+    # files set a repetition penalty) apply even greedily: plain decoding is compared with plain decoding
+    kept, model.generation_config = model.generation_config, GenerationConfig(
+        bos_token_id=model.generation_config.bos_token_id, pad_token_id=model.generation_config.pad_token_id)
+    try:
+        with torch.inference_mode():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                                 min_new_tokens=0, streamer=timing, eos_token_id=sorted(engine.stop_ids) or None,
+                                 **options)
+    finally:
+        model.generation_config = kept
     generated = out[0, len(ids):].tolist()
     decode = (timing.last - timing.first) if timing.first else 0.0
-    speed = (len(generated) - 1) / decode if len(generated) > 1 and decode > 0 else 0.0
+    counted = len(generated) - timing.first_tokens  # as our rows count: the tokens after the prefill's
+    speed = counted / decode if counted > 0 and decode > 0 else 0.0
     return generated, speed, memory.sample()
 
 
