@@ -19,6 +19,14 @@ from .errors import FafoError, first_line, interrupt_handled
 from .ui import StreamView, method_label
 
 QUOTES = '"""'  # open and close a multi-line message
+
+
+def _closes(line: str) -> bool:
+    """Whether a line of a block ends it: it ends with the quotes, and holds no others (a pasted one-line Python
+    docstring does not)."""
+    return line.rstrip().endswith(QUOTES) and line.count(QUOTES) == 1
+
+
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
 
 HELP = """Commands:
@@ -29,7 +37,7 @@ HELP = """Commands:
   /stats            totals for this session
   /exit             leave (Ctrl-D too)
 Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\" (a line that ends with
-the closing quotes ends the message).
+the closing quotes, and has no others, ends the message).
 Ctrl-C stops the current answer; the conversation stays."""
 
 
@@ -72,7 +80,7 @@ class Repl:
             return None
         if line.lstrip().startswith(QUOTES):  # a block, as ollama reads one: text may follow the opening quotes,
             first = line.lstrip()[3:]         # and the line that ends with the closing ones is its last
-            if first.rstrip().endswith(QUOTES):
+            if _closes(first):
                 return first.rstrip()[:-3], True
             lines = [first] if first.strip() else []
             while True:
@@ -81,7 +89,7 @@ class Repl:
                 except EOFError:
                     self._warn('error: the input ended inside a """ block; that message was not sent')
                     return None
-                if more.rstrip().endswith(QUOTES):
+                if _closes(more):
                     last = more.rstrip()[:-3]
                     lines += [last] if last.strip() else []
                     return "\n".join(lines), True

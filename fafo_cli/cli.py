@@ -286,6 +286,8 @@ def serve(
         server.setup_logging(verbose)
         # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
         engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
+        # the command line's settings are the requests' defaults; these two no request could use
+        engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
         server.serve(engine, sock, options)
     finally:
         sock.close()

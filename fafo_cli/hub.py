@@ -371,6 +371,12 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
 
     if not _REPO_ID.match(repo_id):
         raise FafoError(f"'{repo_id}' is not a valid model id (expected 'org/name')")
+    if _offline():  # nothing to ask the hub: the cached copy, if whole
+        folder = cached_snapshot(repo_id, revision)
+        if folder is None:
+            raise FafoError(f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to "
+                            "download")
+        return folder
     silence = quiet and not are_progress_bars_disabled()
     if silence:
         disable_progress_bars()
@@ -424,10 +430,12 @@ def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_inde
                  and not name.startswith("consolidated")]
         if found:
             return found
-    if any(name.endswith(PICKLE_SUFFIXES) for name in top):
-        raise FafoError(f"{repo_id} has only pickle weights (.bin), which can run code when loaded; pass "
+    if not allow_pickle and any(name.endswith(PICKLE_SUFFIXES) and not name.startswith("consolidated")
+                                for name in top):
+        raise FafoError(f"{repo_id} has only pickle weights (.bin/.pt/.pth), which can run code when loaded; pass "
                         "--allow-pickle to download and load them anyway")
-    raise FafoError(f"{repo_id} has no model weights (*.safetensors)")
+    raise FafoError(f"{repo_id} has no weights transformers loads (model.safetensors or its shards; a "
+                    "`consolidated` file is another runtime's copy)")
 
 
 def _not_a_model_repo(repo_id: str, files: list[str]) -> str:

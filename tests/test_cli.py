@@ -409,6 +409,8 @@ def test_a_reader_that_leaves_early_is_no_error(tiny, prompt_file):
     (['"""Summarize this:', "some text", 'end"""'], "Summarize this:\nsome text\nend"),  # as ollama reads them
     (['  """one line"""  '], "one line"),
     (['"""', "  indented", '  """'], "  indented"),
+    (['"""', "def f():", '    """Return 1."""', "    return 1", '"""'],  # a pasted docstring does not end it
+     'def f():\n    """Return 1."""\n    return 1'),
 ])
 def test_a_quoted_block_is_one_message(monkeypatch, typed, message):
     import io as io_mod
@@ -529,6 +531,9 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     with pytest.raises(FafoError, match="'chat_template' needs a chat template"):  # a completion asking for it
         engine.check_given(engine.request_config(chat_template=True), {"chat_template"})
     engine.check_given(engine.request_config(chat_template=False), {"chat_template"})
+    for flags in (["--chat-template"], ["--system", "Be brief."]):  # a server's defaults that no request could use
+        code, out, err = run_cli(capsys, "serve", folder, "--port", "0", "--dtype", "float32", *flags)
+        assert code == 1 and "needs a chat template, and" in err and err.count("\n") == 2, err  # (after the note)
 
 
 def test_a_long_prefill_shows_a_progress_bar(tiny, monkeypatch):

@@ -174,7 +174,7 @@ def _names(paths) -> list[str]:
     return sorted(Path(p).name for p in paths)
 
 
-def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
+def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch):
     folder = hub.pull("org/tiny")
     model_files = _names(tiny.iterdir())
     assert _names(folder.iterdir()) == model_files  # no README, git metadata or pickle file
@@ -190,6 +190,12 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys):
 
     assert hub.pull("org/tiny", allow_pickle=True) == folder
     assert fake_hub.downloads() == []  # the safetensors copy is the one pulled, pickle allowed or not
+    fake_hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a pull offline: the cached copy, without asking the hub
+    assert hub.pull("org/tiny") == folder and fake_hub.requests == []
+    with pytest.raises(FafoError, match="^model 'org/other' is not in the local cache and HF_HUB_OFFLINE is set"):
+        hub.pull("org/other")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     sha = fake_hub.repos["org/tiny"].sha
     assert hub.pull("org/tiny", revision=sha) == folder
     with pytest.raises(FafoError, match="^revision not found for org/tiny$"):
@@ -337,14 +343,19 @@ def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys
     fake_hub.add("org/pickled", {"config.json": (tiny / "config.json").read_bytes(), "pytorch_model.bin": b"pickle"})
     fake_hub.requests.clear()
     assert entrypoint(["pull", "org/pickled", "-q"]) == 1
-    assert capsys.readouterr().err == ("error: org/pickled has only pickle weights (.bin), which can run code when "
-                                       "loaded; pass --allow-pickle to download and load them anyway\n")
+    assert capsys.readouterr().err == ("error: org/pickled has only pickle weights (.bin/.pt/.pth), which can run "
+                                       "code when loaded; pass --allow-pickle to download and load them anyway\n")
     assert _names(fake_hub.downloads()) == ["config.json"]
     config = tmp_path / "fafo.yaml"
     config.write_text("allow_pickle: true\n")
     assert entrypoint(["pull", "org/pickled", "-q", "-c", str(config)]) == 0  # the config file's setting counts
     assert _names(fake_hub.downloads()) == ["config.json", "pytorch_model.bin"]
     capsys.readouterr()
+
+    fake_hub.add("org/other-runtime", {"config.json": (tiny / "config.json").read_bytes(),
+                                       "consolidated.00.pth": b"pickle"})
+    assert entrypoint(["pull", "org/other-runtime", "-q", "--allow-pickle"]) == 1
+    assert "has no weights transformers loads" in capsys.readouterr().err
 
     fake_hub.add("org/tiny-GGUF", {"README.md": b"# quants", "tiny.Q4_K_M.gguf": b"GGUF"})
     assert entrypoint(["pull", "org/tiny-GGUF"]) == 1

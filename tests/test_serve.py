@@ -67,9 +67,11 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _start(engine, **options) -> Live:
+def _start(engine, loopback: bool | None = None, **options) -> Live:
+    """A server on a free loopback port; `loopback=False`: as if it listened beyond loopback too (0.0.0.0)."""
     sock = server_mod.bind("127.0.0.1", 0)
-    server = server_mod.create(engine, server_mod.Options(**options))
+    loopback = server_mod.is_loopback(sock) if loopback is None else loopback
+    server = server_mod.create(engine, server_mod.Options(**options), loopback=loopback)
     thread = threading.Thread(target=server.serve_on, args=(sock,), daemon=True)
     live = Live(server_mod.url(sock), engine.name, server, thread)
     live.handler = Lines(live.log)
@@ -688,6 +690,16 @@ def test_a_loopback_server_answers_only_requests_addressed_to_this_machine(serve
             assert error["code"] == "host_not_allowed" and "'evil.example'" in error["message"]
 
 
+def test_a_server_listening_beyond_loopback_answers_any_host(tiny):
+    """Behind a reverse proxy on the same machine that passes the client's Host on (0.0.0.0 seen from 127.0.0.1)."""
+    live = _start(load(str(tiny), dtype="float32"), loopback=False)
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            assert http.get("/models", headers={"Host": "myapp.example"}).status_code == 200
+    finally:
+        _stop(live)
+
+
 def test_out_of_memory_is_its_own_error(served, monkeypatch):
     """Memory running out (here: torch's CPU allocator, a plain RuntimeError) is a 500 `out_of_memory`, not a bug."""
     def exhausted(*args, **kwargs):
@@ -712,6 +724,19 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
             assert error["message"] == "the model's chat template refused the messages: System role not supported"
             fine = http.post("/chat/completions", json={"messages": CHAT[1:], "max_tokens": 3})
             assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    finally:
+        _stop(live)
+
+
+def test_a_model_without_a_chat_template_refuses_what_needs_one(tmp_path):
+    folder = build_tiny_model(tmp_path / "plain", "llama-gqa", chat_template=False)
+    live = _start(load(str(folder), dtype="float32"))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            for body in ({"prompt": "hi", "system": "Be brief."}, {"prompt": "hi", "chat_template": True}):
+                error = _check_error(http.post("/completions", json={**body, "max_tokens": 3}), 400)
+                assert "needs a chat template, and" in error["message"] and "has none" in error["message"], error
+            assert http.post("/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
     finally:
         _stop(live)
 

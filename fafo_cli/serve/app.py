@@ -37,7 +37,9 @@ class ClientGone(Exception):
 
 
 def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, cors: tuple[str, ...] = (),
-               max_body: int) -> Starlette:
+               max_body: int, loopback: bool) -> Starlette:
+    """`loopback`: the server listens on a loopback address only (requests must then be addressed to this machine:
+    see `_foreign_host`)."""
     served, started = engine.name, int(time.time())
 
     async def chat(request: Request) -> Response:
@@ -92,7 +94,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
               Route("/v1/models", _answers_errors(models), methods=["GET"]),
               Route("/v1/models/{name:path}", _answers_errors(model), methods=["GET"]),
               Route("/health", _answers_errors(health), methods=["GET"])]
-    middleware = [Middleware(Guard, api_key=api_key, max_body=max_body)]
+    middleware = [Middleware(Guard, api_key=api_key, max_body=max_body, loopback=loopback)]
     if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
         # any request header: the openai JS client adds its own (X-Stainless-*), and a refused one fails the call
         middleware.insert(0, Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
@@ -211,8 +213,8 @@ class Cors(CORSMiddleware):
 class Guard:
     """The API key (Authorization: Bearer) and the body size bound, before any route reads a byte of the body."""
 
-    def __init__(self, app, *, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app, *, api_key: str | None, max_body: int, loopback: bool):
+        self.app, self.api_key, self.max_body, self.loopback = app, api_key, max_body, loopback
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -234,7 +236,7 @@ class Guard:
         await self.app(scope, bounded, send)
 
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
-        host = _foreign_host(scope, headers)
+        host = _foreign_host(headers) if self.loopback else None
         if host is not None:
             return ApiError(403, f"this server listens on loopback and answers requests addressed to localhost or an "
                                  f"IP address, not to '{host}' (a web page's DNS rebinding sends its own name); to "
@@ -257,16 +259,10 @@ class Guard:
                              "this model's context takes", code="request_too_large")
 
 
-def _foreign_host(scope, headers: Headers) -> str | None:
+def _foreign_host(headers: Headers) -> str | None:
     """On a server that listens on loopback, the Host a request names when that is neither localhost nor an IP
     address: a web page whose domain was rebound to 127.0.0.1 (DNS rebinding) counts as same-origin in the browser
     and sends its own name (ollama refuses those too). None where the request may go on."""
-    server = scope.get("server")
-    try:
-        if not server or not ipaddress.ip_address(server[0]).is_loopback:
-            return None
-    except ValueError:  # a Unix socket's path
-        return None
     host = headers.get("host", "").strip().lower()
     name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
     if not name or name == "localhost" or name.endswith(".localhost"):

@@ -81,14 +81,15 @@ def url(sock: socket.socket) -> str:
 
 def serve(engine: Engine, sock: socket.socket, options: Options) -> None:
     """Serve on a bound socket until SIGINT or SIGTERM; return when every answer in flight has closed."""
-    create(engine, options).serve_on(sock)
+    create(engine, options, loopback=is_loopback(sock)).serve_on(sock)
 
 
-def create(engine: Engine, options: Options) -> "Server":
+def create(engine: Engine, options: Options, *, loopback: bool) -> "Server":
+    """The server for `engine`; `loopback`: it will listen on a loopback address only."""
     engine.keep_conversations(options.conversations, options.conversations_mb)
     worker = Worker(engine, options.queue)
     app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
-                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context)
+                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context, loopback=loopback)
     logging_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # every log line on stderr, as ours
     config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
