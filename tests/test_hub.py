@@ -322,7 +322,7 @@ def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_p
     assert not hub._has_model_files(copy)
 
 
-def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys, monkeypatch):
+def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys):
     """Repos that ship the weights twice (Mistral's `consolidated.safetensors` beside its shards, Llama's
     `original/*.pth`) or in pickle too: one copy is downloaded, safetensors first."""
     import shutil
