@@ -608,7 +608,18 @@ def test_chat_stats_speed_is_the_decode_speed_as_run_counts_it():
     assert "15.0 tok/s" in Totals(turns=3, generated_tokens=33, decoded_tokens=30, decode_s=2.0, steps=20).line()
 
 
-def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_file):
+@pytest.fixture
+def fresh_sigint():
+    """SIGINT's handler as a fresh process has it, where the CLI installs its own (an earlier test of this worker may
+    have left another one), restored afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_is_one_line_wherever_it_lands(capsys, monkeypatch, tiny, prompt_file, fresh_sigint):
     import signal
 
     from fafo_cli import cli
