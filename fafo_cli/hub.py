@@ -345,22 +345,29 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     return folder if _has_model_files(folder) else None
 
 
+def _index_shards(index: Path) -> set[str] | None:
+    """The shard files a weight index (`*.index.json`) names; None where it is none: unreadable, not JSON, or without
+    a `weight_map` of file names."""
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return shards if shards and all(isinstance(s, str) for s in shards) else None
+
+
 def _has_model_files(folder: Path) -> bool:
     """Whether a snapshot holds config.json and its weights: model.safetensors, or every shard its index names (the
     same for pickle weights). A pull cut off mid-way leaves the files it finished, and huggingface_hub before 2.x
     returns such a snapshot offline without a word."""
     if not (folder / "config.json").is_file():
         return False
-    for single in ("model.safetensors", "pytorch_model.bin"):
+    for single, _ in WEIGHT_FILES:
         if (folder / single).is_file():
             return True
         index = folder / f"{single}.index.json"
         if index.is_file():
-            try:
-                shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                return False
-            return bool(shards) and all(isinstance(s, str) and (folder / s).is_file() for s in shards)
+            shards = _index_shards(index)
+            return shards is not None and all((folder / s).is_file() for s in shards)
     return any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())  # named otherwise, without an index
 
 
@@ -421,10 +428,9 @@ def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_inde
             return [single]
         index = f"{single}.index.json"
         if index in top:
-            try:
-                shards = set(json.loads(fetch_index(index).read_text(encoding="utf-8"))["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                raise FafoError(f"{repo_id}'s {index} is not a weight index") from None
+            shards = _index_shards(fetch_index(index))
+            if shards is None:
+                raise FafoError(f"{repo_id}'s {index} is not a weight index")
             return [index, *sorted(shards)]
         found = [name for name in top if name.endswith(PICKLE_SUFFIXES if suffix == ".bin" else suffix)
                  and not name.startswith("consolidated")]
