@@ -191,13 +191,13 @@ def test_copies_auto_offers_more_copies_when_sampling(tiny, monkeypatch):
     from fafo_cli.decoders.fafo import step
 
     asked = []
-    original = step.text_chains
 
-    def recording(index, copies, draft_tokens):
-        asked.append(copies)
-        return original(index, copies, draft_tokens)
+    class Recording(step.TextGuesses):
+        def __init__(self, index, copies, draft_tokens):
+            asked.append(copies)
+            super().__init__(index, copies, draft_tokens)
 
-    monkeypatch.setattr(step, "text_chains", recording)
+    monkeypatch.setattr(step, "TextGuesses", Recording)
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo")
     for settings, copies in ((dict(), 2), (dict(temperature=0.8, seed=1), 4), (dict(temperature=0.8, copies=3), 3)):
         asked.clear()

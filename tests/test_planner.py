@@ -243,3 +243,36 @@ def test_compiled_plain_steps_are_measured_before_stale_package_costs_are_truste
     assert rows[-4:] == [1, 1, 1, 1] and costs.of(1) < costs.of(2)
     eager = _planner(StepCosts({1: 9.6, 4: 8.7}))  # eager costs are measured side by side: trusted
     assert eager.plan(weak, room=100).rows > 1
+
+
+def test_candidates_that_cannot_pay_are_never_built_and_the_plans_stay_the_same():
+    """The bound from the candidates' first tokens (`firsts`) decides a plain step without growing the text's
+    frequency tree; wherever it cannot, the plan is the one the built candidates give."""
+    from fafo_cli.decoders.fafo.step import TextGuesses, text_index
+    from fafo_cli.decoders.verify import accept_tree
+
+    text = [5, 6, 7, 8, 1, 2, 3, 5, 6, 7, 9, 4, 1, 2, 3, 5, 6, 7, 8] * 3 + list(range(20, 60))
+    runs = {}
+    for bounded in (False, True):
+        index, planner, built, steps, at = text_index(), _planner(StepCosts({1: 1.0, 2: 1.15, 17: 2.0})), [], [], 10
+        index.extend(text[:at])
+        while at < len(text):
+            guesses = TextGuesses(index, 2, 16)
+
+            def chains(guesses=guesses):
+                built.append(True)
+                return guesses.chains()
+
+            plan = planner.plan(chains, 100, guesses.firsts()) if bounded else planner.plan(chains(), 100)
+            tree = plan.tree
+            path, emitted = accept_tree(tree, lambda row: text[min(at + (tree.depths[row - 1] if row else 0),
+                                                                   len(text) - 1)])
+            planner.observe(plan, path)
+            emitted = emitted[:len(text) - at]
+            index.extend(emitted)
+            at += len(emitted)
+            steps.append((plan.rows, tree.tokens, path))
+        runs[bounded] = steps, len(built)
+    (full, every), (bounded, some) = runs[False], runs[True]
+    assert bounded == full and any(rows > 1 for rows, _, _ in full)
+    assert 0 < some < every == len(full)  # plain steps in the new text skipped building; the copies were built

@@ -225,6 +225,13 @@ class SuffixIndex:
             return {}
         return self._next[state]
 
+    def given(self, state: int, length: int, smoothing: int = 0) -> list[float]:
+        """How often each token (no separator) that followed the string of `state` followed it, as `likeliest`
+        gives its first tokens."""
+        following, count = self._followers(state, length), self._count
+        total = sum(count[child] for child in following.values()) + smoothing
+        return [count[child] / total for token, child in following.items() if token >= 0]
+
     def likeliest(self, state: int, length: int, limit: int, min_prob: float, smoothing: int = 0) -> list[Continuation]:
         """Up to `limit` continuations of the string of `state` (`length` tokens), grown best first by probability:
         a token's `given` is how often it followed its parent's string over how often anything did (plus

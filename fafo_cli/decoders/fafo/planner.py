@@ -13,7 +13,7 @@ is highest. `cost` is one pass's cost against its row count (`StepCosts`): the c
 default), corrected by the times of the steps this planner has run, so a machine that is busier, has other
 threads or another shape of cost than when it was measured is planned for as it is now; on compiled steps only
 the package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single
-row. The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs
+row, decided where possible from the candidates' first tokens alone, before the rest of them is built. The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs
 in bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
 run for a while runs a burst anyway (less often each time the window's n-grams earned fewer tokens than its
 steps cost since the previous such burst: the time of its rows, in the tokens those steps were expected to
@@ -24,10 +24,9 @@ they are worth stays measured.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from ..tree import ROOT, DraftTree
 
@@ -44,6 +43,13 @@ RECENT = 32  # step times a learned cost correction keeps (the median of those c
 CLASS_PRIOR = 8  # steps of a class after which its own times count as much as all steps' (StepCosts)
 FIT_LEAST = 3  # recent steps a class needs to count in StepCosts' fit (one stall must not set its slope)
 _STALE = ("stale",)  # StepCosts' fit before it is computed
+
+
+def _median(values) -> float:
+    """statistics.median's value, without its checks: the planner takes several per step."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _prior(source: str, match: int) -> tuple[float, float]:
@@ -168,6 +174,7 @@ class StepCosts:
         self._seen: dict[tuple[int, bool], int] = {}  # steps counted per class
         self._fitted: tuple | None = _STALE  # _fit's answer since the last observe
         self._warm: set[tuple[int, bool]] = set()  # classes whose first step was seen (and not counted)
+        self._curve: dict[int, float | None] = {}  # _measured's answers: the curve never changes
 
     def of(self, rows: int, window: bool = False) -> float | None:
         """The cost of a step of `rows` rows (with the window's or not); None where no allowed size holds it."""
@@ -197,7 +204,7 @@ class StepCosts:
         classes: dict[tuple[int, bool], list[tuple[int, float]]] = {}
         for step_class, rows, beyond, _ in self._recent:
             classes.setdefault(step_class, []).append((rows, beyond))
-        points = [(statistics.median(r for r, _ in steps), statistics.median(b for _, b in steps), len(steps))
+        points = [(_median(r for r, _ in steps), _median(b for _, b in steps), len(steps))
                   for steps in classes.values() if len(steps) >= FIT_LEAST]
         if len({rows for rows, _, _ in points}) >= 2:  # weighted least squares over the classes' medians
             total = sum(n for _, _, n in points)
@@ -206,9 +213,9 @@ class StepCosts:
             spread = sum(n * (rows - mean_rows) ** 2 for rows, _, n in points)
             b = sum(n * (rows - mean_rows) * (beyond - mean_beyond) for rows, beyond, n in points) / spread
             return "fit", mean_beyond - b * mean_rows, b
-        rows = statistics.median(r for _, r, _, _ in self._recent)
-        beyond = statistics.median(b for _, _, b, _ in self._recent)
-        return "one", beyond, beyond / rows, statistics.median(ratio for *_, ratio in self._recent)
+        rows = _median(r for _, r, _, _ in self._recent)
+        beyond = _median(b for _, _, b, _ in self._recent)
+        return "one", beyond, beyond / rows, _median(ratio for *_, ratio in self._recent)
 
     def observe(self, rows: int, window: bool, ms: float) -> None:
         """A step of `rows` rows (with the window's or not) took `ms` (the same units as the curve)."""
@@ -222,7 +229,7 @@ class StepCosts:
         self._recent.append((step_class, rows, ms - measured, ms / measured))
         own = self._own.setdefault(step_class, deque(maxlen=RECENT))
         own.append(ms - measured)
-        self._own_median[step_class] = statistics.median(own)
+        self._own_median[step_class] = _median(own)
         self._seen[step_class] = self._seen.get(step_class, 0) + 1
         self._fitted = _STALE
 
@@ -239,6 +246,11 @@ class StepCosts:
         return (rows if self.sizes is not None or rows <= 4 else 1 << (rows - 1).bit_length()), window
 
     def _measured(self, rows: int) -> float | None:
+        if rows not in self._curve:
+            self._curve[rows] = self._on_curve(rows)
+        return self._curve[rows]
+
+    def _on_curve(self, rows: int) -> float | None:
         if self.sizes is not None:
             at = bisect.bisect_left(self.sizes, rows)
             if at == len(self.sizes):
@@ -272,7 +284,6 @@ class Plan:
     window: bool  # whether the window's rows run
     rows: int  # the step's rows (the anchor, the tree, the window's)
     expected: float  # tokens this step is expected to emit
-    candidates: list[Chain] = field(default_factory=list)
 
 
 def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, list[float], list[str], list[list[int]]]:
@@ -320,14 +331,13 @@ class Planner:
         self.window_price = 0.0  # and what the window's steps since then cost, in tokens (see plan)
         self.unverified = 0  # steps since guesses were last verified
 
-    def plan(self, chains: Sequence[Chain], room: int) -> Plan:
-        """The step to run with these candidates, at most `room` rows."""
-        merged, chance, sources, nodes_of = _merge(chains, self.acceptance)
-        # Chances fall along every path, so the likeliest n nodes always include their ancestors.
-        order = sorted(range(len(chance)), key=lambda i: (-chance[i], i))[:self.max_nodes]
-        gains = [0.0]
-        for node in order:
-            gains.append(gains[-1] + chance[node])
+    def plan(self, chains: Sequence[Chain] | Callable[[], Sequence[Chain]], room: int,
+             firsts: Sequence[Chain] | None = None) -> Plan:
+        """The step to run with these candidates, at most `room` rows. With `firsts` (one-token chains at least as
+        likely as each candidate's first token), `chains` may be a function that builds them: every token of a
+        candidate is at most as likely as its first, so n guesses gain at most n times the likeliest of `firsts`,
+        and where even that pays for no guess's rows the step is plain without the candidates being built (most
+        steps of free prose, whose host work would otherwise cost more than its guesses earn)."""
         window_value = self.acceptance.window_value()
         idle = self.window_rows > 0 and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
         if idle:  # a burst because the window has been idle: back off while bursts earn nothing
@@ -338,19 +348,20 @@ class Planner:
             self.window_earned, self.window_price = 0, 0.0
         forced = self.fixed or idle or self.burst_left > 0
         options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
-        best = (-1.0, 0, False)
-        for window in options:
-            extra = self.window_rows if window else 0
-            for n in range(len(gains)):
-                rows = 1 + n + extra
-                cost = self.costs.of(rows, window) if rows <= room else None
-                if cost is None:
-                    break
-                rate = (1 + gains[n] + (window_value if window else 0.0)) / cost
-                if rate > best[0] * (1 + 1e-9) or self.fixed:  # fixed: the most that fits
-                    best = (rate, n, window)
-        _, n, window = best
-        if best[0] < 0:  # not even the anchor fits a package: the caller runs a plain eager step
+        if firsts is not None and not forced and self.unverified < EXPLORE_EVERY:
+            top = max((chances[0] for chances in map(self.acceptance.chances, firsts) if chances), default=0.0)
+            bound = [top * n for n in range(self.max_nodes + 1)]
+            if self._choose(bound, options, window_value, room)[:2] == (0, False):
+                return self._plain()
+        chains = chains() if callable(chains) else chains
+        merged, chance, sources, nodes_of = _merge(chains, self.acceptance)
+        # Chances fall along every path, so the likeliest n nodes always include their ancestors.
+        order = sorted(range(len(chance)), key=lambda i: (-chance[i], i))[:self.max_nodes]
+        gains = [0.0]
+        for node in order:
+            gains.append(gains[-1] + chance[node])
+        n, window, fits = self._choose(gains, options, window_value, room)
+        if not fits:  # not even the anchor fits a package: the caller runs a plain eager step
             n, window = 0, False
         elif n == 0 and order and self.unverified >= EXPLORE_EVERY and 2 + (self.window_rows if window else 0) <= room \
                 and self.costs.of(2 + (self.window_rows if window else 0)) is not None:
@@ -373,7 +384,30 @@ class Planner:
         verified = [(chain, [index[node] for node in nodes if node in index]) for chain, nodes in zip(chains, nodes_of)]
         return Plan(tree, verified,
                     [sources[node] for node in kept], window, 1 + n + (self.window_rows if window else 0),
-                    1 + gains[n] + (window_value if window else 0.0), list(chains))
+                    1 + gains[n] + (window_value if window else 0.0))
+
+    def _choose(self, gains: Sequence[float], options: Sequence[bool], window_value: float,
+                room: int) -> tuple[int, bool, bool]:
+        """(guesses n, window, whether any step fits) of the highest expected tokens per millisecond, where
+        `gains[n]` is what the n likeliest guesses are expected to add; the earliest of equals (fewer rows)."""
+        best = (-1.0, 0, False)
+        for window in options:
+            extra = self.window_rows if window else 0
+            for n in range(len(gains)):
+                rows = 1 + n + extra
+                cost = self.costs.of(rows, window) if rows <= room else None
+                if cost is None:
+                    break
+                rate = (1 + gains[n] + (window_value if window else 0.0)) / cost
+                if rate > best[0] * (1 + 1e-9) or self.fixed:  # fixed: the most that fits
+                    best = (rate, n, window)
+        return best[1], best[2], best[0] >= 0
+
+    def _plain(self) -> Plan:
+        """Plain decoding's one row, no candidate read."""
+        self.idle += 1
+        self.unverified += 1
+        return Plan(DraftTree(), [], [], False, 1, 1.0)
 
     def observe(self, plan: Plan, path: Sequence[int]) -> list[str]:
         """Learn from the step's outcome (`path`: the accepted nodes); returns the source of each accepted guess,

@@ -189,18 +189,43 @@ def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chai
     paths of its frequency tree, up to TREE_NODES nodes (what most often followed that ending: at long
     contexts a short ending has many earlier occurrences, and the most recent one is seldom the likeliest). No
     copies: no guesses from the text."""
-    if not copies:
-        return []
-    chains = [Chain("text", match.length, tuple(index.continuation(match.end,
-                                                                   min(draft_tokens, COPY_FACTOR * match.length))))
-              for match in index.matches(copies)]
-    state, length = index.match_state(TREE_DEPTH)
-    paths: list[tuple] = []  # each node's path from the ending (parents come first)
-    for node in index.likeliest(state, length, min(TREE_NODES, draft_tokens), TREE_LEAST, smoothing=1):
-        paths.append((paths[node.parent] if node.parent >= 0 else ()) + (node,))
-    leaves = sorted(set(range(len(paths))) - {path[-1].parent for path in paths})
-    return chains + [Chain("text", length, tuple(n.token for n in paths[leaf]), tuple(n.given for n in paths[leaf]))
-                     for leaf in leaves]
+    return TextGuesses(index, copies, draft_tokens).chains()
+
+
+class TextGuesses:
+    """`text_chains` read in two parts: where the text's ending occurred before (a few links of the index), and the
+    chains themselves, whose frequency tree is grown only for a planner that may verify them: `firsts` is all the
+    planner needs to rule that out."""
+
+    def __init__(self, index: SuffixIndex, copies: int, draft_tokens: int):
+        self.index, self.draft_tokens = index, draft_tokens
+        self.matches = index.matches(copies) if copies else []
+        self.ending = index.match_state(TREE_DEPTH) if copies else None
+
+    def firsts(self) -> list[Chain]:
+        """One-token chains as likely as each candidate's first token: each copy's, and the frequency tree's first
+        tokens (one chain per distinct frequency: only how often a token followed matters to the planner)."""
+        if self.ending is None:
+            return []
+        chains = [Chain("text", match.length, tuple(self.index.continuation(match.end, 1))) for match in self.matches]
+        state, length = self.ending
+        given = {odds for odds in self.index.given(state, length, smoothing=1) if odds >= TREE_LEAST}
+        return [chain for chain in chains if chain.tokens] + [Chain("text", length, (0,), (odds,)) for odds in given]
+
+    def chains(self) -> list[Chain]:
+        if self.ending is None:
+            return []
+        index, draft_tokens = self.index, self.draft_tokens
+        chains = [Chain("text", match.length, tuple(index.continuation(match.end,
+                                                                       min(draft_tokens, COPY_FACTOR * match.length))))
+                  for match in self.matches]
+        state, length = self.ending
+        paths: list[tuple] = []  # each node's path from the ending (parents come first)
+        for node in index.likeliest(state, length, min(TREE_NODES, draft_tokens), TREE_LEAST, smoothing=1):
+            paths.append((paths[node.parent] if node.parent >= 0 else ()) + (node,))
+        leaves = sorted(set(range(len(paths))) - {path[-1].parent for path in paths})
+        return chains + [Chain("text", length, tuple(n.token for n in paths[leaf]), tuple(n.given for n in paths[leaf]))
+                         for leaf in leaves]
 
 
 @dataclass
@@ -286,10 +311,12 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         began = time.perf_counter()  # the step's whole cost, host work included, teaches the planner its costs
         start = cache.length
         compressor.prepare(cache)
-        candidates = text_chains(index, settings.copies, settings.draft_tokens)
-        if window is not None:  # without it no pool n-grams are offered (an earlier turn's, where its window ran)
-            candidates += [Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
-        plan = planner.plan(candidates, room=model.max_context - start)
+        guesses = TextGuesses(index, settings.copies, settings.draft_tokens)
+        # without a window no pool n-grams are offered (an earlier turn's, where its window ran)
+        found = ([Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
+                 if window is not None else [])
+        plan = planner.plan(lambda: guesses.chains() + found, room=model.max_context - start,
+                            firsts=guesses.firsts() + found)
         tree, shape = plan.tree, window.layout if plan.window else None
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
                           view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
