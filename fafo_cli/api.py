@@ -254,7 +254,10 @@ class Engine:
         finally:  # interrupted mid-step (Ctrl-C, consumer stopped): keep cache and ids consistent
             if self._answering is owner:
                 self._answering = None
-                self.session.rollback(min(len(self.session.ids), self.session.cache.length))
+                keep = min(len(self.session.ids), self.session.cache.length)
+                if emitter.done:  # guesses a step committed past a stop or limit were never emitted: as plain
+                    keep = min(keep, len(ids) + len(emitter.token_ids) - 1)  # decoding, all but the last token
+                self.session.rollback(keep)
 
     def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), on_prefill: Callable[[Prefill], None] | None = None,
                  **overrides) -> Result:

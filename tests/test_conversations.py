@@ -61,7 +61,20 @@ def test_stop_string_inside_a_multi_token_step(fafo_engine):
     step = emitter.emit(ids[7:], drafted=8, accepted=7)  # "ND world" in one step
     assert step.finish_reason == "stop" and step.text == ""
     assert list(step.token_ids) == ids[7:9]  # up to the "D" that completes "END"
-    assert step.accepted == 1 and step.stats.generated_tokens == 9
+    assert step.accepted == 2 and step.stats.generated_tokens == 9  # both kept tokens were accepted guesses
+
+
+def test_a_stop_string_completed_in_held_back_bytes_is_a_stop(fafo_engine):
+    """The limit's last token completes a stop string, but its text ends in an incomplete character and is held back
+    until the answer's end flushes it: the answer still stopped at the string."""
+
+    class Pieces:  # token 1: "EN", token 2: "D" plus the first byte of a character it never completes
+        def decode(self, ids, **_):
+            return "".join({1: "EN", 2: "D\ufffd"}[t] for t in ids)
+
+    request = Request([1, 2, 3], 2, Sampling(), frozenset(), fafo_engine.config, ("END",))
+    step = Emitter(fafo_engine.session, request, Pieces()).emit([1, 2])
+    assert step.finish_reason == "stop" and step.text == ""
 
 
 def test_engine_stops_at_a_stop_string(fafo_engine):

@@ -207,8 +207,14 @@ def test_copies_auto_offers_more_copies_when_sampling(tiny, monkeypatch):
 
 def test_pool_and_guess_settings_take_effect(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", budget=64, copies=0, planner=False)
-    one = engine.complete(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4).stats
+    steps = list(engine.stream(LONG, max_tokens=80, pool_per_key=1, guesses=2, ngram=4))
+    one = steps[-1].stats
     assert one.pool_ngrams == one.pool_keys  # one n-gram per key
-    assert one.drafted_tokens % 4 == 0 and one.drafted_tokens <= 2 * 4 * one.steps  # G candidates of k tokens
+    assert one.drafted_tokens <= 2 * 4 * one.steps  # G candidates of k tokens
+    emitted = 0
+    for before, step in zip(steps, steps[1:]):
+        emitted += len(before.token_ids)
+        if 80 - emitted > 2 * 4:  # whole candidates, but where fewer tokens are left than they hold
+            assert (step.stats.drafted_tokens - before.stats.drafted_tokens) % 4 == 0
     many = engine.complete(LONG, max_tokens=80, pool_per_key=8, guesses=2, ngram=4).stats
     assert many.pool_ngrams > many.pool_keys

@@ -16,6 +16,7 @@ from .conftest import LONG, PEERS, SHORT, TOKENS, VARIANTS, build_tiny_model, hf
 pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
 
 DRAFTED_BY_MODEL = {"triforce", "quantspec"}
+COPY = "Repeat exactly: The quick brown fox jumps over the lazy dog, and the dog sleeps on by the river bank."
 
 
 @lru_cache(maxsize=None)
@@ -126,6 +127,68 @@ def test_peer_limits_cut_inside_accepted_runs(tiny, peer):
     for limit in (1, 2, 7, 50):
         limited = engine.complete(LONG, max_tokens=limit)
         assert limited.token_ids == full[:limit] and limited.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "suffix"])
+def test_a_stop_inside_an_accepted_run_ends_the_answer_as_plain_decoding_would(smollm2, method):
+    """A stop string completed by a guess in the middle of a step's accepted run: the tokens after it are no part
+    of the answer, of its statistics, or of what the session keeps for the next turn (as after plain decoding)."""
+    # (SuffixDecoding without its tree of earlier answers: the second answer then drafts as the first did)
+    engine = load(str(smollm2), dtype="float32", method=method, suffix_outputs=0)
+    steps = list(engine.stream(COPY, max_tokens=120))
+    tokens = [t for step in steps for t in step.token_ids]
+    step_at = next(i for i, step in enumerate(steps) if i > 0 and step.accepted >= 3)
+    cut = sum(len(step.token_ids) for step in steps[:step_at]) + 2  # the step's second guess completes the stop
+    decode = engine.tokenizer.decode
+    text = decode(tokens[:cut])
+    stop = next(text[-m:] for m in range(1, len(text)) if text.find(text[-m:]) == len(text) - m
+                and decode(tokens[:cut - 1]).find(text[-m:]) < 0)
+    result = engine.complete(COPY, max_tokens=120, stop=[stop])
+    assert result.finish_reason == "stop" and result.token_ids == tokens[:cut]
+    assert result.stats.accepted_tokens == sum(step.accepted for step in steps[:step_at]) + 2
+    kept = list(engine.session.ids)
+    plain = engine.complete(COPY, max_tokens=120, stop=[stop], method="vanilla")
+    assert plain.token_ids == result.token_ids and kept == list(engine.session.ids)
+
+
+@pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "suffix"])
+def test_no_step_guesses_past_the_answers_limit(tiny, method):
+    engine = load(str(tiny), dtype="float32", chat_template=False, method=method)
+    for limit in (2, 9, 40):
+        emitted, drafted = 0, 0
+        for step in engine.stream(LONG, max_tokens=limit):
+            assert step.stats.drafted_tokens - drafted <= limit - emitted - 1  # tokens left, but its own one
+            emitted, drafted = emitted + len(step.token_ids), step.stats.drafted_tokens
+        assert emitted == limit
+
+
+def test_the_prefill_time_leaves_out_the_drafters_set_up(tiny, monkeypatch):
+    import time
+
+    from fafo_cli.decoders.suffix import Suffix
+
+    start = Suffix.start
+    monkeypatch.setattr(Suffix, "start", lambda *args: (time.sleep(0.5), start(*args))[1])
+    stats = load(str(tiny), dtype="float32", chat_template=False, method="suffix").complete(LONG, max_tokens=4).stats
+    assert stats.prefill_s < 0.5 <= stats.ttft_s
+
+
+@pytest.mark.parametrize("settings", [dict(method="vanilla"), *PEERS.values()] + [
+    dict(method="fafo", compressor=name, budget=80, streams=2) for name in ("none", "stream", "quest", "snapkv", "h2o")])
+def test_the_cache_grows_as_the_answer_does(tiny, monkeypatch, settings):
+    """Only part of an answer's cache is reserved at its start; growing it under a running decoder (compressed
+    views, retrieval caches, drafts) changes nothing."""
+    from fafo_cli.runtime import session
+
+    monkeypatch.setattr(session, "RESERVE_AHEAD", 3)
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    reserved = []
+    grow = type(engine.session.cache).reserve
+    monkeypatch.setattr(type(engine.session.cache), "reserve",
+                        lambda cache, slots: (reserved.append(cache.capacity), grow(cache, slots))[1])
+    result = engine.complete(LONG, max_tokens=TOKENS, **settings)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)
+    assert min(reserved) < len(engine.encode(LONG)) + TOKENS // 2 < max(reserved)
 
 
 @pytest.mark.parametrize("peer", list(PEERS))

@@ -67,9 +67,9 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
                                      observe=getattr(drafter, "observe_prefill", None), steps=1 + drafter.max_rows,
                                      progress=emitter.prefilling)
     anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
+    emitter.prefilled(reused)  # the drafter's own set-up (quantizing, indexing the prompt) is not the prefill's
     text = list(request.prompt_ids) + [anchor]
     drafter.start(session, request, text, draws)
-    emitter.prefilled(reused)
     stats = emitter.stats
     stats.draft_memory_mb = drafter.nbytes() / 2**20
     stats.draft_passes = 0 if drafter.runs_model else None
@@ -77,7 +77,8 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     yield step
     while not step.finish_reason:
         start = cache.length
-        draft = drafter.draft(text, room=model.max_context - start - 1)
+        # guesses past the answer's end would never be emitted
+        draft = drafter.draft(text, room=min(model.max_context - start, emitter.left) - 1)
         tree = draft.tree
         if drafter.runs_model:
             stats.draft_passes += draft.passes
@@ -90,10 +91,10 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         else:
             path, emitted = accept(tree, logits, sampling, draws, len(text))
         session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
-        text.extend(emitted)
-        drafter.accepted(text, len(emitted))
-        stats.draft_memory_mb = drafter.nbytes() / 2**20
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=len(rows.ids))
+        text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (a drafter's history)
+        drafter.accepted(text, len(step.token_ids))
+        stats.draft_memory_mb = drafter.nbytes() / 2**20
         yield step
         anchor = emitted[-1]
 

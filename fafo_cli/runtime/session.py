@@ -28,6 +28,9 @@ from .stops import StopStrings
 from .syncs import upload
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
+# Slots reserved past the prompt at once; the cache grows (doubling) as a longer answer needs it, so an answer
+# without a limit does not hold the whole context's cache from its first token
+RESERVE_AHEAD = 2048
 # A request that would cut fewer of the live conversation's tokens than this does not keep a copy of it: a chat turn
 # often re-encodes the end of the previous answer differently, and a copy would only duplicate the live conversation.
 KEEP_AT_LEAST = 16
@@ -137,7 +140,7 @@ class Session:
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
         self.cache.attend_in(self.model.attention_dtype)
-        self.cache.reserve(min(self.model.max_context, len(prompt_ids) + reserve))
+        self.cache.reserve(min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD)))
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[start:start + PREFILL_CHUNK]
@@ -170,6 +173,7 @@ class Session:
                 self.compiled_runs += 1
                 return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
         self.cache.attend_in(self.model.attention_dtype)  # (the step's attention, FAFO's included, finds it so)
+        self.cache.reserve(self.cache.length + len(step.ids))
         attention = (step.view.attention(layout) if step.view is not None
                      else prefix_attention(self._masks, self.cache.length, layout, self.model.scaling))
         return self.model.forward(ids, positions, self.cache, attention, layout.logit_rows)
@@ -260,7 +264,7 @@ class Emitter:
         stats.draft_steps += drafted > 0
         if rows is not None:
             stats.step_rows[rows] = stats.step_rows.get(rows, 0) + 1
-        accepted = min(accepted, len(kept) - 1)  # guesses cut by a stop or limit were not emitted
+        accepted = min(accepted, len(kept))  # guesses cut by a stop or limit were not emitted
         stats.accepted_tokens += accepted
         if sources is not None:
             stats.accepted_from = dict(stats.accepted_from or {})
@@ -290,8 +294,15 @@ class Emitter:
                 return kept[:i + 1], text
         if self.finish_reason:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
+            if self.stops.found:  # in the last token's held-back bytes
+                self.finish_reason = "stop"
         return kept, text
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def left(self) -> int:
+        """Tokens this answer may still emit (its limit or the context's end, whichever comes first)."""
+        return min(self.request.max_tokens, self.context_left) - len(self.token_ids)

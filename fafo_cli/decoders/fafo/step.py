@@ -316,7 +316,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         found = ([Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
                  if window is not None else [])
         plan = planner.plan(lambda: guesses.chains() + found, room=model.max_context - start,
-                            firsts=guesses.firsts() + found)
+                            firsts=guesses.firsts() + found, guesses=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
                           view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
@@ -335,12 +335,12 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                 pool.add(before, ngram)
         session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         compressor.committed(cache, start, len(emitted))
-        text.extend(emitted)
-        index.extend(emitted)
         sources = planner.observe(plan, path)
         planner.costs.observe(plan.rows, plan.window, (time.perf_counter() - began) * 1e3)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
         stats.draft_memory_mb = compressor.nbytes() / 2**20  # the copy of C(kv): created, and grown, as needed
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
+        text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (the next turn's prompt)
+        index.extend(step.token_ids)
         yield step
         anchor = emitted[-1]
