@@ -8,6 +8,8 @@ import functools
 import gc
 import inspect
 import json
+import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -44,11 +46,15 @@ app.add_typer(cacheback_app, name="cacheback")
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config file.", show_default=False)]
 
 
-def config_options(command: str):
+def config_options(command: str, help: dict[str, str] | None = None):
     """Give a Typer command one option per config key it offers (declared once, in config.Config), placed where
     its keyword-only `flags` parameter stands; the command receives them as `flags`: key -> value, None where
-    not given (the config files' value stands)."""
+    not given (the config files' value stands). `help`: key -> the command's own help for a key that does more
+    there than the key's help says."""
     offered = config_mod.flags(command)
+    unknown = set(help or ()) - {flag.key for flag in offered}
+    if unknown:
+        raise TypeError(f"help for keys that {command} does not offer: {', '.join(sorted(unknown))}")
 
     def decorate(function):
         signature = inspect.signature(function, eval_str=True)
@@ -58,7 +64,8 @@ def config_options(command: str):
         if clash:
             raise TypeError(f"{function.__name__} declares config keys of its own: {', '.join(sorted(clash))}")
         generated = [inspect.Parameter(flag.key, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                       annotation=_typer_parameter(flag)) for flag in offered]
+                                       annotation=_typer_parameter(flag, (help or {}).get(flag.key)))
+                     for flag in offered]
         where = names.index("flags")
         parameters = own[:where] + generated + own[where + 1:]
 
@@ -74,8 +81,8 @@ def config_options(command: str):
     return decorate
 
 
-def _typer_parameter(flag: config_mod.Flag):
-    help = escape(flag.help)  # "[auto | cpu]" would otherwise be read as Rich markup
+def _typer_parameter(flag: config_mod.Flag, own_help: str | None = None):
+    help = escape(own_help or flag.help)  # "[auto | cpu]" would otherwise be read as Rich markup
     if not flag.declarations:
         return Annotated[Optional[flag.kind], typer.Argument(help=help, show_default=False)]
     return Annotated[Optional[flag.kind], typer.Option(*flag.declarations, help=help, show_default=False,
@@ -121,13 +128,21 @@ def _read_prompt(source: str) -> str:
     return text
 
 
+def _finite(value: float | None) -> float | None:
+    """A float option's callback: click's range lets inf and nan through (nan compares false with any bound)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def _given(flags: dict) -> frozenset[str]:
     """The config keys a command line gave a value (an empty one, "", empties its key: nothing asked for)."""
     return frozenset(key for key, value in flags.items() if value not in (None, ""))
 
 
 def _check_output(flag: str, path: str | None) -> None:
-    """An output file can be written where `path` says: its folder exists and it is not a folder itself."""
+    """An output file can be written where `path` says: its folder exists and takes new files (an atomic write
+    renames one there), and it is not a folder itself nor a file that is read-only."""
     if path is None or path == "-":
         return
     if not path.strip():
@@ -135,8 +150,17 @@ def _check_output(flag: str, path: str | None) -> None:
     target = Path(path).expanduser()
     if target.is_dir():
         raise FafoError(f"{flag} {path} is a folder, not a file")
+    if target.is_symlink():  # the link's file is written (files.atomic_path)
+        try:
+            target = target.resolve()
+        except (OSError, RuntimeError):  # a loop of links: the write says so
+            return
     if not target.parent.is_dir():
         raise FafoError(f"{flag} {path}: no such folder {target.parent}")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise FafoError(f"{flag} {path}: the folder {target.parent} is not writable")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise FafoError(f"{flag} {path} is read-only")
 
 
 def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]], binary: tuple[str, ...] = ()) -> None:
@@ -266,7 +290,8 @@ def serve(
     queue: Annotated[int, typer.Option(help="Requests that may wait while one runs; beyond, 503.", min=0)] = 32,
     conversations: Annotated[int, typer.Option(help="Earlier conversations whose KV caches are kept, so clients "
                                                "taking turns prefill only their new tokens.", min=0)] = 4,
-    conversations_mb: Annotated[float, typer.Option(help="Most memory those caches take, in MB.", min=0)] = 1024,
+    conversations_mb: Annotated[float, typer.Option(help="Most memory those caches take, in MB.", min=0,
+                                                    callback=_finite)] = 1024,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each request's settings and every HTTP "
                                           "request too.")] = False,
 ) -> None:
@@ -275,7 +300,7 @@ def serve(
 
     settings = config_mod.resolve(config, **flags)
     options = server.Options(api_key or None, tuple(cors or ()), queue, conversations, conversations_mb,
-                             verbose)
+                             verbose, server.default_max_tokens(settings, config, flags))
     sock = server.bind(host, port)  # before the model loads: a taken port fails at once
     try:
         if options.api_key is None and not server.is_loopback(sock):
@@ -293,8 +318,15 @@ def serve(
         sock.close()
 
 
+# what --compile does in a bench: not the steps of every row, as elsewhere, but a compiled twin of each row
+BENCH_HELP = {"compile": "--compile: each row runs twice, eager and compiled (its +compiled twin, checked against "
+                         "vanilla+compiled), compiled steps built where missing (minutes each on a CPU); --no-compile: "
+                         "eager steps only, over dense weights; neither: the config's compile (auto: each row runs the "
+                         "compiled steps built before that measured faster than eager)"}
+
+
 @app.command()
-@config_options("bench")
+@config_options("bench", help=BENCH_HELP)
 def bench(
     config: ConfigOpt = None,
     suites: Annotated[Optional[str], typer.Option(help="Comma-separated: chat, math, code, summarize, edit, long "
@@ -327,7 +359,7 @@ def bench(
                                                    "(`custom`): a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
-                                               min=0.0, max=100.0)] = 0.0,
+                                               min=0.0, max=100.0, callback=_finite)] = 0.0,
     *, flags: dict,
     external: Annotated[Optional[bool], typer.Option("--external/--no-external", help="Time transformers' "
                                                      "generate and its prompt lookup too (default: with --full).",
@@ -349,8 +381,8 @@ def bench(
                                        "into the user config (or the --config file).")] = False,
 ) -> None:
     """FAFO against plain decoding, the peer methods and transformers, side by side."""
-    from .bench import command
-    from .bench.suites import check_installed, parse_suites
+    from .bench import command, long
+    from .bench.suites import CUSTOM, check_installed, check_prompts, parse_suites
     from .ui import consoles
 
     if tune:  # it measures with prompts and settings of its own
@@ -390,8 +422,16 @@ def bench(
                              "--config": [config] if config else []}, binary=("--plot",))  # before the run: hours
     if plot_file is not None:
         _check_plot_format(plot_file)
-    if not tune:
-        check_installed(chosen)  # before the model loads
+    if not tune:  # before the model loads
+        check_installed(chosen)
+        check_prompts(chosen, prompts)
+        if samples is not None and chosen == [CUSTOM]:  # (a --prompts file runs whole)
+            raise FafoError("--samples sets how many prompts of each built-in suite run, and --suites custom runs "
+                            "the --prompts file whole: drop --samples")
+        if context is not None:
+            long.check_context(context, options.tokens)  # (against the model's context once it loads)
+        if documents:
+            long.user_files(list(documents))
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod

@@ -69,7 +69,8 @@ def _budget(value: Any) -> int | float:
 
 def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
     """A count the decoder may choose (W, copies): an integer in low..high (from a flag, as text) or "auto"."""
-    if isinstance(value, str) and value.strip().isdigit():
+    # ASCII digits only: str.isdigit() takes "²", which int() refuses
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
         value = int(value)
     if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
         return value
@@ -381,6 +382,9 @@ def load_file(path: Path, base: Config | None = None) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
+        if path.is_symlink():  # a link to nothing (a dotfiles link not yet set up) is not "no file"
+            raise FafoError(f"cannot read config file {path}: it links to {os.readlink(path)}, which does not "
+                            "exist") from None
         raise FafoError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
@@ -421,7 +425,7 @@ def resolve(config_file: str | None, **flags: Any) -> Config:
         raise FafoError("--config needs a file name")
     if config_file is not None:
         config = load_file(Path(config_file).expanduser(), config)
-    elif user_config_path().exists():  # (a folder there is an error, not no file)
+    elif user_config_path().exists() or user_config_path().is_symlink():  # (a folder, a link to nothing: errors)
         config = load_file(user_config_path(), config)
     return build(config, **flags)
 

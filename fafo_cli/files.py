@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,11 +69,42 @@ def _sweep(folder: Path, pattern: re.Pattern) -> None:
             continue
 
 
+def _settle(partial: Path, path: Path) -> None:
+    """Give the new file `partial` the permissions of the `path` it replaces (a 0600 config stays private) and
+    flush it to disk: renamed before its data reached the disk, a power cut could leave an empty file."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None  # a new file: the umask's permissions
+    if mode is not None:
+        os.chmod(partial, mode)
+    fd = os.open(partial, os.O_RDONLY)  # (written by a tool, perhaps: flushed by name)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the rename itself (best effort: some systems cannot open a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A sibling path to write `path`'s new content to (by us or by a tool: a compiler, a plotter); when the
-    block ends without an exception it is renamed over `path`. Either way no partial file remains. The name
-    carries the process id (two processes may build the same file) and keeps the suffix (tools read it)."""
+    block ends without an exception it is flushed to disk, given the replaced file's permissions and renamed over
+    `path`. Either way no partial file remains. The name carries the process id (two processes may build the same
+    file) and keeps the suffix (tools read it)."""
     if path.is_symlink():  # a dotfiles link: its file gets the new content, the link stays
         try:
             path = path.resolve()
@@ -83,7 +115,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     _made.add(os.path.abspath(partial))
     try:
         yield partial
+        _settle(partial, path)
         os.replace(partial, path)
+        _sync_folder(path.parent)
     except OSError as e:  # a write's error names no file, a rename's the partial: name the file asked for
         if e.errno is None or e.filename not in (None, str(partial)):
             raise

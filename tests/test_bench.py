@@ -187,6 +187,51 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
         assert code == 1 and message in err, err
 
 
+def test_bench_inputs_are_checked_before_the_model_loads(tiny, tmp_path, capsys, monkeypatch):
+    from fafo_cli import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model loaded"))
+    prompts, dup, source = tmp_path / "mine.jsonl", tmp_path / "dup.jsonl", tmp_path / "mine.py"
+    prompts.write_text('{"prompt": "Say hi."}\n')
+    dup.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n')
+    source.write_text("def broken(:\n")
+    for flags, message in ((["--prompts", tmp_path / "none.jsonl"], "prompts file not found"),
+                           (["--prompts", tmp_path], "cannot read prompts file"),
+                           (["--prompts", dup], "the prompt id 'x' is used twice"),
+                           (["--suites", "custom"], "--suites custom is the --prompts file's suite"),
+                           # the file runs whole: --samples would be recorded but change nothing
+                           (["--suites", "custom", "--prompts", prompts, "--samples", "2"], "drop --samples"),
+                           (["--suites", "long", "--context", "-5"], "--context -5: choose from 1024"),
+                           (["--suites", "long", "--context", "100"], "--context 100: choose from 1024"),
+                           (["--suites", "long", "--context", "1024", "--tokens", "512"],
+                            "leaves 512 prompt tokens beside --tokens 512"),
+                           (["--suites", "long", "--documents", tmp_path / "none.txt"], "--documents: file not found"),
+                           (["--suites", "long", "--documents", source], "mine.py is not valid Python")):
+        code = entrypoint(["bench", str(tiny), *map(str, flags)])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and message in err, (flags, err)
+
+
+def test_every_output_is_written_when_one_cannot_be(tiny, tmp_path, capsys, monkeypatch):
+    from fafo_cli.bench import command
+
+    files = {kind: tmp_path / f"out.{kind}" for kind in ("json", "csv", "md")}
+    real_write = command.write_atomic
+
+    def full_disk(path, text):
+        if path.suffix == ".json":  # the first written: the others still are
+            raise OSError(28, "No space left on device", str(path))
+        real_write(path, text)
+
+    monkeypatch.setattr(command, "write_atomic", full_disk)
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external", *FAST,
+                       "--json", str(files["json"]), "--csv", str(files["csv"]), "--markdown", str(files["md"])])
+    err = capsys.readouterr().err
+    assert code == 1 and f"error: cannot write {files['json']}: No space left on device\n" in err, err
+    assert not files["json"].exists() and not list(tmp_path.glob("*.partial*"))
+    assert "| chat |" in files["md"].read_text() and len(files["csv"].read_text().splitlines()) == 3  # header, 2 rows
+
+
 def test_exactness_column_catches_a_corrupted_method(tiny, tmp_path, monkeypatch, capsys):
     import dataclasses
 
@@ -458,7 +503,7 @@ def test_bench_long_suite_runs_exactly_and_checks_context(tiny, tmp_path, capsys
     assert {(r["suite"], r["exact"]) for r in records if r["row"] != "vanilla"} == {("long", "3/3")}
     assert records[0]["context"] == 2048
     capsys.readouterr()
-    for flags, message in ((["--context", "100"], "--context 100: choose from 1024 to the model's context, 2048"),
+    for flags, message in ((["--context", "100"], "--context 100: choose from 1024 to the model's context"),
                            (["--context", "4096"], "--context 4096: choose from 1024"),
                            (["--context", "1024", "--tokens", "512"], "leaves 512 prompt tokens beside --tokens 512"),
                            (["--suites", "chat", "--context", "1024"], "add long to --suites")):

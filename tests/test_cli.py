@@ -206,6 +206,10 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", prompt_file, "--budget", "8", "--sink", "8"], "'budget' (8) is too small for the stream compressor: it needs at least sink + 1 = 9"),
         (["run", tiny, "-p", prompt_file, "-k", "1"], "'ngram' must be >= 2"),
         (["run", tiny, "-p", prompt_file, "--min-p", "1.5"], "'min_p' must be <= 1.0"),
+        (["run", tiny, "-p", prompt_file, "-W", "²"], "'streams' must be auto or an integer from 0 to 64"),
+        (["serve", tiny, "--conversations-mb", "inf"], "Invalid value for '--conversations-mb': inf is not a finite"),
+        (["serve", tiny, "--conversations-mb", "nan"], "Invalid value for '--conversations-mb'"),
+        (["bench", tiny, "--temperature", "nan"], "Invalid value for '--temperature'"),
         (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
         (["pull", "not a repo id"], "is not a valid model id"),
     ]
@@ -270,6 +274,52 @@ def test_config_commands(capsys, tmp_path, monkeypatch):
     assert code == 1 and "already exists" in err
     code, out, _ = run_cli(capsys, "config", "path")
     assert out.strip() == str(tmp_path / "fafo" / "config.yaml")
+
+
+def test_config_init_force_keeps_the_files_permissions_and_flushes_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path = tmp_path / "fafo" / "config.yaml"
+    path.parent.mkdir()
+    path.write_text("seed: 1\n")
+    path.chmod(0o600)  # private: it may name a private model
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    code, out, err = run_cli(capsys, "config", "init", "--force")
+    assert code == 0 and "method: fafo" in path.read_text(), err
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert any(".partial" in name for name in synced)  # the new file's data is on disk before the rename
+    assert not list(path.parent.glob("*.partial*"))
+
+
+def test_bench_outputs_that_cannot_be_written_are_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    from fafo_cli import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model loaded"))
+    locked, kept = tmp_path / "locked", tmp_path / "kept.json"
+    locked.mkdir()
+    kept.write_text("[]\n")
+    # (as root every permission check passes: the checks' answers are given)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) not in (locked, kept)
+                        and real_access(path, mode, **kw))
+    for flags, message in ((["--json", locked / "out.json"], f"--json {locked}/out.json: the folder {locked} is "
+                                                              "not writable"),
+                           (["--csv", kept], f"--csv {kept} is read-only"),
+                           (["--plot", locked / "chart.png"], f"--plot {locked}/chart.png: the folder")):
+        code, out, err = run_cli(capsys, "bench", "no/such-model", "--suites", "chat", *flags)
+        assert code == 1 and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
+
+
+def test_bench_says_what_its_compile_flag_does():
+    import typer
+
+    from fafo_cli import cli
+
+    commands = typer.main.get_command(cli.app).commands
+    helps = {name: next(p.help for p in commands[name].params if p.name == "compile") for name in ("bench", "run")}
+    assert "each row runs twice, eager and compiled" in helps["bench"]  # its +compiled twins
+    assert "each row runs twice" not in helps["run"]
 
 
 def test_list_json(capsys, monkeypatch, tmp_path):

@@ -85,6 +85,12 @@ def test_streams_auto_or_a_count(tmp_path):
     assert config_mod.load_file(write(tmp_path, "streams: 3\n")).streams == 3
     assert config_mod.build(streams="auto").streams == "auto"
     assert config_mod.build(streams="2").streams == 2  # the flag's text
+    # digits that are not ASCII ones (str.isdigit() takes "²", int() does not): one clear error, not a ValueError
+    for key in ("streams", "copies"):
+        with pytest.raises(FafoError, match=f"'{key}' must be auto or an integer"):
+            config_mod.build(**{key: "²"})
+        with pytest.raises(FafoError, match=f"'{key}' must be auto or an integer"):
+            config_mod.load_file(write(tmp_path, f'{key}: "²"\n'))
 
 
 def test_budget_tokens_or_fraction(tmp_path):
@@ -189,6 +195,15 @@ def test_a_folder_where_the_user_config_goes_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     (tmp_path / "fafo" / "config.yaml").mkdir(parents=True)
     with pytest.raises(FafoError, match="cannot read config file .*config.yaml: Is a directory"):
+        config_mod.resolve(None)
+
+
+def test_a_user_config_link_to_nothing_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "fafo").mkdir()
+    (tmp_path / "fafo" / "config.yaml").symlink_to(tmp_path / "dotfiles" / "fafo.yaml")
+    with pytest.raises(FafoError, match=r"cannot read config file .*config.yaml: it links to .*dotfiles/fafo.yaml, "
+                                        "which does not exist"):
         config_mod.resolve(None)
 
 

@@ -186,6 +186,108 @@ def test_settings_per_request(served, reference):
     assert answer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
 
 
+def test_a_request_without_a_limit_gets_the_context_left(served, reference):
+    """As OpenAI's: no max_tokens, no cut at `fafo run`'s default of 512, only the context bounds the answer."""
+    prompt = ("red green blue " * 120)[:1300]
+    prompt_tokens = len(reference.encode(prompt, reference.request_config(chat_template=False)))
+    room = reference.model.max_context - prompt_tokens
+    assert room > 512
+    with httpx.Client(base_url=served.url, timeout=120) as http:
+        answer = http.post("/completions", json={"prompt": prompt, "method": "vanilla"}).json()
+    assert answer["usage"]["completion_tokens"] == room and answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_server_limit_bounds_requests_without_one(tiny):
+    """`--max-tokens` given to `fafo serve` (Options.max_tokens): the limit of requests that give none."""
+    live = _start(load(str(tiny), dtype="float32"), max_tokens=7)
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            unlimited = http.post("/chat/completions", json={"messages": MESSAGES}).json()
+            asked = http.post("/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": 9}).json()
+        assert unlimited["usage"]["completion_tokens"] == 7 and asked["usage"]["completion_tokens"] == 9
+    finally:
+        _stop(live)
+
+
+def test_the_command_tells_a_given_max_tokens_from_the_default(tiny, tmp_path, monkeypatch):
+    """The server's limit is `--max-tokens` or the config file's `max_tokens` (even at 512); the default's is none."""
+    from fafo_cli.serve import server
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home"))
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: served.append(options.max_tokens))
+    monkeypatch.setattr(server, "setup_logging", lambda verbose: None)  # it would drop the other servers' log lines
+    command = ["serve", str(tiny), "--dtype", "float32", "--port", "0"]
+    other = tmp_path / "other.yaml"
+    other.write_text("temperature: 0.5\n")
+    assert entrypoint(command) == 0 and entrypoint([*command, "--config", str(other)]) == 0
+    assert entrypoint([*command, "--max-tokens", "64"]) == 0
+    (tmp_path / "home" / "fafo").mkdir(parents=True)
+    (tmp_path / "home" / "fafo" / "config.yaml").write_text("max_tokens: 512\n")
+    assert entrypoint(command) == 0
+    assert served == [None, None, 64, 512]
+
+
+def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, reference):
+    """OpenAI's temperature is 1 when not sent: top_p (top_k, min_p) alone samples on a model that is greedy by
+    default, rather than being refused as useless while greedy."""
+    client = served.client()
+    greedy = reference.complete(CHAT, max_tokens=12).text
+    for extra in ({"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.05}):
+        expected = reference.complete(CHAT, max_tokens=12, temperature=1.0, seed=7, **extra).text
+        assert expected != greedy
+        arguments = dict(model=served.name, messages=CHAT, max_tokens=12, seed=7)
+        if "top_p" in extra:
+            answer = client.chat.completions.create(**arguments, **extra)
+        else:
+            answer = client.chat.completions.create(**arguments, extra_body=extra)
+        assert answer.choices[0].message.content == expected and answer.model_extra["fafo"]["seed"] == 7, extra
+    # a neutral value asks for nothing: still the model's default, greedy
+    neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, top_p=1)
+    assert neutral.choices[0].message.content == greedy and neutral.model_extra["fafo"]["seed"] is None
+
+
+def test_top_p_zero_is_greedy(served, reference):
+    """OpenAI's top_p goes down to 0, which keeps the likeliest token only."""
+    client = served.client()
+    greedy = reference.complete(CHAT, max_tokens=12).text
+    assert reference.complete(CHAT, max_tokens=12, temperature=0.9, seed=3).text != greedy
+    for temperature in (None, 0, 0.9):
+        answer = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, top_p=0,
+                                                temperature=temperature, seed=3)
+        assert answer.choices[0].message.content == greedy, temperature
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        for body, param, words in [({"top_p": 0, "top_k": 5}, "top_k", "no effect with top_p 0"),
+                                   ({"top_p": -0.1}, "top_p", "between 0 and 1"),
+                                   ({"top_p": 1.5}, "top_p", "between 0 and 1"),
+                                   ({"top_p": False}, "top_p", "must be a number"),
+                                   ({"seed": -5}, "seed", ">= 0 and <= 18446744073709551615")]:
+            error = _check_error(http.post("/chat/completions", json={"messages": MESSAGES, **body}), 400)
+            assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_with_include_usage_every_chunk_before_the_usage_has_a_null_usage(served, kind):
+    path, body = ("/chat/completions", {"messages": MESSAGES}) if kind == "chat" else ("/completions", {"prompt": TEXT})
+    body = {**body, "max_tokens": 5, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        with http.stream("POST", path, json={**body, "stream_options": {"include_usage": True}}) as response:
+            *chunks, usage, done = _sse(response)
+        with http.stream("POST", path, json=body) as response:
+            *plain, _ = _sse(response)
+    assert done == "[DONE]" and usage["usage"]["completion_tokens"] == 5 and not usage["choices"]
+    assert len(chunks) >= 2 and all("usage" in c and c["usage"] is None for c in chunks), chunks
+    assert not any("usage" in c for c in plain), plain
+
+
+def test_the_context_length_error_names_the_field_sent(served):
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        for name in ("max_tokens", "max_completion_tokens"):
+            error = _check_error(http.post("/chat/completions", json={"messages": MESSAGES, name: 5000}), 400)
+            assert error["code"] == "context_length_exceeded" and error["param"] == name
+            assert f"so {name} can be at most" in error["message"], error
+
+
 def test_continued_conversations_prefill_only_their_new_tokens(served, reference):
     """A second turn reuses the first's cache, even after another client's conversation came in between."""
     client = served.client()
@@ -599,7 +701,7 @@ BAD = [
     ("chat", {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens"),
     ("chat", {"messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
-    ("chat", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": MESSAGES, "top_p": -0.5}, 400, "top_p"),
     ("chat", {"messages": MESSAGES, "seed": -5}, 400, "seed"),
     ("chat", {"messages": MESSAGES, "seed": 1.5}, 400, "seed"),
     ("chat", {"messages": MESSAGES, "stream": "yes"}, 400, "stream"),
@@ -619,7 +721,7 @@ BAD = [
     # asked for, but would change nothing: another method's setting, a sampling setting while greedy, a second
     # system prompt
     ("chat", {"messages": MESSAGES, "method": "suffix", "compressor": "h2o"}, 400, "compressor"),
-    ("chat", {"messages": MESSAGES, "top_p": 0.5}, 400, "top_p"),
+    ("chat", {"messages": MESSAGES, "temperature": 0, "top_p": 0.5}, 400, "top_p"),
     ("chat", {"messages": MESSAGES, "budget": 64}, 400, "budget"),  # no window runs on a CPU by default
     ("chat", {"messages": CHAT, "system": "Be brief."}, 400, "system"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}]}, 400,

@@ -105,6 +105,13 @@ def _write(path: str, text: str) -> None:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
 
+def _plot(results, path: str, title: str) -> None:
+    try:
+        report.plot(results, Path(path).expanduser(), title)
+    except OSError as e:
+        raise FafoError(f"cannot write {path}: {e.strerror}") from None
+
+
 def divergences_from_reference(engine, runs: list[Run]
                                ) -> tuple[dict[tuple[str, str], exactness.Divergence | None], float]:
     """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
@@ -222,15 +229,22 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         title += f" · near-tie: logit gap ≤ {tolerance:.2f}"
     report.print_tables(results, console, title)
     records = [r.record(meta) for r in results]
-    if options.json_path:
-        _write(options.json_path, json.dumps(records, indent=2, ensure_ascii=False) + "\n")
-    if options.csv_path:
-        _write(options.csv_path, report.to_csv(records))
-    if options.markdown_path:
-        _write(options.markdown_path, report.markdown(results, f"{title} · {meta['machine']} · torch "
-                                                                f"{meta['versions']['torch']} · {meta['date']}"))
-    if options.plot_path:
-        report.plot(results, Path(options.plot_path).expanduser(), title)
+    titled = f"{title} · {meta['machine']} · torch {meta['versions']['torch']} · {meta['date']}"
+    texts = ((options.json_path, lambda: json.dumps(records, indent=2, ensure_ascii=False) + "\n"),
+             (options.csv_path, lambda: report.to_csv(records)),
+             (options.markdown_path, lambda: report.markdown(results, titled)),
+             (options.plot_path, None))
+    unwritten = []  # one output that fails does not cost the others hours of measuring
+    for path, text in texts:
+        if path:
+            try:
+                if text is None:
+                    _plot(results, path, title)
+                else:
+                    _write(path, text())
+            except FafoError as e:
+                unwritten.append(e)
+                print(f"error: {e}", file=sys.stderr)
     failures = []
     if options.verify and greedy and not interrupted:
         failures = verify_float32(config, rows, [s for s in samples if s.id in complete], options.tokens,
@@ -240,5 +254,5 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     bugs = [b for r in results for b in r.bugs]
     if interrupted:
         return 130
-    return 1 if failures or bugs else 0
+    return 1 if failures or bugs or unwritten else 0
 

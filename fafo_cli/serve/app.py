@@ -37,9 +37,9 @@ class ClientGone(Exception):
 
 
 def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, cors: tuple[str, ...] = (),
-               max_body: int, loopback: bool) -> Starlette:
+               max_body: int, loopback: bool, max_tokens: int | None = None) -> Starlette:
     """`loopback`: the server listens on a loopback address only (requests must then be addressed to this machine:
-    see `_foreign_host`)."""
+    see `_foreign_host`); `max_tokens`: the limit of a request that gives none (None: the context left)."""
     served, started = engine.name, int(time.time())
 
     async def chat(request: Request) -> Response:
@@ -61,7 +61,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         if media and media != "application/json" and not media.endswith("+json"):
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got {media})",
                            code="unsupported_media_type")
-        job = schema.parse(schema.read_json(body), kind, engine, served)
+        job = schema.parse(schema.read_json(body), kind, engine, served, max_tokens)
         ticket = worker.submit(job, asyncio.get_running_loop())
         try:
             first = await _unless_gone(request, ticket.next())

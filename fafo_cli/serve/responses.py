@@ -39,7 +39,8 @@ def completion(ticket, model: str, text: str, stats: Stats, finish: str) -> dict
 
 def chunk(ticket, model: str, text: str = "", *, first: bool = False) -> dict:
     """A streamed piece of the answer (the chat's first one names the role)."""
-    return {**_head(ticket, model, streamed=True), "choices": [_choice(ticket, text, first=first)]}
+    return {**_head(ticket, model, streamed=True), "choices": [_choice(ticket, text, first=first)],
+            **_no_usage_yet(ticket)}
 
 
 def last_chunk(ticket, model: str, stats: Stats, finish: str) -> dict:
@@ -47,7 +48,8 @@ def last_chunk(ticket, model: str, stats: Stats, finish: str) -> dict:
     choice = {**_choice(ticket, ""), "finish_reason": FINISH[finish]}
     if ticket.job.kind == "chat":
         choice["delta"] = {}
-    return {**_head(ticket, model, streamed=True), "choices": [choice], "fafo": fafo(stats, ticket.job)}
+    return {**_head(ticket, model, streamed=True), "choices": [choice], **_no_usage_yet(ticket),
+            "fafo": fafo(stats, ticket.job)}
 
 
 def usage_chunk(ticket, model: str, stats: Stats) -> dict:
@@ -64,6 +66,11 @@ def _head(ticket, model: str, *, streamed: bool) -> dict:
     kind = ("chat.completion.chunk" if streamed else "chat.completion") if ticket.job.kind == "chat" \
         else "text_completion"
     return {"id": ticket.id, "object": kind, "created": ticket.created, "model": model}
+
+
+def _no_usage_yet(ticket) -> dict:
+    """With stream_options.include_usage, every chunk before the usage chunk has `"usage": null`, as OpenAI's."""
+    return {"usage": None} if ticket.job.include_usage else {}
 
 
 def _choice(ticket, text: str, *, first: bool = False) -> dict:

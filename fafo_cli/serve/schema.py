@@ -38,7 +38,7 @@ class Job:
     kind: str  # "chat" or "text"
     prompt: str | list[dict]  # chat messages (chat template applied) or text continued as is
     config: config_mod.Config  # the request's settings: validated, the model's sampling defaults and a seed filled
-    asked_tokens: bool  # max_tokens was given: beyond the context it is an error, not cut to fit
+    tokens_field: str | None  # the field that gave max_tokens: beyond the context it is an error, not cut to fit
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
@@ -52,10 +52,10 @@ class Job:
                            param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded")
         if self.config.max_tokens <= room:
             return self.config
-        if self.asked_tokens:
+        if self.tokens_field:
             raise ApiError(400, f"this model's context is {context} tokens: the prompt takes {prompt_tokens}, so "
-                                f"max_tokens can be at most {room} (got {self.config.max_tokens})",
-                           param="max_tokens", code="context_length_exceeded")
+                                f"{self.tokens_field} can be at most {room} (got {self.config.max_tokens})",
+                           param=self.tokens_field, code="context_length_exceeded")
         return replace(self.config, max_tokens=room)
 
 
@@ -78,8 +78,9 @@ def read_json(raw: bytes) -> dict:
     return body
 
 
-def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
-    """A Job for a chat (`kind` "chat") or completion ("text") request body, or ApiError 400/404."""
+def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | None = None) -> Job:
+    """A Job for a chat (`kind` "chat") or completion ("text") request body, or ApiError 400/404. `max_tokens`: the
+    limit of a request that gives none (`fafo serve --max-tokens`); None: the context left after the prompt."""
     given = {key: value for key, value in body.items() if value is not None}
     openai, neutral = (CHAT, NEUTRAL) if kind == "chat" else (TEXT, TEXT_NEUTRAL)
     for key, value in given.items():
@@ -102,9 +103,16 @@ def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
         raise ApiError(400, "'system' and a system message in 'messages' both give the system prompt: send one",
                        param="system", code="invalid_value")
     overrides = {key: given[key] for key in PER_REQUEST & given.keys() if key != "max_tokens"}
-    tokens = _max_tokens(given, kind)
-    if tokens is not None:
-        overrides["max_tokens"] = tokens
+    tokens, tokens_field = _max_tokens(given, kind)
+    # no limit asked: the server's, else the whole context (Job.fitted cuts it to what the prompt leaves), as OpenAI's
+    overrides["max_tokens"] = tokens if tokens is not None else max_tokens or engine.model.max_context
+    # nothing a request asks for may go unheeded, but a seed while greedy: clients send one with temperature 0
+    # for repeatable answers, which greedy answers are
+    checked = PER_REQUEST & given.keys() - {"seed"}
+    if _top_p_zero(given):  # OpenAI's top_p goes down to 0, which keeps only the likeliest token: greedy decoding
+        del overrides["top_p"]
+        overrides["temperature"] = 0.0
+        checked -= {"top_p", "temperature"}
     if kind == "text":
         overrides.setdefault("chat_template", False)  # a completion continues the text as it is
         if "system" in overrides and not overrides["chat_template"]:
@@ -117,13 +125,15 @@ def parse(body: dict, kind: str, engine: Engine, served: str) -> Job:
     stop = _stop(given)
     try:
         config = engine.request_config(**overrides)
-        # nothing a request asks for may go unheeded, but a seed while greedy: clients send one with temperature 0
-        # for repeatable answers, which greedy answers are
-        engine.check_given(config, PER_REQUEST & given.keys() - {"seed"})
+        off = config_mod.SAMPLING_NEUTRAL
+        sampling = [key for key in off if key in overrides and overrides[key] != off[key]]
+        if sampling and "temperature" not in overrides and config.temperature == 0:
+            config = engine.request_config(**overrides, temperature=1.0)  # OpenAI's temperature is 1 when not sent
+        engine.check_given(config, checked)
     except FafoError as e:
         key = re.search(r"'(\w+)'", str(e))
         raise ApiError(400, str(e), param=key.group(1) if key else None, code="invalid_value") from None
-    return Job(kind, prompt, config, tokens is not None, stop, stream, include_usage)
+    return Job(kind, prompt, config, tokens_field, stop, stream, include_usage)
 
 
 def _typed(given: dict, key: str, kind: type, what: str) -> Any:
@@ -133,7 +143,8 @@ def _typed(given: dict, key: str, kind: type, what: str) -> Any:
     return value
 
 
-def _max_tokens(given: dict, kind: str) -> int | None:
+def _max_tokens(given: dict, kind: str) -> tuple[int | None, str | None]:
+    """The limit asked for and the field that gave it (None, None: none)."""
     tokens, key = _typed(given, "max_tokens", int, "an integer"), "max_tokens"
     if kind == "chat":
         newer = _typed(given, "max_completion_tokens", int, "an integer")
@@ -144,7 +155,26 @@ def _max_tokens(given: dict, kind: str) -> int | None:
             tokens, key = newer, "max_completion_tokens"
     if tokens is not None and tokens < 1:
         raise ApiError(400, f"'{key}' must be at least 1 (got {tokens})", param=key, code="invalid_value")
-    return tokens
+    return tokens, key if tokens is not None else None
+
+
+def _top_p_zero(given: dict) -> bool:
+    """Whether `top_p` is 0 (OpenAI's range is 0 to 1, ours above 0 to 1); other values are checked as the config's,
+    but for the bound, which is stated here."""
+    top_p = given.get("top_p")
+    if type(top_p) not in (int, float):
+        return False
+    if not 0 <= top_p <= 1:  # (NaN too: Python's JSON reads it)
+        raise ApiError(400, f"'top_p' must be between 0 and 1 (got {json.dumps(top_p)})", param="top_p",
+                       code="invalid_value")
+    if top_p != 0:
+        return False
+    neutral = config_mod.SAMPLING_NEUTRAL
+    useless = [key for key in ("top_k", "min_p") if key in given and given[key] != neutral[key]]
+    if useless:
+        raise ApiError(400, f"'{useless[0]}' has no effect with top_p 0, which keeps only the likeliest token "
+                            "(greedy decoding)", param=useless[0], code="invalid_value")
+    return True
 
 
 def _stream_options(given: dict, stream: bool) -> bool:

@@ -19,10 +19,12 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import uvicorn
 
+from .. import config as config_mod
 from ..api import Engine
 from ..errors import FafoError
 from .app import create_app
@@ -43,6 +45,20 @@ class Options:  # (the address is the socket's: `bind`)
     conversations: int = 4  # earlier conversations whose caches are kept (Engine.keep_conversations)
     conversations_mb: float = 1024
     verbose: bool = False
+    max_tokens: int | None = None  # the limit of a request that gives none (None: the context left after its prompt)
+
+
+def default_max_tokens(config: config_mod.Config, config_file: str | None, flags: dict) -> int | None:
+    """`config`'s max_tokens where `--max-tokens` or the config file (`config_mod.resolve`'s) gave it, else None:
+    a request that gives no limit then gets the context left after its prompt, as from OpenAI (the 512 that
+    `fafo run` defaults to would cut answers short)."""
+    if flags.get("max_tokens") is not None:
+        return config.max_tokens
+    path = Path(config_file).expanduser() if config_file is not None else config_mod.user_config_path()
+    if not path.exists():
+        return None
+    unset = replace(config_mod.Config(), max_tokens=None)  # (read again: the file was checked when resolved)
+    return config.max_tokens if config_mod.load_file(path, unset).max_tokens is not None else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -89,7 +105,8 @@ def create(engine: Engine, options: Options, *, loopback: bool) -> "Server":
     engine.keep_conversations(options.conversations, options.conversations_mb)
     worker = Worker(engine, options.queue)
     app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
-                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context, loopback=loopback)
+                     max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context, loopback=loopback,
+                     max_tokens=options.max_tokens)
     logging_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # every log line on stderr, as ours
     config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
