@@ -237,7 +237,8 @@ class Engine:
         if on_prefill is not None and not callable(on_prefill):
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling.of(config)
-        request = Request(ids, config.max_tokens, sampling, self.stop_ids, config, tuple(stop), on_prefill)
+        stop_ids, stop = self._token_stops(stop)
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids | stop_ids, config, stop, on_prefill)
         # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
         # was suspended took it over, and this one may neither go on nor undo anything of it
         self._answering = owner = object()
@@ -258,6 +259,19 @@ class Engine:
                 if emitter.done:  # guesses a step committed past a stop or limit were never emitted: as plain
                     keep = min(keep, len(ids) + len(emitter.token_ids) - 1)  # decoding, all but the last token
                 self.session.rollback(keep)
+
+    def _token_stops(self, stop: Sequence[str]) -> tuple[frozenset[int], tuple[str, ...]]:
+        """The stop strings that are one special token's text (`<|im_end|>` sent by a client whose template ends
+        turns with it), as stop ids: the shown text never holds a special token, so as strings they would never
+        match. And the other stop strings."""
+        ids, strings = set(), []
+        for text in stop:
+            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(encoded) == 1 and not self.tokenizer.decode(encoded, skip_special_tokens=True):
+                ids.add(encoded[0])
+            else:
+                strings.append(text)
+        return frozenset(ids), tuple(strings)
 
     def complete(self, prompt: Prompt, *, stop: Sequence[str] = (), on_prefill: Callable[[Prefill], None] | None = None,
                  **overrides) -> Result:

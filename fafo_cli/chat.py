@@ -15,7 +15,7 @@ from rich.console import Console
 
 from . import config as config_mod
 from .api import Engine
-from .errors import FafoError, first_line, interrupt_handled
+from .errors import FafoError, first_line, interrupt_handled, is_out_of_memory
 from .ui import StreamView, method_label
 
 QUOTES = '"""'  # open and close a multi-line message
@@ -226,6 +226,13 @@ class Repl:
         except FafoError as e:
             self.messages.pop()
             self._warn(f"error: {e}. /reset starts a new conversation.")
+            return
+        except (MemoryError, RuntimeError) as e:  # the conversation so far is kept: a shorter answer may fit
+            if not is_out_of_memory(e):
+                raise
+            self.messages.pop()
+            self._warn("error: out of memory in this answer; /set max_tokens N asks for a shorter one, /reset starts "
+                       "a new conversation")
             return
         self.messages.append({"role": "assistant", "content": "".join(answer)})
         if view.last:

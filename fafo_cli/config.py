@@ -48,7 +48,8 @@ def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=Fals
          flag=None, short=None, switch=None, argument=False, also=()):
     """A key's declaration. Validation: `choices`, `low`/`high` (`low_open`: low itself excluded), `nullable`
     (may be empty); `allowed` describes the values of a key with a rule of its own (budget, AUTO_COUNTS).
-    Command line: `flag` (default: --the-key-name, and --no-the-key-name for a bool), `short` alias, `switch`
+    Command line: `flag` (default: --the-key-name, and --no-the-key-name for a bool), `short` alias (or a second
+    long name other tools use), `switch`
     (a bool flag setting the key to switch[0] or switch[1]), `argument` (the commands' positional argument
     instead of a flag), `also` (commands besides GENERATE that offer it)."""
     return field(default=default, metadata=dict(help=help, choices=choices, low=low, high=high, low_open=low_open,
@@ -104,7 +105,7 @@ class Config:
     max_tokens: int = _opt(512, "most tokens generated per answer", low=1, short="-n")
     # Sampling: empty = the model's generation_config.json when it asks to sample, else greedy / off.
     temperature: float | None = _opt(None, "0 = greedy; above 0 samples (empty: the model's default)", low=0.0,
-                                     high=100.0, nullable=True)
+                                     high=100.0, nullable=True, short="--temp")  # (llama.cpp's and mlx-lm's name)
     top_p: float | None = _opt(None, "nucleus sampling: keep the smallest set of tokens with this much mass "
                                      "(empty: the model's default, else 1)", low=0.0, high=1.0, low_open=True,
                                nullable=True)
@@ -175,7 +176,8 @@ class Config:
                                    also=("cacheback build-table",))
     cacheback_followers: int = _opt(4, "cacheback: followers kept per leader FC (least recently used dropped)",
                                      low=1, high=256, also=("cacheback build-table",))
-    cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table", low=1,
+    cacheback_leaders: int = _opt(100_000, "cacheback: leaders kept in the dynamic table, and in a table "
+                                           "`build-table` writes (least recently seen dropped)", low=1,
                                   also=("cacheback build-table",))
     cacheback_budget: int = _opt(8, "cacheback: draft tokens per step (tree nodes)", low=1, high=1024)
     cacheback_table: str | None = _opt(None, "cacheback: frozen table file (`fafo cacheback build-table`), "
@@ -219,6 +221,17 @@ SPECS = {spec.name: spec for spec in fields(Config)}  # each config key's declar
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e-3, 2.5E4: numbers YAML 1.1 leaves as text
 
 
+def _number(name: str, text: str, kind: type) -> int | float:
+    """The number a command line gave as text, for a key that may also be emptied."""
+    text = text.strip()
+    if kind is int and re.fullmatch(r"[+-]?[0-9]+", text):
+        return int(text)
+    if kind is float and re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", text):
+        return float(text)
+    raise FafoError(f"config key '{name}' must be {'an integer' if kind is int else 'a number'}, or empty for the "
+                    f"default (got {text!r})")
+
+
 def _check(name: str, value: Any, spec) -> Any:
     meta = spec.metadata
     if value is None or (value == "" and meta["nullable"]):  # "" is empty too (a command line has no null)
@@ -226,6 +239,8 @@ def _check(name: str, value: Any, spec) -> Any:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
+    if isinstance(value, str) and kind in (int, float) and meta["nullable"]:  # a command line's text (see _flag)
+        value = _number(name, value, kind)
     if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
         value = float(value)  # YAML 1.1 reads 1e-3 as text
     if name == "budget":
@@ -497,6 +512,8 @@ def _command_line_type(spec) -> type:
     if spec.metadata["switch"]:
         return bool
     names = {name.strip() for name in spec.type.split("|")} - {"None"}
+    if spec.metadata["nullable"] and names & {"int", "float"}:  # text: --seed "" empties a config file's value
+        return str
     return next(kind for kind in (str, float, int, bool) if kind.__name__ in names)
 
 

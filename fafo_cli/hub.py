@@ -75,7 +75,8 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
         elif _looks_like_path(spec) or not _REPO_ID.match(spec):
             raise FafoError(f"no such model file or folder: {spec}")
         else:
-            folder = cached_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
+            # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows)
+            folder = cached_snapshot(spec) or newest_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
 
@@ -563,20 +564,40 @@ def cached_models() -> list[CachedModel]:
     except CacheNotFound:
         cache = None
     for repo in cache.repos if cache else ():
-        if repo.repo_type != "model" or not repo.revisions:
-            continue
-        latest = max(repo.revisions, key=lambda r: r.last_modified)
-        try:
-            if cached_snapshot(repo.repo_id, latest.commit_hash) is None:  # not a whole model yet
-                continue
-        except FafoError:  # a snapshot huggingface_hub cannot read: not one to list
+        latest = _newest_whole(repo)
+        if latest is None:
             continue
         found.append(CachedModel(repo.repo_id, repo.size_on_disk,
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),
-                                 latest.snapshot_path, "hub", stored_precision(latest.snapshot_path)))
+                                 latest, "hub", stored_precision(latest)))
     for folder, name, converted in _conversions():
         found.append(CachedModel(name, _folder_size(folder), converted, folder, "gguf", converted_quantization(folder)))
     return sorted(found, key=lambda m: m.name.lower())
+
+
+def newest_snapshot(repo_id: str) -> Path | None:
+    """The newest snapshot of a hub model in the HF cache that holds a whole model, whatever its revision."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return None
+    return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id), None)
+
+
+def _newest_whole(repo) -> Path | None:
+    """A cached repo's newest snapshot that holds a whole model (a pull cut off mid-way does not)."""
+    if repo.repo_type != "model":
+        return None
+    for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+        try:
+            if cached_snapshot(repo.repo_id, revision.commit_hash) is not None:
+                return revision.snapshot_path
+        except FafoError:  # a snapshot huggingface_hub cannot read: not one to use
+            continue
+    return None
 
 
 def _conversions() -> Iterator[tuple[Path, str, datetime]]:

@@ -191,7 +191,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", prompt_file, "-c", ""], "--config needs a file name"),
         (["run", tiny, "-p", prompt_file, "--top-p", "2"], "'top_p' must be <= 1.0"),
         (["run", tiny, "-p", prompt_file, "-n", "0"], "'max_tokens' must be >= 1"),
-        (["run", tiny, "-p", prompt_file, "--temperature", "warm"], "Invalid value for '--temperature'"),
+        (["run", tiny, "-p", prompt_file, "--temperature", "warm"], "'temperature' must be a number, or empty"),
         (["run", tiny, "-p", prompt_file, "--method", "magic"], "'method' must be one of vanilla, fafo"),
         (["run", tiny, "-p", prompt_file, "--device", "cuda"] if not torch.cuda.is_available() else
          ["run", tiny, "-p", prompt_file, "--device", "tpu"], "--device cuda: CUDA is not available"
@@ -490,6 +490,32 @@ def test_a_message_too_long_for_the_context_leaves_the_conversation_as_it_was(ti
     repl.messages = [*earlier, {"role": "user", "content": "word " * 3000}]
     assert not repl._fit_context()
     assert repl.messages == earlier and "does not fit the model's context" in err.getvalue()
+
+
+def test_running_out_of_memory_in_a_chat_answer_keeps_the_conversation(tiny, monkeypatch):
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    engine, err = load(str(tiny), dtype="float32", max_tokens=4), io_mod.StringIO()
+    repl = Repl(engine, Console(file=io_mod.StringIO()), Console(file=err))
+    repl._answer("hello")
+    earlier = list(repl.messages)
+    stream = engine.stream
+
+    def short_of_memory(*args, **kwargs):
+        yield from stream(*args, **kwargs)
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes")
+
+    monkeypatch.setattr(engine, "stream", short_of_memory)
+    repl._answer("and now?")
+    assert repl.messages == earlier and "error: out of memory in this answer" in err.getvalue()
+    monkeypatch.setattr(engine, "stream", stream)
+    repl._answer("again")
+    assert repl.messages[:len(earlier)] == earlier and len(repl.messages) == len(earlier) + 2
 
 
 def test_chat_repl_script(tiny):

@@ -172,7 +172,7 @@ def test_every_key_is_a_flag_that_reaches_the_config(commands, command, spec):
 def test_flag_spellings():
     run = {flag.key: flag for flag in config_mod.flags("run")}
     shorts = {"max_tokens": "-n", "streams": "-W", "ngram": "-k", "guesses": "-G", "prefix": "-P", "budget": "-B",
-              "draft_tokens": "-D"}
+              "draft_tokens": "-D", "temperature": "--temp"}  # (llama.cpp's and mlx-lm's --temp)
     assert {key: flag.declarations[1] for key, flag in run.items() if len(flag.declarations) > 1} == shorts
     assert run["compile"].declarations == ("--compile/--no-compile",)
     assert (run["compile"].value(True), run["compile"].value(False), run["compile"].value(None)) == ("on", "off", None)
@@ -207,10 +207,20 @@ def test_a_user_config_link_to_nothing_is_an_error(tmp_path, monkeypatch):
         config_mod.resolve(None)
 
 
-def test_an_empty_string_empties_a_key_that_may_be_empty():
+def test_an_empty_string_empties_a_key_that_may_be_empty(tmp_path, commands):
     assert config_mod.build(model="", system="").model is None
     with pytest.raises(FafoError, match="'method' must be one of"):
         config_mod.build(method="")
+    # a number from the config file, emptied by a flag: the model's default again (the command line gives text)
+    (tmp_path / "fafo.yaml").write_text("seed: 1\ntemperature: 0.7\ntop_k: 40\n")
+    parsed = commands["run"].make_context("run", ["-p", "f", "--seed", "", "--temp", "", "--top-k", "8"]).params
+    flags = {key: parsed[key] for key in ("seed", "temperature", "top_k")}
+    config = config_mod.resolve(str(tmp_path / "fafo.yaml"), **flags)
+    assert (config.seed, config.temperature, config.top_k) == (None, None, 8)
+    for key, text, kind in (("seed", "1.5", "an integer"), ("temperature", "warm", "a number"),
+                            ("top_p", "nan", "a number")):
+        with pytest.raises(FafoError, match=f"^config key '{key}' must be {kind}, or empty for the default"):
+            config_mod.build(**{key: text})
 
 
 def test_window_settings_count_where_a_window_runs():

@@ -13,7 +13,7 @@ from fafo_cli.runtime.sampling import Sampling
 from fafo_cli.runtime.session import Emitter, Request
 from fafo_cli.runtime.stops import StopStrings
 
-from .conftest import hf_greedy
+from .conftest import LONG, hf_greedy
 
 REPEATS = "abc abc abc abc abc abc abc abc abc abc"
 
@@ -170,3 +170,18 @@ def test_reset_forgets_kept_conversations(tiny):
     assert len(engine.session.kept) == 1
     engine.reset()
     assert len(engine.session.kept) == 0 and engine.session.ids == []
+
+
+@pytest.mark.parametrize("method", ["vanilla", "fafo"])
+def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token(tiny, method):
+    """The shown text never holds a special token, so `stop: ["<|im_start|>"]` (a client whose template ends turns
+    with it) is that token's id, not a string that could never match."""
+    engine = load(str(tiny), dtype="float32", chat_template=False, method=method)
+    full = engine.complete(LONG, max_tokens=256).token_ids
+    decode = engine.tokenizer.decode
+    # the random model writes a special token now and then (one that decodes to nothing but its own text)
+    at = next(i for i, token in enumerate(full) if not decode([token], skip_special_tokens=True))
+    text = decode([full[at]], skip_special_tokens=False)
+    assert text.startswith("<|") and text not in decode(full, skip_special_tokens=True)
+    result = engine.complete(LONG, max_tokens=256, stop=[text, "never"])
+    assert result.token_ids == full[:at + 1] and result.finish_reason == "stop"

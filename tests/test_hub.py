@@ -207,6 +207,14 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch
         ("org/tiny", "hub", "fp32", str(folder))]
 
 
+def test_a_model_pulled_at_a_revision_runs_by_the_name_fafo_list_shows(fake_hub, monkeypatch):
+    folder = hub.pull("org/tiny", revision=fake_hub.repos["org/tiny"].sha)  # no `main` in the cache
+    fake_hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert [(m.name, m.path) for m in hub.cached_models()] == [("org/tiny", folder)]
+    assert hub.resolve("org/tiny") == folder and fake_hub.requests == []
+
+
 def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypatch):
     hf_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (utils exports a class of its name)
     monkeypatch.setattr(hf_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", None)  # the tests' setting, read at import

@@ -152,14 +152,30 @@ def test_a_stop_inside_an_accepted_run_ends_the_answer_as_plain_decoding_would(s
 
 
 @pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "suffix"])
-def test_no_step_guesses_past_the_answers_limit(tiny, method):
+def test_no_step_guesses_past_the_answers_limit(tiny, method, monkeypatch):
+    from fafo_cli.decoders import speculative
+    from fafo_cli.decoders.fafo import step as fafo_step
+
+    depths = []  # each step's longest path of guesses
+
+    def recording(draft_step):
+        def recorded(anchor, tokens, parents, *args, **kwargs):
+            depth = {-1: 0}
+            for node, parent in enumerate(parents):
+                depth[node] = depth[parent] + 1
+            depths.append(max(depth.values()))
+            return draft_step(anchor, tokens, parents, *args, **kwargs)
+        return recorded
+
+    for module in (speculative, fafo_step):
+        monkeypatch.setattr(module, "draft_step", recording(module.draft_step))
     engine = load(str(tiny), dtype="float32", chat_template=False, method=method)
     for limit in (2, 9, 40):
-        emitted, drafted = 0, 0
-        for step in engine.stream(LONG, max_tokens=limit):
-            assert step.stats.drafted_tokens - drafted <= limit - emitted - 1  # tokens left, but its own one
-            emitted, drafted = emitted + len(step.token_ids), step.stats.drafted_tokens
-        assert emitted == limit
+        depths.clear()
+        steps = list(engine.stream(LONG, max_tokens=limit))
+        emitted = [sum(len(step.token_ids) for step in steps[:i]) for i in range(1, len(steps))]
+        assert len(depths) == len(emitted) and sum(map(len, (s.token_ids for s in steps))) == limit
+        assert all(depth <= limit - before - 1 for depth, before in zip(depths, emitted)), (depths, emitted)
 
 
 def test_the_prefill_time_leaves_out_the_drafters_set_up(tiny, monkeypatch):

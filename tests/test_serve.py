@@ -464,6 +464,33 @@ def test_a_client_that_leaves_the_queue_frees_its_place(guarded, monkeypatch):
     assert waited["status"] == 200 and waited["body"]["usage"]["completion_tokens"] == 3
 
 
+def test_a_stream_that_waits_in_the_queue_starts_and_keeps_its_connection_alive(guarded, monkeypatch):
+    """Behind a running answer, a streamed request gets its headers and the role chunk after STREAM_HOLD_S, then
+    comment lines until its first step (a proxy would drop a silent connection), then its answer."""
+    from fafo_cli.serve import app
+
+    monkeypatch.setattr(app, "STREAM_HOLD_S", 0.05)
+    monkeypatch.setattr(app, "KEEP_ALIVE_S", 0.05)
+    _slowed(monkeypatch, guarded)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    waiting = {"messages": CHAT, "max_tokens": 3, "stream": True}
+    with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/completions", json=long) as running:
+            events = running.iter_lines()  # held: a dropped iterator would close the connection
+            next(line for line in events if line.startswith("data: "))
+            with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as other:
+                with other.stream("POST", "/chat/completions", json=waiting) as queued:
+                    assert queued.status_code == 200
+                    lines = queued.iter_lines()
+                    role = json.loads(next(line for line in lines if line)[len("data: "):])
+                    assert role["choices"][0]["delta"]["role"] == "assistant"
+                    assert [next(line for line in lines if line) for _ in range(2)] == [": waiting"] * 2
+                    running.close()  # the running answer is dropped: the waiting one runs
+                    rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"]
+
+
 def test_a_client_that_leaves_while_sending_its_body_is_no_error(served):
     address, logged = httpx.URL(served.url), len(served.log)
     with socket.create_connection((address.host, address.port), timeout=30) as leaving:

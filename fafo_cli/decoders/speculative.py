@@ -35,6 +35,11 @@ class Draft:
     q: list[torch.Tensor] | None = None  # sampled self-drafts: the distribution each chain token was drawn from
     passes: int = 0  # forward passes the drafting took
 
+    def within(self, depth: int) -> "Draft":
+        """No path longer than `depth` guesses (a chain's distributions cut with it)."""
+        tree = self.tree.within(max(0, depth))
+        return self if tree is self.tree else Draft(tree, self.q and self.q[:len(tree)], self.passes)
+
     @classmethod
     def chain(cls, tokens: list[int], q: list[torch.Tensor] | None = None, passes: int = 0) -> "Draft":
         tree = DraftTree()
@@ -77,8 +82,8 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     yield step
     while not step.finish_reason:
         start = cache.length
-        # guesses past the answer's end would never be emitted
-        draft = drafter.draft(text, room=min(model.max_context - start, emitter.left) - 1)
+        # no path longer than the answer's tokens left: guesses past its end would never be emitted
+        draft = drafter.draft(text, room=model.max_context - start - 1).within(emitter.left - 1)
         tree = draft.tree
         if drafter.runs_model:
             stats.draft_passes += draft.passes

@@ -52,6 +52,16 @@ class DraftTree:
             tree.add_chain(chain, merge=False)
         return tree
 
+    def within(self, depth: int) -> "DraftTree":
+        """The nodes at most `depth` deep (itself when that is all of them): a path holds no more guesses."""
+        if all(d <= depth for d in self.depths):
+            return self
+        tree, index = DraftTree(), {ROOT: ROOT}
+        for node, (token, parent, d) in enumerate(zip(self.tokens, self.parents, self.depths)):
+            if d <= depth:  # (a parent is shallower than its children: it is kept first)
+                index[node] = tree.add(index[parent], token)
+        return tree
+
     def path(self, node: int) -> list[int]:
         """Nodes from the anchor's child down to `node` (empty for ROOT)."""
         nodes = []

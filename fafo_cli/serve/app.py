@@ -30,6 +30,11 @@ from .worker import Ticket, Worker
 log = logging.getLogger("fafo.serve")
 
 OPEN_PATHS = {"/health"}  # answered without the API key: a liveness probe tells nothing about the model's use
+# A stream's headers wait this long for its first step, so an error found by then (the prompt beyond the context) is
+# still a real status; after that the stream starts, with a comment line every KEEP_ALIVE_S while the request waits
+# in the queue or prefills (a proxy drops a connection that stays silent: nginx after 60 s)
+STREAM_HOLD_S = 2.0
+KEEP_ALIVE_S = 5.0
 
 
 class ClientGone(Exception):
@@ -63,18 +68,24 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
                            code="unsupported_media_type")
         job = schema.parse(schema.read_json(body), kind, engine, served, max_tokens)
         ticket = worker.submit(job, asyncio.get_running_loop())
-        try:
-            first = await _unless_gone(request, ticket.next())
-            if isinstance(first, ApiError):
-                return first.response()
-            if job.stream:
-                return EventStream(_events(ticket, first, served), on_close=lambda: worker.cancel(ticket))
-            return await _unless_gone(request, _whole(ticket, first, served))
-        except ClientGone:
+        first = asyncio.ensure_future(ticket.next())
+
+        def close() -> None:
+            first.cancel()
             worker.cancel(ticket)
+
+        try:
+            await _unless_gone(request, asyncio.wait({first}, timeout=STREAM_HOLD_S if job.stream else None))
+            if first.done() and isinstance(first.result(), ApiError):
+                return first.result().response()
+            if job.stream:
+                return EventStream(_events(ticket, first, served), on_close=close)
+            return await _unless_gone(request, _whole(ticket, first.result(), served))
+        except ClientGone:
+            close()
             return Response(status_code=499)  # nobody reads it (nginx's code for a client that closed the request)
         except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown: a step in flight outlasted its grace
-            worker.cancel(ticket)
+            close()
             return shutting_down().response()
 
     async def models(request: Request) -> Response:
@@ -120,10 +131,19 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _events(ticket: Ticket, item: Step | ApiError, model: str) -> AsyncIterator[bytes]:
-    """The answer as OpenAI's chunks, then `data: [DONE]`; an error after the stream began is one error event."""
+async def _events(ticket: Ticket, first: asyncio.Future, model: str) -> AsyncIterator[bytes]:
+    """The answer as OpenAI's chunks, then `data: [DONE]`; an error after the stream began is one error event.
+    Until the `first` step comes, a comment line now and then (clients skip them)."""
     if ticket.job.kind == "chat":
         yield responses.event(responses.chunk(ticket, model, first=True))
+    while not first.done():
+        await asyncio.wait({first}, timeout=KEEP_ALIVE_S)
+        if not first.done():
+            yield b": waiting\n\n"
+    try:
+        item = first.result()
+    except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown
+        item = shutting_down()
     while True:
         if isinstance(item, ApiError):
             yield responses.event(item.body())

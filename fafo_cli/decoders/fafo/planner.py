@@ -332,9 +332,9 @@ class Planner:
         self.unverified = 0  # steps since guesses were last verified
 
     def plan(self, chains: Sequence[Chain] | Callable[[], Sequence[Chain]], room: int,
-             firsts: Sequence[Chain] | None = None, guesses: int | None = None) -> Plan:
-        """The step to run with these candidates, at most `room` rows and `guesses` guessed tokens (those past the
-        answer's end would never be emitted). With `firsts` (one-token chains at least as
+             firsts: Sequence[Chain] | None = None, depth: int | None = None) -> Plan:
+        """The step to run with these candidates, at most `room` rows, no path longer than `depth` guesses (those
+        past the answer's end would never be emitted). With `firsts` (one-token chains at least as
         likely as each candidate's first token), `chains` may be a function that builds them: every token of a
         candidate is at most as likely as its first, so n guesses gain at most n times the likeliest of `firsts`,
         and where even that pays for no guess's rows the step is plain without the candidates being built (most
@@ -349,16 +349,16 @@ class Planner:
             self.window_earned, self.window_price = 0, 0.0
         forced = self.fixed or idle or self.burst_left > 0
         options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
-        most = self.max_nodes if guesses is None else max(0, min(self.max_nodes, guesses))
         if firsts is not None and not forced and self.unverified < EXPLORE_EVERY:
             top = max((chances[0] for chances in map(self.acceptance.chances, firsts) if chances), default=0.0)
-            bound = [top * n for n in range(most + 1)]
+            bound = [top * n for n in range(self.max_nodes + 1)]
             if self._choose(bound, options, window_value, room)[:2] == (0, False):
                 return self._plain()
         chains = chains() if callable(chains) else chains
         merged, chance, sources, nodes_of = _merge(chains, self.acceptance)
         # Chances fall along every path, so the likeliest n nodes always include their ancestors.
-        order = sorted(range(len(chance)), key=lambda i: (-chance[i], i))[:most]
+        order = sorted((i for i in range(len(chance)) if depth is None or merged.depths[i] <= depth),
+                       key=lambda i: (-chance[i], i))[:self.max_nodes]
         gains = [0.0]
         for node in order:
             gains.append(gains[-1] + chance[node])

@@ -316,7 +316,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         found = ([Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
                  if window is not None else [])
         plan = planner.plan(lambda: guesses.chains() + found, room=model.max_context - start,
-                            firsts=guesses.firsts() + found, guesses=emitter.left - 1)
+                            firsts=guesses.firsts() + found, depth=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
                           view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
