@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -432,6 +433,12 @@ def bench(
             long.check_context(context, options.tokens)  # (against the model's context once it loads)
         if documents:
             long.user_files(list(documents))
+        if settings.gpus > 1:  # a model spread over GPUs runs only some rows (api.check_spread says which)
+            from .api import check_spread
+            from .bench.runner import plan_rows
+
+            for row in plan_rows(options.methods, options.compressors, external=False):
+                check_spread(replace(settings, method=row.method, **dict(row.overrides)))
     out, err = consoles()
     if tune:
         from .bench import tune as tune_mod
@@ -507,8 +514,6 @@ def compile_steps(
     *, flags: dict,
 ) -> None:
     """Build the compiled steps a method runs in, ahead of its first `--compile` run (minutes each on a CPU)."""
-    from dataclasses import replace
-
     from .bench.command import parse_list
     from .compiled.ahead import build_ahead
     from .ui import consoles

@@ -339,6 +339,52 @@ def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
     assert "prompt-lookup" in captured.out and "chat-cooking" not in captured.out
 
 
+def test_a_row_that_fails_is_left_out_and_the_others_are_reported(tiny, tmp_path, monkeypatch, capsys):
+    """Out of memory (or a setting it refuses) in one row mid-bench: that row runs no more, every other row's runs
+    are reported and written, and the exit code says something failed."""
+    from fafo_cli.bench import runner
+
+    real = runner.run_once
+
+    def short_of_memory(engine, row, sample, *args, **kwargs):
+        if row.name == "suffix" and sample.id == "chat-cooking":
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes")
+        return real(engine, row, sample, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_once", short_of_memory)
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup,suffix", "--no-external",
+                       "--samples", "2", "--repeats", "1", "--warmup", "0", "--tokens", "16", "--dtype", "float32",
+                       "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1 and "suffix failed on chat-cooking: out of memory; its row is left out" in captured.err
+    records = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"vanilla", "prompt-lookup"} and records["prompt-lookup"]["exact"] == "2/2"
+
+
+def test_compiled_rows_are_compared_with_compiled_plain_decoding():
+    from fafo_cli.bench.report import aggregate
+    from fafo_cli.bench.runner import Row, Run
+
+    rows = [Row(name, method, (), compiled) for name, method, compiled in (
+        ("vanilla", "vanilla", False), ("vanilla+compiled", "vanilla", True), ("fafo", "fafo", False),
+        ("fafo+compiled", "fafo", True))]
+    speeds = {"vanilla": 50.0, "vanilla+compiled": 100.0, "fafo": 75.0, "fafo+compiled": 90.0}
+    sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello"},))
+    runs = [Run(row, sample, 0, [1, 2], speeds[row.name], 2, 1.0, 0, 0, 0.0) for row in rows]
+    ratios = {r.row.name: r.speedup for r in aggregate(runs, rows, {}, greedy=True)}
+    # of its own mode: compiled FAFO at 0.9x compiled plain decoding is a loss, not 1.8x eager's
+    assert ratios == {"vanilla": 1.0, "vanilla+compiled": 2.0, "fafo": 1.5, "fafo+compiled": 0.9}
+
+
+def test_bench_on_a_model_spread_over_gpus_refuses_rows_that_cannot_run_before_loading(tiny, monkeypatch, capsys):
+    from fafo_cli import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    code = entrypoint(["bench", str(tiny), "--gpus", "2", "--methods", "fafo", "--compressors", "stream"])
+    assert code == 1 and "on a model spread over GPUs (--gpus) use --compressor none" in capsys.readouterr().err
+
+
 def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypatch, capsys):
     from fafo_cli import config as config_mod
     from fafo_cli.bench import tune

@@ -18,7 +18,7 @@ from ..config import METHODS, SAMPLING_NEUTRAL
 from ..errors import FafoError, interrupt_handled
 from ..files import write_atomic
 from . import exactness, report, suites
-from .runner import Progress, Run, measure, plan_rows, run_once
+from .runner import Failed, Progress, Run, measure, plan_rows, run_once
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, **SAMPLING_NEUTRAL, "seed": 0}
     runs: list[Run] = []
+    failed: dict[str, Failed] = {}
     interrupted = False
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
               TextColumn("left"), TimeRemainingColumn(),
@@ -202,6 +203,8 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                         left = bar.tasks[task].time_remaining
                         eta = f" (about {_minutes(left)} left)" if left else ""
                         err_console.print(f"bench {event.done:.0f}/{event.total:.0f}{eta}: {event.label}")
+                elif isinstance(event, Failed):
+                    failed[event.row.name] = event
                 else:
                     runs.append(event)
         except KeyboardInterrupt:
@@ -209,6 +212,12 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
             interrupted = True
     if interrupted:
         err_console.print(f"interrupted: reporting the {len(runs)} runs measured so far")
+    for name, failure in failed.items():
+        err_console.print(f"[bold red]{name} failed on {failure.sample.id}: {failure.message}; its row is left out[/]")
+    if "vanilla" in failed:
+        raise FafoError("plain decoding (vanilla), which every row is compared with, failed: nothing to report")
+    rows = [row for row in rows if row.name not in failed]
+    runs = [run for run in runs if run.row.name not in failed]
     # only samples every row finished count: a partial sample would compare rows on different prompts
     complete = {s.id for s in samples if sum(r.sample.id == s.id for r in runs) == options.repeats * len(rows)}
     runs = [r for r in runs if r.sample.id in complete]
@@ -254,5 +263,5 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     bugs = [b for r in results for b in r.bugs]
     if interrupted:
         return 130
-    return 1 if failures or bugs or unwritten else 0
+    return 1 if failures or bugs or unwritten or failed else 0
 

@@ -14,7 +14,9 @@ from typing import Iterator
 
 import torch
 
+from ..errors import FafoError, first_line, is_out_of_memory
 from ..runtime.memory import PeakMemory
+from ..runtime.model import STEP_ROWS
 from ..runtime.sampling import Sampling
 from .suites import Sample
 
@@ -154,6 +156,14 @@ WARMUP_TOKENS = 32
 
 
 @dataclass(frozen=True)
+class Failed:
+    """A row that could not run (out of memory, a setting it refuses): it runs no more, the other rows go on."""
+    row: Row
+    sample: Sample
+    message: str
+
+
+@dataclass(frozen=True)
 class Progress:
     done: float  # in timed runs: a warm-up run counts as the share of a timed run's tokens it generates
     total: float
@@ -162,25 +172,44 @@ class Progress:
 
 
 def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repeats: int, warmup: int,
-            settings: dict) -> Iterator[Run | Progress]:
+            settings: dict) -> Iterator[Run | Progress | Failed]:
     """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved.
-    Compiled rows always get one short untimed run first: it builds or loads their package."""
+    Compiled rows always get one short untimed run first: it builds or loads their package. A row that fails is
+    reported once (`Failed`) and skipped from then on."""
     warm = min(tokens, WARMUP_TOKENS) / tokens  # so the time left is estimated from what the runs really cost
     total = (warmup * len(rows) * warm if samples else 0) + len(samples) * repeats * len(rows)
     done = 0.0
+    failed: set[str] = set()
+
+    def attempt(row: Row, sample: Sample, repeat: int, tokens: int) -> Run | Failed:
+        try:
+            return run_once(engine, row, sample, repeat, tokens, settings)
+        except (FafoError, MemoryError, RuntimeError) as e:
+            if not isinstance(e, FafoError) and not is_out_of_memory(e):
+                raise
+            failed.add(row.name)
+            return Failed(row, sample, "out of memory" if is_out_of_memory(e) else first_line(e))
+
+    if samples:  # the whole answer's cache at once: steps captured as CUDA graphs are not captured again mid-run
+        engine.session.cache.reserve(min(engine.model.max_context, max(
+            len(engine.encode(list(sample.messages))) for sample in samples) + tokens + STEP_ROWS))
     for row in rows if samples and not warmup else []:
         if row.compiled:
             yield Progress(done, total, f"loading the compiled step · {row.name}")
-            run_once(engine, row, samples[0], -1, 2, settings)
+            if isinstance(outcome := attempt(row, samples[0], -1, 2), Failed):
+                yield outcome
     for _ in range(warmup if samples else 0):
         for row in rows:
             yield Progress(done, total, f"warm-up · {row.name}", row is rows[0])
-            run_once(engine, row, samples[0], -1, min(tokens, WARMUP_TOKENS), settings)
+            if row.name not in failed and isinstance(outcome := attempt(row, samples[0], -1,
+                                                                        min(tokens, WARMUP_TOKENS)), Failed):
+                yield outcome
             done += warm
     for sample in samples:
         for repeat in range(repeats):
             for row in rows:
                 yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}", row is rows[0])
-                yield run_once(engine, row, sample, repeat, tokens, settings)
+                if row.name not in failed:
+                    yield attempt(row, sample, repeat, tokens)
                 done += 1
     yield Progress(done, total, "done", True)
