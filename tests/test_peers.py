@@ -190,7 +190,8 @@ def test_the_prefill_time_leaves_out_the_drafters_set_up(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("settings", [dict(method="vanilla"), *PEERS.values()] + [
-    dict(method="fafo", compressor=name, budget=80, streams=2) for name in ("none", "stream", "quest", "snapkv", "h2o")])
+    dict(method="fafo", compressor=name, budget=80, streams=2) for name in ("none", "stream", "quest", "snapkv",
+                                                                              "h2o")])
 def test_the_cache_grows_as_the_answer_does(tiny, monkeypatch, settings):
     """Only part of an answer's cache is reserved at its start; growing it under a running decoder (compressed
     views, retrieval caches, drafts) changes nothing."""

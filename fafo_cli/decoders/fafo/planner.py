@@ -13,8 +13,9 @@ is highest. `cost` is one pass's cost against its row count (`StepCosts`): the c
 default), corrected by the times of the steps this planner has run, so a machine that is busier, has other
 threads or another shape of cost than when it was measured is planned for as it is now; on compiled steps only
 the package sizes the decoder has count. When no guess is worth its rows the step is plain decoding's single
-row, decided where possible from the candidates' first tokens alone, before the rest of them is built. The window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs
-in bursts of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
+row, decided where possible from the candidates' first tokens alone, before the rest of them is built. The
+window's value is what its n-grams were accepted for afterwards, per step that ran it. The window runs in bursts
+of k steps (its levels need consecutive steps to yield n-grams), first at the start; one that has not
 run for a while runs a burst anyway (less often each time the window's n-grams earned fewer tokens than its
 steps cost since the previous such burst: the time of its rows, in the tokens those steps were expected to
 emit), and guesses that have not been verified for a while get their likeliest token verified, so that what
@@ -334,11 +335,11 @@ class Planner:
     def plan(self, chains: Sequence[Chain] | Callable[[], Sequence[Chain]], room: int,
              firsts: Sequence[Chain] | None = None, depth: int | None = None) -> Plan:
         """The step to run with these candidates, at most `room` rows, no path longer than `depth` guesses (those
-        past the answer's end would never be emitted). With `firsts` (one-token chains at least as
-        likely as each candidate's first token), `chains` may be a function that builds them: every token of a
-        candidate is at most as likely as its first, so n guesses gain at most n times the likeliest of `firsts`,
-        and where even that pays for no guess's rows the step is plain without the candidates being built (most
-        steps of free prose, whose host work would otherwise cost more than its guesses earn)."""
+        past the answer's end would never be emitted). With `firsts` (one-token chains at least as likely as each
+        candidate's first token), `chains` may be a function that builds them: every token of a candidate is at
+        most as likely as its first, so n guesses gain at most n times the likeliest of `firsts`, and where even
+        that pays for no guess's rows the step is plain without the candidates being built (most steps of free
+        prose, whose host work would otherwise cost more than its guesses earn)."""
         window_value = self.acceptance.window_value()
         idle = self.window_rows > 0 and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
         if idle:  # a burst because the window has been idle: back off while bursts earn nothing
