@@ -469,6 +469,9 @@ def _hub_error(repo_id: str, error: Exception) -> str:
         return f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to download"
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
+    if any(cls.__name__ in ("ConnectError", "ConnectTimeout") for cls in type(error).__mro__):  # (httpx's)
+        return (f"cannot reach the Hugging Face hub to get '{repo_id}' ({first_line(error)}); a model on this "
+                "machine: give its folder or .gguf file, or a name `fafo list` shows")
     if _broken_off(error):
         return (f"the download of {repo_id} broke off ({first_line(error)}); pull again: the files already "
                 "downloaded are kept")
@@ -617,6 +620,9 @@ def _conversions() -> Iterator[tuple[Path, str, datetime]]:
 
 
 def converted_named(name: str) -> Path | None:
-    """The converted model `fafo list` shows as `name` (the newest, where several conversions share it), if any."""
-    named = [(converted, folder) for folder, listed, converted in _conversions() if listed == name]
+    """The converted model `fafo list` shows as `name` (the newest, where several conversions share it), if any;
+    in any case where none is named exactly so (ollama's names are lower case)."""
+    conversions = list(_conversions())
+    named = [(converted, folder) for folder, listed, converted in conversions if listed == name] or [
+        (converted, folder) for folder, listed, converted in conversions if listed.casefold() == name.casefold()]
     return max(named)[1] if named else None

@@ -123,6 +123,21 @@ def test_remote_code_with_opt_in(tmp_path):
     assert hub.resolve(str(folder), trust_remote_code=True) == folder
 
 
+def test_a_hub_that_cannot_be_reached_is_said_so(caches, monkeypatch):
+    """No network (and HF_HUB_OFFLINE not set): not "the download broke off", which nothing had begun."""
+    import huggingface_hub.constants as constants
+
+    with socket.socket() as closed:  # a loopback port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # (read when huggingface_hub is imported)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(FafoError, match="^cannot reach the Hugging Face hub to get 'nobody/nothing' .*fafo list"):
+        hub.resolve("nobody/nothing")
+
+
 def test_unknown_id_offline_fails_without_touching_the_network(caches, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     reached: list = []
@@ -509,6 +524,7 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     assert [m.name for m in hub.cached_models()] == ["model.Q4_1", "model.Q4_1"]
     assert hub.resolve("model.Q4_1") == newer != older
     assert hub.converted_named("model") is None and hub.converted_named("model.Q4_1.gguf") is None
+    assert hub.resolve("MODEL.q4_1") == newer  # in any case, as ollama's lower-case names
     downloaded = hub.convert_gguf(_gguf_header(tmp_path / "model (1).gguf", "llama", **Q4_1_MODEL))
     assert hub.resolve("model (1)") == downloaded  # a name no hub id could be
     # the embedded default's name: this install's file, though another environment's copy was converted later

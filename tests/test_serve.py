@@ -245,6 +245,8 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     # a neutral value asks for nothing: still the model's default, greedy
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, top_p=1)
     assert neutral.choices[0].message.content == greedy and neutral.model_extra["fafo"]["seed"] is None
+    seeded = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, seed=7)  # greedy too
+    assert seeded.choices[0].message.content == greedy and seeded.model_extra["fafo"]["seed"] is None
 
 
 def test_top_p_zero_is_greedy(served, reference):
@@ -760,7 +762,7 @@ BAD = [
     ("chat", b"[" * 50_000 + b"]" * 50_000, 400, None),  # nested deeper than the parser goes
     ("text", {}, 400, "prompt"),
     ("text", {"prompt": ""}, 400, "prompt"),
-    ("text", {"prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    ("text", {"prompt": "hi", "logprobs": 0}, 400, "unsupported_value"),  # (a count: only null is neutral)
     ("text", {"prompt": [1, 2, 3]}, 400, "prompt"),
     ("text", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("text", {"prompt": "x " * 2100}, 400, "context_length_exceeded"),

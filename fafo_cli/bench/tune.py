@@ -163,6 +163,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     taus: dict[tuple, list[float]] = {s: [] for s in settings}
     # tokens per decoding step, the most a speedup can be (the speed leaves out the prefill's first token)
     ceilings: dict[tuple, list[float]] = {s: [] for s in settings}
+    # what its steps cost by the curve, in one-row passes: the rows the planner chose, not the most it may
+    curve, step_cost = StepCosts(costs), {s: [] for s in settings}
     if sample:  # the first run pays one-time costs (first calls, allocations): not one to compare
         run_once(engine, Row("vanilla", "vanilla"), sample[0], 0, TOKENS, greedy)
     for item in sample:
@@ -174,16 +176,18 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
             speed[setting].append(fafo.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
             taus[setting].append(len(fafo.token_ids) / max(1, fafo.steps))
             ceilings[setting].append((len(fafo.token_ids) - 1) / max(1, fafo.steps - 1))
+            rows = fafo.extra.get("step_rows") or {1: 1}
+            step_cost[setting].append(sum(n * curve.of(r) for r, n in rows.items()) / sum(rows.values())
+                                      / curve.of(1))
         err_console.print(f"[dim]measured {item.suite} · {item.id}[/]")
-    table = Table("W, k, G", "rows", "τ", "speedup", "predicted from step cost", title="FAFO settings on "
+    table = Table("W, k, G", "most rows", "τ", "speedup", "τ / step cost", title="FAFO settings on "
                   f"{len(sample)} prompts ({TOKENS} tokens each)", title_justify="left")
     for setting in settings:
         rows = replace(planned, streams=setting[0], ngram=setting[1], guesses=setting[2]).max_rows
-        cost = min(costs, key=lambda r: abs(r - rows))  # nearest measured row count
         tau = statistics.median(taus[setting])
         table.add_row(", ".join(map(str, setting)) + (" (current)" if setting == current else ""), str(rows),
                       f"{tau:.2f}", f"{statistics.median(speed[setting]):.2f}×",
-                      f"{tau * costs[1] / costs[cost]:.2f}×")
+                      f"{tau / statistics.median(step_cost[setting]):.2f}×")
     console.print(table)
     best = max(settings, key=lambda s: statistics.median(speed[s]))
     before, after = statistics.median(speed[current]), statistics.median(speed[best])

@@ -22,7 +22,8 @@ def fafo(stats: Stats, job: Job) -> dict:
     """How the answer was decoded: τ is tokens per forward pass; accepted of drafted are the guessed tokens."""
     return {"method": job.config.method, "tau": round(stats.tokens_per_step, 3), "accepted": stats.accepted_tokens,
             "drafted": stats.drafted_tokens, "steps": stats.steps, "tokens_per_s": round(stats.tokens_per_s, 2),
-            "ttft_s": round(stats.ttft_s, 4), "seed": job.config.seed}
+            "ttft_s": round(stats.ttft_s, 4),
+            "seed": job.config.seed if job.config.temperature > 0 else None}  # (a greedy answer used none)
 
 
 def completion(ticket, model: str, text: str, stats: Stats, finish: str) -> dict:

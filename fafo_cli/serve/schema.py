@@ -88,6 +88,9 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
             if value != neutral[key] or isinstance(value, bool) != isinstance(neutral[key], bool):
                 raise ApiError(400, f"'{key}' must be {json.dumps(neutral[key])}: this server does not support "
                                     f"other values", param=key, code="unsupported_value")
+        elif key == "logprobs":  # a completion's: a count, of which only null asks for nothing
+            raise ApiError(400, "'logprobs' must be null: this server does not return log probabilities",
+                           param=key, code="unsupported_value")
         elif key in LOAD_KEYS - {"model"}:
             raise ApiError(400, f"'{key}' is fixed when the server loads the model (a `fafo serve` option)",
                            param=key, code="unsupported_parameter")
