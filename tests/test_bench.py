@@ -286,6 +286,38 @@ def test_compiled_rows_are_checked_against_compiled_vanilla(tiny):
     assert divergences_from_reference(engine, runs)[0][("fafo-stream+compiled", "hello")].position == 3
 
 
+def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, monkeypatch):
+    """Eager rows against eager vanilla by eager passes' noise, compiled rows against compiled vanilla by compiled
+    passes' (their multi-row pass in a package already built), compiled vanilla against eager vanilla by compiled
+    one-row passes against eager ones: a loose tolerance for one would excuse a real bug in another."""
+    from fafo_cli.bench import command, exactness
+    from fafo_cli.bench.runner import Row, Run
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+
+    class Built:  # the engine's compiled steps, of which the 4-row package is loaded
+        def built(self):
+            return [1, 4]
+
+    engine.compiled = steps = Built()
+    noise = {(None, None, 9): 0.0, (steps, steps, 4): 0.25, (steps, None, 9): 1.5}
+    monkeypatch.setattr(exactness, "rounding_noise", lambda engine, prompt, generated, single=None, multi=None,
+                        rows=9: noise[(single, multi, rows)])
+    judged = {}
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+                        judged.setdefault(len(judged), tolerance))
+    sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
+    rows = [Row(name, method, (), flag) for name, method, flag in (
+        ("vanilla", "vanilla", False), ("vanilla+compiled", "vanilla", True), ("fafo", "fafo", False),
+        ("fafo+compiled", "fafo", True))]
+    tokens = {"vanilla": [5, 6, 7], "vanilla+compiled": [5, 6, 8], "fafo": [5, 9, 7], "fafo+compiled": [5, 6, 9]}
+    runs = [Run(row, sample, 0, tokens[row.name], 1.0, 3, 1.0, 0, 0, 0.0) for row in rows]
+    found, tolerance = command.divergences_from_reference(engine, runs)
+    assert tolerance == {"eager": 0.0, "compiled": 0.25, "compiled vs eager": 1.5}
+    by_row = {name: found[(name, "hello")] for name in ("vanilla+compiled", "fafo", "fafo+compiled")}
+    assert by_row == {"vanilla+compiled": 1.5, "fafo": 0.0, "fafo+compiled": 0.25}
+
+
 def test_rounding_noise_is_zero_in_float32(tiny):
     from fafo_cli import load
     from fafo_cli.bench.exactness import rounding_noise

@@ -113,16 +113,17 @@ def _plot(results, path: str, title: str) -> None:
 
 
 def divergences_from_reference(engine, runs: list[Run]
-                               ) -> tuple[dict[tuple[str, str], exactness.Divergence | None], float]:
+                               ) -> tuple[dict[tuple[str, str], exactness.Divergence | None], dict[str, float]]:
     """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
     rounding noise that tells near-ties from bugs. A compiled row is compared with compiled vanilla where the
     run has it: the same kernels, so in bf16 too the tokens agree wherever a row of a compiled step rounds as
-    a plain step does (packed GGUF steps: tested). Compiled vanilla itself and every eager row: eager vanilla."""
+    a plain step does (packed GGUF steps: tested). Compiled vanilla itself and every eager row: eager vanilla.
+    Each comparison is judged by the noise of its own two modes (`tolerances`): eager rows by eager passes,
+    compiled rows by compiled ones, compiled vanilla by compiled one-row passes against eager ones."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
     compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
-    # the noise differs from text to text: take the largest over every prompt's vanilla answer
-    tolerance = max(exactness.rounding_noise(engine, engine.encode(list(r.sample.messages)), r.token_ids)
-                    for r in reference.values())
+    tolerance = tolerances(engine, list(reference.values()),
+                           any(_mode(r.row, True, engine) != "eager" for r in runs if not r.row.external))
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     last_sample = None
     for run in sorted(runs, key=lambda r: r.sample.id):  # one prompt's rows in turn: its cache serves them all
@@ -135,9 +136,35 @@ def divergences_from_reference(engine, runs: list[Run]
             engine.reset()  # the runs' steps wrote this prompt's cache in other shapes: prefill it afresh
             last_sample = run.sample.id
         found[(run.row.name, run.sample.id)] = None if position is None else exactness.classify(
-            engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position, tolerance)
+            engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position,
+            tolerance[_mode(run.row, same_kernels is not None, engine)] if not run.row.external
+            else max(tolerance.values()))  # (transformers' own kernels: the loosest measured)
     engine.reset()
     return found, tolerance
+
+
+def _mode(row, same_kernels: bool, engine) -> str:
+    """Which passes a row's comparison with plain decoding sets side by side (see `tolerances`)."""
+    if row.compiled is None:  # as the engine loaded (compile: auto), as vanilla ran
+        return "compiled" if engine.compiled is not None else "eager"
+    return "compiled" if row.compiled and same_kernels else "compiled vs eager" if row.compiled else "eager"
+
+
+def tolerances(engine, references: list[Run], compiled: bool) -> dict[str, float]:
+    """The rounding noise (the largest over every prompt's vanilla answer: it differs from text to text) of eager
+    passes, and where compiled rows ran, of compiled ones (their multi-row passes in a package already built:
+    another would be built now, minutes on a CPU) and of compiled one-row passes against eager ones."""
+    def noise(single, multi, rows=exactness.CALIBRATION_ROWS) -> float:
+        return max(exactness.rounding_noise(engine, engine.encode(list(r.sample.messages)), r.token_ids,
+                                            single=single, multi=multi, rows=rows) for r in references)
+
+    found = {"eager": noise(None, None)}
+    if compiled and engine.compiled is not None:
+        steps = engine.compiled
+        built = [size for size in getattr(steps, "built", list)() if 1 < size <= 16]
+        found["compiled"] = noise(steps, steps, max(built)) if built else noise(steps, None)
+        found["compiled vs eager"] = noise(steps, None)
+    return found
 
 
 def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[str]:
@@ -229,13 +256,13 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     else:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)
-    meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,
+    meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,  # per mode: {"eager": ...}
             "steps": _steps_mode(config, engine.session.compiled_runs > compiled_before,
                                  graphs=isinstance(engine.compiled, GraphSteps))}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['steps']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
-    if tolerance:
-        title += f" · near-tie: logit gap ≤ {tolerance:.2f}"
+    if tolerance and any(tolerance.values()):
+        title += " · near-tie: logit gap ≤ " + ", ".join(f"{gap:.2f} {mode}" for mode, gap in tolerance.items())
     report.print_tables(results, console, title)
     records = [r.record(meta) for r in results]
     titled = f"{title} · {meta['machine']} · torch {meta['versions']['torch']} · {meta['date']}"

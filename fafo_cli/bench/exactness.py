@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.conversations import shared_prefix
-from ..runtime.model import causal_attention, prefix_causal_mask
+from ..runtime.rows import draft_step
 
 CALIBRATION_ROWS = 9  # rows per pass when measuring the rounding noise (FAFO's default step)
 MARGIN = 1.25  # the noise measured on one text, widened a little for others
@@ -40,30 +40,38 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def rounding_noise(engine, prompt_ids: list[int], generated: list[int]) -> float:
-    """How far a multi-row pass moves the gap between two near-top logits, against one-row passes, on this
+def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, single=None, multi=None,
+                   rows: int = CALIBRATION_ROWS) -> float:
+    """How far a `rows`-row pass moves the gap between two near-top logits, against one-row passes, on this
     model and dtype: the largest change over the text, for vanilla's top-5 tokens at each position. 0 in
-    float32, where every row must agree exactly (and so it measures 0 where our kernels serve every product)."""
+    float32, where every row must agree exactly (and so it measures 0 where our kernels serve every product).
+    The one-row passes run on `single`, the others on `multi`: the compiled steps, or None for eager (a row and
+    the plain decoding it is compared with, each in its own mode)."""
     if engine.model.dtype == torch.float32 or not generated:
         return 0.0
-    session = engine.session
+    session, kept = engine.session, engine.session.compiled
     text = prompt_ids + generated[:128]
     engine.reset()
-    logits, _ = session.prefill(prompt_ids, reserve=len(text))
-    single = [logits]
-    for token in text[len(prompt_ids):-1]:
-        single.append(session.step(token))
-    session.rollback(len(prompt_ids) - 1)  # the prompt's cache kept: a long prompt is prefilled once
-    multi = []
-    for start in range(len(prompt_ids) - 1, len(text) - 1, CALIBRATION_ROWS):
-        rows = text[start:start + CALIBRATION_ROWS]
-        multi.append(session.forward(rows, causal_attention(
-            prefix_causal_mask(session.cache.length, len(rows), engine.model.device), engine.model.scaling)))
-        session.commit(rows)
-    engine.reset()
-    single, multi = torch.stack(single), torch.cat(multi)[:len(single)]
-    top = single.topk(5, dim=-1).indices
-    one, many = single.gather(-1, top), multi.gather(-1, top)
+    try:
+        session.compiled = single
+        logits, _ = session.prefill(prompt_ids, reserve=len(text))
+        one_row = [logits]
+        for token in text[len(prompt_ids):-1]:
+            one_row.append(session.step(token))
+        session.rollback(len(prompt_ids) - 1)  # the prompt's cache kept: a long prompt is prefilled once
+        session.compiled = multi
+        many_rows = []
+        for start in range(len(prompt_ids) - 1, len(text) - 1, rows):
+            chunk = text[start:start + rows]  # a chain: each row sees the ones before it, as a causal pass
+            step = draft_step(chunk[0], chunk[1:], list(range(-1, len(chunk) - 2)), engine.model.device, size=rows)
+            many_rows.append(session.run(step))
+            session.accept(step, list(range(len(chunk))))
+    finally:
+        session.compiled = kept
+        engine.reset()
+    single_logits, multi_logits = torch.stack(one_row), torch.cat(many_rows)[:len(one_row)]
+    top = single_logits.topk(5, dim=-1).indices
+    one, many = single_logits.gather(-1, top), multi_logits.gather(-1, top)
     return float(((one[:, :1] - one) - (many[:, :1] - many)).abs().max()) * MARGIN
 
 
