@@ -181,7 +181,22 @@ class Repl:
             self._warn(f"error: cannot read {raw!r} as a value ({first_line(e)})")
             return
         self.settings[key] = value
-        self.out.print(f"{key} = {value}", markup=False)
+        # what an earlier /set asked for that this one leaves without effect (temperature 0 after a top_p): cleared,
+        # so the session never holds what `fafo run` would refuse
+        config = self.engine.request_config(**self.settings)
+        idle = [other for other, given in self.settings.items()
+                if other != key and given not in (None, "") and not self._effective(config, other)]
+        for other in idle:
+            del self.settings[other]
+        cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
+        self.out.print(f"{key} = {value}{cleared}", markup=False)
+
+    def _effective(self, config, key: str) -> bool:
+        try:
+            self.engine.check_given(config, {key})
+        except FafoError:
+            return False
+        return True
 
     def _fit_context(self) -> bool:
         """Drop the oldest exchanges until the conversation leaves the answer room in the model's context (its

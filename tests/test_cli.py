@@ -406,6 +406,13 @@ def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
         "42", "random", "42"]
 
 
+def test_chat_set_clears_what_a_later_set_leaves_without_effect(tiny):
+    shown = _chat(tiny, "/set temperature 0.5\n/set seed 2\n/set top_p 0.9\n/set temperature 0\n/set\n")
+    assert "temperature = 0  (seed, top_p no longer apply: cleared)" in shown.stdout, shown.stdout + shown.stderr
+    listing = next(line for line in shown.stdout.splitlines() if line.startswith("temperature="))
+    assert "top_p=1.0" in listing and "seed=None" in listing, listing  # greedy again: no sampling setting held
+
+
 def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_as_messages(tiny):
     huge = "word " * 3000  # beyond the tiny model's context alone
     script = f'first message\n{huge}\n"""\n/etc/hosts lists names\n"""\n/set temperature [1\n/stats\n"""\nunclosed\n'
