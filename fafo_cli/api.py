@@ -267,7 +267,8 @@ class Engine:
         ids, strings = set(), []
         for text in stop:
             encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(encoded) == 1 and not self.tokenizer.decode(encoded, skip_special_tokens=True):
+            decode = self.tokenizer.decode  # (a SentencePiece "▁" decodes to nothing either way: not special)
+            if len(encoded) == 1 and not decode(encoded, skip_special_tokens=True) and decode(encoded) == text:
                 ids.add(encoded[0])
             else:
                 strings.append(text)

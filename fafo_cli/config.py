@@ -239,8 +239,6 @@ def _check(name: str, value: Any, spec) -> Any:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
-    if isinstance(value, str) and kind in (int, float) and meta["nullable"]:  # a command line's text (see _flag)
-        value = _number(name, value, kind)
     if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
         value = float(value)  # YAML 1.1 reads 1e-3 as text
     if name == "budget":
@@ -474,9 +472,14 @@ class Flag:
 
     def value(self, parsed: Any) -> Any:
         """The key's value for what the command line parsed (None: not given, the files' value stands)."""
-        if parsed is None or self.switch is None:
-            return parsed
-        return self.switch[0] if parsed else self.switch[1]
+        if parsed is None:
+            return None
+        if self.switch is not None:
+            return self.switch[0] if parsed else self.switch[1]
+        kind = _text_number(SPECS[self.key])
+        if kind is not None and parsed.strip():  # a number read as text
+            return _number(self.key, parsed, kind)
+        return parsed
 
 
 def commands(spec) -> tuple[str, ...]:
@@ -511,10 +514,16 @@ def _command_line_type(spec) -> type:
     """The widest of the annotation's types: a flag's text must reach the checks ("int | str": "auto" or 3)."""
     if spec.metadata["switch"]:
         return bool
-    names = {name.strip() for name in spec.type.split("|")} - {"None"}
-    if spec.metadata["nullable"] and names & {"int", "float"}:  # text: --seed "" empties a config file's value
+    if _text_number(spec):  # text: --seed "" empties a config file's value
         return str
+    names = {name.strip() for name in spec.type.split("|")} - {"None"}
     return next(kind for kind in (str, float, int, bool) if kind.__name__ in names)
+
+
+def _text_number(spec) -> type | None:
+    """int or float for a number that may also be emptied: its flag reads text (Flag.value converts it)."""
+    names = {name.strip() for name in spec.type.split("|")} - {"None"}
+    return {"int": int, "float": float}.get(names.pop()) if spec.metadata["nullable"] and len(names) == 1 else None
 
 
 def _flag(spec) -> Flag:

@@ -81,6 +81,8 @@ def _settle(partial: Path, path: Path) -> None:
     fd = os.open(partial, os.O_RDONLY)  # (written by a tool, perhaps: flushed by name)
     try:
         os.fsync(fd)
+    except OSError:  # best effort: Windows flushes only descriptors open for writing
+        pass
     finally:
         os.close(fd)
 

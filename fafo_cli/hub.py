@@ -579,7 +579,8 @@ def cached_models() -> list[CachedModel]:
 
 
 def newest_snapshot(repo_id: str) -> Path | None:
-    """The newest snapshot of a hub model in the HF cache that holds a whole model, whatever its revision."""
+    """The newest snapshot of a hub model in the HF cache that holds a whole model, whatever its revision, where
+    `main` was never pulled (a `main` cut off mid-way is for the pull to finish, not to run an older copy)."""
     from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -587,7 +588,8 @@ def newest_snapshot(repo_id: str) -> Path | None:
         cache = scan_cache_dir(constants.HF_HUB_CACHE)
     except CacheNotFound:
         return None
-    return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id), None)
+    return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id and "main" not in repo.refs),
+                None)
 
 
 def _newest_whole(repo) -> Path | None:

@@ -394,6 +394,25 @@ def test_a_row_that_fails_is_left_out_and_the_others_are_reported(tiny, tmp_path
     assert set(records) == {"vanilla", "prompt-lookup"} and records["prompt-lookup"]["exact"] == "2/2"
 
 
+def test_a_failing_vanilla_ends_the_bench_at_once(tiny, monkeypatch, capsys):
+    from fafo_cli.bench import runner
+
+    real, after = runner.run_once, []
+
+    def vanilla_fails(engine, row, sample, *args, **kwargs):
+        if after or row.name == "vanilla" and sample.id == "chat-cooking":
+            after.append(row.name)
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes")
+        return real(engine, row, sample, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_once", vanilla_fails)
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
+                       "--samples", "2", "--repeats", "1", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "vanilla failed on chat-cooking: out of memory" in err and "nothing to report" in err
+    assert after == ["vanilla"]  # no row ran after it
+
+
 def test_compiled_rows_are_compared_with_compiled_plain_decoding():
     from fafo_cli.bench.report import aggregate
     from fafo_cli.bench.runner import Row, Run

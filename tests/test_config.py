@@ -213,14 +213,17 @@ def test_an_empty_string_empties_a_key_that_may_be_empty(tmp_path, commands):
         config_mod.build(method="")
     # a number from the config file, emptied by a flag: the model's default again (the command line gives text)
     (tmp_path / "fafo.yaml").write_text("seed: 1\ntemperature: 0.7\ntop_k: 40\n")
+    offered = {flag.key: flag for flag in config_mod.flags("run")}
     parsed = commands["run"].make_context("run", ["-p", "f", "--seed", "", "--temp", "", "--top-k", "8"]).params
-    flags = {key: parsed[key] for key in ("seed", "temperature", "top_k")}
+    flags = {key: offered[key].value(parsed[key]) for key in ("seed", "temperature", "top_k")}
     config = config_mod.resolve(str(tmp_path / "fafo.yaml"), **flags)
     assert (config.seed, config.temperature, config.top_k) == (None, None, 8)
     for key, text, kind in (("seed", "1.5", "an integer"), ("temperature", "warm", "a number"),
                             ("top_p", "nan", "a number")):
         with pytest.raises(FafoError, match=f"^config key '{key}' must be {kind}, or empty for the default"):
-            config_mod.build(**{key: text})
+            offered[key].value(text)
+    with pytest.raises(FafoError, match="'temperature' must be a number"):  # text elsewhere (a request) is no number
+        config_mod.build(temperature="0.7")
 
 
 def test_window_settings_count_where_a_window_runs():

@@ -175,7 +175,7 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
             settings: dict) -> Iterator[Run | Progress | Failed]:
     """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved.
     Compiled rows always get one short untimed run first: it builds or loads their package. A row that fails is
-    reported once (`Failed`) and skipped from then on."""
+    reported once (`Failed`) and skipped from then on; vanilla's ends the measuring (nothing to compare with)."""
     warm = min(tokens, WARMUP_TOKENS) / tokens  # so the time left is estimated from what the runs really cost
     total = (warmup * len(rows) * warm if samples else 0) + len(samples) * repeats * len(rows)
     done = 0.0
@@ -204,6 +204,8 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
             if row.name not in failed and isinstance(outcome := attempt(row, samples[0], -1,
                                                                         min(tokens, WARMUP_TOKENS)), Failed):
                 yield outcome
+            if "vanilla" in failed:
+                return
             done += warm
     for sample in samples:
         for repeat in range(repeats):
@@ -211,5 +213,7 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
                 yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}", row is rows[0])
                 if row.name not in failed:
                     yield attempt(row, sample, repeat, tokens)
+                if "vanilla" in failed:
+                    return
                 done += 1
     yield Progress(done, total, "done", True)

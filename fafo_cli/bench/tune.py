@@ -185,9 +185,10 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     for setting in settings:
         rows = replace(planned, streams=setting[0], ngram=setting[1], guesses=setting[2]).max_rows
         tau = statistics.median(taus[setting])
+        per_step = statistics.median(ceilings[setting])  # decoding steps' tokens, as their costs count
         table.add_row(", ".join(map(str, setting)) + (" (current)" if setting == current else ""), str(rows),
                       f"{tau:.2f}", f"{statistics.median(speed[setting]):.2f}×",
-                      f"{tau / statistics.median(step_cost[setting]):.2f}×")
+                      f"{per_step / statistics.median(step_cost[setting]):.2f}×")
     console.print(table)
     best = max(settings, key=lambda s: statistics.median(speed[s]))
     before, after = statistics.median(speed[current]), statistics.median(speed[best])

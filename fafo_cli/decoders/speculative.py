@@ -13,7 +13,7 @@ one-hot guesses (tables, copies) are checked against the tokens plain sampling p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol
 
 import torch
@@ -100,7 +100,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (a drafter's history)
         drafter.accepted(text, len(step.token_ids))
         stats.draft_memory_mb = drafter.nbytes() / 2**20
-        yield step
+        yield replace(step, stats=replace(step.stats, draft_memory_mb=stats.draft_memory_mb))  # (grown just now)
         anchor = emitted[-1]
 
 

@@ -136,11 +136,11 @@ async def _events(ticket: Ticket, first: asyncio.Future, model: str) -> AsyncIte
     Until the `first` step comes, a comment line now and then (clients skip them)."""
     if ticket.job.kind == "chat":
         yield responses.event(responses.chunk(ticket, model, first=True))
-    while not first.done():
-        await asyncio.wait({first}, timeout=KEEP_ALIVE_S)
-        if not first.done():
-            yield b": waiting\n\n"
     try:
+        while not first.done():
+            await asyncio.wait({first}, timeout=KEEP_ALIVE_S)
+            if not first.done():
+                yield b": waiting\n\n"
         item = first.result()
     except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown
         item = shutting_down()

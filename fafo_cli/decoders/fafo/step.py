@@ -336,11 +336,14 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         session.accept(rows, [0] + [1 + node for node in path])  # the anchor and the accepted guesses
         compressor.committed(cache, start, len(emitted))
         sources = planner.observe(plan, path)
-        planner.costs.observe(plan.rows, plan.window, (time.perf_counter() - began) * 1e3)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
         stats.draft_memory_mb = compressor.nbytes() / 2**20  # the copy of C(kv): created, and grown, as needed
+        emitting = time.perf_counter()
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
+        emitted_at = time.perf_counter()
         text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (the next turn's prompt)
         index.extend(step.token_ids)
+        # (what emitting costs, plain decoding pays too)
+        planner.costs.observe(plan.rows, plan.window, (emitting - began + time.perf_counter() - emitted_at) * 1e3)
         yield step
         anchor = emitted[-1]
