@@ -695,7 +695,10 @@ def _run(command, argv: list[str] | None) -> int:
             if help.strip():
                 print(help)
             return 0
-        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        words = sys.argv[1:] if argv is None else [str(word) for word in argv]
+        path = ctx.command_path if ctx is not None else (  # (an option missing its value has no context yet)
+            f"fafo {words[0]}" if words and words[0] in getattr(command, "commands", {}) else None)
+        hint = f" (see `{path} --help`)" if path else ""
         print(f"error: {first_line(e.format_message()) or 'invalid usage'}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
