@@ -178,7 +178,9 @@ def test_min_p_reaches_the_sampler(tiny, method):
     assert engine.complete(LONG, max_tokens=40, temperature=1.0, seed=5).token_ids != greedy
 
 
-def test_no_window_on_a_cpu_unless_a_compressor_is_named(tiny):
+def test_no_window_on_a_cpu_unless_a_compressor_is_named(tiny, tmp_path, monkeypatch):
+    # an empty cache: a cost curve another test's bench measured for this model would widen `auto`'s window
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", device="cpu")
     plain = engine.complete(LONG, max_tokens=60).stats  # streams: auto, compressor: auto
     assert plain.streams == 0 and plain.fumble_positions is None and plain.draft_memory_mb == 0  # no copy of C(kv)
