@@ -65,7 +65,11 @@ constexpr int64_t kPrefetch = 8192;  // bytes ahead: the weights stream from mem
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if FAFO_AVX2 || FAFO_PACKED
+  return _cvtsh_ss(bits);  // one instruction; c10's conversion is a dozen (both exact)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 inline float float_at(const uint8_t* p) {
   float v;
@@ -105,11 +109,32 @@ inline __m256i bytes_of(const uint8_t* p) {
 inline __m256i signed_bytes_of(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-// Bits 8c .. 8c + 7 of `plane` (weight i's bit is bit i), one per lane, as 0 or `value`
-inline __m256i plane_bits(uint32_t plane, int c, int value) {
-  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(plane >> (8 * c))),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_and_si256(_mm256_slli_epi32(bits, __builtin_ctz(value)), _mm256_set1_epi32(value));
+// The 5- and 6-bit formats build half an entry's codes as bytes (A's 16 in the low lane, B's 16 in the high
+// one), then widen them: a third of the instructions of building them in 32-bit lanes.
+// Columns 16h .. 16h + 15 of A's and of B's low 4 bits, one byte each
+inline __m256i nibble_bytes(const uint8_t* e, int h) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + 16 * h)), low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(codes, 4), low), _mm_and_si128(codes, low));
+}
+// Bits 16h .. 16h + 15 of A's plane word `word` and of B's (the next) as bytes of 0 or `value`; `planes`: the
+// entry's plane words, in both lanes
+inline __m256i plane_bytes(__m256i planes, int h, int word, char value) {
+  const char a = static_cast<char>(4 * word + 2 * h), b = static_cast<char>(a + 4);
+  const char a1 = static_cast<char>(a + 1), b1 = static_cast<char>(b + 1);
+  const __m256i spread = _mm256_setr_epi8(a, a, a, a, a, a, a, a, a1, a1, a1, a1, a1, a1, a1, a1,
+                                          b, b, b, b, b, b, b, b, b1, b1, b1, b1, b1, b1, b1, b1);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);  // byte i of each 8 tests bit i
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(planes, spread), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(value));
+}
+// w[0], w[1]: A's and B's columns 16h .. 16h + 7 as scale * q (one rounding) from int8 codes q laid out as
+// nibble_bytes; w[2], w[3]: the next 8
+inline void widen_bytes(__m256i q, __m256 scaleA, __m256 scaleB, __m256* w) {
+  const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_mul_ps(scaleA, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
+  w[1] = _mm256_mul_ps(scaleB, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  w[2] = _mm256_mul_ps(scaleA, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(a, a))));
+  w[3] = _mm256_mul_ps(scaleB, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))));
 }
 // Chunk c of a Q4_1-like entry: its weights d * q + m (one rounding: d * q is exact) in columns 8c .. 8c + 7 of
 // block A and of block B (the codes' low and high nibbles)
@@ -122,19 +147,38 @@ template <class Use>
       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), _mm256_set1_ps(dB), _mm256_set1_ps(mB)));
 }
 
+// body(part) for each part of an entry: two-chunk parts spelt out, so that their byte shuffles' indices are
+// constants (body must be always_inline); one-chunk parts in a loop (unrolled, their multi-row products measured
+// slower)
+template <class F, class Body>
+[[gnu::always_inline]] inline void each_part(Body body) {
+  if constexpr (F::kPart == 2) {
+    body(0);
+    body(1);
+  } else {
+    for (int c = 0; c < 4; ++c) body(c);
+  }
+}
+
 // An entry's 64 weights, chunk by chunk: use(c, a, b) gets columns 8c .. 8c + 7 of block A and of block B
 template <class F, class Use>
 [[gnu::always_inline]] inline void widen(const uint8_t* e, Use use) {
-  for (int c = 0; c < 4; ++c) F::widen_chunk(e, c, [&](__m256 a, __m256 b) { use(c, a, b); });
+  each_part<F>([&](int part) __attribute__((always_inline)) {
+    __m256 w[2 * F::kPart];
+    F::widen_part(e, part, w);
+    for (int k = 0; k < F::kPart; ++k) use(part * F::kPart + k, w[2 * k], w[2 * k + 1]);
+  });
 }
 #endif
 
 // Each format gives one weight row's 64 columns of an entry: `plain` as the 64 float32 values gguf's
-// dequantizer computes (the caller rounds them to bf16 for a bf16 model), `widen_chunk` (AVX2) as the same float32
-// values 8 at a time, `rebuild` (AVX-512) as two vectors of 32 bf16 (blocks A and B), the same values rounded the
-// same way. `rebuild` reads an entry's scales as `scales` left them: Q4_K's and Q6_K's are computed for kSub
-// consecutive entries together, in vectors (one entry's alone took more instructions than its 64 weights' table
-// lookups; see rebuild_batch); the other formats read theirs from the entry.
+// dequantizer computes (the caller rounds them to bf16 for a bf16 model), `widen_part` (AVX2) as the same float32
+// values 8 at a time (part p: chunks p * kPart .. of 8 columns, w[2k] of block A and w[2k + 1] of B for each; the
+// 5- and 6-bit formats take two chunks, whose codes they build as bytes), `rebuild` (AVX-512) as two vectors of 32
+// bf16 (blocks A and B), the same values rounded the same way. `rebuild` reads an entry's scales as `scales` left
+// them: Q4_K's and Q6_K's are computed for kSub consecutive entries together, in vectors (one entry's alone took
+// more instructions than its 64 weights' table lookups; see rebuild_batch); the other formats read theirs from the
+// entry.
 struct Q4_1 {
   static constexpr int64_t entry = 48;
 
@@ -148,6 +192,10 @@ struct Q4_1 {
   template <class Use>
   [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
     widen_nibbles(e, c, float_at(e + 32), float_at(e + 36), float_at(e + 40), float_at(e + 44), use);
+  }
+  static constexpr int kPart = 1;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
+    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
   }
 #endif
 #if FAFO_PACKED
@@ -199,6 +247,10 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
     block_scales(e, 1, dB, mB);
     widen_nibbles(e, c, dA, mA, dB, mB, use);
   }
+  static constexpr int kPart = 1;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
+    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
+  }
 #endif
 #if FAFO_PACKED
   // D, M of block A, then of B, per entry: block_scales' products, the same float32 values
@@ -236,15 +288,12 @@ struct S5 {  // Q5_0: bf16(d * (q - 16)), q of 5 bits
     }
   }
 #if FAFO_AVX2
-  template <class Use>
-  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
-    const __m256 dA = _mm256_set1_ps(half_at(e + 40)), dB = _mm256_set1_ps(half_at(e + 42));
-    const __m256i sixteen = _mm256_set1_epi32(16), codes = bytes_of(e + 8 * c);
-    const __m256i qa =
-        _mm256_or_si256(_mm256_and_si256(codes, _mm256_set1_epi32(15)), plane_bits(word_at(e + 32), c, 16));
-    const __m256i qb = _mm256_or_si256(_mm256_srli_epi32(codes, 4), plane_bits(word_at(e + 36), c, 16));
-    use(_mm256_mul_ps(dA, _mm256_cvtepi32_ps(_mm256_sub_epi32(qa, sixteen))),
-        _mm256_mul_ps(dB, _mm256_cvtepi32_ps(_mm256_sub_epi32(qb, sixteen))));
+  static constexpr int kPart = 2;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int h, __m256* w) {
+    const __m256i planes = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + 32)));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibble_bytes(e, h), plane_bytes(planes, h, 0, 16)),
+                                      _mm256_set1_epi8(16));
+    widen_bytes(q, _mm256_set1_ps(half_at(e + 40)), _mm256_set1_ps(half_at(e + 42)), w);
   }
 #endif
 #if FAFO_PACKED
@@ -287,21 +336,16 @@ struct S6 {  // Q6_K: bf16(D * (q - 32)), q of 6 bits, D = d * s per 16 weights 
     }
   }
 #if FAFO_AVX2
-  template <class Use>
-  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+  static constexpr int kPart = 2;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int h, __m256* w) {
+    const __m256i planes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e + 32)));
+    const __m256i q = _mm256_or_si256(_mm256_or_si256(nibble_bytes(e, h), plane_bytes(planes, h, 0, 16)),
+                                      plane_bytes(planes, h, 2, 32));
+    // weights 16h .. 16h + 15 of a block take its sub-block h's scale
     const float d = half_at(e + 52);
-    const __m256i offset = _mm256_set1_epi32(32), codes = bytes_of(e + 8 * c);
-    const __m256i qa = _mm256_or_si256(
-        _mm256_or_si256(_mm256_and_si256(codes, _mm256_set1_epi32(15)), plane_bits(word_at(e + 32), c, 16)),
-        plane_bits(word_at(e + 40), c, 32));
-    const __m256i qb = _mm256_or_si256(
-        _mm256_or_si256(_mm256_srli_epi32(codes, 4), plane_bits(word_at(e + 36), c, 16)),
-        plane_bits(word_at(e + 44), c, 32));
-    // the scale of weights 16k .. 16k + 15: chunks 0, 1 of a block take its first, 2, 3 its second
-    const float sA = d * static_cast<float>(static_cast<int8_t>(e[48 + c / 2]));
-    const float sB = d * static_cast<float>(static_cast<int8_t>(e[50 + c / 2]));
-    use(_mm256_mul_ps(_mm256_set1_ps(sA), _mm256_cvtepi32_ps(_mm256_sub_epi32(qa, offset))),
-        _mm256_mul_ps(_mm256_set1_ps(sB), _mm256_cvtepi32_ps(_mm256_sub_epi32(qb, offset))));
+    widen_bytes(_mm256_sub_epi8(q, _mm256_set1_epi8(32)),
+                _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(e[48 + h]))),
+                _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(e[50 + h]))), w);
   }
 #endif
 #if FAFO_PACKED
@@ -348,6 +392,10 @@ struct Q8_0 {
   [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
     use(_mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 8 * c)), _mm256_set1_ps(half_at(e + 64))),
         _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 32 + 8 * c)), _mm256_set1_ps(half_at(e + 66))));
+  }
+  static constexpr int kPart = 1;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
+    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
   }
 #endif
 #if FAFO_PACKED
@@ -667,15 +715,19 @@ void avx2_pair(const float* x, int64_t ldx, const uint8_t* tile, int64_t groups,
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * kGroup;
     const uint8_t* e = tile + (g * kTile + t) * F::entry;
-    // (the two weight rows' chunks interleaved: each input chunk is loaded once for both)
-    widen<F>(e, [&](int c, __m256 wa0, __m256 wb0) {
-      F::widen_chunk(e + F::entry, c, [&](__m256 wa1, __m256 wb1) {
+    // (the two weight rows' parts side by side: each input chunk is loaded once for both)
+    each_part<F>([&](int part) __attribute__((always_inline)) {
+      __m256 w0[2 * F::kPart], w1[2 * F::kPart];
+      F::widen_part(e, part, w0);
+      F::widen_part(e + F::entry, part, w1);
+      for (int k = 0; k < F::kPart; ++k) {
+        const int c = part * F::kPart + k;
         for (int r = 0; r < rows; ++r) {
           const __m256 xa = _mm256_loadu_ps(xg + r * ldx + 8 * c), xb = _mm256_loadu_ps(xg + r * ldx + 32 + 8 * c);
-          acc[0][r] = _mm256_fmadd_ps(xb, wb0, _mm256_fmadd_ps(xa, wa0, acc[0][r]));
-          acc[1][r] = _mm256_fmadd_ps(xb, wb1, _mm256_fmadd_ps(xa, wa1, acc[1][r]));
+          acc[0][r] = _mm256_fmadd_ps(xb, w0[2 * k + 1], _mm256_fmadd_ps(xa, w0[2 * k], acc[0][r]));
+          acc[1][r] = _mm256_fmadd_ps(xb, w1[2 * k + 1], _mm256_fmadd_ps(xa, w1[2 * k], acc[1][r]));
         }
-      });
+      }
     });
   }
   for (int r = 0; r < rows; ++r) sums[t * ld + r] = sum_of(acc[0][r]), sums[(t + 1) * ld + r] = sum_of(acc[1][r]);
