@@ -137,14 +137,13 @@ inline void widen_bytes(__m256i q, __m256 scaleA, __m256 scaleB, __m256* w) {
   w[3] = _mm256_mul_ps(scaleB, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))));
 }
 // Chunk c of a Q4_1-like entry: its weights d * q + m (one rounding: d * q is exact) in columns 8c .. 8c + 7 of
-// block A and of block B (the codes' low and high nibbles)
-template <class Use>
+// block A (w[0]) and of block B (w[1]; the codes' low and high nibbles)
 [[gnu::always_inline]] inline void widen_nibbles(const uint8_t* e, int c, float dA, float mA, float dB, float mB,
-                                                 Use use) {
+                                                 __m256* w) {
   const __m256i codes = bytes_of(e + 8 * c);
-  use(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15))), _mm256_set1_ps(dA),
-                      _mm256_set1_ps(mA)),
-      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), _mm256_set1_ps(dB), _mm256_set1_ps(mB)));
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15))), _mm256_set1_ps(dA),
+                         _mm256_set1_ps(mA));
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), _mm256_set1_ps(dB), _mm256_set1_ps(mB));
 }
 
 // body(part) for each part of an entry: two-chunk parts spelt out, so that their byte shuffles' indices are
@@ -189,13 +188,9 @@ struct Q4_1 {
     }
   }
 #if FAFO_AVX2
-  template <class Use>
-  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
-    widen_nibbles(e, c, float_at(e + 32), float_at(e + 36), float_at(e + 40), float_at(e + 44), use);
-  }
   static constexpr int kPart = 1;
   [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
-    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
+    widen_nibbles(e, c, float_at(e + 32), float_at(e + 36), float_at(e + 40), float_at(e + 44), w);
   }
 #endif
 #if FAFO_PACKED
@@ -240,16 +235,12 @@ struct K4 {  // Q4_K: each 32-weight sub-block is Q4_1's bf16(D * q + M) with D 
     }
   }
 #if FAFO_AVX2
-  template <class Use>
-  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
+  static constexpr int kPart = 1;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
     float dA, mA, dB, mB;
     block_scales(e, 0, dA, mA);
     block_scales(e, 1, dB, mB);
-    widen_nibbles(e, c, dA, mA, dB, mB, use);
-  }
-  static constexpr int kPart = 1;
-  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
-    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
+    widen_nibbles(e, c, dA, mA, dB, mB, w);
   }
 #endif
 #if FAFO_PACKED
@@ -388,14 +379,10 @@ struct Q8_0 {
     }
   }
 #if FAFO_AVX2
-  template <class Use>
-  [[gnu::always_inline]] static void widen_chunk(const uint8_t* e, int c, Use use) {
-    use(_mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 8 * c)), _mm256_set1_ps(half_at(e + 64))),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 32 + 8 * c)), _mm256_set1_ps(half_at(e + 66))));
-  }
   static constexpr int kPart = 1;
   [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
-    widen_chunk(e, c, [&](__m256 a, __m256 b) { w[0] = a, w[1] = b; });
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 8 * c)), _mm256_set1_ps(half_at(e + 64)));
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 32 + 8 * c)), _mm256_set1_ps(half_at(e + 66)));
   }
 #endif
 #if FAFO_PACKED
