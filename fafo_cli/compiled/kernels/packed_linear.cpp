@@ -110,7 +110,7 @@ inline __m256i signed_bytes_of(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 // The 5- and 6-bit formats build half an entry's codes as bytes (A's 16 in the low lane, B's 16 in the high
-// one), then widen them: a third of the instructions of building them in 32-bit lanes.
+// one), then widen them: about half the instructions of building them in 32-bit lanes, 8 at a time.
 // Columns 16h .. 16h + 15 of A's and of B's low 4 bits, one byte each
 inline __m256i nibble_bytes(const uint8_t* e, int h) {
   const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + 16 * h)), low = _mm_set1_epi8(15);
