@@ -78,19 +78,14 @@ def _settle(partial: Path, path: Path) -> None:
         mode = None  # a new file: the umask's permissions
     if mode is not None:
         os.chmod(partial, mode)
-    fd = os.open(partial, os.O_RDONLY)  # (written by a tool, perhaps: flushed by name)
-    try:
-        os.fsync(fd)
-    except OSError:  # best effort: Windows flushes only descriptors open for writing
-        pass
-    finally:
-        os.close(fd)
+    _flush(partial)  # (written by a tool, perhaps: flushed by name)
 
 
-def _sync_folder(folder: Path) -> None:
-    """Flush the rename itself (best effort: some systems cannot open a folder)."""
+def _flush(path: Path) -> None:
+    """Flush a file or a folder (a rename) to disk by name, best effort: some systems cannot open a folder, and
+    Windows flushes only descriptors open for writing."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -119,7 +114,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield partial
         _settle(partial, path)
         os.replace(partial, path)
-        _sync_folder(path.parent)
+        _flush(path.parent)  # the rename itself
     except OSError as e:  # a write's error names no file, a rename's the partial: name the file asked for
         if e.errno is None or e.filename not in (None, str(partial)):
             raise
