@@ -119,17 +119,40 @@ def pytest_addoption(parser):
                           "same device (default: $FAFO_TEST_DEVICE, else cpu); without CUDA, --device cuda skips them")
 
 
+def _throwaway_cache() -> Path:
+    """fafo's cache for this session's tests: their compiled steps, packed blocks and measured step costs go to a
+    throwaway folder, not the user's cache (a cost curve one test's bench measured for a tiny model steered another
+    test's plan, and every session's tiny models left folders behind); conversions (models/) and our built kernels
+    are the user's, shared, so the embedded model is not converted again."""
+    import tempfile
+
+    from fafo_cli import hub
+
+    user = hub.cache_dir()
+    (user / "models").mkdir(parents=True, exist_ok=True)
+    cache = Path(tempfile.mkdtemp(prefix="fafo-tests-"))
+    (cache / "models").symlink_to(user / "models", target_is_directory=True)
+    (cache / "compiled").mkdir()
+    for library in (user / "compiled").glob("fafo-ops-*.so"):
+        (cache / "compiled" / library.name).symlink_to(library)
+    os.environ["FAFO_CACHE"] = str(cache)
+    return cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if getattr(config, "_fafo_cache", None):
+        shutil.rmtree(config._fafo_cache, ignore_errors=True)  # the links only: the user's files stay
+
+
 def pytest_configure(config):
     from dataclasses import replace
 
     from fafo_cli import api
 
     compile_all = config.getoption("--compile-all")
-    if compile_all:
-        import tempfile
-
-        # packages of the tests' throwaway models go to a throwaway cache, not the user's
-        os.environ["FAFO_CACHE"] = tempfile.mkdtemp(prefix="fafo-compile-all-")
+    config._fafo_cache = _throwaway_cache()
 
     from_config = api.Engine.from_config.__func__
 
