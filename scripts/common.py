@@ -47,7 +47,7 @@ class _Replaces(argparse.Action):
 
 FLAGS = {
     "model": dict(default=None, help="hub id, folder or .gguf (None: the embedded SmolLM2-135M-Instruct)"),
-    "dtype": dict(default="bfloat16", help="float32, bfloat16 or float16"),
+    "dtype": dict(default="auto", help="auto (as fafo run chooses for the device), float32, bfloat16 or float16"),
     "tokens": dict(type=int, default=256, help="new tokens per answer"),
     "repeats": dict(type=int, default=3, help="runs of every variant per prompt, alternated (medians reported)"),
     "suites": dict(default=None, action=_Replaces, help="the bench's suites to take prompts from, comma-separated"),
@@ -83,7 +83,7 @@ def load_engine(args: argparse.Namespace, **settings):
     says how; without it, eager steps over the weights a default start reads (a .gguf model's packed blocks where
     our kernel serves the CPU), never a package."""
     settings.setdefault("compile", "on" if getattr(args, "compile", False) else "auto")
-    settings.setdefault("dtype", getattr(args, "dtype", "bfloat16"))
+    settings.setdefault("dtype", getattr(args, "dtype", "auto"))
     engine = load(getattr(args, "model", None), **settings)
     if settings["compile"] == "auto":
         engine.session.compiled = None  # packages that exist stay unused: every step eager
