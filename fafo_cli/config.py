@@ -61,6 +61,9 @@ def _budget(value: Any) -> int | float:
     """Tokens (an integer >= 1) or a fraction of the prompt (a number in (0, 1))."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise FafoError(f"config key 'budget' must be a number of tokens or a fraction (got {value!r})")
+    if value == 1.0 and isinstance(value, float):  # a fraction's end, not one token
+        raise FafoError("config key 'budget' 1.0: a fraction of the prompt must be below 1 (all of it is compressor: "
+                        "none); tokens are an integer >= 1")
     if isinstance(value, float) and value.is_integer() and value >= 1:
         value = int(value)
     if isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1:

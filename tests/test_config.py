@@ -58,6 +58,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("a: [\n", "is not valid YAML"),
     ("budget: 0\n", "'budget' must be an integer >= 1 \\(tokens\\) or a fraction in \\(0, 1\\)"),
     ("budget: 1.5\n", "'budget' must be an integer >= 1"),
+    ("budget: 1.0\n", "'budget' 1.0: a fraction of the prompt must be below 1 \\(all of it is compressor: none\\)"),
     ("budget: many\n", "'budget' must be a number of tokens or a fraction"),
     ("compressor: quest\nbudget: 20\n", "too small for the quest compressor: it needs at least page_size \\+ "
                                          "refresh = 32"),
