@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import FafoError, first_line
-from .files import publish_dir
+from .files import publish_dir, write_atomic
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
@@ -38,7 +38,8 @@ SUPPORT_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "*.
 # transformers' weight files, each as one file or as shards its index names (safetensors first, as it loads them)
 WEIGHT_FILES = (("model.safetensors", ".safetensors"), ("pytorch_model.bin", ".bin"))
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
-SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization"}
+SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
+# "sha256" of its bytes, "also": [{"gguf", "key"}] copies met at other paths}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -113,15 +114,20 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    # the same file converted under another name (the embedded default's, or its path's): one conversion, and one
-    # set of compiled steps, per file
-    same = sorted(folder for folder in (cache_dir() / "models").glob(f"*-{key}") if (folder / "config.json").is_file())
+    # the same file converted under another name (the embedded default's, or its path's), or a copy of it at another
+    # path met before: one conversion, and one set of compiled steps, per file
+    same = _conversions_of(key)
     if same:
         return same[0]
     header = gguf_header(path)
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
+    digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
+    copy = next((folder for folder in _converted_folders() if source_record(folder).get("sha256") == digest), None)
+    if copy is not None:  # the same bytes at another path (a copy, another environment's package): its conversion
+        _record_also(copy, path, key)
+        return copy
     from safetensors import SafetensorError
 
     from .runtime.memory import release_freed_memory
@@ -132,7 +138,8 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
             print(f"note: converting {path.name} ({path.stat().st_size / 2**20:,.0f} MB) once: its tensors "
                   f"dequantized into {target.parent}; later runs load that", file=sys.stderr, flush=True)
             write_gguf_as_hf(path, staging)
-            record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization}
+            record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
+                      "sha256": digest}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
     except SafetensorError as e:  # safetensors' own type for a failed write: a full disk, a quota
         raise FafoError(f"cannot write the conversion of {path.name} into {target.parent}: {first_line(e)}") from None
@@ -148,6 +155,54 @@ def _conversion_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
+def _content_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as file:
+            while chunk := file.read(1 << 24):
+                digest.update(chunk)
+    except OSError as e:
+        raise FafoError(f"cannot read {path}: {e.strerror or e}") from None
+    return digest.hexdigest()
+
+
+def _converted_folders() -> list[Path]:
+    models = cache_dir() / "models"
+    return sorted(folder for folder in models.iterdir() if not folder.name.startswith(".")
+                  and (folder / "config.json").is_file()) if models.is_dir() else []
+
+
+def _sources(folder: Path) -> list[tuple[str, str]]:
+    """The files a conversion is of, each with its key when recorded: the converted one (the folder's suffix), then
+    copies of it met at other paths."""
+    record = source_record(folder)
+    sources = [(record["gguf"], folder.name.rsplit("-", 1)[-1])] if isinstance(record.get("gguf"), str) else []
+    also = record.get("also")
+    for entry in also if isinstance(also, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("gguf"), str) and isinstance(entry.get("key"), str):
+            sources.append((entry["gguf"], entry["key"]))
+    return sources
+
+
+def _conversions_of(key: str) -> list[Path]:
+    """The conversions of the file version `key` names: by their folder's suffix, or as a copy they recorded."""
+    return [folder for folder in _converted_folders()
+            if folder.name.endswith(f"-{key}") or any(known == key for _, known in _sources(folder)[1:])]
+
+
+def _record_also(folder: Path, path: Path, key: str) -> None:
+    """Record `path` (version `key`) as another file whose conversion `folder` is, so it is found without reading it
+    again; where the record cannot be written the next run reads the file once more."""
+    record = source_record(folder)
+    also = [entry for entry in record.get("also", []) if isinstance(entry, dict)] if isinstance(
+        record.get("also"), list) else []
+    record["also"] = [*also, {"gguf": str(path.resolve()), "key": key}]
+    try:
+        write_atomic(folder / SOURCE_MARKER, json.dumps(record))
+    except OSError:
+        pass
+
+
 def _remove_unreachable_conversions(keep: Path) -> None:
     """Remove the conversions no file leads to any more, with their compiled steps: their .gguf file changed (a new
     version of the embedded model's package) or is gone (a deleted virtual environment), so no run finds them
@@ -156,17 +211,19 @@ def _remove_unreachable_conversions(keep: Path) -> None:
     for folder in (cache_dir() / "models").iterdir():
         if folder == keep or folder.name.startswith(".") or not (folder / SOURCE_MARKER).is_file():
             continue
-        source = source_record(folder).get("gguf")
-        if not isinstance(source, str):
+        sources = _sources(folder)
+        if not sources or any(_leads_to(Path(source), key) for source, key in sources):
             continue
-        try:
-            if folder.name.endswith(f"-{_conversion_key(Path(source))}"):
-                continue
-        except OSError:  # the file is gone
-            pass
         shutil.rmtree(folder, ignore_errors=True)
         for steps in (cache_dir() / "compiled").glob(compiled_steps_folder(folder, "*").name):
             shutil.rmtree(steps, ignore_errors=True)
+
+
+def _leads_to(path: Path, key: str) -> bool:
+    try:
+        return _conversion_key(path) == key
+    except OSError:  # the file is gone
+        return False
 
 
 def compiled_steps_folder(folder: Path, identity: str) -> Path:
@@ -219,10 +276,8 @@ def source_record(folder: Path) -> dict:
 
 
 def gguf_source(folder: Path) -> Path | None:
-    """The .gguf file a converted model folder came from, if it still exists."""
-    source = source_record(folder).get("gguf")
-    path = Path(source) if isinstance(source, str) else None
-    return path if path is not None and path.is_file() else None
+    """The .gguf file a converted model folder came from (or a copy of it met since), if one still exists."""
+    return next((Path(source) for source, _ in _sources(folder) if Path(source).is_file()), None)
 
 
 def converted_quantization(folder: Path) -> str | None:

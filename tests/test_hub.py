@@ -56,13 +56,15 @@ def test_file_that_is_not_gguf(tmp_path):
         hub.resolve(str(tmp_path / "bad.gguf"))
 
 
-def _gguf_header(path: Path, architecture: str, file_type: int | None = None, tensors=()) -> Path:
+def _gguf_header(path: Path, architecture: str, file_type: int | None = None, tensors=(), label: str = "") -> Path:
     """A .gguf file with a header naming `architecture` (and `file_type`), a vocabulary, and `tensors`: (name, type
-    name, rows, columns) of zero blocks."""
+    name, rows, columns) of zero blocks; its model name is its path and `label`, so files written by this are
+    different files (copies are made by copying)."""
     import gguf
     import numpy as np
 
     writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"{path}{label}")
     if file_type is not None:
         writer.add_file_type(file_type)
     writer.add_token_list(["<s>", "a", "bc"])  # an array of strings: what the header reader skips
@@ -496,7 +498,9 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
 
     first, second, third = (_gguf_header(tmp_path / f"{name}.gguf", "llama", **Q4_1_MODEL) for name in "abc")
     old = convert(first)
-    os.utime(first, ns=(1, 1))  # a new version of the same file (a package reinstalled): another conversion
+    os.utime(first, ns=(1, 1))  # touched, the same bytes: the same conversion
+    assert hub.convert_gguf(first) == old
+    _gguf_header(first, "llama", **Q4_1_MODEL, label="v2")  # a new version (a package reinstalled): another one
     new = convert(first)
     assert not old.exists() and new.is_dir() and not list(compiled.glob(f"{old.name}-*"))
     gone, kept = convert(second), convert(third)
@@ -508,6 +512,38 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
     convert(_gguf_header(tmp_path / "e.gguf", "llama", **Q4_1_MODEL))
     assert not gone.exists() and not list(compiled.glob(f"{gone.name}-*")) and kept.is_dir() and new.is_dir()
     assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e"]
+
+
+def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, tmp_path):
+    """The same bytes at another path (a copy, another environment's package of the embedded model) are one
+    conversion with one set of compiled steps: found by their digest once, then by their path; kept while any of
+    the files leads to it."""
+    import shutil
+
+    calls = []
+
+    def convert(path, out):
+        calls.append(path)
+        build_tiny_model(out, "llama-gqa")
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
+    original = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
+    folder = hub.convert_gguf(original)
+    (tmp_path / "copies").mkdir()
+    copy = Path(shutil.copy2(original, tmp_path / "copies" / "renamed.gguf"))
+    assert hub.convert_gguf(copy) == folder and len(calls) == 1
+    with monkeypatch.context() as patch:  # met before: found by its path, without reading it
+        patch.setattr(hub, "_content_digest", lambda path: pytest.fail("read a file met before"))
+        patch.setattr(hub, "gguf_header", lambda path: pytest.fail("read a file met before"))
+        assert hub.convert_gguf(copy) == folder and hub.convert_gguf(original) == folder
+    assert [m.name for m in hub.cached_models()] == ["model"]  # listed once
+    original.unlink()
+    assert hub.gguf_source(folder) == copy.resolve()  # the packed blocks are read from the copy
+    other = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL))  # clears the unreachable
+    assert folder.is_dir() and other != folder and len(calls) == 2  # the copy still leads to it
+    copy.unlink()
+    hub.convert_gguf(_gguf_header(tmp_path / "third.gguf", "llama", **Q4_1_MODEL))
+    assert not folder.exists() and other.is_dir()
 
 
 def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch, tmp_path):
