@@ -276,8 +276,9 @@ def source_record(folder: Path) -> dict:
 
 
 def gguf_source(folder: Path) -> Path | None:
-    """The .gguf file a converted model folder came from (or a copy of it met since), if one still exists."""
-    return next((Path(source) for source, _ in _sources(folder) if Path(source).is_file()), None)
+    """The .gguf file a converted model folder came from (or a copy of it met since), if one is still there as it
+    was converted (not a newer version at its path)."""
+    return next((Path(source) for source, key in _sources(folder) if _leads_to(Path(source), key)), None)
 
 
 def converted_quantization(folder: Path) -> str | None:

@@ -539,6 +539,9 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
     assert [m.name for m in hub.cached_models()] == ["model"]  # listed once
     original.unlink()
     assert hub.gguf_source(folder) == copy.resolve()  # the packed blocks are read from the copy
+    _gguf_header(original, "llama", **Q4_1_MODEL, label="v2")  # a new version where the original was
+    assert hub.gguf_source(folder) == copy.resolve()  # not the new version's blocks
+    original.unlink()
     other = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL))  # clears the unreachable
     assert folder.is_dir() and other != folder and len(calls) == 2  # the copy still leads to it
     copy.unlink()
