@@ -124,10 +124,11 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
-    copy = next((folder for folder in _converted_folders() if source_record(folder).get("sha256") == digest), None)
-    if copy is not None:  # the same bytes at another path (a copy, another environment's package): its conversion
-        _record_also(copy, path, key)
-        return copy
+    for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
+        if source_record(converted).get("sha256") == digest:
+            _record_also(converted, path, key)
+            if (converted / "config.json").is_file():  # (not removed meanwhile by another process's clean-up)
+                return converted
     from safetensors import SafetensorError
 
     from .runtime.memory import release_freed_memory
@@ -156,6 +157,7 @@ def _conversion_key(path: Path) -> str:
 
 
 def _content_digest(path: Path) -> str:
+    """The sha256 of the file's bytes: what tells a copy of a converted file from another file."""
     digest = hashlib.sha256()
     try:
         with path.open("rb") as file:
@@ -167,6 +169,7 @@ def _content_digest(path: Path) -> str:
 
 
 def _converted_folders() -> list[Path]:
+    """The finished conversions in fafo's cache."""
     models = cache_dir() / "models"
     return sorted(folder for folder in models.iterdir() if not folder.name.startswith(".")
                   and (folder / "config.json").is_file()) if models.is_dir() else []
@@ -187,18 +190,22 @@ def _sources(folder: Path) -> list[tuple[str, str]]:
 def _conversions_of(key: str) -> list[Path]:
     """The conversions of the file version `key` names: by their folder's suffix, or as a copy they recorded."""
     return [folder for folder in _converted_folders()
-            if folder.name.endswith(f"-{key}") or any(known == key for _, known in _sources(folder)[1:])]
+            if folder.name.endswith(f"-{key}") or any(known == key for _, known in _sources(folder))]
 
 
 def _record_also(folder: Path, path: Path, key: str) -> None:
     """Record `path` (version `key`) as another file whose conversion `folder` is, so it is found without reading it
-    again; where the record cannot be written the next run reads the file once more."""
-    record = source_record(folder)
-    also = [entry for entry in record.get("also", []) if isinstance(entry, dict)] if isinstance(
-        record.get("also"), list) else []
-    record["also"] = [*also, {"gguf": str(path.resolve()), "key": key}]
+    again (the copies recorded before that still lead to it are kept, others dropped); where the record cannot be
+    written the next run reads the file once more. The record keeps its time: `fafo list` dates a conversion by it."""
+    marker, record = folder / SOURCE_MARKER, source_record(folder)
+    here = str(path.resolve())
+    kept = [(source, known) for source, known in _sources(folder)[1 if isinstance(record.get("gguf"), str) else 0:]
+            if source != here and _leads_to(Path(source), known)]
+    record["also"] = [{"gguf": source, "key": known} for source, known in kept] + [{"gguf": here, "key": key}]
     try:
-        write_atomic(folder / SOURCE_MARKER, json.dumps(record))
+        times = marker.stat()
+        write_atomic(marker, json.dumps(record))
+        os.utime(marker, ns=(times.st_atime_ns, times.st_mtime_ns))
     except OSError:
         pass
 
@@ -220,9 +227,10 @@ def _remove_unreachable_conversions(keep: Path) -> None:
 
 
 def _leads_to(path: Path, key: str) -> bool:
+    """Whether `path` is still the file version `key` names."""
     try:
         return _conversion_key(path) == key
-    except OSError:  # the file is gone
+    except (OSError, ValueError):  # the file is gone (or a damaged record names no path)
         return False
 
 
@@ -277,8 +285,26 @@ def source_record(folder: Path) -> dict:
 
 def gguf_source(folder: Path) -> Path | None:
     """The .gguf file a converted model folder came from (or a copy of it met since), if one is still there as it
-    was converted (not a newer version at its path)."""
-    return next((Path(source) for source, key in _sources(folder) if _leads_to(Path(source), key)), None)
+    was converted: as recorded, else (touched, reinstalled) with the same bytes, not a newer version at its path. A
+    conversion recorded without its digest (by an older fafo) trusts its file."""
+    sources = _sources(folder)
+    found = next((Path(source) for source, key in sources if _leads_to(Path(source), key)), None)
+    if found is not None:
+        return found
+    digest = source_record(folder).get("sha256")
+    for source, _ in sources:
+        path = Path(source)
+        if not path.is_file():
+            continue
+        if digest is None:
+            return path
+        try:
+            if _content_digest(path) == digest:
+                _record_also(folder, path, _conversion_key(path))
+                return path
+        except (FafoError, OSError):  # unreadable, or gone meanwhile
+            continue
+    return None
 
 
 def converted_quantization(folder: Path) -> str | None:

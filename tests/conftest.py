@@ -120,21 +120,30 @@ def pytest_addoption(parser):
 
 
 def _throwaway_cache() -> Path:
-    """fafo's cache for this session's tests: their compiled steps, packed blocks and measured step costs go to a
-    throwaway folder, not the user's cache (a cost curve one test's bench measured for a tiny model steered another
-    test's plan, and every session's tiny models left folders behind); conversions (models/) and our built kernels
-    are the user's, shared, so the embedded model is not converted again."""
+    """fafo's cache for this session's tests: their conversions, compiled steps, packed blocks and measured step
+    costs go to a throwaway folder, not the user's cache (a cost curve one test's bench measured for a tiny model
+    steered another test's plan, and every session's tiny models left folders behind). The user's conversions and
+    built kernels are linked in, so the embedded model is not converted again; a test's clean-up cannot remove
+    them (a link is not removed as a folder). A killed session's folder is removed by the next session."""
+    import shutil
     import tempfile
 
     from fafo_cli import hub
+    from fafo_cli.files import _gone
 
+    for stale in Path(tempfile.gettempdir()).glob("fafo-tests-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and _gone(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     user = hub.cache_dir()
-    (user / "models").mkdir(parents=True, exist_ok=True)
-    cache = Path(tempfile.mkdtemp(prefix="fafo-tests-"))
-    (cache / "models").symlink_to(user / "models", target_is_directory=True)
-    (cache / "compiled").mkdir()
-    for library in (user / "compiled").glob("fafo-ops-*.so"):
-        (cache / "compiled" / library.name).symlink_to(library)
+    cache = Path(tempfile.mkdtemp(prefix=f"fafo-tests-{os.getpid()}-"))
+    for kind, pattern in (("models", "[!.]*"), ("compiled", "fafo-ops-*.so")):
+        (cache / kind).mkdir()
+        for item in (user / kind).glob(pattern):
+            try:
+                (cache / kind / item.name).symlink_to(item, target_is_directory=item.is_dir())
+            except OSError:  # no links here: that item is made again where a test needs it
+                pass
     os.environ["FAFO_CACHE"] = str(cache)
     return cache
 

@@ -464,7 +464,8 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     assert hub.gguf_source(folder) == gguf.resolve()
     (folder / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(gguf), "name": "Tiny"}))  # by an older fafo
     assert [(m.name, m.quantization) for m in hub.cached_models()] == [("Tiny", "Q4_1")]  # read from the file
-    for damaged in ("{not json", "[1, 2]", '{"name": 7, "gguf": null}', "\udcff"):
+    for damaged in ("{not json", "[1, 2]", '{"name": 7, "gguf": null}', "\udcff", '{"gguf": "a\\u0000b"}',
+                    '{"gguf": null, "also": [{"gguf": "a\\u0000b", "key": "0"}, 7, {"gguf": 1}]}'):
         (folder / hub.SOURCE_MARKER).write_text(damaged, encoding="utf-8", errors="surrogateescape")
         assert [(m.name, m.source, m.quantization) for m in hub.cached_models()] == [(folder.name, "gguf", None)]
         assert hub.gguf_source(folder) is None
@@ -518,6 +519,7 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
     """The same bytes at another path (a copy, another environment's package of the embedded model) are one
     conversion with one set of compiled steps: found by their digest once, then by their path; kept while any of
     the files leads to it."""
+    import os
     import shutil
 
     calls = []
@@ -529,9 +531,16 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
     monkeypatch.setattr(hub, "write_gguf_as_hf", convert)
     original = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
     folder = hub.convert_gguf(original)
+    marker = folder / hub.SOURCE_MARKER
+    os.utime(marker, ns=(10**18, 10**18))
     (tmp_path / "copies").mkdir()
     copy = Path(shutil.copy2(original, tmp_path / "copies" / "renamed.gguf"))
     assert hub.convert_gguf(copy) == folder and len(calls) == 1
+    assert marker.stat().st_mtime_ns == 10**18  # `fafo list` dates a conversion by its record: unchanged
+    for _ in range(2):  # a reinstall: the same bytes, another time; its earlier entry dropped
+        os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+        assert hub.convert_gguf(copy) == folder and len(calls) == 1
+    assert [entry["gguf"] for entry in hub.source_record(folder)["also"]] == [str(copy.resolve())]
     with monkeypatch.context() as patch:  # met before: found by its path, without reading it
         patch.setattr(hub, "_content_digest", lambda path: pytest.fail("read a file met before"))
         patch.setattr(hub, "gguf_header", lambda path: pytest.fail("read a file met before"))
@@ -542,6 +551,11 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
     _gguf_header(original, "llama", **Q4_1_MODEL, label="v2")  # a new version where the original was
     assert hub.gguf_source(folder) == copy.resolve()  # not the new version's blocks
     original.unlink()
+    os.utime(copy, ns=(1, 1))  # touched since it was met, run by its conversion's name: found by its bytes
+    assert hub.gguf_source(folder) == copy.resolve()
+    with monkeypatch.context() as patch:
+        patch.setattr(hub, "_content_digest", lambda path: pytest.fail("read a file recorded since"))
+        assert hub.gguf_source(folder) == copy.resolve()
     other = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL))  # clears the unreachable
     assert folder.is_dir() and other != folder and len(calls) == 2  # the copy still leads to it
     copy.unlink()
