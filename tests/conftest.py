@@ -135,7 +135,8 @@ def _throwaway_cache() -> Path:
         pid = stale.name.split("-")[2]
         if pid.isdigit() and _gone(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    user = hub.cache_dir()
+    # (xdist's workers inherit the first process's FAFO_CACHE: they read the user's cache from here)
+    user = Path(os.environ.setdefault("FAFO_TESTS_USER_CACHE", str(hub.cache_dir())))
     cache = Path(tempfile.mkdtemp(prefix=f"fafo-tests-{os.getpid()}-"))
     for kind, pattern in (("models", "[!.]*"), ("compiled", "fafo-ops-*.so")):
         (cache / kind).mkdir()

@@ -32,10 +32,18 @@ def gguf_file(size: str) -> Path:
     return MODELS / f"qwen2.5-coder-{size}-instruct-q4_k_m.gguf"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _users_cache():
+    """These tests run in the user's fafo cache, not the session's throwaway one (tests/conftest.py): a model is
+    converted and packed once at most (minutes for the 1.5B), and later sessions find it so."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FAFO_CACHE", os.environ["FAFO_TESTS_USER_CACHE"])
+        yield
+
+
 @pytest.fixture(scope="module", params=SIZES)
 def qwen_coder(request) -> tuple[Path, Path]:
-    """The .gguf file and its converted folder (converted once at most, into the user's cache like the embedded
-    model, so later sessions find it converted)."""
+    """The .gguf file and its converted folder (converted once at most)."""
     path = gguf_file(request.param)
     if not path.is_file():
         pytest.skip(f"no Qwen2.5-Coder-{request.param.upper()} .gguf file at {path} (get it with "
