@@ -37,6 +37,27 @@ class _Commands(typer.core.TyperGroup):
             raise typer.Exit(130) from None
 
 
+def _fold_option_names() -> None:
+    """Typer's help table cuts a flag's name that does not fit its column (`--conversations-…` at 80 columns):
+    folded onto the next line instead, every flag can be read. (Typer's own highlighters, each wrapped; where a
+    version of typer has none by these names, its help is left as it is.)"""
+    from typer import rich_utils
+
+    for name in ("highlighter", "negative_highlighter"):
+        highlighter = getattr(rich_utils, name, None)
+        if highlighter is None:
+            continue
+
+        class Folding(type(highlighter)):
+            def __call__(self, text):
+                text = super().__call__(text)
+                text.overflow = "fold"
+                return text
+
+        setattr(rich_utils, name, Folding())
+
+
+_fold_option_names()
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless fast decoding for local LLMs (FAFO).")
 config_app = typer.Typer(no_args_is_help=True, help="Show or create the YAML configuration file.")

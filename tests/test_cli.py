@@ -668,6 +668,14 @@ def test_a_bare_command_group_prints_its_help_once(capsys, argv):
     assert plain.returncode == 0 and plain.stdout.count("Usage:") == 1, plain
 
 
+@pytest.mark.parametrize("command", ["run", "chat", "serve", "bench", "doctor", "compile"])
+def test_help_at_80_columns_cuts_no_flag(capsys, monkeypatch, command):
+    """Typer's table cut long flags to fit 80 columns (`--conversations-…`): they are folded, whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0 and "…" not in out and max(map(len, out.splitlines())) <= 80, out
+
+
 def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, prompt_file):
     monkeypatch.setenv("FAFO_CACHE", str(prompt_file))  # a file where the packages should go
     code, out, err = run_cli(capsys, "compile", tiny, "--methods", "vanilla")
