@@ -175,22 +175,24 @@ def _converted_folders() -> list[Path]:
                   and (folder / "config.json").is_file()) if models.is_dir() else []
 
 
-def _sources(folder: Path) -> list[tuple[str, str]]:
-    """The files a conversion is of, each with its key when recorded: the converted one (the folder's suffix), then
-    copies of it met at other paths."""
-    record = source_record(folder)
-    sources = [(record["gguf"], folder.name.rsplit("-", 1)[-1])] if isinstance(record.get("gguf"), str) else []
+def _copies(record: dict) -> list[tuple[str, str]]:
+    """The copies of a conversion's file met at other paths, as its record lists them: (path, key)."""
     also = record.get("also")
-    for entry in also if isinstance(also, list) else ():
-        if isinstance(entry, dict) and isinstance(entry.get("gguf"), str) and isinstance(entry.get("key"), str):
-            sources.append((entry["gguf"], entry["key"]))
-    return sources
+    return [(entry["gguf"], entry["key"]) for entry in (also if isinstance(also, list) else ())
+            if isinstance(entry, dict) and isinstance(entry.get("gguf"), str) and isinstance(entry.get("key"), str)]
+
+
+def _sources(folder: Path, record: dict) -> list[tuple[str, str]]:
+    """The files the conversion in `folder` (its record `record`) is of, each with its key: the converted one (the
+    folder's suffix), then its copies."""
+    main = [(record["gguf"], folder.name.rsplit("-", 1)[-1])] if isinstance(record.get("gguf"), str) else []
+    return main + _copies(record)
 
 
 def _conversions_of(key: str) -> list[Path]:
     """The conversions of the file version `key` names: by their folder's suffix, or as a copy they recorded."""
     return [folder for folder in _converted_folders()
-            if folder.name.endswith(f"-{key}") or any(known == key for _, known in _sources(folder))]
+            if folder.name.endswith(f"-{key}") or any(known == key for _, known in _copies(source_record(folder)))]
 
 
 def _record_also(folder: Path, path: Path, key: str) -> None:
@@ -199,8 +201,7 @@ def _record_also(folder: Path, path: Path, key: str) -> None:
     written the next run reads the file once more. The record keeps its time: `fafo list` dates a conversion by it."""
     marker, record = folder / SOURCE_MARKER, source_record(folder)
     here = str(path.resolve())
-    kept = [(source, known) for source, known in _sources(folder)[1 if isinstance(record.get("gguf"), str) else 0:]
-            if source != here and _leads_to(Path(source), known)]
+    kept = [(source, known) for source, known in _copies(record) if source != here and _leads_to(Path(source), known)]
     record["also"] = [{"gguf": source, "key": known} for source, known in kept] + [{"gguf": here, "key": key}]
     try:
         times = marker.stat()
@@ -218,7 +219,7 @@ def _remove_unreachable_conversions(keep: Path) -> None:
     for folder in (cache_dir() / "models").iterdir():
         if folder == keep or folder.name.startswith(".") or not (folder / SOURCE_MARKER).is_file():
             continue
-        sources = _sources(folder)
+        sources = _sources(folder, source_record(folder))
         if not sources or any(_leads_to(Path(source), key) for source, key in sources):
             continue
         shutil.rmtree(folder, ignore_errors=True)
@@ -287,11 +288,12 @@ def gguf_source(folder: Path) -> Path | None:
     """The .gguf file a converted model folder came from (or a copy of it met since), if one is still there as it
     was converted: as recorded, else (touched, reinstalled) with the same bytes, not a newer version at its path. A
     conversion recorded without its digest (by an older fafo) trusts its file."""
-    sources = _sources(folder)
+    record = source_record(folder)
+    sources = _sources(folder, record)
     found = next((Path(source) for source, key in sources if _leads_to(Path(source), key)), None)
     if found is not None:
         return found
-    digest = source_record(folder).get("sha256")
+    digest = record.get("sha256")
     for source, _ in sources:
         path = Path(source)
         if not path.is_file():
