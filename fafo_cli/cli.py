@@ -335,6 +335,13 @@ def serve(
         engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
         # the command line's settings are the requests' defaults; these two no request could use
         engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
+        if settings.compile == "on" and engine.compiled is not None:
+            from .compiled.ahead import build_ahead
+
+            # built now, not by the first request that meets a step size: inside the engine's thread every
+            # client would wait minutes for it
+            for _ in build_ahead(engine, [settings.method]):
+                pass
         server.serve(engine, sock, options)
     finally:
         sock.close()

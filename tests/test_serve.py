@@ -974,3 +974,23 @@ def test_a_draft_model_loads_at_start_whatever_the_default_method(tiny, monkeypa
     monkeypatch.setattr(server, "serve", lambda engine, sock, options: served.append(engine))
     assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0", "--draft-model", str(tiny)]) == 0
     assert served[0].config.method == "fafo" and served[0].session.draft_model is not None
+
+
+def test_compile_on_builds_the_methods_steps_before_serving(tiny, monkeypatch):
+    """Under `--compile` the default method's packages are built at start: a step size first met by a request
+    would be built inside the engine's thread, every client waiting minutes."""
+    from fafo_cli.compiled import ahead
+    from fafo_cli.serve import server
+
+    events = []
+
+    def build_ahead(engine, methods):
+        events.append(("build", methods))
+        yield methods[0], []
+
+    monkeypatch.setattr(ahead, "build_ahead", build_ahead)
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: events.append(("serve", None)))
+    command = ["serve", str(tiny), "--dtype", "float32", "--port", "0", "--method", "suffix"]
+    assert entrypoint([*command, "--compile"]) == 0
+    assert entrypoint(command) == 0 and entrypoint([*command, "--no-compile"]) == 0
+    assert events == [("build", ["suffix"]), ("serve", None), ("serve", None), ("serve", None)]
