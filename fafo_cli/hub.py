@@ -124,8 +124,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
+    size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
-        if source_record(converted).get("sha256") == digest:
+        if _recorded_digest(converted, size) == digest:
             _record_also(converted, path, key)
             if (converted / "config.json").is_file():  # (not removed meanwhile by another process's clean-up)
                 return converted
@@ -195,14 +196,39 @@ def _conversions_of(key: str) -> list[Path]:
             if folder.name.endswith(f"-{key}") or any(known == key for _, known in _copies(source_record(folder)))]
 
 
+def _recorded_digest(folder: Path, size: int) -> str | None:
+    """The sha256 of the file the conversion in `folder` is of, as its record holds it. A conversion recorded
+    without one (by an older fafo) gets it now, where its file is still the version converted and `size` bytes long
+    (only such a file can be a copy of one that size): else every copy of a file converted before would be converted
+    again."""
+    record = source_record(folder)
+    if "sha256" in record or not isinstance(record.get("gguf"), str):
+        return record.get("sha256")
+    source = Path(record["gguf"])
+    try:
+        if not _leads_to(source, folder.name.rsplit("-", 1)[-1]) or source.stat().st_size != size:
+            return None
+        record["sha256"] = _content_digest(source)
+    except (FafoError, OSError):  # gone or unreadable meanwhile
+        return None
+    _rewrite_record(folder, record)
+    return record["sha256"]
+
+
 def _record_also(folder: Path, path: Path, key: str) -> None:
     """Record `path` (version `key`) as another file whose conversion `folder` is, so it is found without reading it
-    again (the copies recorded before that still lead to it are kept, others dropped); where the record cannot be
-    written the next run reads the file once more. The record keeps its time: `fafo list` dates a conversion by it."""
-    marker, record = folder / SOURCE_MARKER, source_record(folder)
+    again (the copies recorded before that still lead to it are kept, others dropped)."""
+    record = source_record(folder)
     here = str(path.resolve())
     kept = [(source, known) for source, known in _copies(record) if source != here and _leads_to(Path(source), known)]
     record["also"] = [{"gguf": source, "key": known} for source, known in kept] + [{"gguf": here, "key": key}]
+    _rewrite_record(folder, record)
+
+
+def _rewrite_record(folder: Path, record: dict) -> None:
+    """Replace a conversion's record, keeping its time (`fafo list` dates a conversion by it); where it cannot be
+    written, the next run reads the file once more."""
+    marker = folder / SOURCE_MARKER
     try:
         times = marker.stat()
         write_atomic(marker, json.dumps(record))

@@ -563,6 +563,37 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
     assert not folder.exists() and other.is_dir()
 
 
+def test_a_copy_of_a_file_converted_by_an_older_fafo_runs_on_its_conversion(caches, monkeypatch, tmp_path):
+    """A conversion recorded without the digest of its file (by an older fafo) gets it when a file of the same size
+    is met: a copy runs on it; a file of another size reads no other file."""
+    import json
+    import shutil
+
+    calls = []
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: (calls.append(path),
+                                                                    build_tiny_model(out, "llama-gqa")))
+    original = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
+    folder = hub.convert_gguf(original)
+    marker = folder / hub.SOURCE_MARKER
+    legacy = {key: value for key, value in hub.source_record(folder).items() if key != "sha256"}
+    marker.write_text(json.dumps(legacy))
+    (tmp_path / "sized").mkdir()
+    other = _gguf_header(tmp_path / "sized" / "other.gguf", "llama", **Q4_1_MODEL, label="x" * 100)
+    assert other.stat().st_size != original.stat().st_size
+    read = []
+    with monkeypatch.context() as patch:
+        digest = hub._content_digest
+        patch.setattr(hub, "_content_digest", lambda path: (read.append(path.name), digest(path))[1])
+        assert hub.convert_gguf(other) != folder and read == ["other.gguf"] and len(calls) == 2
+    assert "sha256" not in hub.source_record(folder)
+    (tmp_path / "copies").mkdir()
+    copy = Path(shutil.copy2(original, tmp_path / "copies" / "renamed.gguf"))
+    assert hub.convert_gguf(copy) == folder and len(calls) == 2
+    record = hub.source_record(folder)
+    assert record["sha256"] == hub._content_digest(original)
+    assert [entry["gguf"] for entry in record["also"]] == [str(copy.resolve())]
+
+
 def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch, tmp_path):
     """As `ollama run NAME`: the name `fafo list` gives a converted .gguf model resolves to its folder, the newest
     where two files share a name (a new version of the file), without any hub lookup; others stay hub ids."""
