@@ -14,6 +14,8 @@ import pytest
 import torch
 
 KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+# (type, wide): each format the kernels read, the types packed apart for float32 rows (their codes as bytes) too
+FORMATS = [(kind, False) for kind in KINDS] + [("Q5_0", True), ("Q6_K", True)]
 # the offsets of each type's float16 fields in a block
 SCALES = {"Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_1": (0, 2)}
 # float16 scales at the edges: zeros of both signs, the largest, the smallest normal and subnormals, negatives
@@ -57,8 +59,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["native", "plain"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dtype):
+@pytest.mark.parametrize("kind, wide", FORMATS)
+def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, wide, path, dtype):
     from gguf import quants
 
     from fafo_cli.compiled import packed
@@ -68,8 +70,9 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dt
         tensor = random_matrix(kind, rows, columns, seed)
         expected = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type)).to(dtype)
         assert torch.equal(packed.reference(tensor, dtype=dtype), expected)
-        weight = packed.tiled(packed.entries(tensor))
-        assert weight.shape == (-(-rows // 16), columns // 64, 16, packed.ENTRY_BYTES[kind])
+        weight = packed.tiled(packed.entries(tensor, wide))
+        size = (packed.WIDE_ENTRY_BYTES if wide else packed.ENTRY_BYTES)[kind]
+        assert weight.shape == (-(-rows // 16), columns // 64, 16, size)
         rebuilt = ops.packed_weight(weight, rows) if dtype == torch.bfloat16 else ops.packed_weight(weight, rows, dtype)
         assert rebuilt.dtype == dtype
         differ = (packed._bits(rebuilt) != packed._bits(expected)).nonzero()
@@ -79,9 +82,9 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, path, dt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["native", "plain"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, wide", FORMATS)
 @pytest.mark.parametrize("out_features, with_bias", [(48, False), (37, True)])
-def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_features, with_bias, dtype):
+def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, wide, path, out_features, with_bias, dtype):
     """A linear of `dtype` with gguf's weights (17 rows: more than one AMX tile holds), each row's result alike with
     1 to 10, 12 or 16 rows in the call (the float32 path takes 4 at a time; the AVX-512 one 6, 7 to 9 over two weight
     rows at a time, more from a rebuilt copy); a weight that differs from the file's keeps its matrix dense."""
@@ -90,7 +93,7 @@ def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_
     ops = kernels[path]
     tensor = random_matrix(kind, out_features, 256, seed=out_features, edges=False)
     expected = packed.reference(tensor, dtype=dtype)
-    weight = packed.tiled(packed.entries(tensor))
+    weight = packed.tiled(packed.entries(tensor, wide))
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(17, 256).to(dtype)
     y = ops.packed_linear(x, weight, out_features, bias)
@@ -104,7 +107,9 @@ def test_packed_linear_multiplies_gguf_weights_exactly(kernels, kind, path, out_
     if path == "native":
         dense = torch.nn.Linear(256, out_features, bias=with_bias).to(dtype)
         dense.weight.data = expected.clone()
-        assert isinstance(packed.packed_linear(tensor, dense), packed.PackedLinear)
+        module = packed.packed_linear(tensor, dense)  # float32 rows: the formats of `wide`
+        sizes = packed.WIDE_ENTRY_BYTES if dtype == torch.float32 else packed.ENTRY_BYTES
+        assert isinstance(module, packed.PackedLinear) and module.packed.shape[-1] == sizes[kind]
         dense.weight.data[3, 5] += 1.0
         assert packed.packed_linear(tensor, dense) is None
 
@@ -160,8 +165,8 @@ def test_the_paths_give_the_same_weights_and_close_products(kernels, dtype):
 
     x = torch.randn(3, 512).to(dtype)
     tolerance = dict(atol=0.05, rtol=0.02) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-5)
-    for kind in KINDS:
-        weight = packed.tiled(packed.entries(random_matrix(kind, 32, 512, seed=7, edges=False)))
+    for kind, wide in FORMATS:
+        weight = packed.tiled(packed.entries(random_matrix(kind, 32, 512, seed=7, edges=False), wide))
         native, plain = kernels["native"], kernels["plain"]
         assert torch.equal(native.packed_weight(weight, 32, dtype), plain.packed_weight(weight, 32, dtype))
         torch.testing.assert_close(native.packed_linear(x, weight, 32, None).float(),
@@ -379,7 +384,7 @@ def test_a_head_matrix_of_its_own_is_packed_apart_from_the_embedding(compiled_ca
     assert not torch.equal(dense.model.hf.lm_head.weight, dense.model.embed.weight)
     engine = load(str(path), dtype="float32", compile="auto", notify=lambda _: None)
     head = engine.model.lm_head
-    assert isinstance(head, packed.PackedLinear) and head.packed.shape[-1] == packed.ENTRY_BYTES["Q6_K"]
+    assert isinstance(head, packed.PackedLinear) and head.packed.shape[-1] == packed.WIDE_ENTRY_BYTES["Q6_K"]
     weight, _ = head.dense()
     assert torch.equal(weight, dense.model.hf.lm_head.weight)  # the head's own values, bit for bit
     ours, theirs = (run.complete("one two three four", max_tokens=24, method=method)
@@ -405,6 +410,11 @@ def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):
     packed_layers = sum(kind != "Q5_1" for kinds in TINY_TYPES.values() for kind in kinds.values())
     assert engine.model.packed_matrices == packed_layers + 1  # and the head (the tied Q8_0 embedding)
     assert isinstance(engine.model.lm_head, packed.PackedLinear) and engine.model.lm_head.dtype == torch.float32
+    names = {f"model.layers.{layer}.{packed.LAYER_MODULES[name]}": kind
+             for layer, kinds in TINY_TYPES.items() for name, kind in kinds.items()}
+    for name, module in engine.compiled.packed_modules().items():  # Q5_0 and Q6_K codes as bytes
+        weight = module.fused.packed if isinstance(module, packed.FusedPart) else module.packed
+        assert weight.shape[-1] == packed.WIDE_ENTRY_BYTES[names.get(name, "Q8_0")], name
     assert [n for n in notices if "stay dense" in n] == [
         f"{tiny_gguf.name}: the matrices of type Q5_1 (1) stay dense float32 in its steps (packed blocks are read "
         "for Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)"]

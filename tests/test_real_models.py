@@ -111,7 +111,8 @@ def test_the_packed_model_stays_near_the_files_size_in_memory(qwen_coder, tmp_pa
         pytest.skip("the model ran on a GPU: its memory is the device's")
     peak_mb, bare_mb = stats["peak_memory_mb"], int(bare.stdout) / 2**20
     file_mb = path.stat().st_size / 2**20
-    assert peak_mb - bare_mb < 1.3 * file_mb, (peak_mb, bare_mb, file_mb)  # 0.5B: 1.11x, 1.5B: 1.19x (Zen 3)
+    # float32 keeps Q5_0 and Q6_K codes as bytes (faster to widen; packed_linear.cpp): 0.5B 1.41x, 1.5B 1.2x (Zen 3)
+    assert peak_mb - bare_mb < 1.5 * file_mb, (peak_mb, bare_mb, file_mb)
 
 
 def test_fafo_chat_answers_two_turns(qwen_coder):

@@ -193,6 +193,17 @@ def _q5_0(raw: np.ndarray) -> np.ndarray:  # blocks: d (float16), the fifth bits
     return np.concatenate([_nibbles(flat(low)), flat(pairs[..., 2:6]), flat(pairs[..., :2])], axis=-1)
 
 
+def _q5_0_bytes(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 for float32 rows: Q8_0's entries, each code less 16 as a signed byte (A's, B's), then dA, dB as the
+    file's."""
+    pairs = raw.reshape(*raw.shape[:-2], -1, 2, 22)
+    low = np.concatenate([pairs[..., 6:] & 15, pairs[..., 6:] >> 4], axis=-1)
+    fifth = np.unpackbits(pairs[..., 2:6], axis=-1, bitorder="little")  # bit j of the little-endian word: code j's
+    codes = (low | (fifth << 4)).astype(np.int8) - np.int8(16)
+    flat = lambda part: part.reshape(*pairs.shape[:-2], -1)  # noqa: E731
+    return np.concatenate([flat(codes.view(np.uint8)), flat(pairs[..., :2])], axis=-1)
+
+
 def _q4_k(raw: np.ndarray) -> np.ndarray:
     """Super-blocks of 256: d, dmin (float16), 12 bytes of 6-bit scales and minimums, 128 bytes of codes whose
     32-byte run k holds sub-block 2k in its low nibbles and 2k + 1 in its high ones: one entry's codes as they are."""
@@ -206,13 +217,30 @@ def _q4_k(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([codes, scales.astype(np.uint8), head], axis=-1).reshape(rows, supers * 4, 40)
 
 
-def _q6_k(raw: np.ndarray) -> np.ndarray:
-    """Super-blocks of 256: ql (128 bytes), qh (64), 16 int8 scales, d (float16); the codes unpacked as gguf does."""
+def _q6_k_codes(raw: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256: ql (128 bytes), qh (64), 16 int8 scales, d (float16) -> the codes [rows, entries, 64],
+    unpacked as gguf does."""
     rows, supers = raw.shape[:-1]
     blocks = raw.reshape(-1, 210)
     ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    codes = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).reshape(rows, supers * 4, 64)
+    return ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).reshape(rows, supers * 4, 64)
+
+
+def _q6_k_bytes(raw: np.ndarray) -> np.ndarray:
+    """Q6_K for float32 rows: each code less 32 as a signed byte, then D = d * s of the entry's four 16-weight
+    sub-blocks as float32 (exact products: gguf's values)."""
+    rows, supers = raw.shape[:-1]
+    codes = _q6_k_codes(raw).astype(np.int8) - np.int8(32)
+    scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = (_halves(raw, 208)[..., None] * scales).astype(np.float32).reshape(rows, supers * 4, 4)
+    return np.concatenate([codes.view(np.uint8), d.view(np.uint8)], axis=-1)
+
+
+def _q6_k(raw: np.ndarray) -> np.ndarray:
+    """The codes as nibbles and two bit planes, the entry's four int8 scales and the super-block's d."""
+    rows, supers = raw.shape[:-1]
+    codes = _q6_k_codes(raw)
     scales = raw[..., 192:208].reshape(rows, supers * 4, 4)
     d = np.broadcast_to(raw[..., None, 208:210], (rows, supers, 4, 2)).reshape(rows, supers * 4, 2)
     return np.concatenate([_nibbles(codes), _plane(codes, 4), _plane(codes, 5), scales, d,
@@ -223,6 +251,10 @@ def _q6_k(raw: np.ndarray) -> np.ndarray:
 FORMATS = {"Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 # bytes per 64 weights of each format (the file's: 40, 68, 44, 36, 52.5)
 ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}
+# For float32 rows (the AVX2 path) the 5- and 6-bit codes are kept as signed bytes: widening their bit planes cost
+# more than the bytes they save (packed_linear.cpp, B6)
+WIDE_FORMATS = {**FORMATS, "Q5_0": _q5_0_bytes, "Q6_K": _q6_k_bytes}
+WIDE_ENTRY_BYTES = {**ENTRY_BYTES, "Q5_0": 68, "Q6_K": 80}
 
 
 CHECK_ROWS = 4096  # rows repacked, dequantized and compared at once: a vocabulary matrix whole would take GBs
@@ -233,18 +265,18 @@ def _blocks(tensor) -> np.ndarray:
     return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
 
 
-def entries(tensor) -> np.ndarray | None:
-    """A GGUF matrix [out, in] as packed_linear's entries [out, in / 64, entry bytes]; None for a type we do not
-    read (or a shape whose blocks do not fit whole entries)."""
+def entries(tensor, wide: bool = False) -> np.ndarray | None:
+    """A GGUF matrix [out, in] as packed_linear's entries [out, in / 64, entry bytes], for float32 rows where `wide`;
+    None for a type we do not read (or a shape whose blocks do not fit whole entries)."""
     from gguf import GGML_QUANT_SIZES
 
-    kind = tensor.tensor_type.name
+    kind, formats = tensor.tensor_type.name, WIDE_FORMATS if wide else FORMATS
     out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])
-    if kind not in FORMATS or in_features % GROUP:
+    if kind not in formats or in_features % GROUP:
         return None
     block, size = GGML_QUANT_SIZES[tensor.tensor_type]
     raw = _blocks(tensor)
-    parts = [FORMATS[kind](raw[start:start + CHECK_ROWS].reshape(-1, in_features // block, size))
+    parts = [formats[kind](raw[start:start + CHECK_ROWS].reshape(-1, in_features // block, size))
              for start in range(0, out_features, CHECK_ROWS)]
     return np.ascontiguousarray(np.concatenate(parts)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
@@ -302,7 +334,7 @@ def tiled(rows: np.ndarray) -> torch.Tensor:
 
 def packed_linear(tensor, linear: torch.nn.Linear) -> PackedLinear | None:
     """`linear` as packed `tensor`'s blocks, when they rebuild its weight exactly."""
-    rows = None if tensor is None else entries(tensor)
+    rows = None if tensor is None else entries(tensor, wide=linear.weight.dtype == torch.float32)
     if rows is None or rows.shape[0] != linear.out_features or rows.shape[1] * GROUP != linear.in_features:
         return None
     order = _row_order(tensor, linear.weight.data)

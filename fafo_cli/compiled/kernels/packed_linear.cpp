@@ -28,7 +28,12 @@
 //   S6   (56: Q6_K, 0.875 vs 0.82): the codes' low 4 bits as Q4_1's; A's, B's fifth bits, A's, B's sixth bits
 //        (uint32 each); the four 16-weight sub-blocks' scales s (int8); d (float16); 2 bytes of padding;
 //        w = bf16((d * s) * (q - 32)).
-//   Q8_0 (68: Q8_0, 1.0625 as the file): A's and B's 32 int8 codes, dA, dB (float16); w = bf16(d * q).
+//   Q8_0 (68: Q8_0, 1.0625 as the file; Q5_0 for float32 rows, its codes less 16): A's and B's 32 int8 codes, dA,
+//        dB (float16); w = bf16(d * q).
+//   B6   (80: Q6_K for float32 rows, 1.25): A's and B's 32 int8 codes (q - 32), then D = d * s of A's two 16-weight
+//        sub-blocks and of B's (float32); w = D * q. The float32 path widens a byte in three instructions, where
+//        S5's and S6's bit planes took about three times as many: it runs them as these bytes (Qwen2.5-Coder-1.5B's
+//        Q6_K matrices 2x faster on Zen 3 in float32; docs/benchmarks.md), more bytes but not bound by them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -405,6 +410,40 @@ struct Q8_0 {
 #endif
 };
 
+struct B6 {  // Q6_K widened: bf16(D * q), q the code less 32 (one signed byte), D per 16 weights (float32)
+  static constexpr int64_t entry = 80;
+
+  static void plain(const uint8_t* __restrict e, float* __restrict w) {
+    for (int j = 0; j < 64; ++j)
+      w[j] = float_at(e + 64 + 4 * (j / 16)) * static_cast<float>(static_cast<int8_t>(e[j]));
+  }
+#if FAFO_AVX2
+  static constexpr int kPart = 1;
+  [[gnu::always_inline]] static void widen_part(const uint8_t* e, int c, __m256* w) {
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 8 * c)),
+                         _mm256_set1_ps(float_at(e + 64 + 4 * (c / 2))));
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_bytes_of(e + 32 + 8 * c)),
+                         _mm256_set1_ps(float_at(e + 72 + 4 * (c / 2))));
+  }
+#endif
+#if FAFO_PACKED
+  static __m512i block(const uint8_t* codes, const uint8_t* scales) {  // bf16(D * q) of 32 codes, in order
+    auto half = [&](int at) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(float_at(scales + at / 4)));
+    };
+    return (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0));
+  }
+
+  static void scales(const uint8_t*, float*) {}  // float32 in the entry already
+
+  static void rebuild(const uint8_t* entry, const float*, __m512i& a, __m512i& b) {
+    a = block(entry, entry + 64);
+    b = block(entry + 32, entry + 72);
+  }
+#endif
+};
+
 // f(F{}) for the format whose entries are `entry` bytes
 template <class Op>
 auto by_format(int64_t entry, Op f) {
@@ -413,12 +452,14 @@ auto by_format(int64_t entry, Op f) {
     case S5::entry: return f(S5{});
     case Q4_1::entry: return f(Q4_1{});
     case S6::entry: return f(S6{});
+    case B6::entry: return f(B6{});
     default: return f(Q8_0{});  // check_packed has admitted only these sizes
   }
 }
 
 bool known_entry(int64_t entry) {
-  return entry == K4::entry || entry == S5::entry || entry == Q4_1::entry || entry == S6::entry || entry == Q8_0::entry;
+  return entry == K4::entry || entry == S5::entry || entry == Q4_1::entry || entry == S6::entry ||
+         entry == Q8_0::entry || entry == B6::entry;
 }
 
 #if FAFO_PACKED
