@@ -15,7 +15,7 @@ import torch
 
 KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
 # (type, wide): each format the kernels read, the types packed apart for float32 rows (their codes as bytes) too
-FORMATS = [(kind, False) for kind in KINDS] + [("Q5_0", True), ("Q6_K", True)]
+FORMATS = [(kind, False) for kind in KINDS] + [("Q4_K", True), ("Q5_0", True), ("Q6_K", True)]
 # the offsets of each type's float16 fields in a block
 SCALES = {"Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_1": (0, 2)}
 # float16 scales at the edges: zeros of both signs, the largest, the smallest normal and subnormals, negatives

@@ -42,7 +42,9 @@ from .kernels import bf16_gemm, loader
 
 
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
-GRAPH_VERSION = 13  # bump when the traced computation or our ops' signatures change: old packages are rebuilt
+# bump when the traced computation, our ops' signatures or the packed formats (packed.py) change: old packages are
+# rebuilt
+GRAPH_VERSION = 14
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:

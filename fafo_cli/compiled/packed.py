@@ -217,6 +217,19 @@ def _q4_k(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([codes, scales.astype(np.uint8), head], axis=-1).reshape(rows, supers * 4, 40)
 
 
+def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_K for float32 rows: Q4_1's entries, each sub-block's D = d * sc and M = -(dmin * m) as float32 (exact
+    products; D * q + M rounds once, as gguf's D * q - dmin * m does)."""
+    from gguf.quants import Q4_K
+
+    rows, supers = raw.shape[:-1]
+    sc, m = Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))  # [blocks, 8] each
+    d, dmin = _halves(raw, 0).reshape(-1, 1), _halves(raw, 2).reshape(-1, 1)
+    scale, least = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    scales = np.stack([scale, least], axis=-1).astype(np.float32).reshape(rows, supers * 4, 4)  # dA, mA, dB, mB
+    return np.concatenate([raw[..., 16:].reshape(rows, supers * 4, 32), scales.view(np.uint8)], axis=-1)
+
+
 def _q6_k_codes(raw: np.ndarray) -> np.ndarray:
     """Super-blocks of 256: ql (128 bytes), qh (64), 16 int8 scales, d (float16) -> the codes [rows, entries, 64],
     unpacked as gguf does."""
@@ -251,10 +264,10 @@ def _q6_k(raw: np.ndarray) -> np.ndarray:
 FORMATS = {"Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 # bytes per 64 weights of each format (the file's: 40, 68, 44, 36, 52.5)
 ENTRY_BYTES = {"Q4_1": 48, "Q8_0": 68, "Q5_0": 44, "Q4_K": 40, "Q6_K": 56}
-# For float32 rows (the AVX2 path) the 5- and 6-bit codes are kept as signed bytes: widening their bit planes cost
-# more than the bytes they save (packed_linear.cpp, B6)
-WIDE_FORMATS = {**FORMATS, "Q5_0": _q5_0_bytes, "Q6_K": _q6_k_bytes}
-WIDE_ENTRY_BYTES = {**ENTRY_BYTES, "Q5_0": 68, "Q6_K": 80}
+# For float32 rows (the AVX2 path, bound by its instructions, not by memory) every type is read as nibbles or signed
+# bytes and float32 or float16 scales: nothing is assembled per weight or per entry (packed_linear.cpp, B6)
+WIDE_FORMATS = {**FORMATS, "Q4_K": _q4_k_as_q4_1, "Q5_0": _q5_0_bytes, "Q6_K": _q6_k_bytes}
+WIDE_ENTRY_BYTES = {**ENTRY_BYTES, "Q4_K": 48, "Q5_0": 68, "Q6_K": 80}
 
 
 CHECK_ROWS = 4096  # rows repacked, dequantized and compared at once: a vocabulary matrix whole would take GBs

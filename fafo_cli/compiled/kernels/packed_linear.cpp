@@ -19,8 +19,9 @@
 // Layout of a packed weight (uint8 [out / kTile, in / 64, kTile, entry bytes]): per tile of kTile weight rows
 // and per 64 columns (two blocks of 32, A and B), one entry per row. Its size names its format (the GGUF types
 // it serves, bytes per weight against the file's):
-//   Q4_1 (48: Q4_1, 0.75 vs 0.625): 32 bytes of codes (byte i = A's code i | B's code i << 4), then dA, mA, dB,
-//        mB as float32; w = bf16(d * q + m).
+//   Q4_1 (48: Q4_1, 0.75 vs 0.625; Q4_K for float32 rows, d = d * sc, m = -(dmin * m) per sub-block, 0.75 vs
+//        0.5625): 32 bytes of codes (byte i = A's code i | B's code i << 4), then dA, mA, dB, mB as float32;
+//        w = bf16(d * q + m).
 //   K4   (40: Q4_K, 0.625 vs 0.5625): codes as Q4_1's; scA, mA, scB, mB (the 6-bit sub-block scale and minimum,
 //        one byte each); d, dmin (float16, the super-block's); w = bf16((d * sc) * q - dmin * m).
 //   S5   (44: Q5_0, 0.6875 as the file): the codes' low 4 bits as Q4_1's; A's and B's fifth bits (uint32, bit i
@@ -31,9 +32,10 @@
 //   Q8_0 (68: Q8_0, 1.0625 as the file; Q5_0 for float32 rows, its codes less 16): A's and B's 32 int8 codes, dA,
 //        dB (float16); w = bf16(d * q).
 //   B6   (80: Q6_K for float32 rows, 1.25): A's and B's 32 int8 codes (q - 32), then D = d * s of A's two 16-weight
-//        sub-blocks and of B's (float32); w = D * q. The float32 path widens a byte in three instructions, where
-//        S5's and S6's bit planes took about three times as many: it runs them as these bytes (Qwen2.5-Coder-1.5B's
-//        Q6_K matrices 2x faster on Zen 3 in float32; docs/benchmarks.md), more bytes but not bound by them.
+//        sub-blocks and of B's (float32); w = D * q.
+// The float32 path is bound by its instructions, not by memory: it reads every type in the formats that widen with
+// the fewest (Q4_1, Q8_0, B6: nothing assembled per weight or per entry), more bytes than K4, S5 and S6 but faster
+// (docs/benchmarks.md, s35).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
