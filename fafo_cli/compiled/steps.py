@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from .. import hub
 from ..errors import first_line
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
@@ -28,6 +29,11 @@ PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modu
 PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  # larger steps run eager
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
+
+
+def steps_serve(model: Model) -> dict:
+    """What a model's compiled-steps folder serves (hub.claim_steps_folder): its dtype and device kind."""
+    return {"dtype": str(model.dtype), "device": model.device.type}
 
 
 def bucket(rows: int) -> int | None:
@@ -69,6 +75,12 @@ class CompiledSteps(OnceNotices):
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
+        if folder.is_dir():
+            self._claim_folder()  # dated as in use
+
+    def _claim_folder(self) -> None:
+        """Before writing into this model's folder (and once per run that finds it): hub.claim_steps_folder."""
+        hub.claim_steps_folder(self.folder, steps_serve(self.model))
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
@@ -123,7 +135,7 @@ class CompiledSteps(OnceNotices):
         finally:
             release_freed_memory()  # the blocks dequantized to check them, a matrix at a time
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self._claim_folder()
             packed.save(modules, self.folder / PACKED_FILE)
         except OSError:  # a full or read-only disk: the next process packs them again
             pass
@@ -208,6 +220,7 @@ class CompiledSteps(OnceNotices):
                     "load it)")
         started = time.perf_counter()
         try:
+            self._claim_folder()
             build(self.model, rows, package, self.packed_modules(), shared_constants=self.constants() is not None)
             runner = load_package(package, self.constants())
             timing = measure(self.model, runner, rows)
