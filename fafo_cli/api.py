@@ -115,7 +115,8 @@ class Engine:
             engine.compiled = engine.session.compiled = GraphSteps(engine.model, notify or _print_notice)
         elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
-                                            notify=notify or _print_notice, gguf=hub.gguf_source(folder))
+                                            notify=notify or _print_notice, gguf=hub.gguf_source(folder),
+                                            serves=engine.steps_serve)
             engine.session.compiled = engine.compiled
             engine.compiled.install_packed()
         if config.draft_model is not None and (config.method == "triforce" if load_draft is None else load_draft):
@@ -145,6 +146,11 @@ class Engine:
     def steps_folder(self) -> Path:
         """Where this model's compiled steps and measured step costs live."""
         return _compiled_folder(self.model, self.folder)
+
+    @property
+    def steps_serve(self) -> dict:
+        """What `steps_folder` serves (hub.claim_steps_folder): this model folder, dtype and device kind."""
+        return {"model": str(self.folder.resolve()), "dtype": str(self.model.dtype), "device": self.model.device.type}
 
     @property
     def name(self) -> str:

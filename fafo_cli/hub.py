@@ -274,11 +274,12 @@ STALE_STEPS_S = 7 * 24 * 3600
 
 
 def claim_steps_folder(folder: Path, serves: dict) -> None:
-    """Before a run reads or writes the compiled-steps folder `folder` (compiled_steps_folder) for what `serves` names
-    (a dtype and device): date its use, or create it, and then remove the folders of the same model that serve the
-    same but belong to another version of fafo, its kernels or torch (their identity differs: this version never
-    loads them; hundreds of MB to GBs each) and that no run has used for STALE_STEPS_S (another installation may
-    still use one). A folder made before records were kept is such a folder, dated by its last change."""
+    """Before a run uses or writes the compiled-steps folder `folder` (compiled_steps_folder) for what `serves` names
+    (a model folder, dtype and device): date its use, or create it, and then remove the folders that serve the same
+    but belong to another version of fafo, its kernels or torch (their identity differs: this version never loads
+    them; hundreds of MB to GBs each) and that no run has used for STALE_STEPS_S (another installation may still use
+    one). A folder of its model's name made before records were kept (by an older version) counts as such, dated by
+    its last change."""
     record = folder / STEPS_RECORD
     if folder.is_dir():
         with suppress(OSError):

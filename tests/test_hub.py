@@ -799,13 +799,14 @@ def test_a_conversion_is_announced_once(caches, monkeypatch, tmp_path, capsys):
 def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     """Packages of another fafo, kernel or torch version (another identity) for the same model, dtype and device are
     never loaded again: the first folder of a new identity removes those no run has used for a week (and folders
-    made before records were kept, by their last change); recent ones, other dtypes and other models stay."""
+    made before records were kept, by their last change); recent ones, other dtypes and other models (one of the
+    same folder name elsewhere too) stay."""
     import json
     import os
     import time
 
     model = caches / "models" / "SmolLM2-135M-Instruct-db0a7cfd2878"
-    serves = {"dtype": "torch.float32", "device": "cpu"}
+    serves = {"model": str(model), "dtype": "torch.float32", "device": "cpu"}
     old = time.time() - hub.STALE_STEPS_S - 60
 
     def folder(identity: str, record: dict | None, used: float, owner: Path = model) -> Path:
@@ -823,6 +824,7 @@ def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     recent = folder("3" * 16, serves, time.time())
     other_dtype = folder("4" * 16, {**serves, "dtype": "torch.bfloat16"}, old)
     other_model = folder("5" * 16, serves, old, owner=caches / "models" / "Other-db0a7cfd2878")
+    namesake = folder("8" * 16, {**serves, "model": "/elsewhere/SmolLM2-135M-Instruct-db0a7cfd2878"}, old)
     used = folder("6" * 16, serves, old)
     hub.claim_steps_folder(used, serves)  # a run found it just now
     unrecorded = folder("7" * 16, None, time.time())
@@ -832,5 +834,5 @@ def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     hub.claim_steps_folder(new, serves)
     assert json.loads((new / hub.STEPS_RECORD).read_text()) == serves
     assert not stale.exists() and not legacy.exists()
-    assert recent.is_dir() and other_dtype.is_dir() and other_model.is_dir() and used.is_dir()
+    assert recent.is_dir() and other_dtype.is_dir() and other_model.is_dir() and used.is_dir() and namesake.is_dir()
     assert json.loads((unrecorded / hub.STEPS_RECORD).read_text()) == serves and (unrecorded / "rows1.pt2").is_file()

@@ -31,11 +31,6 @@ ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
 
 
-def steps_serve(model: Model) -> dict:
-    """What a model's compiled-steps folder serves (hub.claim_steps_folder): its dtype and device kind."""
-    return {"dtype": str(model.dtype), "device": model.device.type}
-
-
 def bucket(rows: int) -> int | None:
     return next((b for b in ROW_BUCKETS if b >= rows), None)
 
@@ -60,8 +55,9 @@ class CompiledSteps(OnceNotices):
     """
 
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
-                 gguf: Path | None = None):
+                 gguf: Path | None = None, serves: dict | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
+        self.serves = serves or {}  # what the folder serves (hub.claim_steps_folder): Engine.steps_serve
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
@@ -80,7 +76,7 @@ class CompiledSteps(OnceNotices):
 
     def _claim_folder(self) -> None:
         """Before writing into this model's folder (and once per run that finds it): hub.claim_steps_folder."""
-        hub.claim_steps_folder(self.folder, steps_serve(self.model))
+        hub.claim_steps_folder(self.folder, self.serves)
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
