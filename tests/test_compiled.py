@@ -621,6 +621,8 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     x = torch.randn(1, 6, 192).bfloat16()
     for separate, stacked in zip(alone, Layer()(x)):
         assert torch.equal(separate(x), stacked)
+    assert fused._latest is None  # every part took its output: none is held until the next call
+    assert torch.equal(parts[1](x), alone[1](x)) and fused._latest is not None  # a part alone: its own call
     fused.forget()
     graph = torch.export.export(Layer(), (x,), strict=False).graph
     calls = [n for n in graph.nodes if n.target is torch.ops.fafo.packed_linear.default]

@@ -103,7 +103,9 @@ class FusedPackedLinear(torch.nn.Module):
     """Packed matrices that read the same input, stacked: one packed_linear call computes all their outputs.
     Each part stands in for its own module (`part(i)`); calls with the same input tensor, as a layer makes them
     for q, k and v, share the latest call. Every output row's sums are those its own matrix gives alone (the
-    kernel works tile by tile of 16 weight rows), so this changes no bit, only the number of calls."""
+    kernel works tile by tile of 16 weight rows), so this changes no bit, only the number of calls. The outputs are
+    let go once every part has taken its own: kept until the next call, a long prompt's last prefill chunk left
+    its q, k, v and gate, up products alive in every layer (0.8 GB for Qwen2.5-Coder-0.5B at 1,450 tokens)."""
 
     def __init__(self, packed: torch.Tensor, sizes: list[int], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -111,7 +113,7 @@ class FusedPackedLinear(torch.nn.Module):
         self.out_features = sum(self.sizes)
         self.register_buffer("packed", packed)
         self.register_buffer("bias", bias)
-        self._latest: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (input, outputs)
+        self._latest: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None  # input, outputs, taken
 
     @classmethod
     def stacked(cls, parts: list[PackedLinear]) -> "FusedPackedLinear":
@@ -129,10 +131,15 @@ class FusedPackedLinear(torch.nn.Module):
     def part(self, index: int) -> "FusedPart":
         return FusedPart(self, index)
 
-    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Part `index`'s product with `x`: the parts' call with this input, made now unless it was made for it."""
         if self._latest is None or self._latest[0] is not x:
-            self._latest = (x, _multiply(x, self.packed, self.out_features, self.bias).split(self.sizes, dim=-1))
-        return self._latest[1]
+            self._latest = (x, _multiply(x, self.packed, self.out_features, self.bias).split(self.sizes, dim=-1), set())
+        _, outputs, taken = self._latest
+        taken.add(index)
+        if len(taken) == len(self.sizes):
+            self._latest = None
+        return outputs[index]
 
     def forget(self) -> None:
         self._latest = None  # holds traced tensors: dropped once the trace is done
@@ -147,7 +154,7 @@ class FusedPart(torch.nn.Module):
         self.out_features = fused.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.outputs(x)[self.index]
+        return self.fused.output(x, self.index)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         start = sum(self.fused.sizes[:self.index])

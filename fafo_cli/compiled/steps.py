@@ -57,7 +57,7 @@ class CompiledSteps(OnceNotices):
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
                  gguf: Path | None = None, serves: dict | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
-        self.serves = serves or {}  # what the folder serves (hub.claim_steps_folder): Engine.steps_serve
+        self.record = serves or {}  # what the folder serves (hub.claim_steps_folder): Engine.steps_serve
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
@@ -76,7 +76,7 @@ class CompiledSteps(OnceNotices):
 
     def _claim_folder(self) -> None:
         """Before writing into this model's folder (and once per run that finds it): hub.claim_steps_folder."""
-        hub.claim_steps_folder(self.folder, self.serves)
+        hub.claim_steps_folder(self.folder, self.record)
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
