@@ -149,7 +149,7 @@ class Engine:
 
     @property
     def steps_serve(self) -> dict:
-        """What `steps_folder` serves (hub.claim_steps_folder): this model folder, dtype and device kind."""
+        """What `steps_folder` serves (compiled.steps.claim_steps_folder): this model folder, dtype and device kind."""
         return {"model": str(self.folder.resolve()), "dtype": str(self.model.dtype), "device": self.model.device.type}
 
     @property

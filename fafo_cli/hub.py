@@ -18,8 +18,7 @@ import os
 import re
 import shutil
 import sys
-import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -267,41 +266,6 @@ def compiled_steps_folder(folder: Path, identity: str) -> Path:
     api._compiled_folder) or, as "*", a pattern for all of them."""
     name = glob.escape(folder.name) if identity == "*" else folder.name
     return cache_dir() / "compiled" / f"{name}-{identity}"
-
-
-STEPS_RECORD = "serves.json"  # in a compiled-steps folder: the dtype and device its packages serve; its time: last use
-STALE_STEPS_S = 7 * 24 * 3600
-
-
-def claim_steps_folder(folder: Path, serves: dict) -> None:
-    """Before a run uses or writes the compiled-steps folder `folder` (compiled_steps_folder) for what `serves` names
-    (a model folder, dtype and device): date its use, or create it, and then remove the folders that serve the same
-    but belong to another version of fafo, its kernels or torch (their identity differs: this version never loads
-    them; hundreds of MB to GBs each) and that no run has used for STALE_STEPS_S (another installation may still use
-    one). A folder of its model's name made before records were kept (by an older version) counts as such, dated by
-    its last change."""
-    record = folder / STEPS_RECORD
-    if folder.is_dir():
-        with suppress(OSError):
-            if record.is_file():
-                os.utime(record)
-            else:
-                write_atomic(record, json.dumps(serves))
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(record, json.dumps(serves))
-    prefix = folder.name[:folder.name.rindex("-") + 1]
-    for other in folder.parent.glob(glob.escape(prefix) + "*"):
-        if other == folder or len(other.name) != len(folder.name) or not other.is_dir():
-            continue
-        kept = other / STEPS_RECORD
-        try:
-            recorded = json.loads(kept.read_text(encoding="utf-8")) if kept.exists() else None
-            used = (kept if kept.exists() else other).stat().st_mtime
-        except (OSError, ValueError):  # being written, or removed meanwhile: left alone
-            continue
-        if recorded in (None, serves) and time.time() - used > STALE_STEPS_S:
-            shutil.rmtree(other, ignore_errors=True)
 
 
 def weights_in(folder: Path, dtype: str) -> Path:

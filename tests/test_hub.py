@@ -805,17 +805,19 @@ def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     import os
     import time
 
+    from fafo_cli.compiled.steps import STALE_STEPS_S, STEPS_RECORD, claim_steps_folder
+
     model = caches / "models" / "SmolLM2-135M-Instruct-db0a7cfd2878"
     serves = {"model": str(model), "dtype": "torch.float32", "device": "cpu"}
-    old = time.time() - hub.STALE_STEPS_S - 60
+    old = time.time() - STALE_STEPS_S - 60
 
     def folder(identity: str, record: dict | None, used: float, owner: Path = model) -> Path:
         path = hub.compiled_steps_folder(owner, identity)
         path.mkdir(parents=True)
         (path / "rows1.pt2").write_bytes(b"package")
         if record is not None:
-            (path / hub.STEPS_RECORD).write_text(json.dumps(record))
-            os.utime(path / hub.STEPS_RECORD, (used, used))
+            (path / STEPS_RECORD).write_text(json.dumps(record))
+            os.utime(path / STEPS_RECORD, (used, used))
         os.utime(path, (used, used))
         return path
 
@@ -826,13 +828,13 @@ def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     other_model = folder("5" * 16, serves, old, owner=caches / "models" / "Other-db0a7cfd2878")
     namesake = folder("8" * 16, {**serves, "model": "/elsewhere/SmolLM2-135M-Instruct-db0a7cfd2878"}, old)
     used = folder("6" * 16, serves, old)
-    hub.claim_steps_folder(used, serves)  # a run found it just now
+    claim_steps_folder(used, serves)  # a run found it just now
     unrecorded = folder("7" * 16, None, time.time())
-    hub.claim_steps_folder(unrecorded, serves)  # made before records were kept, found by its version: recorded
+    claim_steps_folder(unrecorded, serves)  # made before records were kept, found by its version: recorded
     os.utime(unrecorded, (old, old))
     new = hub.compiled_steps_folder(model, "0" * 16)
-    hub.claim_steps_folder(new, serves)
-    assert json.loads((new / hub.STEPS_RECORD).read_text()) == serves
+    claim_steps_folder(new, serves)
+    assert json.loads((new / STEPS_RECORD).read_text()) == serves
     assert not stale.exists() and not legacy.exists()
     assert recent.is_dir() and other_dtype.is_dir() and other_model.is_dir() and used.is_dir() and namesake.is_dir()
-    assert json.loads((unrecorded / hub.STEPS_RECORD).read_text()) == serves and (unrecorded / "rows1.pt2").is_file()
+    assert json.loads((unrecorded / STEPS_RECORD).read_text()) == serves and (unrecorded / "rows1.pt2").is_file()

@@ -17,8 +17,7 @@ import torch
 import yaml
 
 from .. import config as config_mod
-from .. import hub
-from ..compiled.steps import bucket
+from ..compiled.steps import bucket, claim_steps_folder
 from ..compiled.timing import median_ms, write_step_costs
 from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import FafoSettings, compiled_for, model_streams
@@ -85,7 +84,7 @@ def _measured_costs(engine, context: int, row_counts: tuple[int, ...], repeats: 
 
 def keep_eager_costs(engine, costs: dict[int, float]) -> None:
     """The eager cost curve for FAFO's planner: beside the model's packages for later runs, and in this session."""
-    hub.claim_steps_folder(engine.steps_folder, engine.steps_serve)
+    claim_steps_folder(engine.steps_folder, engine.steps_serve)
     write_step_costs(engine.steps_folder, {"eager": costs})
     engine.session.step_costs = {**engine.session.step_costs, "eager": costs}
 

@@ -4,14 +4,18 @@ dispatch of a decoding step to the package that serves it (padding rows up to it
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import hub
 from ..errors import first_line
+from ..files import write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
 from ..runtime.model import STEP_ROWS, Model
@@ -29,6 +33,41 @@ PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modu
 PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  # larger steps run eager
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
+
+
+STEPS_RECORD = "serves.json"  # in a compiled-steps folder: the model, dtype and device it serves; its time: last use
+STALE_STEPS_S = 7 * 24 * 3600
+
+
+def claim_steps_folder(folder: Path, serves: dict) -> None:
+    """Before a run uses or writes the compiled-steps folder `folder` (hub.compiled_steps_folder) for what `serves`
+    names (a model folder, dtype and device): date its use, or create it, and then remove the folders that serve the same
+    but belong to another version of fafo, its kernels or torch (their identity differs: this version never loads
+    them; hundreds of MB to GBs each) and that no run has used for STALE_STEPS_S (another installation may still use
+    one). A folder of its model's name made before records were kept (by an older version) counts as such, dated by
+    its last change."""
+    record = folder / STEPS_RECORD
+    if folder.is_dir():
+        with contextlib.suppress(OSError):
+            if record.is_file():
+                os.utime(record)
+            else:
+                write_atomic(record, json.dumps(serves))
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(record, json.dumps(serves))
+    prefix = folder.name[:folder.name.rindex("-") + 1]
+    for other in folder.parent.glob(glob.escape(prefix) + "*"):
+        if other == folder or len(other.name) != len(folder.name) or not other.is_dir():
+            continue
+        kept = other / STEPS_RECORD
+        try:
+            recorded = json.loads(kept.read_text(encoding="utf-8")) if kept.exists() else None
+            used = (kept if kept.exists() else other).stat().st_mtime
+        except (OSError, ValueError):  # being written, or removed meanwhile: left alone
+            continue
+        if recorded in (None, serves) and time.time() - used > STALE_STEPS_S:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def bucket(rows: int) -> int | None:
@@ -57,7 +96,7 @@ class CompiledSteps(OnceNotices):
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
                  gguf: Path | None = None, serves: dict | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
-        self.record = serves or {}  # what the folder serves (hub.claim_steps_folder): Engine.steps_serve
+        self.record = serves or {}  # what the folder serves (claim_steps_folder): Engine.steps_serve
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
         self._packed: dict | None = None
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
@@ -75,8 +114,8 @@ class CompiledSteps(OnceNotices):
             self._claim_folder()  # dated as in use
 
     def _claim_folder(self) -> None:
-        """Before writing into this model's folder (and once per run that finds it): hub.claim_steps_folder."""
-        hub.claim_steps_folder(self.folder, self.record)
+        """Before writing into this model's folder (and once per run that finds it): claim_steps_folder."""
+        claim_steps_folder(self.folder, self.record)
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
