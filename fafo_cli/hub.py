@@ -204,9 +204,10 @@ def _recorded_digest(folder: Path, size: int) -> str | None:
     record = source_record(folder)
     if "sha256" in record or not isinstance(record.get("gguf"), str):
         return record.get("sha256")
-    source = Path(record["gguf"])
+    source, key = _sources(folder, record)[0]  # the converted file, not a copy
+    source = Path(source)
     try:
-        if not _leads_to(source, folder.name.rsplit("-", 1)[-1]) or source.stat().st_size != size:
+        if not _leads_to(source, key) or source.stat().st_size != size:
             return None
         record["sha256"] = _content_digest(source)
     except (FafoError, OSError):  # gone or unreadable meanwhile
