@@ -244,7 +244,8 @@ class Engine:
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling.of(config)
         stop_ids, stop = self._token_stops(stop)
-        request = Request(ids, config.max_tokens, sampling, self.stop_ids | stop_ids, config, stop, on_prefill)
+        request = Request(ids, config.max_tokens, sampling, self.stop_ids | stop_ids, config, stop, on_prefill,
+                          continues_text=not (config.chat_template and self.has_chat_template))
         # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
         # was suspended took it over, and this one may neither go on nor undo anything of it
         self._answering = owner = object()
@@ -274,8 +275,12 @@ class Engine:
         for text in stop:
             encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             decode = self.tokenizer.decode  # (a SentencePiece "▁" decodes to nothing either way: not special)
-            if len(encoded) == 1 and not decode(encoded, skip_special_tokens=True) and decode(encoded) == text:
+            shown = decode(encoded, skip_special_tokens=True)
+            if len(encoded) == 1 and not shown and decode(encoded) == text:
                 ids.add(encoded[0])
+            elif shown != decode(encoded):  # it would never match: the shown text holds no special token
+                raise FafoError(f"the stop string {json.dumps(text)[:60]} holds a special token's text among other "
+                                "text, which the answer's text never shows: send the special token alone")
             else:
                 strings.append(text)
         return frozenset(ids), tuple(strings)

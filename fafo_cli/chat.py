@@ -177,8 +177,8 @@ class Repl:
         except FafoError as e:
             self._warn(f"error: {e}")
             return
-        except yaml.YAMLError as e:
-            self._warn(f"error: cannot read {raw!r} as a value ({first_line(e)})")
+        except (yaml.YAMLError, ValueError) as e:  # (ValueError: an integer past Python's limit of digits)
+            self._warn(f"error: cannot read {raw[:40]!r} as a value ({first_line(e)})")
             return
         self.settings[key] = value
         # what an earlier /set asked for that this one leaves without effect (temperature 0 after a top_p): cleared,

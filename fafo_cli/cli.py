@@ -130,24 +130,33 @@ def _read_prompt(source: str) -> str:
         except UnicodeDecodeError:
             raise FafoError("standard input is not UTF-8 text") from None
     else:
+        if not source.strip():
+            raise FafoError("--prompt needs a file name (or - for standard input)")
+        shown = _shown(source)
+        # llama.cpp's -p and mlx-lm's --prompt take the text itself
+        hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
+                if len(source.split()) > 1 or len(source) > 255 else "")
         path = Path(source).expanduser()
-        if path.is_dir():
-            raise FafoError(f"--prompt {source} is a folder, not a file")
         try:
+            if path.is_dir():
+                raise FafoError(f"--prompt {shown} is a folder, not a file")
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            # llama.cpp's -p and mlx-lm's --prompt take the text itself
-            hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
-                    if len(source.split()) > 1 and "/" not in source else "")
-            raise FafoError(f"prompt file not found: {source}{hint}") from None
+            raise FafoError(f"prompt file not found: {shown}{hint}") from None
         except UnicodeDecodeError:
-            raise FafoError(f"prompt file {source} is not UTF-8 text") from None
-        except OSError as e:
-            raise FafoError(f"cannot read prompt file {source}: {e.strerror}") from None
+            raise FafoError(f"prompt file {shown} is not UTF-8 text") from None
+        except OSError as e:  # (a text too long to be a file name: ENAMETOOLONG)
+            raise FafoError(f"cannot read prompt file {shown}: {e.strerror}{hint}") from None
     text = text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is no part of the text
     if not text.strip():
         raise FafoError("the prompt is empty")
     return text
+
+
+def _shown(text: str, most: int = 80) -> str:
+    """A user's value cut for a one-line message: its first line, at most `most` characters."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= most and line == text.strip() else line[:most].rstrip() + "…"
 
 
 def _finite(value: float | None) -> float | None:
@@ -174,9 +183,10 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path} is a folder, not a file")
     if target.is_symlink():  # the link's file is written (files.atomic_path)
         try:
-            target = target.resolve()
-        except (OSError, RuntimeError):  # a loop of links: the write says so
-            return
+            target = target.resolve(strict=False)
+        except (OSError, RuntimeError) as e:  # (RuntimeError: a loop of links, before Python 3.13)
+            raise FafoError(f"{flag} {path}: cannot follow its link ({getattr(e, 'strerror', None) or 'a loop'})") \
+                from None
     if not target.parent.is_dir():
         raise FafoError(f"{flag} {path}: no such folder {target.parent}")
     if not os.access(target.parent, os.W_OK | os.X_OK):
@@ -189,7 +199,12 @@ def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]],
     """A command's output files ({flag: path}) can each be written (`_check_output`), none overwrites an input
     ({flag: paths}) or another output, and at most one is standard output (-), which a `binary` one cannot be."""
     def same(a: str, b: str) -> bool:
-        return a != "-" and b != "-" and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+        if a == "-" or b == "-":
+            return False
+        try:
+            return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+        except (OSError, RuntimeError):  # a loop of links: not the same file (its write says what is wrong)
+            return False
 
     given = [(flag, path) for flag, path in outputs.items() if path is not None]
     for i, (flag, path) in enumerate(given):
@@ -472,6 +487,7 @@ def bench(
         from .bench import tune as tune_mod
 
         written = Path(config).expanduser() if config else None
+        _check_output("config file", str(written or config_mod.user_config_path()))
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, written))
     engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
@@ -509,6 +525,8 @@ def doctor(
         _check_outputs({"--gpu-report": gpu_report}, {"the config file": [str(doctor_mod.default_config_path(config))]})
         report_path = Path(gpu_report).expanduser()
         gpu_mod.check(device, gpu_shape)
+    if write:  # before a minute of measuring
+        _check_output("config file", str(doctor_mod.default_config_path(config)))
     # the model found (or converted) before the first progress line: a missing one is one line
     hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
     out, err = consoles()
@@ -560,6 +578,15 @@ def compile_steps(
     if settings.gpus > 1:  # one device's graph cannot hold a spread model's step
         raise FafoError(f"--gpus {settings.gpus}: a model spread over GPUs runs eager steps; fafo compile has "
                         "nothing to build for it")
+    if "cuda_graphs" in given:  # (captured by each run as it needs them)
+        raise FafoError("fafo compile builds compiled packages; CUDA graphs are captured at run time: drop "
+                        "--cuda-graphs")
+    from .api import pick_device
+
+    accelerator = pick_device(settings.device).type != "cpu"
+    for method in chosen:  # each of its settings must change that method's steps, as `fafo run` checks them
+        config_mod.check_given(replace(settings, method=method), {key for key in given if config_mod.method_of(
+            config_mod.SPECS[key]) in (None, method)}, accelerator=accelerator)
     _, err = consoles()
     engine = _load(replace(settings, compile="on"), err)
     for method, sizes in build_ahead(engine, chosen):
@@ -630,12 +657,12 @@ def config_path() -> None:
 
 @config_app.command("init")
 def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False) -> None:
-    """Write the documented default configuration to the user config path."""
+    """Write the documented default configuration to the user config path, every key commented out."""
     path = config_mod.user_config_path()
     if path.exists() and not force:
         raise FafoError(f"{path} already exists (use --force to overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, config_mod.default_yaml())
+    write_atomic(path, config_mod.default_yaml(active=False))
     print(path)
 
 
@@ -672,7 +699,8 @@ def cacheback_build_table(
 
 # what a path the user chose or set up can be that makes it unusable (anything else is ours to fix: a traceback)
 UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
-                 errno.EDQUOT, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EXDEV}
+                 errno.EDQUOT, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EXDEV,
+                 errno.ENOTEMPTY}
 
 
 def _interrupt(signum, frame) -> None:
@@ -734,10 +762,14 @@ def _run(command, argv: list[str] | None) -> int:
     except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
         if not is_out_of_memory(e):
             raise
-        print("error: out of memory; try a smaller --max-tokens, --dtype bfloat16 or a smaller model", file=sys.stderr)
+        print("error: out of memory; try fewer tokens, a shorter prompt, --dtype bfloat16 or a smaller model",
+              file=sys.stderr)
         return 1
     except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
         path = e.filename2 or e.filename  # a rename's target, not its temporary source
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and not path:  # a write whose file the error does not name
+            print(f"error: {e.strerror} (a cache, a conversion or an output could not be written)", file=sys.stderr)
+            return 1
         if e.errno not in UNUSABLE_PATH or not path:
             raise
         print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)

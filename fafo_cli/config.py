@@ -8,6 +8,7 @@ that `fafo config show` prints and the reference page docs/configuration.md (`re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import difflib
 import math
@@ -57,10 +58,29 @@ def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=Fals
                                                 switch=switch, argument=argument, also=also))
 
 
+def _shown(value: Any, most: int = 40) -> str:
+    """A value for a one-line message: its repr, cut (a number of thousands of digits too)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's limit of digits for text
+        return "a number of thousands of digits"
+    return text if len(text) <= most else text[:most] + "…"
+
+
+def _finite_number(value: Any) -> bool:
+    """An int or float (not a bool) within float's finite range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer of 309 digits or more
+        return False
+
+
 def _budget(value: Any) -> int | float:
     """Tokens (an integer >= 1) or a fraction of the prompt (a number in (0, 1))."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise FafoError(f"config key 'budget' must be a number of tokens or a fraction (got {value!r})")
+    if not _finite_number(value):
+        raise FafoError(f"config key 'budget' must be a number of tokens or a fraction (got {_shown(value)})")
     if value == 1.0 and isinstance(value, float):  # a fraction's end, not one token
         raise FafoError("config key 'budget' 1.0: a fraction of the prompt must be below 1 (all of it is compressor: "
                         "none); tokens are an integer >= 1")
@@ -68,7 +88,7 @@ def _budget(value: Any) -> int | float:
         value = int(value)
     if isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1:
         return value
-    raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {value})")
+    raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {_shown(value)})")
 
 
 def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
@@ -78,7 +98,7 @@ def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
         value = int(value)
     if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
         return value
-    raise FafoError(f"config key '{name}' must be auto or an integer from {low} to {high} (got {value!r})")
+    raise FafoError(f"config key '{name}' must be auto or an integer from {low} to {high} (got {_shown(value)})")
 
 
 @dataclass(frozen=True)
@@ -245,18 +265,23 @@ def _check(name: str, value: Any, spec) -> Any:
     if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
         value = float(value)  # YAML 1.1 reads 1e-3 as text
     if name == "budget":
+        if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):  # from a flag
+            value = int(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
         return _budget(value)
     if name in AUTO_COUNTS:
         return _auto_count(name, value, meta["low"], meta["high"])
     if kind is bool:
         if not isinstance(value, bool):
-            raise FafoError(f"config key '{name}' must be true or false (got {value!r})")
+            raise FafoError(f"config key '{name}' must be true or false (got {_shown(value)})")
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise FafoError(f"config key '{name}' must be an integer (got {value!r})")
+            raise FafoError(f"config key '{name}' must be an integer (got {_shown(value)})")
     elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise FafoError(f"config key '{name}' must be a number (got {value!r})")
+        if not _finite_number(value):
+            raise FafoError(f"config key '{name}' must be a number (got {_shown(value)})")
         value = float(value)
     elif isinstance(value, bool) and meta["switch"]:  # YAML reads `on`, `off`, `true` as booleans
         value = meta["switch"][0] if value else meta["switch"][1]
@@ -265,14 +290,14 @@ def _check(name: str, value: Any, spec) -> Any:
         hint = f", which YAML reads as {read_as}: put it in quotes" if read_as else ""
         raise FafoError(f"config key '{name}' must be text (got {value!s}{hint})")
     if meta["choices"] and value not in meta["choices"]:
-        raise FafoError(f"config key '{name}' must be one of {', '.join(meta['choices'])} (got {value!r})")
+        raise FafoError(f"config key '{name}' must be one of {', '.join(meta['choices'])} (got {_shown(value)})")
     low, high = meta["low"], meta["high"]
     if low is not None and (value < low or (meta["low_open"] and value == low)):
         bound = f"> {low}" if meta["low_open"] else f">= {low}"
         raise FafoError(f"config key '{name}' must be {bound}" + (f" and <= {high}" if high is not None else "")
-                        + f" (got {value})")
+                        + f" (got {_shown(value)})")
     if high is not None and value > high:
-        raise FafoError(f"config key '{name}' must be <= {high} (got {value})")
+        raise FafoError(f"config key '{name}' must be <= {high} (got {_shown(value)})")
     return value
 
 
@@ -417,6 +442,8 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
         problem = getattr(e, "problem", None)
         problem = f": {problem}" if problem and "given twice" in problem else ""
         raise FafoError(f"config file {path} is not valid YAML{where}{problem}") from None
+    except ValueError:  # an integer past Python's limit of digits for text
+        raise FafoError(f"config file {path} holds a number of thousands of digits") from None
     if data is None:
         return base or Config()
     if not isinstance(data, dict):
@@ -452,14 +479,19 @@ def describe(spec) -> str:
     return meta["help"] + (f" [{' | '.join(meta['choices'])}]" if meta["choices"] else "")
 
 
-def default_yaml() -> str:
-    """The documented default config file."""
+def default_yaml(active: bool = True) -> str:
+    """The documented default config file; not `active`: every key commented out (what `fafo config init` writes),
+    so that the file sets nothing until a key is uncommented (a key given in a file is an explicit setting: `fafo
+    serve` takes its max_tokens as every request's limit)."""
     lines = ["# fafo-cli configuration. Command-line flags override these values.",
              f"# Location read when --config is not given: {user_config_path()}", ""]
+    if not active:
+        lines[1:1] = ["# Each key below is commented out at its default: uncomment a key to change it."]
     for spec in fields(Config):
         lines.append(f"# {describe(spec)}")
         value = spec.default if spec.default is not MISSING else None
-        lines.append(yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip())
+        line = yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip()
+        lines.append(line if active else f"# {line}")
     return "\n".join(lines) + "\n"
 
 
@@ -520,6 +552,8 @@ def _command_line_type(spec) -> type:
     if _text_number(spec):  # text: --seed "" empties a config file's value
         return str
     names = {name.strip() for name in spec.type.split("|")} - {"None"}
+    if {"int", "float"} <= names:  # text: "1" is one token (an int), "0.5" a fraction (budget)
+        return str
     return next(kind for kind in (str, float, int, bool) if kind.__name__ in names)
 
 
@@ -590,7 +624,8 @@ def reference_markdown() -> str:
         "## Where values come from", "",
         "Later sources win: **defaults < the user config file, or `--config FILE` instead < flags**. The user config "
         "file is `~/.config/fafo/config.yaml` (`$XDG_CONFIG_HOME/fafo/config.yaml` where that is set; `fafo config "
-        "path` prints it, `fafo config init` writes the defaults there); `--config FILE` is read instead of it. In a "
+        "path` prints it, `fafo config init` writes every key there commented out at its default, to uncomment what "
+        "you change); `--config FILE` is read instead of it. In a "
         "file, a key left empty (`seed:`) clears a key that may be empty. An unknown key or a value outside what "
         "the key allows is an error that names the key. A file's keys are defaults; a flag of `fafo run` or `fafo "
         "chat` (or a field of a `fafo serve` request) that would change nothing is an error: another method's "
@@ -599,7 +634,7 @@ def reference_markdown() -> str:
         "0, 0, or a `seed`, while decoding greedily (a server request may send a seed with temperature 0, as "
         "clients do for repeatable answers); `system` without a chat template. `fafo compile` refuses the "
         "answer's settings (sampling, `max_tokens`, `system`, `chat_template`) and other methods' settings, which "
-        "do not shape the steps it builds.", "",
+        "do not shape the steps it builds, and checks the rest as `fafo run` does.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]
     for command in others:

@@ -40,7 +40,8 @@ WEIGHT_FILES = (("model.safetensors", ".safetensors"), ("pytorch_model.bin", ".b
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
 # "sha256" of its bytes, "also": [{"gguf", "key"}] copies met at other paths}
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# the hub's own rule besides the characters: no "--" or "..", no "." or "-" at the end
+_REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])$")
 
 
 def cache_dir() -> Path:
@@ -74,7 +75,9 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
         elif not _looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
         elif _looks_like_path(spec) or not _REPO_ID.match(spec):
-            raise FafoError(f"no such model file or folder: {spec}")
+            tag = " (fafo names models by hub id, org/name, or by file: there are no name:tag names)" \
+                if re.fullmatch(r"[\w.-]+:[\w.-]+", spec) else ""
+            raise FafoError(f"no such model file or folder: {spec}{tag}")
         else:
             # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows)
             folder = cached_snapshot(spec) or newest_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
@@ -143,8 +146,11 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
                       "sha256": digest}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
-    except SafetensorError as e:  # safetensors' own type for a failed write: a full disk, a quota
-        raise FafoError(f"cannot write the conversion of {path.name} into {target.parent}: {first_line(e)}") from None
+    except (SafetensorError, OSError) as e:  # a full disk, a quota (safetensors' own type for its writes)
+        if isinstance(e, OSError) and e.filename:  # it names the path: the CLI says "cannot use PATH"
+            raise
+        reason = getattr(e, "strerror", None) or first_line(e)
+        raise FafoError(f"cannot write the conversion of {path.name} into {target.parent}: {reason}") from None
     finally:
         release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
     _remove_unreachable_conversions(keep=target)
@@ -609,6 +615,9 @@ def _offline() -> bool:
 
 def _check_architecture(config: dict, where: str) -> None:
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise FafoError(f"{where}: the config's architectures must be a list of class names "
+                        f"(got {json.dumps(architectures)[:60]})")
     if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         return
     if not architectures:  # GGUF metadata names only the model type
@@ -630,6 +639,8 @@ def _check_config(folder: Path, trust_remote_code: bool) -> None:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise FafoError(f"cannot read {config_path}: {e}") from None
+    if not isinstance(config, dict):
+        raise FafoError(f"cannot read {config_path}: not a JSON object of settings")
     if config.get("auto_map") and not trust_remote_code:
         raise FafoError(f"{folder} ships its own Python code; pass --trust-remote-code to allow running it")
     _check_architecture(config, str(folder))

@@ -459,6 +459,24 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     assert yaml.safe_load(text)["max_tokens"] == 99 and not list(tmp_path.glob("*.partial*"))
 
 
+def test_a_config_that_cannot_be_written_is_refused_before_measuring(tiny, tmp_path, monkeypatch, capsys):
+    import os
+    from pathlib import Path
+
+    from fafo_cli import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(cli.hub, "resolve", lambda *a, **k: pytest.fail("the model was looked for"))
+    path = tmp_path / "config.yaml"
+    path.write_text("streams: 2\n")
+    real_access = os.access  # (as root every permission check passes: the check's answer is given)
+    monkeypatch.setattr(os, "access", lambda where, mode, **kw: Path(where) != path and real_access(where, mode, **kw))
+    for argv in (["bench", str(tiny), "--tune"], ["doctor", str(tiny), "--write"]):
+        code = entrypoint([*argv, "--config", str(path)])
+        err = capsys.readouterr().err
+        assert code == 1 and err == f"error: config file {path} is read-only\n", err
+
+
 def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch, capsys):
     """A speedup above τ cannot come from FAFO's steps (each costs at least a plain one): plain decoding was slowed
     by something else, and the sample decides nothing."""
@@ -658,6 +676,9 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
     (tmp_path / "bad.py").write_text("def broken(:\n")
     with pytest.raises(FafoError, match="bad.py is not valid Python"):
         long.user_files([str(tmp_path / "bad.py")])
+    (tmp_path / "nul.py").write_text("x = 1\0\n")  # ValueError before Python 3.12, SyntaxError since
+    with pytest.raises(FafoError, match="nul.py is not valid Python"):
+        long.user_files([str(tmp_path / "nul.py")])
     (tmp_path / "blank.txt").write_text(" \n")
     with pytest.raises(FafoError, match="blank.txt has no text"):  # not the standard library's text in its place
         long.user_files([str(short), str(tmp_path / "blank.txt")])

@@ -184,6 +184,10 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", "Why is the sky blue?"], "prompt file not found: Why is the sky blue? (--prompt names a "
                                                       "file; to give the text itself: echo '...' | fafo run -p -)"),
         (["run", tiny, "-p", tmp_path], "is a folder, not a file"),
+        (["run", tiny, "-p", "word " * 80], "cannot read prompt file word word word word word word word word word "
+                                            "word word word word word word word…: File name too long (--prompt "
+                                            "names a file"),
+        (["run", tiny, "-p", ""], "--prompt needs a file name (or - for standard input)"),
         (["run", tiny, "-p", tmp_path / "binary.txt"], "is not UTF-8 text"),
         (["run", tiny, "-p", tmp_path / "empty.txt"], "the prompt is empty"),
         (["run", tiny, "-p", prompt_file, "-c", tmp_path / "bad.yaml"], "unknown config key 'streams_typo'"),
@@ -213,6 +217,9 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["bench", tiny, "--temperature", "nan"], "Invalid value for '--temperature'"),
         (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
         (["pull", "not a repo id"], "is not a valid model id"),
+        (["pull", "org/name--x"], "is not a valid model id"),  # the hub's rule: no -- or ..
+        (["run", "llama3:8b", "-p", prompt_file], "no such model file or folder: llama3:8b (fafo names models by hub "
+                                                   "id, org/name, or by file: there are no name:tag names)"),
     ]
 
 
@@ -270,7 +277,9 @@ def test_config_commands(capsys, tmp_path, monkeypatch):
     code, reference, _ = run_cli(capsys, "config", "show", "--markdown")
     assert code == 0 and reference.startswith("# Configuration") and "| `draft_tokens` |" in reference
     code, out, _ = run_cli(capsys, "config", "init")
-    assert code == 0 and (tmp_path / "fafo" / "config.yaml").read_text() == shown
+    written = (tmp_path / "fafo" / "config.yaml").read_text()  # the same keys, each commented out at its default
+    assert code == 0 and yaml.safe_load(written) is None and "\n# method: fafo\n" in written
+    assert all(line.startswith("# ") for line in written.splitlines() if line)
     code, _, err = run_cli(capsys, "config", "init")
     assert code == 1 and "already exists" in err
     code, out, _ = run_cli(capsys, "config", "path")
@@ -287,7 +296,7 @@ def test_config_init_force_keeps_the_files_permissions_and_flushes_it(capsys, tm
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     code, out, err = run_cli(capsys, "config", "init", "--force")
-    assert code == 0 and "method: fafo" in path.read_text(), err
+    assert code == 0 and "# method: fafo" in path.read_text(), err
     assert path.stat().st_mode & 0o777 == 0o600
     assert any(".partial" in name for name in synced)  # the new file's data is on disk before the rename
     assert not list(path.parent.glob("*.partial*"))
@@ -300,6 +309,8 @@ def test_bench_outputs_that_cannot_be_written_are_refused_before_the_model_loads
     locked, kept = tmp_path / "locked", tmp_path / "kept.json"
     locked.mkdir()
     kept.write_text("[]\n")
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
     # (as root every permission check passes: the checks' answers are given)
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) not in (locked, kept)
@@ -307,7 +318,8 @@ def test_bench_outputs_that_cannot_be_written_are_refused_before_the_model_loads
     for flags, message in ((["--json", locked / "out.json"], f"--json {locked}/out.json: the folder {locked} is "
                                                               "not writable"),
                            (["--csv", kept], f"--csv {kept} is read-only"),
-                           (["--plot", locked / "chart.png"], f"--plot {locked}/chart.png: the folder")):
+                           (["--plot", locked / "chart.png"], f"--plot {locked}/chart.png: the folder"),
+                           (["--json", loop], f"--json {loop}: cannot follow its link")):
         code, out, err = run_cli(capsys, "bench", "no/such-model", "--suites", "chat", *flags)
         assert code == 1 and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
 
@@ -687,6 +699,8 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
     (["--methods", "vanilla", "--lookup-ngram", "4"], "'lookup_ngram' does not change them"),
     (["--methods", "vanilla", "--method", "suffix"], "drop --method"),
     (["--gpus", "2"], "a model spread over GPUs runs eager steps"),
+    (["--method", "fafo", "-W", "0", "-k", "4"], "'ngram' sets FAFO's lookahead window, which does not run here"),
+    (["--cuda-graphs"], "CUDA graphs are captured at run time: drop --cuda-graphs"),
 ])
 def test_compile_refuses_settings_that_do_not_shape_its_steps(capsys, tiny, flags, message):
     code, out, err = run_cli(capsys, "compile", tiny, *flags)

@@ -24,6 +24,18 @@ def test_default_yaml_is_the_defaults():
     assert set(data) == set(Config().to_dict())
 
 
+def test_the_file_config_init_writes_sets_nothing_until_a_key_is_uncommented(tmp_path):
+    from fafo_cli.bench.tune import write_settings
+
+    text = config_mod.default_yaml(active=False)
+    assert yaml.safe_load(text) is None and "# max_tokens: 512" in text  # (fafo serve: no limit of 512 from it)
+    path = write(tmp_path, text)
+    write_settings(path, {"streams": 3})  # as `bench --tune` and `doctor --write` set what they measured
+    written = path.read_text()
+    assert yaml.safe_load(written) == {"streams": 3} and "\nstreams: 3\n" in written and "# streams:" not in written
+    assert written.index("streams: 3") < written.index("# ngram:")  # in place, under its description
+
+
 def test_file_then_flags(tmp_path):
     path = write(tmp_path, "max_tokens: 99\ntemperature: 0.5\nseed: 3\n")
     config = config_mod.resolve(str(path), temperature=0.9)
@@ -60,6 +72,8 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("budget: 1.5\n", "'budget' must be an integer >= 1"),
     ("budget: 1.0\n", "'budget' 1.0: a fraction of the prompt must be below 1 \\(all of it is compressor: none\\)"),
     ("budget: many\n", "'budget' must be a number of tokens or a fraction"),
+    ("temperature: 1" + "0" * 400 + "\n", "'temperature' must be a number \\(got 1000000000"),
+    ("max_tokens: 1" + "0" * 5000 + "\n", "holds a number of thousands of digits"),
     ("compressor: quest\nbudget: 20\n", "too small for the quest compressor: it needs at least page_size \\+ "
                                          "refresh = 32"),
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
@@ -100,6 +114,14 @@ def test_budget_tokens_or_fraction(tmp_path):
     assert config_mod.load_file(write(tmp_path, "budget: 300.0\n")).budget == 300
     # a fraction is resolved against the prompt, so the token minimum is checked per request
     assert config_mod.load_file(write(tmp_path, "compressor: quest\nbudget: 0.01\n")).budget == 0.01
+
+
+def test_a_budget_flag_reads_tokens_and_fractions():
+    # a flag's text: "1" is one token (not the fraction 1.0, which is refused), "0.25" a quarter of the prompt
+    assert config_mod.resolve(None, budget="1", sink=0, compressor="stream").budget == 1
+    assert config_mod.resolve(None, budget="0.25").budget == 0.25
+    with pytest.raises(FafoError, match="'budget' 1.0: a fraction"):
+        config_mod.resolve(None, budget="1.0")
 
 
 def test_missing_and_unreadable_files(tmp_path):

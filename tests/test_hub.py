@@ -41,6 +41,7 @@ def test_local_folder_resolves_to_itself(tiny):
     ("a/b/c", "no such model file or folder"),
     ("missing.gguf", "no such model file or folder"),
     ("not a valid id!", "no such model file or folder"),
+    ("org..name", "no such model file or folder"),
 ])
 def test_bad_model_arguments(spec, message):
     with pytest.raises(FafoError, match=message):
@@ -100,6 +101,8 @@ def _folder(tmp_path, config: dict, files=("model.safetensors",)) -> Path:
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture GPT2LMHeadModel .*"
                                                                      "supported: LlamaForCausalLM"),
     ({"architectures": ["LlamaForCausalLM"], "auto_map": {"AutoModel": "x.Y"}}, "pass --trust-remote-code"),
+    ({"architectures": "LlamaForCausalLM"}, "the config's architectures must be a list of class names"),
+    ([], "not a JSON object of settings"),
 ])
 def test_folders_that_are_refused(tmp_path, config, message):
     with pytest.raises(FafoError, match=message):
@@ -472,13 +475,17 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
-def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tmp_path):
-    """safetensors reports a full disk as its own error type, not an OSError: still one line, nothing left."""
+@pytest.mark.parametrize("error", ["safetensors", "tokenizer"])
+def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tmp_path, error):
+    """safetensors reports a full disk as its own error type, the tokenizer's and config's writes as an OSError that
+    names no file: either way one line, nothing left."""
     from safetensors import SafetensorError
 
     def full_disk(path, out):
         (out / "config.json").write_text("{}")
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        if error == "safetensors":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(hub, "write_gguf_as_hf", full_disk)
     with pytest.raises(FafoError, match="cannot write the conversion of model.gguf into .*: .*No space left"):

@@ -245,6 +245,10 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     # a neutral value asks for nothing: still the model's default, greedy
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, top_p=1)
     assert neutral.choices[0].message.content == greedy and neutral.model_extra["fafo"]["seed"] is None
+    # what clients send explicitly that asks for nothing (no tools, no biases, plain text)
+    neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, tools=[],
+                                             tool_choice="none", logit_bias={}, response_format={"type": "text"})
+    assert neutral.choices[0].message.content == greedy
     seeded = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, seed=7)  # greedy too
     assert seeded.choices[0].message.content == greedy and seeded.model_extra["fafo"]["seed"] is None
 
@@ -713,6 +717,7 @@ BAD = [
     ("chat", {"messages": [1]}, 400, "messages[0]"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("chat", {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0].role"),  # (was a 500)
     ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0]"),
@@ -729,6 +734,9 @@ BAD = [
     ("chat", {"messages": MESSAGES, "max_tokens": 5000}, 400, "context_length_exceeded"),
     ("chat", {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens"),
     ("chat", {"messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"messages": MESSAGES, "temperature": "hot", "top_p": 0}, 400, "temperature"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("chat", {"messages": MESSAGES, "stop": "<|im_end|>\n"}, 400, None),
     ("chat", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "top_p": -0.5}, 400, "top_p"),
     ("chat", {"messages": MESSAGES, "seed": -5}, 400, "seed"),

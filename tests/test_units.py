@@ -107,6 +107,24 @@ def test_detokenizer_deltas_add_up_even_inside_multibyte_characters():
     assert detok.text == text
 
 
+def test_a_continuation_keeps_the_space_a_sentencepiece_decoder_drops_at_the_start():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"▁The": 0, "▁capital": 1, "▁is": 2, "▁Paris": 3, "[UNK]": 4}, "[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()  # Llama-2, Mistral
+
+    class SentencePieceLike:
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    prompt = backend.encode("The capital is").ids
+    alone = Detokenizer(SentencePieceLike())  # a message's answer: decoded alone, as transformers decodes it
+    assert alone.add([3]) == "Paris"
+    detok = Detokenizer(SentencePieceLike(), prompt[-2:])  # a continuation: after the prompt's last tokens
+    assert detok.add([3]) + detok.add([2]) == " Paris is" and detok.text == " Paris is"
+    assert "The capital is" + detok.text == backend.decode(prompt + [3, 2])
+
+
 def test_stats_say_how_the_decoding_steps_ran():
     from fafo_cli.runtime.events import Stats
 

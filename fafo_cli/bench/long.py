@@ -120,6 +120,8 @@ def user_files(paths: list[str]) -> Material:
                 ast.parse(text)
             except SyntaxError as e:
                 raise FafoError(f"--documents: {given} is not valid Python (line {e.lineno})") from None
+            except ValueError:  # a NUL byte (before Python 3.12, which says SyntaxError)
+                raise FafoError(f"--documents: {given} is not valid Python (it holds a NUL byte)") from None
             code.append((path.name, text))
         else:
             prose.append((path.name, text))

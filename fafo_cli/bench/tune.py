@@ -9,6 +9,7 @@ speedup over the sample) is written into the config file, keeping its comments a
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -99,7 +100,7 @@ def settings_file(path: Path) -> tuple[str, yaml.MappingNode | None]:
     and its top mapping (None: empty); a file that cannot be edited line by line is one FafoError, which the
     commands that measure before they write raise before measuring."""
     try:
-        text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml()
+        text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml(active=False)
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
     config_mod.load_text(text, path)  # a valid config to begin with
@@ -120,7 +121,10 @@ def write_settings(path: Path, values: dict) -> None:
         # (an empty value, `seed:`, is a node of no text right after the colon)
         spans += [(node.start_mark.index, node.end_mark.index,
                    str(value) if node.end_mark.index > node.start_mark.index else f" {value}") for node in nodes]
-        if not nodes:
+        commented = re.search(rf"^# {re.escape(key)}:.*$", text, flags=re.MULTILINE)  # as `config init` writes it
+        if not nodes and commented:
+            spans.append((commented.start(), commented.end(), f"{key}: {value}"))
+        elif not nodes:
             text = (text.rstrip("\n") + "\n" if text.strip() else "") + f"{key}: {value}\n"
     for start, end, new in sorted(spans, reverse=True):
         text = text[:start] + new + text[end:]

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
+CONTEXT_IDS = 5  # the prompt's last tokens, decoded with the answer's first ones (as vLLM's offset)
+
 
 class Detokenizer:
-    def __init__(self, tokenizer):
+    """`context`: the ids before the first one `add` gets (the prompt's last few). Decoded with the first new ones
+    and not returned: a SentencePiece decoder drops the space of the first token of what it decodes ("▁Paris" is
+    "Paris" alone, " Paris" after "is"), and a continuation must keep it."""
+
+    def __init__(self, tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
+        self._context = len(self.ids)
         self._prefix = 0  # start of the window re-decoded for context (spacing depends on the left token)
-        self._read = 0  # ids up to here have been returned as text
+        self._read = len(self.ids)  # ids up to here have been returned as text (or are the context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -31,4 +40,5 @@ class Detokenizer:
 
     @property
     def text(self) -> str:
-        return self._decode(self.ids)
+        """The text of every id added (after the context), as the deltas spell it."""
+        return self._decode(self.ids)[len(self._decode(self.ids[:self._context])):]

@@ -17,7 +17,7 @@ import torch
 
 from .cache import KVCache
 from .conversations import KeptConversation, KeptConversations, shared_prefix
-from .detok import Detokenizer
+from .detok import CONTEXT_IDS, Detokenizer
 from .events import Prefill, Stats, Step
 from .memory import PeakMemory
 from .masks import PrefixMasks, prefix_attention
@@ -47,6 +47,7 @@ class Request:
     config: Any = None  # the request's Config: method-specific settings for the decoder
     stop_strings: tuple[str, ...] = ()  # the answer ends before the first of these in its text
     on_prefill: Callable[[Prefill], None] | None = None  # told after each prefill chunk (a face's progress bar)
+    continues_text: bool = False  # the answer goes on with the prompt's text (no chat template began a message)
 
 
 class CompiledStepRunner(Protocol):
@@ -213,7 +214,8 @@ class Emitter:
         self.session = session
         self._compiled_before = session.compiled_runs
         self.context_left = session.model.max_context - len(request.prompt_ids)
-        self.detok = Detokenizer(tokenizer)
+        # a continuation's first token is decoded after the prompt's last ones (its space kept); a message's is not
+        self.detok = Detokenizer(tokenizer, request.prompt_ids[-CONTEXT_IDS:] if request.continues_text else ())
         self.stops = StopStrings(request.stop_strings) if request.stop_strings else None
         self.memory = PeakMemory(session.model.device)
         self.stats = Stats(prompt_tokens=len(request.prompt_ids), memory_kind=self.memory.kind)

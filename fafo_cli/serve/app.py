@@ -98,6 +98,8 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         return JSONResponse(_model(served, started))
 
     async def health(request: Request) -> Response:
+        if not worker.running:  # (shutting down, or its thread died): what a probe must see to restart it
+            return JSONResponse({"status": "unavailable", "model": served}, status_code=503)
         return JSONResponse({"status": "ok", "model": served, **worker.load})
 
     routes = [Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),

@@ -23,9 +23,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 TEXT = COMMON | {"prompt"}
 # Fields accepted only at the value that asks for nothing (clients often send them explicitly)
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {}, "tools": [],
+           "tool_choice": "none", "response_format": {"type": "text"}}
 # (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
-TEXT_NEUTRAL = {**{key: value for key, value in NEUTRAL.items() if key != "logprobs"}, "echo": False, "best_of": 1}
+TEXT_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1}
 # Config keys a client may not set: they name files on the server's disk
 SERVER_ONLY = {"cacheback_table"}
 PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
@@ -113,6 +114,10 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
     # for repeatable answers, which greedy answers are
     checked = PER_REQUEST & given.keys() - {"seed"}
     if _top_p_zero(given):  # OpenAI's top_p goes down to 0, which keeps only the likeliest token: greedy decoding
+        try:  # a temperature sent beside it is checked all the same
+            engine.request_config(temperature=overrides.get("temperature", 0.0))
+        except FafoError as e:
+            raise ApiError(400, str(e), param="temperature", code="invalid_value") from None
         del overrides["top_p"]
         overrides["temperature"] = 0.0
         checked -= {"top_p", "temperature"}
@@ -227,7 +232,7 @@ def _message(message: Any, where: str) -> dict:
         raise ApiError(400, f"unsupported field '{where}.{unknown[0]}'", param=f"{where}.{unknown[0]}",
                        code="unsupported_parameter")
     role = given.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)} (got {json.dumps(role)})",
                        param=f"{where}.role", code="invalid_value")
     return {"role": ROLES[role], "content": _content(given.get("content"), f"{where}.content")}

@@ -138,6 +138,8 @@ class Worker:
                 ticket = self._running = self._waiting.popleft()
             try:
                 self._run(ticket)
+            except Exception as e:  # noqa: BLE001 - outside _run's own handling (its log lines): the engine serves on
+                log.error("%s failed after its answer: %s: %s", ticket.id, type(e).__name__, e)
             finally:
                 with self._lock:
                     self._running = None
