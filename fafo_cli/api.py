@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 from dataclasses import replace
@@ -116,7 +117,8 @@ class Engine:
         elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
                                             notify=notify or _print_notice, gguf=hub.gguf_source(folder),
-                                            serves=engine.steps_serve)
+                                            serves=engine.steps_serve,
+                                            builder=engine.build_elsewhere if device.type == "cpu" else None)
             engine.session.compiled = engine.compiled
             engine.compiled.install_packed()
         if config.draft_model is not None and (config.method == "triforce" if load_draft is None else load_draft):
@@ -151,6 +153,30 @@ class Engine:
     def steps_serve(self) -> dict:
         """What `steps_folder` serves (compiled.steps.claim_steps_folder): this model folder, dtype and device kind."""
         return {"model": str(self.folder.resolve()), "dtype": str(self.model.dtype), "device": self.model.device.type}
+
+    def build_elsewhere(self, rows: int, package: Path) -> None:
+        """CompiledSteps' builder: the `rows`-row package built at `package` by a process of its own
+        (build_process.py), which loads this model again; CompileError with that process's last line if it fails."""
+        import subprocess
+
+        from .compiled.build import CompileError
+
+        job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
+               "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
+               "trust_remote_code": self.config.trust_remote_code}
+        cache = self.steps_folder.parent.parent  # (the cache this engine was loaded with, whatever it is now)
+        process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, errors="replace", env={**os.environ, "FAFO_CACHE": str(cache)})
+        try:
+            _, said = process.communicate()
+        finally:  # (Ctrl-C reaches it too; whatever else stopped this one, it must not go on alone)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if process.returncode != 0:
+            lines = [line for line in said.splitlines() if line.strip()]
+            raise CompileError(lines[-1] if lines else f"the building process ended with code {process.returncode}")
 
     @property
     def name(self) -> str:

@@ -70,6 +70,19 @@ def test_second_load_reads_the_packages(compiled_cache, compiled_engine, tiny):
     assert result.token_ids == hf_greedy(tiny, engine.encode(SHORT), TOKENS)
 
 
+def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny, tmp_path):
+    """Builds run in a process of their own (torch's compiler and its caches stay out of a chat's or server's
+    process); what stops one is its last line, and nothing is left half-written."""
+    from fafo_cli.compiled.build import CompileError
+
+    engine = load(str(tiny), dtype="float32", compile="on")
+    assert engine.compiled.builder == engine.build_elsewhere  # (the other tests' packages are built so)
+    engine.__dict__["steps_folder"] = tmp_path / "elsewhere"  # not the folder that process finds for this model
+    with pytest.raises(CompileError, match="^the model in .* loaded again is not the one whose steps are built$"):
+        engine.build_elsewhere(1, tmp_path / "rows1.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_cache, tiny):
     compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")
     record = compiled_engine.compiled.folder / "rows1.json"  # (the session's cache holds other models' and dtypes')
@@ -211,6 +224,7 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_m
     folder = tiny_models["qwen2-bias"]  # no package of it is built elsewhere: inductor compiles its graph afresh
     notices: list[str] = []
     engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    engine.compiled.builder = None  # built in this process, whose inductor the patch below reaches
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # inductor's own patch: undone cleanly after
         result = engine.complete(SHORT, max_tokens=32, method="vanilla")
     assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 32)
@@ -655,6 +669,7 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     monkeypatch.setattr(steps, "build", build)  # where CompiledSteps looks it up
     notices: list[str] = []
     engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)
+    engine.compiled.builder = None  # built in this process, where the stand-in above answers
     model = engine.model
     modules = engine.compiled.packed_modules()
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
@@ -694,10 +709,14 @@ def test_auto_prepares_packed_weights_once_and_builds_no_package(compiled_cache,
     if torch.ops.fafo.packed_kernel() == "plain":
         pytest.skip("this CPU lacks AVX512-BF16: its steps keep dense weights")
 
+    from fafo_cli.api import Engine
+
     def build(*args, **kwargs):
         raise AssertionError("compile: auto built a package")
 
     monkeypatch.setattr(steps, "build", build)
+    monkeypatch.setattr(steps.CompiledSteps, "build_here", build)  # (a builder process would call that)
+    monkeypatch.setattr(Engine, "build_elsewhere", build)
     notices: list[str] = []
     first = load(str(smollm2), dtype="bfloat16", compile="auto", notify=notices.append)
     kept = first.compiled.folder / steps.PACKED_FILE

@@ -94,10 +94,15 @@ class CompiledSteps(OnceNotices):
     """
 
     def __init__(self, model: Model, folder: Path, *, mode: str, notify: Callable[[str], None],
-                 gguf: Path | None = None, serves: dict | None = None):
+                 gguf: Path | None = None, serves: dict | None = None,
+                 builder: Callable[[int, Path], None] | None = None):
         self.model, self.folder, self.mode, self.notify = model, folder, mode, notify
         self.record = serves or {}  # what the folder serves (claim_steps_folder): Engine.steps_serve
         self.gguf = gguf  # the .gguf file the model came from: its blocks serve the projections (packed.py)
+        # builder(rows, package): builds a package in a process of its own (api.build_elsewhere), which loads the
+        # model again and reads the packed blocks kept here; None: build_here. A build leaves torch's compiler and
+        # its caches in the process (about half a GB, docs/benchmarks.md), for the life of a chat or a server.
+        self.builder = builder
         self._packed: dict | None = None
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
@@ -256,7 +261,10 @@ class CompiledSteps(OnceNotices):
         started = time.perf_counter()
         try:
             self._claim_folder()
-            build(self.model, rows, package, self.packed_modules(), shared_constants=self.constants() is not None)
+            if self.builder is not None and (self.packed_modules() == {} or (self.folder / PACKED_FILE).is_file()):
+                self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
+            else:
+                self.build_here(rows, package)
             runner = load_package(package, self.constants())
             timing = measure(self.model, runner, rows)
             timing.build_s = time.perf_counter() - started
@@ -271,6 +279,10 @@ class CompiledSteps(OnceNotices):
         with contextlib.suppress(OSError):  # (a folder that takes no more is told when the timings are written)
             write_step_costs(self.folder, {"compiled": {}})
         return runner
+
+    def build_here(self, rows: int, package: Path) -> None:
+        """The `rows`-row package built at `package` in this process (build.build); CompileError on failure."""
+        build(self.model, rows, package, self.packed_modules(), shared_constants=self.constants() is not None)
 
     def _build_estimate(self) -> str:
         """How long a build takes here: as the builds recorded beside this model's packages took."""
