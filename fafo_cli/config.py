@@ -88,7 +88,8 @@ def _budget(value: Any) -> int | float:
         value = int(value)
     if isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1:
         return value
-    raise FafoError(f"config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) (got {_shown(value)})")
+    raise FafoError("config key 'budget' must be an integer >= 1 (tokens) or a fraction in (0, 1) "
+                    f"(got {_shown(value)})")
 
 
 def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
