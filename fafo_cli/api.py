@@ -164,10 +164,13 @@ class Engine:
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
                "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
                "trust_remote_code": self.config.trust_remote_code}
-        cache = self.steps_folder.parent.parent  # (the cache this engine was loaded with, whatever it is now)
+        # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path
+        env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
+                                                           os.environ.get("PYTHONPATH")]))}
         process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True, errors="replace", env={**os.environ, "FAFO_CACHE": str(cache)})
+                                   text=True, errors="replace", env=env)
         try:
             _, said = process.communicate()
         finally:  # (Ctrl-C reaches it too; whatever else stopped this one, it must not go on alone)

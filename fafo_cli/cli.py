@@ -183,7 +183,7 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path} is a folder, not a file")
     if target.is_symlink():  # the link's file is written (files.atomic_path)
         try:
-            target = target.resolve(strict=False)
+            target = target.resolve()
         except (OSError, RuntimeError) as e:  # (RuntimeError: a loop of links, before Python 3.13)
             raise FafoError(f"{flag} {path}: cannot follow its link ({getattr(e, 'strerror', None) or 'a loop'})") \
                 from None

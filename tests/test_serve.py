@@ -696,6 +696,22 @@ def test_cors_only_for_the_given_origin(served, guarded):
         assert off.status_code == 200 and "access-control-allow-origin" not in off.headers
 
 
+def test_health_says_unavailable_once_the_engine_has_stopped(tiny):
+    from starlette.testclient import TestClient
+
+    from fafo_cli.serve.app import create_app
+    from fafo_cli.serve.worker import Worker
+
+    engine = load(str(tiny), dtype="float32")
+    worker = Worker(engine, max_waiting=4)
+    with TestClient(create_app(engine, worker, max_body=1 << 20, loopback=False)) as http:
+        assert http.get("/health").status_code == 200
+        worker.close()
+        worker.join(10)
+        answer = http.get("/health")
+        assert answer.status_code == 503 and answer.json() == {"status": "unavailable", "model": engine.name}
+
+
 def test_models_and_health(served):
     with httpx.Client(base_url=served.url, timeout=30) as http:
         models = http.get("/models").json()
