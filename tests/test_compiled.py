@@ -83,6 +83,26 @@ def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_process_that_runs_for_weeks_dates_its_steps_folder_once_a_day(compiled_engine):
+    """A folder no run has used for a week is swept by another version's first build; a server that has run its
+    steps for longer than that dates it again, once a day, not at every step."""
+    import os
+    import time
+
+    from fafo_cli.compiled.steps import CLAIM_EVERY_S, STALE_STEPS_S, STEPS_RECORD
+
+    compiled = compiled_engine.compiled
+    compiled_engine.complete(SHORT, max_tokens=4, method="vanilla")  # its package built or loaded
+    record = compiled.folder / STEPS_RECORD
+    old = time.time() - STALE_STEPS_S - 60
+    os.utime(record, (old, old))
+    compiled_engine.complete(SHORT, max_tokens=4, method="vanilla")
+    assert record.stat().st_mtime < time.time() - STALE_STEPS_S  # dated when it was found, not at each step
+    compiled._claimed_at -= CLAIM_EVERY_S  # a day later
+    compiled_engine.complete(SHORT, max_tokens=4, method="vanilla")
+    assert time.time() - record.stat().st_mtime < 60
+
+
 def test_auto_uses_only_packages_that_measured_faster(compiled_engine, compiled_cache, tiny):
     compiled_engine.complete(SHORT, max_tokens=8, method="vanilla")
     record = compiled_engine.compiled.folder / "rows1.json"  # (the session's cache holds other models' and dtypes')

@@ -37,6 +37,7 @@ COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: 
 
 STEPS_RECORD = "serves.json"  # in a compiled-steps folder: the model, dtype and device it serves; its time: last use
 STALE_STEPS_S = 7 * 24 * 3600
+CLAIM_EVERY_S = 24 * 3600  # a process that runs for weeks (a server) dates its folder's use this often
 
 
 def claim_steps_folder(folder: Path, serves: dict) -> None:
@@ -115,12 +116,15 @@ class CompiledSteps(OnceNotices):
         self.calls, self.seconds = 0, 0.0  # steps run compiled and their time inside the package (diagnostics)
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
+        self._claimed_at = float("-inf")
         if folder.is_dir():
             self._claim_folder()  # dated as in use
 
     def _claim_folder(self) -> None:
-        """Before writing into this model's folder (and once per run that finds it): claim_steps_folder."""
+        """Before writing into this model's folder (and once per run that finds it, and each CLAIM_EVERY_S while
+        steps run): claim_steps_folder."""
         claim_steps_folder(self.folder, self.record)
+        self._claimed_at = time.monotonic()
 
     def packed_modules(self) -> dict:
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
@@ -347,4 +351,6 @@ class CompiledSteps(OnceNotices):
         self.calls += 1
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         self.seconds += time.perf_counter() - started
+        if time.monotonic() - self._claimed_at > CLAIM_EVERY_S:  # (another version's first build would sweep it)
+            self._claim_folder()
         return logits[:rows]
