@@ -327,17 +327,21 @@ def serve(
     queue: Annotated[int, typer.Option(help="Requests that may wait while one runs; beyond, 503.", min=0)] = 32,
     conversations: Annotated[int, typer.Option(help="Earlier conversations whose KV caches are kept, so clients "
                                                "taking turns prefill only their new tokens.", min=0)] = 4,
-    conversations_mb: Annotated[float, typer.Option(help="Most memory those caches take, in MB.", min=0,
-                                                    callback=_finite)] = 1024,
+    conversations_mb: Annotated[Optional[float], typer.Option(help="Most memory those caches take, in MB "
+                                                              "(default: 1024).", min=0, callback=_finite,
+                                                              show_default=False)] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each request's settings and every HTTP "
                                           "request too.")] = False,
 ) -> None:
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from .serve import server
 
+    if conversations == 0 and conversations_mb is not None:
+        raise FafoError("--conversations-mb bounds the kept conversations' caches, and --conversations 0 keeps none")
     settings = config_mod.resolve(config, **flags)
-    options = server.Options(api_key or None, tuple(cors or ()), queue, conversations, conversations_mb,
-                             verbose, server.default_max_tokens(settings, config, flags))
+    options = server.Options(api_key or None, tuple(cors or ()), queue, conversations,
+                             1024 if conversations_mb is None else conversations_mb, verbose,
+                             server.default_max_tokens(settings, config, flags))
     sock = server.bind(host, port)  # before the model loads: a taken port fails at once
     try:
         if options.api_key is None and not server.is_loopback(sock):
@@ -507,8 +511,9 @@ def doctor(
                                                       "(rows 1-256, eager and CUDA graphs, bf16) against the "
                                                       "memory-bandwidth bound; write them to FILE (JSON). CUDA "
                                                       "only.")] = None,
-    gpu_shape: Annotated[str, typer.Option("--gpu-shape", hidden=True, help="The report's model shape: 7b, 135m "
-                                           "(SmolLM2-135M's) or tiny (tests; runs on a CPU too).")] = "7b",
+    gpu_shape: Annotated[Optional[str], typer.Option("--gpu-shape", hidden=True, help="The report's model shape: "
+                                                     "7b (default), 135m (SmolLM2-135M's) or tiny (tests; runs on a "
+                                                     "CPU too).")] = None,
 ) -> None:
     """Check this machine: device and kernels, FAFO's exactness in float32, one pass's cost, recommended settings."""
     from .api import pick_device
@@ -516,6 +521,9 @@ def doctor(
     from .bench import gpu_report as gpu_mod
     from .ui import consoles
 
+    if gpu_shape is not None and gpu_report is None:
+        raise FafoError("--gpu-shape sets the shape of --gpu-report's model: add --gpu-report FILE")
+    gpu_shape = gpu_shape or "7b"
     settings = config_mod.resolve(config, **flags)
     device = pick_device(settings.device)
     report_path = None

@@ -218,6 +218,8 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["pull", "nobody/nothing"], "not in the local cache and HF_HUB_OFFLINE is set"),
         (["pull", "not a repo id"], "is not a valid model id"),
         (["pull", "org/name--x"], "is not a valid model id"),  # the hub's rule: no -- or ..
+        (["serve", tiny, "--conversations", "0", "--conversations-mb", "10"], "--conversations 0 keeps none"),
+        (["doctor", tiny, "--gpu-shape", "tiny"], "--gpu-shape sets the shape of --gpu-report's model"),
         (["run", "llama3:8b", "-p", prompt_file], "no such model file or folder: llama3:8b (fafo names models by hub "
                                                    "id, org/name, or by file: there are no name:tag names)"),
     ]
