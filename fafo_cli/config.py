@@ -427,7 +427,9 @@ def load_file(path: Path, base: Config | None = None) -> Config:
         if path.is_symlink():  # a link to nothing (a dotfiles link not yet set up) is not "no file"
             raise FafoError(f"cannot read config file {path}: it links to {os.readlink(path)}, which does not "
                             "exist") from None
-        raise FafoError(f"config file not found: {path}") from None
+        # (llama.cpp's -c is the context length)
+        hint = " (-c is --config, a YAML file; the context is the model's own)" if path.name.isdigit() else ""
+        raise FafoError(f"config file not found: {path}{hint}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
     return load_text(text, path, base)

@@ -193,6 +193,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tiny, "-p", prompt_file, "-c", tmp_path / "bad.yaml"], "unknown config key 'streams_typo'"),
         (["run", tiny, "-p", prompt_file, "-c", tmp_path / "nope.yaml"], "config file not found"),
         (["run", tiny, "-p", prompt_file, "-c", ""], "--config needs a file name"),
+        (["run", tiny, "-p", prompt_file, "-c", "4096"], "config file not found: 4096 (-c is --config, a YAML file"),
         (["run", tiny, "-p", prompt_file, "--top-p", "2"], "'top_p' must be <= 1.0"),
         (["run", tiny, "-p", prompt_file, "-n", "0"], "'max_tokens' must be >= 1"),
         (["run", tiny, "-p", prompt_file, "--temperature", "warm"], "'temperature' must be a number, or empty"),
