@@ -137,8 +137,8 @@ class Config:
                              low=0, nullable=True)
     min_p: float | None = _opt(None, "drop tokens less likely than min_p times the likeliest (0 = off; empty: "
                                      "the model's default)", low=0.0, high=1.0, nullable=True)
-    seed: int | None = _opt(None, "random seed for sampling (empty: a fresh one per answer, which `fafo run "
-                                 "--json` and the server's answers report)",
+    seed: int | None = _opt(None, "random seed for sampling (empty, or -1 as in llama.cpp and ollama: a fresh one per "
+                                 "answer, which `fafo run --json` and the server's answers report)",
                             nullable=True, low=0, high=2**64 - 1)  # (runtime/sampling.Draws keys on 64 bits)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
@@ -262,6 +262,8 @@ def _check(name: str, value: Any, spec) -> Any:
         if meta["nullable"]:
             return None
         raise FafoError(f"config key '{name}' must not be empty")
+    if name == "seed" and type(value) is int and value == -1:  # llama.cpp's and ollama's "random": as empty
+        return None
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
     if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
         value = float(value)  # YAML 1.1 reads 1e-3 as text

@@ -116,6 +116,13 @@ def test_budget_tokens_or_fraction(tmp_path):
     assert config_mod.load_file(write(tmp_path, "compressor: quest\nbudget: 0.01\n")).budget == 0.01
 
 
+def test_a_seed_of_minus_one_is_a_fresh_one_as_in_llama_cpp(tmp_path):
+    assert config_mod.load_file(write(tmp_path, "seed: -1\n"), Config(seed=5)).seed is None
+    assert config_mod.resolve(None, seed=-1).seed is None  # (`--seed -1`: its text read as -1 first)
+    with pytest.raises(FafoError, match="'seed' must be >= 0"):
+        config_mod.resolve(None, seed=-2)
+
+
 def test_a_budget_flag_reads_tokens_and_fractions():
     # a flag's text: "1" is one token (not the fraction 1.0, which is refused), "0.25" a quarter of the prompt
     assert config_mod.resolve(None, budget="1", sink=0, compressor="stream").budget == 1

@@ -245,6 +245,8 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     # a neutral value asks for nothing: still the model's default, greedy
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, top_p=1)
     assert neutral.choices[0].message.content == greedy and neutral.model_extra["fafo"]["seed"] is None
+    fresh = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=1.0, seed=-1)
+    assert isinstance(fresh.model_extra["fafo"]["seed"], int)  # -1: a fresh seed, as SillyTavern means it
     # what clients send explicitly that asks for nothing (no tools, no biases, plain text)
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, tools=[],
                                              tool_choice="none", logit_bias={}, response_format={"type": "text"})
