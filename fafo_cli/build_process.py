@@ -12,23 +12,19 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     from . import config as config_mod
-    from . import hub
     from .api import Engine
     from .compiled.build import CompileError
-    from .compiled.steps import CompiledSteps
     from .errors import FafoError, first_line
 
     job = json.loads((sys.argv[1:] if argv is None else argv)[0])
     try:
-        config = config_mod.build(model=job["model"], dtype=job["dtype"], device=job["device"], compile="off",
+        # loaded as the asking process loaded it: its packed blocks installed, its dense matrices freed
+        config = config_mod.build(model=job["model"], dtype=job["dtype"], device=job["device"], compile="on",
                                   allow_pickle=job["allow_pickle"], trust_remote_code=job["trust_remote_code"])
         engine = Engine.from_config(config, notify=lambda line: None, load_draft=False)
         if engine.steps_folder != Path(job["folder"]):  # another model or version answers to that name now
             raise FafoError(f"the model in {job['model']} loaded again is not the one whose steps are built")
-        steps = CompiledSteps(engine.model, engine.steps_folder, mode="on", notify=lambda line: None,
-                              gguf=hub.gguf_source(engine.folder), serves=engine.steps_serve)
-        steps.install_packed()  # as the asking process runs it (its dense matrices freed)
-        steps.build_here(job["rows"], Path(job["package"]))
+        engine.compiled.build_here(job["rows"], Path(job["package"]))
     except KeyboardInterrupt:
         return 130
     except (FafoError, CompileError) as error:

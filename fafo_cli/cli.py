@@ -22,7 +22,7 @@ from rich.markup import escape
 from . import __version__
 from . import config as config_mod
 from . import hub
-from .errors import FafoError, first_line, is_out_of_memory, unhandled_interrupts
+from .errors import FafoError, first_line, is_out_of_memory, shortened, unhandled_interrupts
 from .files import write_atomic
 
 
@@ -132,7 +132,7 @@ def _read_prompt(source: str) -> str:
     else:
         if not source.strip():
             raise FafoError("--prompt needs a file name (or - for standard input)")
-        shown = _shown(source)
+        shown = shortened(source, 80)
         # llama.cpp's -p and mlx-lm's --prompt take the text itself
         hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
                 if len(source.split()) > 1 or len(source) > 255 else "")
@@ -151,12 +151,6 @@ def _read_prompt(source: str) -> str:
     if not text.strip():
         raise FafoError("the prompt is empty")
     return text
-
-
-def _shown(text: str, most: int = 80) -> str:
-    """A user's value cut for a one-line message: its first line, at most `most` characters."""
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= most and line == text.strip() else line[:most].rstrip() + "…"
 
 
 def _finite(value: float | None) -> float | None:

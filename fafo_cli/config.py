@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .errors import FafoError
+from .errors import FafoError, shortened
 
 METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
@@ -58,13 +58,12 @@ def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=Fals
                                                 switch=switch, argument=argument, also=also))
 
 
-def _shown(value: Any, most: int = 40) -> str:
-    """A value for a one-line message: its repr, cut (a number of thousands of digits too)."""
+def _shown(value: Any) -> str:
+    """A value for a one-line message: its repr, shortened (a number of thousands of digits too)."""
     try:
-        text = repr(value)
+        return shortened(repr(value), 40)
     except ValueError:  # an integer past Python's limit of digits for text
         return "a number of thousands of digits"
-    return text if len(text) <= most else text[:most] + "…"
 
 
 def _finite_number(value: Any) -> bool:

@@ -36,3 +36,11 @@ def first_line(what: BaseException | str, *, named: bool = False) -> str:
     if isinstance(what, BaseException) and (named or not line):
         line = f"{type(what).__name__}: {line}" if line else type(what).__name__
     return line[:300]
+
+
+def shortened(text: str, most: int) -> str:
+    """A user's text for a one-line message: its first line, at most `most` characters, with "…" where any of it
+    was cut (a prompt given as text, a value of thousands of digits)."""
+    text = text.strip()
+    line = text.splitlines()[0] if text else ""
+    return line if line == text and len(line) <= most else line[:most].rstrip() + "…"

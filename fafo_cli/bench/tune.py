@@ -118,13 +118,12 @@ def write_settings(path: Path, values: dict) -> None:
     spans = []  # (start, end, new text), replaced from the end so that earlier offsets hold
     for key, value in values.items():
         nodes = [node for key_node, node in (root.value if root else ()) if key_node.value == key]
-        # (an empty value, `seed:`, is a node of no text right after the colon)
-        spans += [(node.start_mark.index, node.end_mark.index,
-                   str(value) if node.end_mark.index > node.start_mark.index else f" {value}") for node in nodes]
-        commented = re.search(rf"^# {re.escape(key)}:.*$", text, flags=re.MULTILINE)  # as `config init` writes it
-        if not nodes and commented:
+        if nodes:  # (an empty value, `seed:`, is a node of no text right after the colon)
+            spans += [(node.start_mark.index, node.end_mark.index,
+                       str(value) if node.end_mark.index > node.start_mark.index else f" {value}") for node in nodes]
+        elif commented := re.search(rf"^# {re.escape(key)}:.*$", text, flags=re.MULTILINE):  # as `config init` has it
             spans.append((commented.start(), commented.end(), f"{key}: {value}"))
-        elif not nodes:
+        else:
             text = (text.rstrip("\n") + "\n" if text.strip() else "") + f"{key}: {value}\n"
     for start, end, new in sorted(spans, reverse=True):
         text = text[:start] + new + text[end:]

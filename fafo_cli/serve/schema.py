@@ -23,10 +23,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 TEXT = COMMON | {"prompt"}
 # Fields accepted only at the value that asks for nothing (clients often send them explicitly)
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {}, "tools": [],
-           "tool_choice": "none", "response_format": {"type": "text"}}
+COMMON_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+NEUTRAL = {**COMMON_NEUTRAL, "logprobs": False, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
 # (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
-TEXT_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1}
+TEXT_NEUTRAL = {**COMMON_NEUTRAL, "echo": False, "best_of": 1}
 # Config keys a client may not set: they name files on the server's disk
 SERVER_ONLY = {"cacheback_table"}
 PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
