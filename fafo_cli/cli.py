@@ -633,13 +633,31 @@ def list_models(
     if not models:
         out.print("No cached models. `fafo pull ORG/NAME` downloads one; `fafo run` prepares the embedded default.")
         return
-    # "on disk": a converted .gguf is held dequantized (float32, and the dtypes run), several times the file
+    # "on disk": with its compiled steps; a converted .gguf is held dequantized (float32, and the dtypes run),
+    # several times the file
     table = Table("name", "quantization", "on disk", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
-        size = f"{m.size_bytes / 1e6:,.0f} MB" if m.size_bytes >= 0.5e6 else "<1 MB"
-        table.add_row(m.name, m.quantization or "—", size, m.modified.strftime("%Y-%m-%d %H:%M"), str(m.path))
+        table.add_row(m.name, m.quantization or "—", _megabytes(m.size_bytes), m.modified.strftime("%Y-%m-%d %H:%M"),
+                      str(m.path))
     out.print(table)
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:,.0f} MB" if size >= 0.5e6 else "<1 MB"
+
+
+@app.command("rm")
+def remove_models(
+    models: Annotated[list[str], typer.Argument(
+        help="Names as `fafo list` shows them, hub ids, or .gguf files (their conversion is removed, not the file).",
+        show_default=False)],
+) -> None:
+    """Remove models from the caches with their compiled steps: converted .gguf models, hub downloads."""
+    found = [hub.removable(spec) for spec in models]  # every name checked before anything is removed
+    for model in dict.fromkeys(m for copies in found for m in copies):  # (a model named twice: removed once)
+        hub.remove(model)
+        print(f"removed {model.name} ({_megabytes(model.size_bytes)}): {model.path}")
 
 
 @config_app.command("show")

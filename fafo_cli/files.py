@@ -136,13 +136,16 @@ def _new_dir(parent: Path, prefix: str) -> Path:
             continue
 
 
+PARTIAL_DIR = re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+")  # publish_dir's staging, remove_dir's leftovers
+
+
 @contextmanager
 def publish_dir(target: Path, done: str) -> Iterator[Path]:
     """A staging folder (`.partial-*`, beside `target`) to fill; when the block ends without an exception it is
     renamed to `target`, which so appears complete or not at all. Where another process published `target` first
     (its file `done` is there) that copy is kept. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(target.parent, re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+"))
+    _sweep(target.parent, PARTIAL_DIR)
     staging = _new_dir(target.parent, f".partial-{os.getpid()}-")
     _made.add(os.path.abspath(staging))
     try:
@@ -155,6 +158,20 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         _made.discard(os.path.abspath(staging))
+
+
+def remove_dir(path: Path) -> None:
+    """Remove the folder `path` so that no reader sees part of it: renamed to a partial name first (one rename),
+    then deleted; if this process is cut off meanwhile, the next publish_dir or remove_dir beside it finishes the
+    job. FileNotFoundError where it is gone already (another process removed it)."""
+    _sweep(path.parent, PARTIAL_DIR)
+    doomed = path.with_name(f".partial-{os.getpid()}-{secrets.token_hex(4)}")
+    _made.add(os.path.abspath(doomed))
+    try:
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    finally:
+        _made.discard(os.path.abspath(doomed))
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -18,14 +18,15 @@ import os
 import re
 import shutil
 import sys
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import FafoError, first_line
-from .files import publish_dir, write_atomic
+from .files import publish_dir, remove_dir, write_atomic
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
@@ -255,9 +256,8 @@ def _remove_unreachable_conversions(keep: Path) -> None:
         sources = _sources(folder, source_record(folder))
         if not sources or any(_leads_to(Path(source), key) for source, key in sources):
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        for steps in (cache_dir() / "compiled").glob(compiled_steps_folder(folder, "*").name):
-            shutil.rmtree(steps, ignore_errors=True)
+        with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
+            _remove_with_steps(folder)
 
 
 def _leads_to(path: Path, key: str) -> bool:
@@ -273,6 +273,20 @@ def compiled_steps_folder(folder: Path, identity: str) -> Path:
     api._compiled_folder) or, as "*", a pattern for all of them."""
     name = glob.escape(folder.name) if identity == "*" else folder.name
     return cache_dir() / "compiled" / f"{name}-{identity}"
+
+
+def compiled_steps_of(folder: Path) -> list[Path]:
+    """Every compiled-steps folder of the model in `folder`, whatever its identity (dtype, device, versions)."""
+    pattern = compiled_steps_folder(folder, "*")
+    length = len(pattern.name) + 15  # "*" stands for a 16-digit identity: not another model's name that begins so
+    return [steps for steps in pattern.parent.glob(pattern.name) if len(steps.name) == length and steps.is_dir()]
+
+
+def _remove_with_steps(folder: Path) -> None:
+    """Remove a converted model's folder and its compiled steps, each whole or not at all (files.remove_dir)."""
+    for path in [folder, *compiled_steps_of(folder)]:
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile by another process
+            remove_dir(path)
 
 
 def weights_in(folder: Path, dtype: str) -> Path:
@@ -675,7 +689,16 @@ class CachedModel:
 
 
 def _folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    size = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):  # removed meanwhile (another process's clean-up)
+            size += path.stat().st_size if path.is_file() else 0
+    return size
+
+
+def _steps_size(folders: Iterable[Path]) -> int:
+    """The disk the compiled steps of the models in `folders` take."""
+    return sum(_folder_size(steps) for folder in folders for steps in compiled_steps_of(folder))
 
 
 def cached_models() -> list[CachedModel]:
@@ -692,12 +715,54 @@ def cached_models() -> list[CachedModel]:
         latest = _newest_whole(repo)
         if latest is None:
             continue
-        found.append(CachedModel(repo.repo_id, repo.size_on_disk,
+        snapshots = [revision.snapshot_path for revision in repo.revisions]
+        found.append(CachedModel(repo.repo_id, repo.size_on_disk + _steps_size(snapshots),
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc),
                                  latest, "hub", stored_precision(latest)))
     for folder, name, converted in _conversions():
-        found.append(CachedModel(name, _folder_size(folder), converted, folder, "gguf", converted_quantization(folder)))
+        found.append(CachedModel(name, _folder_size(folder) + _steps_size([folder]), converted, folder, "gguf",
+                                 converted_quantization(folder)))
     return sorted(found, key=lambda m: m.name.lower())
+
+
+def removable(spec: str) -> list[CachedModel]:
+    """What `fafo rm SPEC` removes, found without converting or downloading anything: the models `fafo list` shows
+    under that name (each conversion of that name; a hub model with every revision cached), or the conversion of a
+    .gguf file (never the file) or the one in a folder of fafo's cache."""
+    models, path = cached_models(), Path(spec).expanduser()
+    if not _looks_like_path(spec) and not path.is_file():  # a name (or a folder here of that name)
+        named = [m for m in models if m.name == spec] or [m for m in models if m.name.casefold() == spec.casefold()]
+        if named:
+            return named
+        if not path.is_dir():
+            raise FafoError(f"no model named {spec} offline (`fafo list` shows them)")
+    if path.is_file():
+        key = _conversion_key(path)
+        found = [m for m in models if m.source == "gguf" and any(known == key for _, known in
+                                                                   _sources(m.path, source_record(m.path)))]
+    else:
+        found = [m for m in models if path.exists() and m.path.resolve() == path.resolve()]
+    if not found:
+        raise FafoError(f"{spec} has no copy in fafo's or the Hugging Face cache to remove (`fafo list` shows them)")
+    return found
+
+
+def remove(model: CachedModel) -> None:
+    """Remove a model `fafo list` shows, with its compiled steps: a conversion (the .gguf file stays), or a hub
+    model's every cached revision (huggingface_hub's own deletion, which keeps its cache consistent)."""
+    if model.source == "gguf":
+        _remove_with_steps(model.path)
+        return
+    from huggingface_hub import constants, scan_cache_dir
+
+    cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    for repo in cache.repos:
+        if repo.repo_id == model.name and repo.repo_type == "model":
+            for revision in repo.revisions:
+                for steps in compiled_steps_of(revision.snapshot_path):
+                    with contextlib.suppress(FileNotFoundError):
+                        remove_dir(steps)
+            cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
 
 
 def newest_snapshot(repo_id: str) -> Path | None:

@@ -501,7 +501,7 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
 
     def convert(path: Path) -> Path:
         folder = hub.convert_gguf(path)
-        (compiled / f"{folder.name}-0123abcd").mkdir(parents=True)  # its compiled steps
+        (compiled / f"{folder.name}-0123456789abcdef").mkdir(parents=True)  # its compiled steps
         return folder
 
     first, second, third = (_gguf_header(tmp_path / f"{name}.gguf", "llama", **Q4_1_MODEL) for name in "abc")
@@ -845,3 +845,74 @@ def test_a_new_compiled_steps_folder_clears_the_stale_ones_of_its_model(caches):
     assert not stale.exists() and not legacy.exists()
     assert recent.is_dir() and other_dtype.is_dir() and other_model.is_dir() and used.is_dir() and namesake.is_dir()
     assert json.loads((unrecorded / STEPS_RECORD).read_text()) == serves and (unrecorded / "rows1.pt2").is_file()
+
+
+def _steps_of(folder: Path, identity: str = "0123456789abcdef") -> Path:
+    steps = hub.compiled_steps_folder(folder, identity)
+    steps.mkdir(parents=True)
+    (steps / "rows1.pt2").write_bytes(b"x" * 1000)
+    return steps
+
+
+def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(caches, monkeypatch, tmp_path, capsys):
+    """As `ollama rm NAME`: every conversion `fafo list` shows under the name, with its compiled steps (counted in
+    its size on disk); a .gguf path removes its conversion, not the file; unknown names remove nothing."""
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    (tmp_path / "old").mkdir()
+    older_file = _gguf_header(tmp_path / "old" / "model.Q4_1.gguf", "llama", **Q4_1_MODEL)
+    older = hub.convert_gguf(older_file)
+    newer = hub.convert_gguf(_gguf_header(tmp_path / "model.Q4_1.gguf", "llama", **Q4_1_MODEL))
+    other_file = _gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL)
+    other = hub.convert_gguf(other_file)
+    steps = [_steps_of(older), _steps_of(older, "fedcba9876543210"), _steps_of(newer), _steps_of(other)]
+    # a model whose folder's name begins as another's: its steps are its own
+    lookalike = hub.compiled_steps_folder(older, "x-0123456789abcdef")
+    lookalike.mkdir()
+    sizes = {m.path: m.size_bytes for m in hub.cached_models()}
+    assert sizes[older] == hub._folder_size(older) + 2000 and sizes[other] == hub._folder_size(other) + 1000
+
+    assert entrypoint(["rm", "model.Q4_1", "nothing-of-this-name"]) == 1
+    assert "no model named nothing-of-this-name offline" in capsys.readouterr().err
+    assert all(path.is_dir() for path in [older, newer, other, *steps])  # nothing removed: one name was wrong
+
+    assert entrypoint(["rm", "MODEL.q4_1"]) == 0  # (ollama's names are lower case)
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == sorted(f"removed model.Q4_1 (<1 MB): {f}" for f in (older, newer))  # (tiny models)
+    assert not older.exists() and not newer.exists() and not any(p.exists() for p in steps[:3])
+    assert lookalike.is_dir() and other.is_dir() and steps[3].is_dir() and older_file.is_file()
+    assert not any(p.name.startswith(".partial-") for p in (caches / "fafo" / "models").iterdir())
+
+    assert entrypoint(["rm", str(older_file)]) == 1  # its conversion is gone already
+    assert "has no copy in fafo's or the Hugging Face cache" in capsys.readouterr().err
+    assert entrypoint(["rm", str(other_file)]) == 0 and not other.exists() and not steps[3].exists()
+    assert other_file.is_file() and [m.name for m in hub.cached_models()] == []
+
+
+def test_fafo_rm_removes_a_hub_model_with_every_revision(fake_hub, capsys):
+    folder = hub.pull("org/tiny")
+    steps = _steps_of(folder)
+    assert entrypoint(["rm", "org/tiny"]) == 0
+    assert capsys.readouterr().out.startswith("removed org/tiny (")
+    assert not folder.exists() and not steps.exists() and hub.cached_models() == []
+    assert entrypoint(["rm", "org/tiny"]) == 1
+    assert "no model named org/tiny offline" in capsys.readouterr().err
+
+
+def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
+    """A folder is renamed away before it is deleted, so no reader finds half of it (a conversion with its
+    config.json but not its weights); what a killed removal leaves is removed by the next one beside it."""
+    import shutil
+
+    from fafo_cli import files
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # the process killed before deleting
+    files.remove_dir(tmp_path / "a")
+    monkeypatch.undo()
+    (left,) = [p for p in tmp_path.iterdir() if p.name != "b"]
+    assert left.name.startswith(f".partial-{os.getpid()}-") and (left / "config.json").is_file()
+    left.rename(tmp_path / ".partial-999999999-dead")  # as a process that is gone left it
+    files.remove_dir(tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
