@@ -7,6 +7,7 @@ gguf's GGUFReader builds numpy views for every entry of every array (30 s for th
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections import Counter
@@ -24,6 +25,7 @@ class GgufHeader:
     architecture: str | None
     file_type: int | None  # general.file_type: llama.cpp's name for the mix (15: Q4_K_M); absent in some files
     tensor_bytes: dict[str, int]  # tensor type name ("Q4_K", "F32", ...) -> bytes its tensors take
+    elements: int = 0  # numbers its tensors hold, all together
 
     @property
     def quantization(self) -> str | None:
@@ -65,13 +67,14 @@ def _parse(data) -> GgufHeader:
         else:
             reader.skip(kind)
     tensor_bytes: Counter[str] = Counter()
-    data_end = 0  # where the last tensor's data ends, from the start of the data section
+    data_end = elements = 0  # where the last tensor's data ends, from the start of the data section
     for _ in range(n_tensors):
         reader.string()  # name
         dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
         kind, offset = reader.unpack("<IQ", many=True)
         name, size = _tensor_type(kind, dims)
         tensor_bytes[name] += size
+        elements += math.prod(dims)
         data_end = max(data_end, offset + size)
     alignment = found.get("general.alignment")
     alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
@@ -79,7 +82,7 @@ def _parse(data) -> GgufHeader:
         raise ValueError("the file ends before its tensors' data does (cut short?)")
     architecture, file_type = found.get("general.architecture"), found.get("general.file_type")
     return GgufHeader(architecture if isinstance(architecture, str) else None,
-                      file_type if isinstance(file_type, int) else None, dict(tensor_bytes))
+                      file_type if isinstance(file_type, int) else None, dict(tensor_bytes), elements)
 
 
 def _tensor_type(kind: int, dims: tuple[int, ...]) -> tuple[str, int]:
@@ -92,11 +95,8 @@ def _tensor_type(kind: int, dims: tuple[int, ...]) -> tuple[str, int]:
         return f"type {kind}", 0  # newer than our gguf package: named by number, size unknown
     if kind not in GGML_QUANT_SIZES:
         return kind.name, 0
-    elements = 1
-    for dim in dims:
-        elements *= dim
     block, size = GGML_QUANT_SIZES[kind]
-    return kind.name, elements // block * size
+    return kind.name, math.prod(dims) // block * size
 
 
 class _Reader:

@@ -127,6 +127,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
+    _check_room(target.parent, 4 * header.elements, f"converting {path.name} (float32 weights)")
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
@@ -156,6 +157,18 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
     _remove_unreachable_conversions(keep=target)
     return target
+
+
+def _check_room(folder: Path, needed: int, what: str) -> None:
+    """Refuse before writing (minutes, for a large model) what the disk under `folder` cannot hold."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # no such figure here: the write itself says
+        return
+    if free < needed * 1.02 + 2**26:  # (the tokenizer, the records, the file system's own)
+        raise FafoError(f"{what} needs about {needed / 1e9:,.1f} GB in {folder}, which has {free / 1e9:,.1f} GB "
+                        "free; `fafo rm` removes models, FAFO_CACHE moves fafo's cache")
 
 
 def _conversion_key(path: Path) -> str:
@@ -304,6 +317,8 @@ def weights_in(folder: Path, dtype: str) -> Path:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
+    _check_room(folder, (folder / "model.safetensors").stat().st_size * getattr(torch, dtype).itemsize // 4,
+                f"a {dtype} copy of {folder.name}'s weights")
     try:
         with publish_dir(target, "model.safetensors") as staging:
             for item in folder.iterdir():

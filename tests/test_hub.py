@@ -916,3 +916,23 @@ def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
     left.rename(tmp_path / ".partial-999999999-dead")  # as a process that is gone left it
     files.remove_dir(tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(caches, monkeypatch, tmp_path):
+    """Minutes of dequantizing would end in a full disk: refused first, with what it needs and what frees room."""
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    small = hub.convert_gguf(_gguf_header(tmp_path / "small.gguf", "llama", **Q4_1_MODEL))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: pytest.fail("converted without room"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 10**6))
+    big = dict(Q4_1_MODEL, tensors=[("blk.0.ffn_up.weight", "Q4_1", 4096, 4096)])  # 16.8 M weights, 67 MB float32
+    path = _gguf_header(tmp_path / "big.gguf", "llama", **big)
+    with pytest.raises(FafoError, match=r"^converting big.gguf \(float32 weights\) needs about 0.1 GB in .*models, "
+                                        r"which has 0.0 GB free; `fafo rm` removes models"):
+        hub.convert_gguf(path)
+    with pytest.raises(FafoError, match="^a bfloat16 copy of small-.* needs about 0.0 GB in .*, which has 0.0 GB"):
+        hub.weights_in(small, "bfloat16")  # (run in bf16: its weights copied once in that dtype)
+    assert list((caches / "fafo" / "models").iterdir()) == [small] and not (small / "bfloat16").exists()
