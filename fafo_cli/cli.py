@@ -533,9 +533,14 @@ def doctor(
     hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
-    report, _ = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
-                               write_to=doctor_mod.default_config_path(config) if write else None)
-    if report_path is not None:
+    report = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
+                            write_to=doctor_mod.default_config_path(config) if write else None)[0]
+    if report_path is not None:  # (the configured model released first: the 7B shape needs the memory)
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         progress(f"measuring the {gpu_shape}-shaped model's steps (--gpu-report)")
         gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
         write_atomic(report_path, json.dumps(gpu, indent=1) + "\n")

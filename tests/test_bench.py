@@ -289,7 +289,7 @@ def test_compiled_rows_are_checked_against_compiled_vanilla(tiny):
 def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, monkeypatch):
     """Eager rows against eager vanilla by eager passes' noise, compiled rows against compiled vanilla by compiled
     passes' (their multi-row pass in a package already built), compiled vanilla against eager vanilla by compiled
-    one-row passes against eager ones: a loose tolerance for one would excuse a real bug in another."""
+    one-row passes against eager one-row ones: a loose tolerance for one would excuse a real bug in another."""
     from fafo_cli.bench import command, exactness
     from fafo_cli.bench.runner import Row, Run
 
@@ -300,7 +300,7 @@ def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, 
             return [1, 4]
 
     engine.compiled = steps = Built()
-    noise = {(None, None, 9): 0.0, (steps, steps, 4): 0.25, (steps, None, 9): 1.5}
+    noise = {(None, None, 9): 0.0, (steps, steps, 4): 0.25, (steps, None, 1): 1.5}  # (one row against one)
     monkeypatch.setattr(exactness, "rounding_noise", lambda engine, prompt, generated, single=None, multi=None,
                         rows=9: noise[(single, multi, rows)])
     judged = {}
@@ -316,6 +316,10 @@ def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, 
     assert tolerance == {"eager": 0.0, "compiled": 0.25, "compiled vs eager": 1.5}
     by_row = {name: found[(name, "hello")] for name in ("vanilla+compiled", "fafo", "fafo+compiled")}
     assert by_row == {"vanilla+compiled": 1.5, "fafo": 0.0, "fafo+compiled": 0.25}
+    # compiled vanilla's row failed: compiled FAFO against eager vanilla, by both noises (they add up at most so)
+    judged.clear()
+    found, _ = command.divergences_from_reference(engine, [run for run in runs if run.row.name != "vanilla+compiled"])
+    assert found[("fafo+compiled", "hello")] == 1.75
 
 
 def test_rounding_noise_is_zero_in_float32(tiny):
@@ -366,7 +370,7 @@ def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
                        "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
     captured = capsys.readouterr()
-    assert code == 130 and "reporting the 4 runs measured so far" in captured.err
+    assert code == 130 and "interrupted: reporting the 1 prompt that every row finished" in captured.err
     assert captured.err.count("interrupt") == 1, captured.err  # its own line alone
     assert "prompt-lookup" in captured.out and "chat-cooking" not in captured.out
 
@@ -381,26 +385,57 @@ def test_a_row_that_fails_is_left_out_and_the_others_are_reported(tiny, tmp_path
     def short_of_memory(engine, row, sample, *args, **kwargs):
         if row.name == "suffix" and sample.id == "chat-cooking":
             raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes")
+        if row.name == "cacheback" and sample.id == "chat-cooking":
+            raise IndexError("a bug of ours")  # (not one of the errors a run expects: reported all the same)
         return real(engine, row, sample, *args, **kwargs)
 
     monkeypatch.setattr(runner, "run_once", short_of_memory)
     out = tmp_path / "out.json"
-    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup,suffix", "--no-external",
-                       "--samples", "2", "--repeats", "1", "--warmup", "0", "--tokens", "16", "--dtype", "float32",
-                       "--json", str(out)])
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup,suffix,cacheback",
+                       "--no-external", "--samples", "2", "--repeats", "1", "--warmup", "0", "--tokens", "16",
+                       "--dtype", "float32", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 1 and "suffix failed on chat-cooking: out of memory; its row is left out" in captured.err
+    assert "cacheback failed on chat-cooking: IndexError: a bug of ours; its row is left out" in captured.err
     records = {r["row"]: r for r in json.loads(out.read_text())}
     assert set(records) == {"vanilla", "prompt-lookup"} and records["prompt-lookup"]["exact"] == "2/2"
 
 
-def test_a_failing_vanilla_ends_the_bench_at_once(tiny, monkeypatch, capsys):
+def test_every_repetition_is_checked_for_exactness(tiny, tmp_path, monkeypatch, capsys):
+    """FAFO's planner may run each repetition in other step shapes: a row is exact on a prompt only if every
+    repetition gave vanilla's tokens."""
+    from dataclasses import replace
+
+    from fafo_cli.bench import runner
+
+    real = runner.run_once
+
+    def second_repetition_differs(engine, row, sample, repeat, *args, **kwargs):
+        run = real(engine, row, sample, repeat, *args, **kwargs)
+        if row.name == "prompt-lookup" and sample.id == "chat-cooking" and repeat == 1:
+            run = replace(run, token_ids=run.token_ids[:3] + [(run.token_ids[3] + 1) % 100] + run.token_ids[4:])
+        return run
+
+    monkeypatch.setattr(runner, "run_once", second_repetition_differs)
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
+                       "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32",
+                       "--json", str(out)])
+    records = {r["row"]: r for r in json.loads(out.read_text())}
+    assert code == 1 and records["prompt-lookup"]["exact"] == "1/2"
+    assert [d["position"] for d in records["prompt-lookup"]["divergences"]] == [3]
+
+
+@pytest.mark.parametrize("failing", ["chat-science", "chat-cooking"])
+def test_a_failing_vanilla_ends_the_bench_at_once(tiny, monkeypatch, capsys, failing):
+    """Plain decoding is what every row is compared with: where it fails, measuring stops, and the prompts that
+    every row finished before are reported (exit 1)."""
     from fafo_cli.bench import runner
 
     real, after = runner.run_once, []
 
     def vanilla_fails(engine, row, sample, *args, **kwargs):
-        if after or row.name == "vanilla" and sample.id == "chat-cooking":
+        if after or row.name == "vanilla" and sample.id == failing:
             after.append(row.name)
             raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes")
         return real(engine, row, sample, *args, **kwargs)
@@ -408,9 +443,14 @@ def test_a_failing_vanilla_ends_the_bench_at_once(tiny, monkeypatch, capsys):
     monkeypatch.setattr(runner, "run_once", vanilla_fails)
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
                        "--samples", "2", "--repeats", "1", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
-    err = capsys.readouterr().err
-    assert code == 1 and "vanilla failed on chat-cooking: out of memory" in err and "nothing to report" in err
+    captured = capsys.readouterr()
+    assert code == 1 and f"vanilla failed on {failing}: out of memory; measuring stopped there" in captured.err
     assert after == ["vanilla"]  # no row ran after it
+    if failing == "chat-science":  # the first prompt
+        assert "nothing to report" in captured.err and "prompt-lookup" not in captured.out
+    else:
+        assert "stopped: reporting the 1 prompt that every row finished" in captured.err
+        assert "prompt-lookup" in captured.out
 
 
 def test_compiled_rows_are_compared_with_compiled_plain_decoding():
@@ -426,6 +466,10 @@ def test_compiled_rows_are_compared_with_compiled_plain_decoding():
     ratios = {r.row.name: r.speedup for r in aggregate(runs, rows, {}, greedy=True)}
     # of its own mode: compiled FAFO at 0.9x compiled plain decoding is a loss, not 1.8x eager's
     assert ratios == {"vanilla": 1.0, "vanilla+compiled": 2.0, "fafo": 1.5, "fafo+compiled": 0.9}
+    # where compiled plain decoding failed (its row left out), a compiled row has nothing of its mode to compare with
+    kept = [row for row in rows if row.name != "vanilla+compiled"]
+    ratios = {r.row.name: r.speedup for r in aggregate([r for r in runs if r.row in kept], kept, {}, greedy=True)}
+    assert ratios == {"vanilla": 1.0, "fafo": 1.5, "fafo+compiled": None}
 
 
 def test_bench_on_a_model_spread_over_gpus_refuses_rows_that_cannot_run_before_loading(tiny, monkeypatch, capsys):
@@ -607,6 +651,9 @@ def test_long_suite_fills_the_context_with_far_back_questions(tiny):
     assert suites.long_suite(settings, documents=2) == samples  # deterministic
     # the default lengths, where the model's context holds them: 4096 and 8192 do not fit in 2048
     assert long.contexts(None, 8192, 512) == [4096, 8192] and long.contexts(None, 2048, 512) == [2048]
+    said = []  # a default length that leaves too short a prompt beside the answer: skipped, with a notice
+    assert long.contexts(None, 8192, 4000, said.append) == [8192]
+    assert said == ["skipping the long suite at 4096 tokens: --tokens 4000 leaves 96 prompt tokens, short of 768"]
 
 
 def test_bench_long_suite_runs_exactly_and_checks_context(tiny, tmp_path, capsys):

@@ -39,6 +39,8 @@ def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, 
     assert all(ms > 0 for ms in report["step_ms"].values())
     # a window's width eager: never below the CPU's W=2; none runs here unless a compressor is named
     assert 2 <= report["recommended"]["streams"] <= 32 and report["recommended"]["window"] is False
+    assert report["recommended"]["why"].startswith(("the widest window whose step costs at most 25% more",
+                                                     "the least an eager window runs"))  # (dense eager steps here)
     assert "written" not in report and isolated.read_text() == "# my settings\nmax_tokens: 100\n"
 
 

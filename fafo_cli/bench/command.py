@@ -114,40 +114,48 @@ def _plot(results, path: str, title: str) -> None:
 
 def divergences_from_reference(engine, runs: list[Run]
                                ) -> tuple[dict[tuple[str, str], exactness.Divergence | None], dict[str, float]]:
-    """First divergence of each row's first repetition from vanilla's, per sample (greedy runs only), and the
-    rounding noise that tells near-ties from bugs. A compiled row is compared with compiled vanilla where the
-    run has it: the same kernels, so in bf16 too the tokens agree wherever a row of a compiled step rounds as
-    a plain step does (packed GGUF steps: tested). Compiled vanilla itself and every eager row: eager vanilla.
-    Each comparison is judged by the noise of its own two modes (`tolerances`): eager rows by eager passes,
-    compiled rows by compiled ones, compiled vanilla by compiled one-row passes against eager ones."""
+    """First divergence of each row from vanilla's first repetition, per sample (greedy runs only: the first of its
+    repetitions that differs; FAFO's planner may run each in other step shapes), and the rounding noise that tells
+    near-ties from bugs. A compiled row is compared with compiled vanilla where the run has it: the same kernels,
+    so in bf16 too the tokens agree wherever a row of a compiled step rounds as a plain step does (packed GGUF
+    steps: tested). Compiled vanilla itself and every eager row: eager vanilla. Each comparison is judged by the
+    noise of its own two modes (`tolerances`): eager rows by eager passes, compiled rows by compiled ones,
+    compiled vanilla by compiled one-row passes against eager ones, and a compiled row without compiled vanilla
+    to compare with by the sum of those two (the gaps' changes add up at most so)."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
     compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
     tolerance = tolerances(engine, list(reference.values()),
-                           any(_mode(r.row, True, engine) != "eager" for r in runs if not r.row.external))
+                           any(r.row.compiled or r.row.compiled is None and engine.compiled is not None
+                               for r in runs if not r.row.external))
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     last_sample = None
-    for run in sorted(runs, key=lambda r: r.sample.id):  # one prompt's rows in turn: its cache serves them all
+    for run in sorted(runs, key=lambda r: (r.sample.id, r.repeat)):  # a prompt's rows in turn: its cache serves all
         same_kernels = compiled.get(run.sample.id) if run.row.compiled and run.row.method != "vanilla" else None
         base = same_kernels or reference.get(run.sample.id)
-        if run.repeat != 0 or base is None or run.row.name == "vanilla":
+        key = (run.row.name, run.sample.id)
+        if base is None or run.row.name == "vanilla" or found.get(key) is not None:
             continue
         position = exactness.first_divergence(run.token_ids, base.token_ids)
         if position is not None and run.sample.id != last_sample:
             engine.reset()  # the runs' steps wrote this prompt's cache in other shapes: prefill it afresh
             last_sample = run.sample.id
-        found[(run.row.name, run.sample.id)] = None if position is None else exactness.classify(
+        found[key] = None if position is None else exactness.classify(
             engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position,
-            tolerance[_mode(run.row, same_kernels is not None, engine)] if not run.row.external
-            else max(tolerance.values()))  # (transformers' own kernels: the loosest measured)
+            _tolerance(tolerance, run.row, same_kernels is not None))
     engine.reset()
     return found, tolerance
 
 
-def _mode(row, same_kernels: bool, engine) -> str:
-    """Which passes a row's comparison with plain decoding sets side by side (see `tolerances`)."""
-    if row.compiled is None:  # as the engine loaded (compile: auto), as vanilla ran
-        return "compiled" if engine.compiled is not None else "eager"
-    return "compiled" if row.compiled and same_kernels else "compiled vs eager" if row.compiled else "eager"
+def _tolerance(tolerance: dict[str, float], row, same_kernels: bool) -> float:
+    """The noise a row's comparison with plain decoding is judged by (see `tolerances`)."""
+    if row.external:  # transformers' own kernels: the loosest measured
+        return max(tolerance.values())
+    compiled = tolerance.get("compiled")  # (None: no compiled steps in this engine, every row ran eager)
+    if compiled is None or row.compiled is False:
+        return tolerance["eager"]
+    if row.compiled is None or same_kernels:  # None: as the engine loaded (compile: auto), as vanilla ran
+        return compiled
+    return tolerance["compiled vs eager"] + (compiled if row.method != "vanilla" else 0.0)
 
 
 def tolerances(engine, references: list[Run], compiled: bool) -> dict[str, float]:
@@ -163,7 +171,7 @@ def tolerances(engine, references: list[Run], compiled: bool) -> dict[str, float
         steps = engine.compiled
         built = [size for size in getattr(steps, "built", list)() if 1 < size <= 16]
         found["compiled"] = noise(steps, steps, max(built)) if built else noise(steps, None)
-        found["compiled vs eager"] = noise(steps, None)
+        found["compiled vs eager"] = noise(steps, None, rows=1)
     return found
 
 
@@ -193,10 +201,13 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
+    def skipped(line: str) -> None:
+        err_console.print(f"[yellow]{line}[/]")
+
     long_settings = suites.LongSettings(engine.encode, engine.model.max_context, options.tokens, options.context,
-                                        options.documents)
+                                        options.documents, skipped)
     samples = suites.fitting(engine, suites.collect(options.suites, options.samples, options.prompts, long_settings),
-                             options.tokens, lambda line: err_console.print(f"[yellow]{line}[/]"))
+                             options.tokens, skipped)
     if not samples:
         raise FafoError("no prompt fits the model's context with --tokens "
                         f"{options.tokens}")
@@ -237,17 +248,19 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
         except KeyboardInterrupt:
             interrupt_handled()
             interrupted = True
-    if interrupted:
-        err_console.print(f"interrupted: reporting the {len(runs)} runs measured so far")
     for name, failure in failed.items():
-        err_console.print(f"[bold red]{name} failed on {failure.sample.id}: {failure.message}; its row is left out[/]")
-    if "vanilla" in failed:
-        raise FafoError("plain decoding (vanilla), which every row is compared with, failed: nothing to report")
-    rows = [row for row in rows if row.name not in failed]
-    runs = [run for run in runs if run.row.name not in failed]
+        err_console.print(f"[bold red]{name} failed on {failure.sample.id}: {failure.message}; "
+                          f"{'measuring stopped there' if name == 'vanilla' else 'its row is left out'}[/]")
+    rows = [row for row in rows if row.name not in failed or row.name == "vanilla"]  # (the reference stays)
+    runs = [run for run in runs if run.row.name not in failed or run.row.name == "vanilla"]
     # only samples every row finished count: a partial sample would compare rows on different prompts
     complete = {s.id for s in samples if sum(r.sample.id == s.id for r in runs) == options.repeats * len(rows)}
     runs = [r for r in runs if r.sample.id in complete]
+    if not runs and "vanilla" in failed:
+        raise FafoError("plain decoding (vanilla), which every row is compared with, failed: nothing to report")
+    if interrupted or "vanilla" in failed:
+        err_console.print(f"{'interrupted' if interrupted else 'stopped'}: reporting the {len(complete)} prompt"
+                          f"{'s' * (len(complete) != 1)} that every row finished")
     if not runs:
         return 130 if interrupted else 1
     if greedy:

@@ -22,8 +22,8 @@ from .. import config as config_mod
 from ..compiled import packed
 from ..compiled.kernels import loader
 from ..decoders.fafo.planner import StepCosts
-from ..decoders.fafo.step import WINDOW_SHARE, FafoSettings, compiled_for, model_streams
-from ..errors import FafoError
+from ..decoders.fafo.step import WINDOW_SHARE, FafoSettings, compiled_for, model_streams, widest_window
+from ..errors import FafoError, is_out_of_memory
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
@@ -108,7 +108,13 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     curve = StepCosts(costs)
     width = {named: model_streams(replace(settings, compressor_named=named), compiled, curve, engine.model)
              for named in {True, settings.compressor_named}}
-    return {"streams": width[True], "window": width[settings.compressor_named] > 0}
+    if width[True] == widest_window(curve, settings.ngram):
+        why = f"the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain step"
+    elif width[True] == 1:
+        why = "one stream where a CPU's steps run compiled or over packed blocks: W=1 measured faster than W=2"
+    else:
+        why = f"the least an eager window runs: any wider costs more than {WINDOW_SHARE:.0%} over a plain step"
+    return {"streams": width[True], "window": width[settings.compressor_named] > 0, "why": why}
 
 
 def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> None:
@@ -137,12 +143,16 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         engine = load(config)
         checks = exact(engine)
     else:
+        copy = None
         try:
             copy = load(replace(config, dtype="float32"))
             checks = exact(copy)
-            del copy
-        except torch.OutOfMemoryError:
+        except (MemoryError, RuntimeError) as e:  # (torch's OutOfMemoryError is a RuntimeError)
+            if not is_out_of_memory(e):
+                raise
             checks = [{"skipped": "the model in float32 does not fit in this device's memory"}]
+        finally:
+            copy = None  # released before the configured model loads
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -197,8 +207,7 @@ def render(report: dict, console) -> None:
     if report["disturbed"]:
         console.print(f"[yellow]{report['disturbed']}[/]")
     streams, window = report["recommended"]["streams"], report["recommended"]["window"]
-    width = (f"streams={streams} (the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain "
-             "step; `streams: auto` derives it from this curve)")
+    width = f"streams={streams} ({report['recommended']['why']}; `streams: auto` derives it here)"
     console.print(f"Recommended: {width}" if window else "Recommended: no window (`streams: auto` on a CPU, unless a "
                   f"compressor is named: its rows cost more than its guesses earn here); with one named, {width}")
     if "written" in report:

@@ -61,12 +61,19 @@ def check_context(context: int, answer: int, max_context: int | None = None) -> 
                         f"the long suite needs at least {MIN_PROMPT}")
 
 
-def contexts(context: int | None, max_context: int, answer: int) -> list[int]:
-    """The lengths to build: `context` checked against the model (`check_context`), else the defaults that fit."""
-    if context is None:
-        return [c for c in DEFAULT_CONTEXTS if c <= max_context] or [max_context]
-    check_context(context, answer, max_context)
-    return [context]
+def contexts(context: int | None, max_context: int, answer: int,
+             notify: Callable[[str], None] = lambda line: None) -> list[int]:
+    """The lengths to build: `context` checked against the model (`check_context`), else the defaults that fit the
+    model and leave a long prompt beside the answer (the others skipped with a notice, as prompts that do not fit)."""
+    if context is not None:
+        check_context(context, answer, max_context)
+        return [context]
+    lengths = [c for c in DEFAULT_CONTEXTS if c <= max_context] or [max_context]
+    for length in lengths:
+        if length - answer < MIN_PROMPT:
+            notify(f"skipping the long suite at {length} tokens: --tokens {answer} leaves {length - answer} prompt "
+                   f"tokens, short of {MIN_PROMPT}")
+    return [length for length in lengths if length - answer >= MIN_PROMPT]
 
 
 STANDARD_LIBRARY, USERS = "the standard library's", "your files'"

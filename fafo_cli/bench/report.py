@@ -104,8 +104,8 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
             by_sample = _median_by_sample(mine)
             medians = {s: statistics.median(v) for s, v in by_sample.items()}
             # against plain decoding of the same mode: a compiled row against vanilla+compiled (and that one, as
-            # transformers' rows, against eager vanilla: what compiling gives)
-            base = compiled if row.compiled and row.method != "vanilla" and compiled else eager
+            # transformers' rows, against eager vanilla: what compiling gives); none where that one failed
+            base = compiled if row.compiled and row.method != "vanilla" else eager
             ratios = {s: medians[s] / base[s] for s in medians if base.get(s)}
             compared = [(r.sample.id, divergences.get((row.name, r.sample.id))) for r in mine if r.repeat == 0]
             found = [(sample, d) for sample, d in compared if d is not None]

@@ -184,11 +184,10 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
     def attempt(row: Row, sample: Sample, repeat: int, tokens: int) -> Run | Failed:
         try:
             return run_once(engine, row, sample, repeat, tokens, settings)
-        except (FafoError, MemoryError, RuntimeError) as e:
-            if not isinstance(e, FafoError) and not is_out_of_memory(e):
-                raise
+        except Exception as e:  # (any: one row's failure must not cost the others' hours of measuring)
             failed.add(row.name)
-            return Failed(row, sample, "out of memory" if is_out_of_memory(e) else first_line(e))
+            return Failed(row, sample, "out of memory" if is_out_of_memory(e) else
+                          first_line(e, named=not isinstance(e, FafoError)))
 
     if samples:  # the whole answer's cache at once: steps captured as CUDA graphs are not captured again mid-run
         engine.session.cache.reserve(min(engine.model.max_context, max(

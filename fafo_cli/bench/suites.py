@@ -21,6 +21,7 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..api import ROLES
 from ..errors import FafoError
@@ -178,11 +179,12 @@ class LongSettings:
     answer: int  # tokens each answer may take (--tokens)
     context: int | None = None  # --context; None: long.DEFAULT_CONTEXTS that fit
     documents: tuple[str, ...] = ()  # --documents: the user's files to build from instead of the standard library
+    notify: Callable[[str], None] = lambda line: None  # a length skipped (long.contexts)
 
 
 def long_suite(settings: LongSettings, documents: int) -> list[Sample]:
     """Each task at each length, from `documents` different documents."""
-    lengths = long.contexts(settings.context, settings.max_context, settings.answer)
+    lengths = long.contexts(settings.context, settings.max_context, settings.answer, settings.notify)
     material = long.user_files(list(settings.documents)) if settings.documents else long.standard_library()
     return [Sample("long", prompt.id, prompt.messages) for context in lengths for document in range(documents)
             for prompt in long.build(context, document, settings.answer, settings.encode, material=material)]
