@@ -261,6 +261,8 @@ class Engine:
         if self.model.spread:
             check_spread(config)
         context = self.model.max_context
+        if not ids:  # (encode refuses an empty text; ids may come from elsewhere)
+            raise FafoError("the prompt is empty")
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens, and an answer "
                             "needs at least one more")

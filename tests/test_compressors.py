@@ -56,7 +56,8 @@ def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
         bounds = [brute_bound(queries[layer], cache.keys[layer, p * 8:min(100, (p + 1) * 8)]) for p in range(pages)]
         fast = page_bounds(queries[layer], quest.page_min[layer, :pages], quest.page_max[layer, :pages])
         assert torch.allclose(fast, torch.tensor(bounds), atol=1e-4)
-        top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:4]) + [pages - 1]  # 5 pages kept
+        # 4 pages kept: the budget less room for a refresh's tokens and a step's commit, (48 - 8 - 3) // 8
+        top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:3]) + [pages - 1]
         expected = [pos for p in top for pos in range(p * 8, min(100, (p + 1) * 8))]
         assert quest.selected_positions(cache, layer) == expected
         view_keys = quest.view(layer)[0][:quest.view_size(cache)]
@@ -69,6 +70,33 @@ def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
     quest.committed(cache, 100, 3)
     assert quest.selected_positions(cache)[-7:] == list(range(96, 103))
     assert torch.allclose(quest.page_max[0, 12], cache.keys[0, 96:103].amax(0))
+
+
+def test_quest_waits_for_its_refresh_and_prepares_nothing_before_it_is_active():
+    """Within its budget Quest selects nothing (a prompt shorter than `refresh` crashed the step); once active it
+    selects again after `refresh` tokens, not on every step (its selection leaves room for them and a commit)."""
+    quest = QuestCompressor(budget=48, page_size=8, refresh=8, tail_rows=4, max_commit=9)
+    cache = filled_cache(5)
+    quest.rebuild(cache)
+    quest.prepare(cache)
+    assert not quest.active and quest.slots is None
+    cache, selections = filled_cache(100), []
+    for layer in range(LAYERS):
+        quest.observe(layer, torch.randn(HEADS, DIM), cache.keys[layer, :100])
+    quest.rebuild(cache)
+    select = quest._select
+    quest._select = lambda cache: (selections.append(cache.length), select(cache))
+    length = 100
+    for _ in range(8):
+        rows = torch.randn(LAYERS, 2, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, rows[layer], -rows[layer])
+        cache.commit(2)
+        quest.committed(cache, length, 2)
+        length += 2
+        quest.prepare(cache)
+        assert quest.view_size(cache) <= quest.budget
+    assert selections == [108, 116]
 
 
 def test_snapkv_keeps_pooled_top_scores_plus_window():
@@ -322,6 +350,19 @@ def test_block_path_window_rows_list_only_the_compressed_view_blocks(tiny):
     verify_blocks, window_blocks = indices[0][:counts[0]], indices[1][:counts[1]]
     assert window_blocks == [0, 1]  # the leading region only
     assert min(verify_blocks) == lead // KV_BLOCK and max(verify_blocks) * KV_BLOCK < lead + length + 256
+
+
+def test_block_masks_kept_are_bounded(monkeypatch):
+    """A mask per length bucket and tree shape: a long chat's would pile up; the least recently used go."""
+    from fafo_cli.decoders.fafo import attention
+    from fafo_cli.runtime.rows import draft_step
+
+    monkeypatch.setattr(attention, "MOST_MASKS", 2)
+    masks = attention.BlockSparseMasks(torch.device("cpu"))
+    layouts = [draft_step(1, [5] * n, list(range(-1, n - 1)), torch.device("cpu")).layout for n in (1, 2, 3)]
+    for layout in [layouts[0], layouts[1], layouts[0], layouts[2]]:
+        masks.get(lead=0, kv_length=512, length=100, view_size=0, layout=layout)
+    assert [kept for _, kept in masks._masks.values()] == [layouts[0], layouts[2]]
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)

@@ -95,6 +95,9 @@ def test_context_limit_stops_generation(tmp_path, method):
     assert len(prompt_ids) + len(result.token_ids) == 40
     with pytest.raises(FafoError, match="the prompt is 45 tokens; the model's context is 40 tokens"):
         engine.complete("x" * 45)
+    with pytest.raises(FafoError, match="^the prompt is empty$"):  # ids given directly: the cache kept
+        list(engine.generate([], engine.request_config(max_tokens=4)))
+    assert engine.session.cache.length > 0
 
 
 def test_seeded_sampling_is_reproducible(tiny):

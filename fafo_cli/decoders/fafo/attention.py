@@ -9,6 +9,8 @@ placed after an all-visible prefix in a reused buffer, never rebuilt from scratc
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ...runtime.cache import KVCache
@@ -97,6 +99,7 @@ class FafoAttention:
 BUCKET = 256  # positions per length bucket: one BlockMask serves every step whose rows end in the bucket
 Q_BLOCK = 128  # FlexAttention's default block sizes
 KV_BLOCK = 128
+MOST_MASKS = 64  # BlockMasks kept per device (a tree's shape and a length bucket each): the least recently used go
 
 
 _BLOCK_MASKS: dict[torch.device, "BlockSparseMasks"] = {}
@@ -124,7 +127,7 @@ class BlockSparseMasks:
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.view_size = torch.zeros((), dtype=torch.long, device=device)
         self.device = device
-        self._masks: dict[tuple, object] = {}
+        self._masks: OrderedDict[tuple, tuple] = OrderedDict()
 
     @classmethod
     def for_device(cls, device: torch.device) -> "BlockSparseMasks":
@@ -156,7 +159,10 @@ class BlockSparseMasks:
             mask = BlockMask.from_kv_blocks(
                 counts.to(self.device), indices.to(self.device), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
                 mask_mod=self._mask_mod(lead, layout, window_at), seq_lengths=(padded, kv_length))
-            self._masks[key] = (mask, layout)  # the layout stays alive, so its id names it
+            self._masks[key] = (mask, layout)  # the layout stays alive while kept, so its id names it
+            if len(self._masks) > MOST_MASKS:  # (every step's tree may have its own shape: a long chat's would pile up)
+                self._masks.popitem(last=False)
+        self._masks.move_to_end(key)
         return self._masks[key][0]
 
     def _mask_mod(self, lead: int, layout: RowLayout, window_at: int):

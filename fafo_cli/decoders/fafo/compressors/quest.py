@@ -32,7 +32,8 @@ class QuestCompressor(ViewCompressor):
 
     def __init__(self, *, budget: int, page_size: int, refresh: int, tail_rows: int, max_commit: int):
         self.budget, self.page_size, self.refresh = budget, page_size, refresh
-        self.pages_kept = max(1, (budget - refresh) // page_size)
+        # room for `refresh` tokens and a step's commit beside the selection: else it would be due again every step
+        self.pages_kept = max(1, (budget - refresh - max_commit) // page_size)
         self.tail_rows, self.max_commit = tail_rows, max_commit
         self.page_min = self.page_max = None
         self.query: list[torch.Tensor | None] = []
@@ -90,8 +91,9 @@ class QuestCompressor(ViewCompressor):
         self.refreshed_at = length
 
     def prepare(self, cache: KVCache) -> None:
-        due = cache.length - self.refreshed_at >= self.refresh or self.slots.size + self.max_commit > self.budget
-        if self.active and due:
+        if not self.active:  # (no selection yet: the whole cache fits in the budget)
+            return
+        if cache.length - self.refreshed_at >= self.refresh or self.slots.size + self.max_commit > self.budget:
             self._select(cache)
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
