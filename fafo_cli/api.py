@@ -396,6 +396,8 @@ def _spread_map(config: config_mod.Config, weights: Path, device: torch.device, 
 def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
     """(tokenizer, transformers model on `device` or spread over `gpus` GPUs, folder) for a hub id, folder or .gguf
     (None: the embedded one)."""
+    from safetensors import SafetensorError
+
     from .runtime import llama
 
     folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
@@ -407,7 +409,7 @@ def _load_model(name: str | None, config: config_mod.Config, device: torch.devic
         lean = None if device_map is not None or config.trust_remote_code else llama.load(weights, dtype, device)
         tokenizer = load_tokenizer(folder, config, lean.config if lean is not None else None)
         model = lean if lean is not None else transformers_model(weights, config, dtype, device, device_map)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # (a weights file cut short: safetensors' own error)
         raise FafoError(f"cannot load the model in {folder}: {first_line(e)}") from None
     return tokenizer, model, folder
 
@@ -449,9 +451,10 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
 
 def _compiled_folder(model: Model, folder: Path) -> Path:
     """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device."""
+    folder = folder.resolve()  # `fafo run .` and a link to the folder: the same steps (and the building process's)
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
                      if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
-    source = json.dumps([str(folder.resolve()), weights])
+    source = json.dumps([str(folder), weights])
     return hub.compiled_steps_folder(folder, identity(model, source))
 
 

@@ -317,9 +317,9 @@ def weights_in(folder: Path, dtype: str) -> Path:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
-    _check_room(folder, (folder / "model.safetensors").stat().st_size * getattr(torch, dtype).itemsize // 4,
-                f"a {dtype} copy of {folder.name}'s weights")
     try:
+        _check_room(folder, (folder / "model.safetensors").stat().st_size * getattr(torch, dtype).itemsize // 4,
+                    f"a {dtype} copy of {folder.name}'s weights")
         with publish_dir(target, "model.safetensors") as staging:
             for item in folder.iterdir():
                 if item.is_file() and item.name != "model.safetensors":
@@ -330,10 +330,11 @@ def weights_in(folder: Path, dtype: str) -> Path:
                 tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
                 metadata = weights.metadata()
             save_file(tensors, staging / "model.safetensors", metadata=metadata)
-    except OSError as e:
-        raise FafoError(f"cannot write {target}: {e.strerror or e}") from None
-    except SafetensorError as e:  # a failed write of the weights: a full disk, a quota
-        raise FafoError(f"cannot write {target}: {first_line(e)}") from None
+    except (FafoError, OSError, SafetensorError) as e:  # a full disk, a quota, another user's read-only cache
+        reason = e if isinstance(e, FafoError) else getattr(e, "strerror", None) or first_line(e)
+        print(f"note: no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded "
+              "instead", file=sys.stderr)
+        return folder
     return target
 
 

@@ -271,3 +271,13 @@ def test_one_stop_string_is_not_split_into_characters(tiny):
     assert len(text) > 4
     stop = text[2:4] + "\x00"  # never in the text: with its characters taken one by one, the answer stopped early
     assert engine.complete("one two three", max_tokens=24, stop=stop).text == text
+
+
+def test_a_model_folder_given_as_dot_or_a_link_has_the_same_compiled_steps(tiny, tmp_path, monkeypatch):
+    """`fafo run .` named its steps folder "-<identity>", and the process that builds a package (which loads the
+    resolved folder) refused it as another model's: every build failed."""
+    (tmp_path / "link").symlink_to(tiny, target_is_directory=True)
+    monkeypatch.chdir(tiny)
+    folders = {load(spec, dtype="float32", chat_template=False).steps_folder
+               for spec in (".", str(tiny), str(tmp_path / "link"))}
+    assert len(folders) == 1 and folders.pop().name.startswith(f"{tiny.name}-")

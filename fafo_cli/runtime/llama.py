@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import FafoError
 from .architectures import SUPPORTED
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' defaults for the keys a checkpoint's config.json may leave out (its config classes' own)
 DEFAULTS = {
     "llama": dict(max_position_embeddings=2048),
@@ -56,6 +58,9 @@ def read_config(folder: Path) -> Config | None:
             or raw.get("partial_rotary_factor", 1.0) != 1.0):
         return None
     settings = {**COMMON, **DEFAULTS[kind], **raw}  # a null stays null (`sliding_window: null`: no window)
+    missing = [key for key in REQUIRED if settings.get(key) is None]
+    if missing:  # (transformers' classes would fill in their own defaults, of another model's shape)
+        raise FafoError(f"{folder / 'config.json'} does not give {', '.join(missing)}")
     if settings.get("num_key_value_heads") is None:  # absent or null: as many as the query heads
         settings["num_key_value_heads"] = settings["num_attention_heads"]
     if settings.get("head_dim") is None:
@@ -70,6 +75,9 @@ def read_config(folder: Path) -> Config | None:
         rope["original_max_position_embeddings"] = raw.get("original_max_position_embeddings") or rope.get(
             "original_max_position_embeddings") or settings["max_position_embeddings"]
     settings["rope_parameters"] = rope
+    if rope["rope_type"] in ROPE_TYPES and any(rope.get(key) is None for key in ROPE_TYPES[rope["rope_type"]]):
+        raise FafoError(f"{folder / 'config.json'}: its {rope['rope_type']} rope scaling does not give "
+                        + ", ".join(key for key in ROPE_TYPES[rope["rope_type"]] if rope.get(key) is None))
     if (rope["rope_type"] not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0
             or settings["hidden_act"] not in ACTIVATIONS):
         return None
