@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
 from dataclasses import replace
 from functools import cached_property
@@ -177,6 +178,10 @@ class Engine:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        if process.returncode < 0:  # killed: by the kernel when memory ran out (it holds a second copy of the model)
+            killed = signal.Signals(-process.returncode)
+            raise CompileError(f"the building process was killed ({killed.name}"
+                               + (": out of memory?)" if killed == signal.SIGKILL else ")"))
         if process.returncode != 0:
             lines = [line for line in said.splitlines() if line.strip()]
             raise CompileError(lines[-1] if lines else f"the building process ended with code {process.returncode}")

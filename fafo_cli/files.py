@@ -75,10 +75,25 @@ def _settle(partial: Path, path: Path) -> None:
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
-        mode = None  # a new file: the umask's permissions
-    if mode is not None:
-        os.chmod(partial, mode)
+        mode = NEW_FILE_MODE & ~_umask()  # a new file: the umask's, whatever a tool gave it (safetensors: 0600)
+    os.chmod(partial, mode)
     _flush(partial)  # (written by a tool, perhaps: flushed by name)
+
+
+NEW_FILE_MODE = 0o666
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it where the system says it (setting it races other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _flush(path: Path) -> None:
@@ -150,6 +165,10 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     _made.add(os.path.abspath(staging))
     try:
         yield staging
+        mode = NEW_FILE_MODE & ~_umask()
+        for path in staging.rglob("*"):  # the umask's permissions: tools write some files 0600 (safetensors)
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, mode)
         try:
             os.rename(staging, target)
         except OSError:
@@ -172,6 +191,19 @@ def remove_dir(path: Path) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
     finally:
         _made.discard(os.path.abspath(doomed))
+
+
+SAFETENSORS_PARTIAL = re.compile(r"\.tmp(?P<pid>)\w{6}")  # safetensors writes one beside its file, then renames it
+
+
+def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file to `path`, atomically (atomic_path). Its own partial file beside it, left by a process
+    killed mid-write (hundreds of MB for packed weights), is removed once it is a day old."""
+    from safetensors.torch import save_file
+
+    _sweep(path.parent, SAFETENSORS_PARTIAL)
+    with atomic_path(path) as partial:
+        save_file(tensors, str(partial), metadata=metadata)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

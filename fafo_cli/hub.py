@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, write_atomic
+from .files import publish_dir, remove_dir, save_tensors, write_atomic
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
 
@@ -48,7 +48,7 @@ _REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])
 def cache_dir() -> Path:
     """fafo's own cache (converted models): $FAFO_CACHE, else $XDG_CACHE_HOME/fafo, else ~/.cache/fafo."""
     if os.environ.get("FAFO_CACHE"):
-        return Path(os.environ["FAFO_CACHE"])
+        return Path(os.environ["FAFO_CACHE"]).expanduser()  # (an env file's `~/...` is not expanded by a shell)
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "fafo"
 
@@ -81,7 +81,8 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             raise FafoError(f"no such model file or folder: {spec}{tag}")
         else:
             # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows)
-            folder = cached_snapshot(spec) or newest_snapshot(spec) or pull(spec, allow_pickle=allow_pickle)
+            folder = cached_snapshot(spec) or newest_snapshot(spec) or pull(spec, allow_pickle=allow_pickle,
+                                                                             trust_remote_code=trust_remote_code)
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
 
@@ -259,15 +260,19 @@ def _rewrite_record(folder: Path, record: dict) -> None:
 
 
 def _remove_unreachable_conversions(keep: Path) -> None:
-    """Remove the conversions no file leads to any more, with their compiled steps: their .gguf file changed (a new
-    version of the embedded model's package) or is gone (a deleted virtual environment), so no run finds them
-    again, and each install would otherwise leave its own behind (0.9 GB for the embedded model). A conversion
-    whose record cannot be read is left alone."""
+    """Remove the conversions no file leads to any more, with their compiled steps: where their .gguf file changed
+    (a new version at its path: the old one's conversion is never run again), or, for the embedded default, is
+    gone (a deleted virtual environment: each install would otherwise leave its own 0.9 GB behind). A file of
+    yours that is gone leaves its conversion, which still runs by the name `fafo list` shows, until `fafo rm`. A
+    conversion whose record cannot be read is left alone."""
     for folder in (cache_dir() / "models").iterdir():
         if folder == keep or folder.name.startswith(".") or not (folder / SOURCE_MARKER).is_file():
             continue
-        sources = _sources(folder, source_record(folder))
+        record = source_record(folder)
+        sources = _sources(folder, record)
         if not sources or any(_leads_to(Path(source), key) for source, key in sources):
+            continue
+        if record.get("name") != EMBEDDED_NAME and not any(Path(source).exists() for source, _ in sources):
             continue
         with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
             _remove_with_steps(folder)
@@ -315,7 +320,6 @@ def weights_in(folder: Path, dtype: str) -> Path:
         return target
     import torch
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
 
     try:
         _check_room(folder, (folder / "model.safetensors").stat().st_size * getattr(torch, dtype).itemsize // 4,
@@ -329,7 +333,7 @@ def weights_in(folder: Path, dtype: str) -> Path:
             with safe_open(folder / "model.safetensors", framework="pt") as weights:
                 tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
                 metadata = weights.metadata()
-            save_file(tensors, staging / "model.safetensors", metadata=metadata)
+            save_tensors(tensors, staging / "model.safetensors", metadata=metadata)
     except (FafoError, OSError, SafetensorError) as e:  # a full disk, a quota, another user's read-only cache
         reason = e if isinstance(e, FafoError) else getattr(e, "strerror", None) or first_line(e)
         print(f"note: no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded "
@@ -466,9 +470,12 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         except (ValueError, KeyError, OSError) as e:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
         _check_architecture(config.to_dict(), str(path))
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        with _bar_on_terminals_only():
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        try:  # (a tokenizer type transformers does not read, a tensor type gguf cannot dequantize)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            with _bar_on_terminals_only():
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
     # The weights are dequantized now: save them as a plain float32 checkpoint, not as "gguf-quantized".
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -519,8 +526,11 @@ def _has_model_files(folder: Path) -> bool:
     return any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())  # named otherwise, without an index
 
 
-def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False) -> Path:
-    """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder."""
+def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False,
+         trust_remote_code: bool = True) -> Path:
+    """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder.
+    `trust_remote_code`: False refuses a model with code of its own before its weights download (a run that would
+    refuse it); `fafo pull` only downloads, and runs nothing."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
@@ -543,7 +553,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
         if "config.json" not in files:
             raise FafoError(_not_a_model_repo(repo_id, files))
         _check_config(Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent,
-                      trust_remote_code=True)
+                      trust_remote_code=trust_remote_code)
         wanted = _support_files(files) + _weight_files(
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))

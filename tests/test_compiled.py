@@ -83,6 +83,22 @@ def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_building_process_killed_for_memory_says_so(tiny, tmp_path, monkeypatch):
+    """The kernel's out-of-memory killer ends a build with SIGKILL (it holds a second copy of the model): said so,
+    not as an exit code."""
+    import subprocess
+    import sys
+
+    from fafo_cli.compiled.build import CompileError
+
+    engine = load(str(tiny), dtype="float32", compile="on")
+    popen = subprocess.Popen
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kwargs: popen([sys.executable, "-c", killed], **kwargs))
+    with pytest.raises(CompileError, match=r"^the building process was killed \(SIGKILL: out of memory\?\)$"):
+        engine.build_elsewhere(1, tmp_path / "rows1.pt2")
+
+
 def test_a_process_that_runs_for_weeks_dates_its_steps_folder_once_a_day(compiled_engine):
     """A folder no run has used for a week is swept by another version's first build; a server that has run its
     steps for longer than that dates it again, once a day, not at every step."""

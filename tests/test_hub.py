@@ -140,6 +140,22 @@ def test_a_damaged_model_folder_is_one_line(tiny, tmp_path):
             load(str(folder), dtype="float32")
 
 
+def test_a_gguf_file_transformers_cannot_convert_is_one_line(caches, monkeypatch, tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"])
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: config)
+
+    def unread(*args, **kwargs):
+        raise ValueError("GGUF tokenizer model 'rwkv' is not supported yet\nmore lines")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unread)
+    path = _gguf_header(tmp_path / "odd.gguf", "llama", **Q4_1_MODEL)
+    with pytest.raises(FafoError, match="^cannot convert .*odd.gguf: GGUF tokenizer model 'rwkv' is not supported yet$"):
+        hub.convert_gguf(path)
+    assert list((caches / "fafo" / "models").iterdir()) == []
+
+
 def test_folder_without_config_or_weights(tmp_path):
     with pytest.raises(FafoError, match="not a model folder"):
         hub.resolve(str(tmp_path))
@@ -256,6 +272,19 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch
     listed = json.loads(capsys.readouterr().out)
     assert [(m["name"], m["source"], m["quantization"], m["path"]) for m in listed] == [
         ("org/tiny", "hub", "fp32", str(folder))]
+
+
+def test_a_run_refuses_a_hub_model_with_code_of_its_own_before_its_weights_download(fake_hub, tiny, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(tiny, tmp_path / "code")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.M"}}))
+    fake_hub.add_folder("org/code", folder, NOT_MODEL_FILES)
+    with pytest.raises(FafoError, match="pass --trust-remote-code"):
+        hub.resolve("org/code")
+    assert _names(fake_hub.downloads()) == ["config.json"]
+    assert hub.pull("org/code", quiet=True).is_dir()  # `fafo pull` downloads it: it runs nothing
 
 
 def test_a_model_pulled_at_a_revision_runs_by_the_name_fafo_list_shows(fake_hub, monkeypatch):
@@ -549,8 +578,12 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
     assert gone.is_dir() and kept.is_dir() and new.is_dir()
     (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": "b"}))
     convert(_gguf_header(tmp_path / "e.gguf", "llama", **Q4_1_MODEL))
+    assert gone.is_dir()  # a file of the user's is gone: its conversion still runs by its name, until `fafo rm`
+    assert hub.resolve("b") == gone
+    (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": hub.EMBEDDED_NAME}))
+    convert(_gguf_header(tmp_path / "f.gguf", "llama", **Q4_1_MODEL))  # the embedded default's, gone: removed
     assert not gone.exists() and not list(compiled.glob(f"{gone.name}-*")) and kept.is_dir() and new.is_dir()
-    assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e"]
+    assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e", "f"]
 
 
 def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, tmp_path):
@@ -596,9 +629,9 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
         assert hub.gguf_source(folder) == copy.resolve()
     other = hub.convert_gguf(_gguf_header(tmp_path / "other.gguf", "llama", **Q4_1_MODEL))  # clears the unreachable
     assert folder.is_dir() and other != folder and len(calls) == 2  # the copy still leads to it
-    copy.unlink()
+    copy.unlink()  # every file of it gone: it still runs by its name until `fafo rm`
     hub.convert_gguf(_gguf_header(tmp_path / "third.gguf", "llama", **Q4_1_MODEL))
-    assert not folder.exists() and other.is_dir()
+    assert folder.is_dir() and other.is_dir() and hub.resolve("model") == folder
 
 
 def test_a_copy_of_a_file_converted_by_an_older_fafo_runs_on_its_conversion(caches, monkeypatch, tmp_path):
@@ -745,6 +778,32 @@ def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed_once_a_d
     with atomic_path(tmp_path / "a.yaml") as partial:
         partial.write_text("whole")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["a.yaml"]
+
+
+def test_saved_tensors_are_whole_readable_as_the_umask_says_and_a_killed_saves_partial_goes(tmp_path):
+    """safetensors writes a `.tmpXXXXXX` of its own beside the file, 0600, then renames it: a published model or
+    package was unreadable to the other users of a shared cache, and a killed save's partial stayed for good."""
+    import os
+    import time
+
+    import torch
+
+    from fafo_cli.files import UNOWNED_AGE_S, publish_dir, save_tensors
+
+    old, new = tmp_path / ".tmpAb12_z", tmp_path / ".tmpCd34_y"
+    for left in (old, new):
+        left.write_bytes(b"half")
+    aged = time.time() - UNOWNED_AGE_S - 60
+    os.utime(old, (aged, aged))  # a killed save's; the other may be another process's, still writing
+    save_tensors({"a": torch.zeros(4)}, tmp_path / "x.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [new.name, "x.safetensors"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask != 0o600
+    with publish_dir(tmp_path / "model", "config.json") as staging:  # what a tool wrote into it, too
+        (staging / "config.json").write_text("{}")
+        (staging / "config.json").chmod(0o600)
+    assert (tmp_path / "model" / "config.json").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_an_atomic_write_keeps_a_symlink_and_names_the_file_asked_for(tmp_path):

@@ -403,9 +403,7 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
 def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
     """Write pack_model's modules to a safetensors file (atomically), so later processes read them in a moment
     instead of reading and checking the .gguf file's blocks again (seconds)."""
-    from safetensors.torch import save_file
-
-    from ..files import atomic_path
+    from ..files import save_tensors
 
     tensors, layout, fused_names = {}, {}, {}
     for name, module in modules.items():
@@ -421,9 +419,8 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
         tensors[f"{name}.packed"] = module.packed
         if module.bias is not None:
             tensors[f"{name}.bias"] = module.bias
-    with atomic_path(path) as partial:
-        dtype = next((str(m.dtype).removeprefix("torch.") for m in kernels(modules)), "")  # one model: one dtype
-        save_file(tensors, str(partial), metadata={"layout": json.dumps(layout), "dtype": dtype})
+    dtype = next((str(m.dtype).removeprefix("torch.") for m in kernels(modules)), "")  # one model: one dtype
+    save_tensors(tensors, path, metadata={"layout": json.dumps(layout), "dtype": dtype})
 
 
 def load(path: Path) -> dict[str, torch.nn.Module]:

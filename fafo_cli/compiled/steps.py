@@ -170,6 +170,8 @@ class CompiledSteps(OnceNotices):
     def _pack(self) -> dict:
         """The .gguf file's blocks read and checked (seconds), kept beside the packages for later processes (even
         when none could be packed, so that no later start reads the file again)."""
+        from safetensors import SafetensorError
+
         try:
             modules = packed.pack_model(self.model, self.gguf, notify=self.notify_once)
         except Exception as error:  # noqa: BLE001 - an unreadable file: the graphs keep dense weights
@@ -181,7 +183,7 @@ class CompiledSteps(OnceNotices):
         try:
             self._claim_folder()
             packed.save(modules, self.folder / PACKED_FILE)
-        except OSError:  # a full or read-only disk: the next process packs them again
+        except (OSError, SafetensorError):  # a full or read-only disk: the next process packs them again
             pass
         return modules
 
@@ -352,5 +354,6 @@ class CompiledSteps(OnceNotices):
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         self.seconds += time.perf_counter() - started
         if time.monotonic() - self._claimed_at > CLAIM_EVERY_S:  # (another version's first build would sweep it)
-            self._claim_folder()
+            with contextlib.suppress(OSError):  # (a full or read-only disk: not a reason to fail a step)
+                self._claim_folder()
         return logits[:rows]
