@@ -441,7 +441,7 @@ def bench(
         raise FafoError("--verify checks greedy rows for identical tokens: drop it, or use --temperature 0")
     settings = config_mod.resolve(config, **flags)
     matrix = command.FULL if full else command.QUICK
-    chosen = parse_suites(suites)
+    chosen = parse_suites(suites, notify=lambda line: print(f"note: {line}", file=sys.stderr))
     if context is not None and "long" not in chosen:
         raise FafoError("--context sets the long suite's prompt length: add long to --suites")
     if documents and "long" not in chosen:

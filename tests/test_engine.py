@@ -281,3 +281,21 @@ def test_a_model_folder_given_as_dot_or_a_link_has_the_same_compiled_steps(tiny,
     folders = {load(spec, dtype="float32", chat_template=False).steps_folder
                for spec in (".", str(tiny), str(tmp_path / "link"))}
     assert len(folders) == 1 and folders.pop().name.startswith(f"{tiny.name}-")
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ("fpu avx2 fma f16c", "float32"),  # Zen 3
+    ("avx2 avx512f avx512bw avx512vl", "float32"),  # Skylake: oneDNN says bf16, and emulates it
+    ("avx2 avx512f avx512_bf16", "bfloat16"),  # Zen 4, Cooper Lake
+    ("avx512f amx_tile amx_bf16", "bfloat16"),  # Sapphire Rapids
+    ("fp asimd bf16", "bfloat16"),  # Arm with bf16 products
+])
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_it_computes_it(monkeypatch, flags, expected):
+    import torch
+
+    from fafo_cli.api import pick_dtype
+    from fafo_cli.compiled.kernels import loader
+
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    assert pick_dtype("auto", torch.device("cpu")) == getattr(torch, expected)
+    assert pick_dtype("float16", torch.device("cpu")) == torch.float16  # named: as named

