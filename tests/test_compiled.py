@@ -507,6 +507,20 @@ def _attention_reference(q, k, v, mask, scale, round_probabilities, chunk=64):
     return (out / total).transpose(0, 1)
 
 
+def test_attention_kernel_refuses_values_that_do_not_fit_the_keys(compiled_cache):
+    """A value head size or slot count other than the keys' was read past its end (the loops follow the keys)."""
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    q, k = torch.randn(1, 4, 16), torch.randn(5, 2, 16)
+    visibility = (torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool), torch.ones(4, dtype=torch.bool),
+                  torch.ones(1, 1, dtype=torch.bool))
+    for v in (torch.randn(5, 2, 8), torch.randn(4, 2, 16), torch.randn(5, 1, 16)):
+        with pytest.raises(RuntimeError, match="fafo::attend: the keys, values and queries do not fit"):
+            torch.ops.fafo.attend(q, k, v, *visibility, 0.3)
+    assert torch.ops.fafo.attend(q, k, k.clone(), *visibility, 0.3).shape == (1, 4, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64])  # bf16 scores by pairs of dimensions where dim allows, widened where not
 def test_attention_kernel_rows_do_not_depend_on_each_other(compiled_cache, vector_attend, narrow_attend, dtype, dim):

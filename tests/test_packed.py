@@ -80,6 +80,19 @@ def test_packed_weights_are_gguf_dequantized_bit_for_bit(kernels, kind, wide, pa
     assert (expected.float() < 0).any() and (expected.float() > 0).any()
 
 
+@pytest.mark.parametrize("path", ["native", "plain"])
+def test_packed_linear_refuses_outputs_and_biases_its_weight_does_not_hold(kernels, path):
+    """A packed file that does not match the model (stale, damaged) is an error, not writes past the output."""
+    from fafo_cli.compiled import packed
+
+    ops = kernels[path]
+    weight = packed.tiled(packed.entries(random_matrix("Q8_0", 48, 256, seed=1, edges=False), False))  # 3 tiles
+    x = torch.randn(2, 256)
+    for out_features, bias in ((16, None), (49, None), (48, torch.zeros(47))):
+        with pytest.raises(RuntimeError, match="fafo::packed_linear: (x and the packed weight|the bias) do"):
+            ops.packed_linear(x, weight, out_features, bias)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["native", "plain"])
 @pytest.mark.parametrize("kind, wide", FORMATS)

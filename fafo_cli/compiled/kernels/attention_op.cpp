@@ -414,6 +414,9 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
   const int64_t rows = q_in.size(0), heads = q_in.size(1);
   const at::TensorOptions floats = q_in.options().dtype(at::kFloat);
+  // (keys and values of one shape, the queries' head size: the loops read both by the keys' shape)
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == dim && k.size(1) > 0,
+              "fafo::attend: the keys, values and queries do not fit");
   const int64_t slots = k.size(0), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t cached = view_mask.size(0);
   TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && sees_cache.numel() == rows && sees_view.numel() == rows &&
@@ -552,6 +555,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
             amx_block(call, c, h, b, scratch);
           }
         }
+        _tile_release();  // (an idle thread holding tile state costs its core larger context switches)
       });
     }
   } else

@@ -652,8 +652,11 @@ struct Product {
 
   Product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& bias)
       : rows(x.size(0)), in_features(x.size(1)), tiles(packed.size(0)), groups(packed.size(1)) {
-    TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile,
+    // (the last tile must hold some of the outputs: the stores of a tile past them would write beyond y)
+    TORCH_CHECK(in_features == groups * kGroup && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
                 "fafo::packed_linear: x and the packed weight do not fit");
+    TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == out_features),
+                "fafo::packed_linear: the bias does not fit the outputs");
     if (bias.has_value()) {
       bias_f = bias->to(at::kFloat).contiguous();
       bias_p = bias_f.data_ptr<float>();
