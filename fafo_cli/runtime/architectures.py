@@ -4,6 +4,10 @@ checks a model against them before anything is loaded).
 Each decoder layer is: pre-norm attention (optional qkv bias, optional per-head q/k norm) with rotary embeddings,
 then pre-norm gated MLP."""
 
+import json
+
+from ..errors import FafoError
+
 # model_type -> architecture
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
@@ -12,3 +16,21 @@ SUPPORTED = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED.values())
+
+
+def check_architecture(config: dict, where: str) -> None:
+    """Refuse, in one line, a config (config.json, or one read from a .gguf file) that names no causal LM we run."""
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise FafoError(f"{where}: the config's architectures must be a list of class names "
+                        f"(got {json.dumps(architectures)[:60]})")
+    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        return
+    if not architectures:  # GGUF metadata names only the model type
+        if config.get("model_type") in SUPPORTED:
+            return
+        raise FafoError(f"{where} does not name a model architecture (model_type {config.get('model_type')!r})")
+    if not str(architectures[0]).endswith(("ForCausalLM", "LMHeadModel")):
+        raise FafoError(f"{where} is not a causal language model ({architectures[0]})")
+    raise FafoError(f"unsupported architecture {architectures[0]} in {where} "
+                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")

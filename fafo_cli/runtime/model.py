@@ -8,7 +8,7 @@ transformers is patched. A step's rows are written after the cache's committed p
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager
 
 import torch
@@ -23,6 +23,22 @@ from .cache import KVCache
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # linear(module, x) -> module's product with x, from weights other than the module's own (QuantSpec's 4-bit draft)
 Linear = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+
+@contextmanager
+def quiet_transformers():
+    """Silence transformers' warnings and progress bars while loading, then restore what was there."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def max_context(config) -> int:

@@ -1,0 +1,128 @@
+"""A .gguf model written as a float32 safetensors folder that transformers and our modules load, a block at a time.
+
+transformers reads a .gguf file by dequantizing every tensor into one dict and loading a model from it: more than the
+model's float32 size in memory at once (an 8B model: over 32 GB), to be written out again. Here its config, tokenizer
+and tensor names come from transformers as before (its GGUF name mapping, and its processors that undo llama.cpp's
+reordering of query and key rows), but each tensor is dequantized and appended to the file a block of rows at a time
+(a query or key matrix whole, where its rows are reordered): a conversion's memory does not grow with the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from .errors import FafoError, first_line
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGNMENT = 8  # safetensors pads its header so that the data that follows starts 8-byte aligned
+BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
+
+
+def _dtypes() -> dict:
+    import torch
+
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, list[int], Callable[[], Iterable["torch.Tensor"]]]],
+                      dtype: "torch.dtype", metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of `tensors` in `dtype`, each (name, shape, a function that makes it as blocks of rows:
+    their concatenation), made and written a block at a time: the header is laid out from the shapes first."""
+    import torch
+
+    tensors, code = list(tensors), _dtypes()[dtype]
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, shape, _ in tensors:
+        size = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(text)) + text)
+        for name, shape, make in tensors:
+            rows = 0
+            for block in make():
+                block = block.to(dtype).contiguous()
+                if list(block.shape[1:]) != shape[1:]:
+                    raise FafoError(f"the tensor {name} came out as {list(block.shape)}, not rows of {shape}")
+                file.write(memoryview(block.view(torch.uint8).numpy()))
+                rows += block.shape[0] if block.dim() else 1
+            if rows != (shape[0] if shape else 1):
+                raise FafoError(f"the tensor {name} came out with {rows} rows, not {shape}")
+
+
+def write_gguf_as_hf(path: Path, out: Path) -> None:
+    """Write the .gguf model at `path` into the folder `out`: config, generation settings, tokenizer, and its
+    weights dequantized into float32 (gguf's own dequantizer, as transformers reads them)."""
+    import torch
+    from accelerate import init_empty_weights
+    from gguf import GGUFReader, dequantize
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    from .gguf_header import read_header
+    from .runtime.architectures import check_architecture
+    from .runtime.model import quiet_transformers
+
+    with quiet_transformers():  # convert_gguf read the header first, so the gguf package is known to be there
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, OSError) as e:
+            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
+        check_architecture(config.to_dict(), str(path))
+        try:  # (a tokenizer type transformers does not read)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
+        with init_empty_weights():  # the model's parameter names, on no memory
+            skeleton = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(read_header(path).architecture, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    wanted = [tensor for tensor in GGUFReader(path).tensors if tensor.name in names]
+    bar = tqdm(total=len(wanted), desc="dequantizing", unit="tensor", disable=None)  # (None: on a terminal only)
+
+    def whole(tensor) -> bool:
+        """Whether transformers' processor changes this tensor as a whole (llama.cpp's query and key order)."""
+        if type(processor) is TensorProcessor:
+            return False
+        return not isinstance(processor, LlamaTensorProcessor) or ".attn_q." in tensor.name or ".attn_k." in tensor.name
+
+    def blocks(tensor) -> Iterable[torch.Tensor]:
+        data, step = tensor.data, max(1, BLOCK_BYTES // max(1, 4 * int(tensor.shape[0])))
+        rows = data.shape[0] if data.ndim > 1 and not whole(tensor) else None
+        for first in range(0, rows, step) if rows is not None else [None]:
+            part = data if first is None else data[first:first + step]
+            try:
+                array = dequantize(part, tensor.tensor_type)
+            except NotImplementedError as e:  # (a tensor type the gguf package cannot dequantize)
+                raise FafoError(f"cannot convert {path}: {first_line(e, named=True)}") from None
+            if first is None:
+                array = processor.process(weights=array, name=tensor.name, tensor_key_mapping=names,
+                                          parsed_parameters={"config": config.to_dict(), "tensors": {}}).weights
+            yield torch.from_numpy(array if array.flags.writeable else array.copy())  # (float32 ones: the file's)
+        bar.update()
+
+    with bar:
+        write_safetensors(out / "model.safetensors",
+                          [(names[t.name], [int(d) for d in reversed(t.shape.tolist())], functools.partial(blocks, t))
+                           for t in wanted], torch.float32, metadata={"format": "pt"})
+    # The weights are dequantized: a plain float32 checkpoint, not "gguf-quantized"
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.architectures = [type(skeleton).__name__]
+    with quiet_transformers():
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
