@@ -74,13 +74,18 @@ def _settle(partial: Path, path: Path) -> None:
     flush it to disk: renamed before its data reached the disk, a power cut could leave an empty file."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        mode = NEW_FILE_MODE & ~_umask()  # a new file: the umask's, whatever a tool gave it (safetensors: 0600)
+    except FileNotFoundError:  # a new file: readable as the umask allows, whatever a tool gave it (safetensors: 0600)
+        mode = _opened_up(partial)
     os.chmod(partial, mode)
     _flush(partial)  # (written by a tool, perhaps: flushed by name)
 
 
 NEW_FILE_MODE = 0o666
+
+
+def _opened_up(path: Path) -> int:
+    """`path`'s mode with the permissions a new file gets under the umask added (an executable stays one)."""
+    return stat.S_IMODE(os.stat(path).st_mode) | (NEW_FILE_MODE & ~_umask())
 
 
 def _umask() -> int:
@@ -165,10 +170,9 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     _made.add(os.path.abspath(staging))
     try:
         yield staging
-        mode = NEW_FILE_MODE & ~_umask()
         for path in staging.rglob("*"):  # the umask's permissions: tools write some files 0600 (safetensors)
             if path.is_file() and not path.is_symlink():
-                os.chmod(path, mode)
+                os.chmod(path, _opened_up(path))
         try:
             os.rename(staging, target)
         except OSError:

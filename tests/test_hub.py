@@ -788,7 +788,7 @@ def test_saved_tensors_are_whole_readable_as_the_umask_says_and_a_killed_saves_p
 
     import torch
 
-    from fafo_cli.files import UNOWNED_AGE_S, publish_dir, save_tensors
+    from fafo_cli.files import UNOWNED_AGE_S, atomic_path, publish_dir, save_tensors
 
     old, new = tmp_path / ".tmpAb12_z", tmp_path / ".tmpCd34_y"
     for left in (old, new):
@@ -804,6 +804,10 @@ def test_saved_tensors_are_whole_readable_as_the_umask_says_and_a_killed_saves_p
         (staging / "config.json").write_text("{}")
         (staging / "config.json").chmod(0o600)
     assert (tmp_path / "model" / "config.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    with atomic_path(tmp_path / "ops.so") as partial:  # a compiler's library stays executable
+        partial.write_bytes(b"")
+        partial.chmod(0o755)
+    assert (tmp_path / "ops.so").stat().st_mode & 0o777 == 0o755 | (0o666 & ~mask)
 
 
 def test_an_atomic_write_keeps_a_symlink_and_names_the_file_asked_for(tmp_path):
