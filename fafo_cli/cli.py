@@ -656,7 +656,7 @@ def _megabytes(size: int) -> str:
 def remove_models(
     models: Annotated[list[str], typer.Argument(
         help="Names as `fafo list` shows them, hub ids, or .gguf files (their conversion is removed, not the file).",
-        show_default=False)],
+        show_default=False, metavar="MODEL")],
 ) -> None:
     """Remove models from the caches with their compiled steps: converted .gguf models, hub downloads."""
     found = [hub.removable(spec) for spec in models]  # every name checked before anything is removed
