@@ -1,19 +1,22 @@
 """Writing a file or a folder so that no reader ever sees half of it: a partial sibling, then one rename.
 
-A partial name carries its writer's process id. A writer that is killed (SIGKILL, a power cut) cannot remove its
-partial, so each write first removes the partials beside it whose writer is gone: a cut-off conversion's staging
-folder (gigabytes for a 1.5B model) does not stay in the cache for good. A partial that carries this process's own
-id but that it did not make is another process's with the same id (in containers fafo is often process 1: an
-earlier run's, or another container's sharing the cache), removed once it is a day old, as one without an id.
+A partial name carries its writer's process id, and which machine and process-id namespace that id belongs to
+(`WRITER`). A writer that is killed (SIGKILL, a power cut) cannot remove its partial, so each write first removes
+the partials beside it whose writer is gone: a cut-off conversion's staging folder (gigabytes for a 1.5B model) does
+not stay in the cache for good. Only a writer of this machine and namespace can be seen to be gone: another
+machine's (a home folder on NFS) or another container's is removed once it is a day old, as one without an id, as is
+one that carries this process's own id but that it did not make (in containers fafo is often process 1).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import time
 from contextlib import contextmanager
@@ -21,10 +24,27 @@ from pathlib import Path
 from typing import Iterator
 
 
-# a partial whose writer cannot be told (from before partial names carried a process id, or with this process's
-# id but not made by it): removed once it is this old
+# a partial whose writer cannot be told (from before partial names carried a process id, with this process's id but
+# not made by it, or another machine's or namespace's): removed once it is this old
 UNOWNED_AGE_S = 24 * 3600
 _made: set[str] = set()  # the partials this process is writing
+
+
+def _namespace() -> str:
+    """This machine and process-id namespace, as 8 hex digits: whose process ids a partial's writer id names."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # (not Linux: the host name alone)
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}|{namespace}".encode()).hexdigest()[:8]
+
+
+NAMESPACE = _namespace()
+WRITER = r"(?P<pid>\d+)(?:@(?P<namespace>[0-9a-f]{8}))?"  # a partial name's writer: its id, and where it runs
+
+
+def _writer() -> str:
+    return f"{os.getpid()}@{NAMESPACE}"
 
 
 def _gone(pid: int) -> bool:
@@ -53,13 +73,13 @@ def _sweep(folder: Path, pattern: re.Pattern) -> None:
         if match is None:
             continue
         try:
-            pid = match.group("pid")
+            pid, namespace = match.groupdict().get("pid"), match.groupdict().get("namespace")
             if os.path.abspath(entry.path) in _made:
                 continue
-            # our own id on one we did not make: an earlier process's, or another container's (its process 1 too,
-            # sharing the cache): taken as unowned
-            if not (_gone(int(pid)) if pid and int(pid) != os.getpid() else
-                    time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
+            # judged by its id where that is a process of this machine and namespace (a name without a namespace:
+            # an older fafo's), but never our own id on one we did not make (an earlier process 1's)
+            ours = pid and int(pid) != os.getpid() and namespace in (None, NAMESPACE)
+            if not (_gone(int(pid)) if ours else time.time() - entry.stat().st_mtime > UNOWNED_AGE_S):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -127,8 +147,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
             path = path.resolve()
         except RuntimeError:  # a loop of links (an OSError from Python 3.13 on)
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial{path.suffix}")
-    _sweep(path.parent, re.compile(re.escape(path.name) + r"\.(?P<pid>\d+)\.partial" + re.escape(path.suffix)))
+    partial = path.with_name(f"{path.name}.{_writer()}.partial{path.suffix}")
+    _sweep(path.parent, re.compile(re.escape(path.name) + r"\." + WRITER + r"\.partial" + re.escape(path.suffix)))
     _made.add(os.path.abspath(partial))
     try:
         yield partial
@@ -156,7 +176,7 @@ def _new_dir(parent: Path, prefix: str) -> Path:
             continue
 
 
-PARTIAL_DIR = re.compile(r"\.partial-(?:(?P<pid>\d+)-)?[^-]+")  # publish_dir's staging, remove_dir's leftovers
+PARTIAL_DIR = re.compile(r"\.partial-(?:" + WRITER + r"-)?[^-]+")  # publish_dir's staging, remove_dir's leftovers
 
 
 @contextmanager
@@ -166,7 +186,7 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
     (its file `done` is there) that copy is kept. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep(target.parent, PARTIAL_DIR)
-    staging = _new_dir(target.parent, f".partial-{os.getpid()}-")
+    staging = _new_dir(target.parent, f".partial-{_writer()}-")
     _made.add(os.path.abspath(staging))
     try:
         yield staging
@@ -188,7 +208,7 @@ def remove_dir(path: Path) -> None:
     then deleted; if this process is cut off meanwhile, the next publish_dir or remove_dir beside it finishes the
     job. FileNotFoundError where it is gone already (another process removed it)."""
     _sweep(path.parent, PARTIAL_DIR)
-    doomed = path.with_name(f".partial-{os.getpid()}-{secrets.token_hex(4)}")
+    doomed = path.with_name(f".partial-{_writer()}-{secrets.token_hex(4)}")
     _made.add(os.path.abspath(doomed))
     try:
         os.rename(path, doomed)

@@ -738,20 +738,31 @@ def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
         (models / name / "model.safetensors").write_bytes(b"half")
     aged = time.time() - UNOWNED_AGE_S - 60
     os.utime(models / ".partial-old_one", (aged, aged))  # an unowned one (written before names had a pid)
+    # another machine's writer (a cache on NFS) or another container's: its id says nothing here, until a day old
+    from fafo_cli.files import NAMESPACE
+
+    elsewhere = f".partial-{dead}@{'0' if NAMESPACE[0] != '0' else '1'}{NAMESPACE[1:]}-ij_kl"
+    (models / elsewhere).mkdir()
     with publish_dir(models / "m", "config.json") as staging:
-        assert staging.name.startswith(f".partial-{os.getpid()}-")
+        assert staging.name.startswith(f".partial-{os.getpid()}@{NAMESPACE}-")
         (staging / "config.json").write_text("{}")
-    # the dead writer's and the day-old unowned one are gone; a running writer's and a fresh unowned one stay
-    assert sorted(p.name for p in models.iterdir()) == [f".partial-{alive}-ef_gh", ".partial-new_one", "m"]
+    # the dead writer's and the day-old unowned one are gone; a running writer's, another machine's and a fresh
+    # unowned one stay
+    assert sorted(p.name for p in models.iterdir()) == [f".partial-{alive}-ef_gh", elsewhere, ".partial-new_one",
+                                                        "m"]
+    os.utime(models / elsewhere, (aged, aged))
+    with publish_dir(models / "n", "config.json") as staging:
+        (staging / "config.json").write_text("{}")
+    assert not (models / elsewhere).exists()
 
     target = tmp_path / "package.pt2"
-    for pid in (dead, alive):
+    for pid in (dead, f"{alive}@{NAMESPACE}"):
         (tmp_path / f"package.pt2.{pid}.partial.pt2").write_bytes(b"half")
     (tmp_path / f"other.pt2.{dead}.partial.pt2").write_bytes(b"half")  # another file's: left to its own writes
     with atomic_path(target) as partial:
         partial.write_bytes(b"whole")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
-        "other.pt2.%d.partial.pt2" % dead, "package.pt2", "package.pt2.%d.partial.pt2" % alive]
+        "other.pt2.%d.partial.pt2" % dead, "package.pt2", f"package.pt2.{alive}@{NAMESPACE}.partial.pt2"]
 
 
 def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed_once_a_day_old(tmp_path):
@@ -1006,7 +1017,7 @@ def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
     files.remove_dir(tmp_path / "a")
     monkeypatch.undo()
     (left,) = [p for p in tmp_path.iterdir() if p.name != "b"]
-    assert left.name.startswith(f".partial-{os.getpid()}-") and (left / "config.json").is_file()
+    assert left.name.startswith(f".partial-{os.getpid()}@") and (left / "config.json").is_file()
     left.rename(tmp_path / ".partial-999999999-dead")  # as a process that is gone left it
     files.remove_dir(tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
