@@ -187,9 +187,13 @@ class Engine:
                 process.kill()
                 process.wait()
         if process.returncode < 0:  # killed: by the kernel when memory ran out (it holds a second copy of the model)
-            killed = signal.Signals(-process.returncode)
-            raise CompileError(f"the building process was killed ({killed.name}"
-                               + (": out of memory?)" if killed == signal.SIGKILL else ")"))
+            number = -process.returncode
+            try:
+                name = signal.Signals(number).name
+            except ValueError:  # (a real-time signal has no name)
+                name = f"signal {number}"
+            raise CompileError(f"the building process was killed ({name}"
+                               + (": out of memory?)" if number == signal.SIGKILL else ")"))
         if process.returncode != 0:
             lines = [line for line in said.splitlines() if line.strip()]
             raise CompileError(lines[-1] if lines else f"the building process ended with code {process.returncode}")

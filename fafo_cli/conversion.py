@@ -88,7 +88,10 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         with init_empty_weights():  # the model's parameter names, on no memory
             skeleton = AutoModelForCausalLM.from_config(config)
     processor = TENSOR_PROCESSORS.get(read_header(path).architecture, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    try:
+        names = get_gguf_hf_weights_map(skeleton, processor)
+    except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
+        raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
     wanted = [tensor for tensor in GGUFReader(path).tensors if tensor.name in names]
     bar = tqdm(total=len(wanted), desc="dequantizing", unit="tensor", disable=None)  # (None: on a terminal only)
 

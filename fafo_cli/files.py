@@ -213,6 +213,10 @@ def remove_dir(path: Path) -> None:
     try:
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+    except OSError as e:  # (a rename's error names both paths: the folder asked for is the one to say)
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         _made.discard(os.path.abspath(doomed))
 

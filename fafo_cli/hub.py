@@ -128,7 +128,6 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
-    _check_room(target.parent, 4 * header.elements, f"converting {path.name} (float32 weights)")
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
@@ -140,6 +139,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
 
     from .runtime.memory import release_freed_memory
 
+    _check_room(target.parent, 4 * header.elements, f"converting {path.name} (float32 weights)")
     try:
         with publish_dir(target, "config.json") as staging:
             # seconds to minutes, once: said before it starts (the dequantizing bar shows on a terminal only)
@@ -296,7 +296,7 @@ def compiled_steps_folder(folder: Path, identity: str) -> Path:
 def compiled_steps_of(folder: Path) -> list[Path]:
     """Every compiled-steps folder of the model in `folder`, whatever its identity (dtype, device, versions)."""
     pattern = compiled_steps_folder(folder, "*")
-    length = len(pattern.name) + 15  # "*" stands for a 16-digit identity: not another model's name that begins so
+    length = len(folder.name) + 17  # "-" and a 16-digit identity: not another model's name that begins so
     return [steps for steps in pattern.parent.glob(pattern.name) if len(steps.name) == length and steps.is_dir()]
 
 
@@ -680,6 +680,19 @@ def cached_models() -> list[CachedModel]:
     return sorted(found, key=lambda m: m.name.lower())
 
 
+@contextlib.contextmanager
+def _hub_logger_quiet():
+    import logging
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
+
+
 def removable(spec: str) -> list[CachedModel]:
     """What `fafo rm SPEC` removes, found without converting or downloading anything: the models `fafo list` shows
     under that name (each conversion of that name; a hub model with every revision cached), or the conversion of a
@@ -691,9 +704,9 @@ def removable(spec: str) -> list[CachedModel]:
             return named
         if not path.is_dir():
             raise FafoError(f"no model named {spec} offline (`fafo list` shows them)")
-    if path.is_file():
-        key = _conversion_key(path)
-        found = [m for m in models if m.source == "gguf" and any(known == key for _, known in
+    if path.is_file():  # its conversions: of this version of it, or recorded at its path (an older version's)
+        key, here = _conversion_key(path), str(path.resolve())
+        found = [m for m in models if m.source == "gguf" and any(known == key or source == here for source, known in
                                                                    _sources(m.path, source_record(m.path)))]
     else:
         found = [m for m in models if path.exists() and m.path.resolve() == path.resolve()]
@@ -717,7 +730,11 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
-            cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
+            with _hub_logger_quiet():  # (it logs what it could not delete, with a traceback: said below instead)
+                cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
+            if repo.repo_path.exists():
+                raise FafoError(f"cannot remove {model.name} from {repo.repo_path}: not all of it could be deleted "
+                                "(its files' permissions?)")
 
 
 def newest_snapshot(repo_id: str) -> Path | None:

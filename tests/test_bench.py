@@ -328,6 +328,22 @@ def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, 
     assert found[("fafo+compiled", "hello")] == 1.75
 
 
+def test_a_bug_in_a_later_repetition_is_not_hidden_by_an_earlier_near_tie(tiny, monkeypatch):
+    from fafo_cli.bench import command, exactness
+    from fafo_cli.bench.runner import Row, Run
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+                        exactness.Divergence(position, ours[position], reference[position], 0.1, position == 1))
+    sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
+    vanilla, fafo = Row("vanilla", "vanilla"), Row("fafo", "fafo")
+    runs = [Run(vanilla, sample, repeat, [5, 6, 7], 1.0, 3, 1.0, 0, 0, 0.0) for repeat in (0, 1, 2)]
+    runs += [Run(fafo, sample, repeat, tokens, 1.0, 3, 1.0, 0, 0, 0.0)
+             for repeat, tokens in ((0, [5, 9, 7]), (1, [5, 6, 8]), (2, [5, 9, 7]))]
+    found, _ = command.divergences_from_reference(engine, runs)
+    assert (found[("fafo", "hello")].position, found[("fafo", "hello")].near_tie) == (2, False)
+
+
 def test_rounding_noise_is_zero_in_float32(tiny):
     from fafo_cli import load
     from fafo_cli.bench.exactness import rounding_noise

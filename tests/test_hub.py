@@ -962,6 +962,8 @@ def _steps_of(folder: Path, identity: str = "0123456789abcdef") -> Path:
 def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(caches, monkeypatch, tmp_path, capsys):
     """As `ollama rm NAME`: every conversion `fafo list` shows under the name, with its compiled steps (counted in
     its size on disk); a .gguf path removes its conversion, not the file; unknown names remove nothing."""
+    import os
+
     monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
     (tmp_path / "old").mkdir()
     older_file = _gguf_header(tmp_path / "old" / "model.Q4_1.gguf", "llama", **Q4_1_MODEL)
@@ -973,6 +975,12 @@ def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(ca
     # a model whose folder's name begins as another's: its steps are its own
     lookalike = hub.compiled_steps_folder(older, "x-0123456789abcdef")
     lookalike.mkdir()
+    bracketed = tmp_path / "m[Q4]" / "model"  # (a glob's special characters in a model's name)
+    bracketed.mkdir(parents=True)
+    assert hub.compiled_steps_of(bracketed) == [] and hub.compiled_steps_of(bracketed.parent) == []
+    assert hub.compiled_steps_of(bracketed.parent / "m") == []
+    steps_of_bracketed = _steps_of(bracketed.parent)
+    assert hub.compiled_steps_of(bracketed.parent) == [steps_of_bracketed]
     sizes = {m.path: m.size_bytes for m in hub.cached_models()}
     assert sizes[older] == hub._folder_size(older) + 2000 and sizes[other] == hub._folder_size(other) + 1000
 
@@ -989,6 +997,7 @@ def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(ca
 
     assert entrypoint(["rm", str(older_file)]) == 1  # its conversion is gone already
     assert "has no copy in fafo's or the Hugging Face cache" in capsys.readouterr().err
+    os.utime(other_file, ns=(1, 1))  # touched (downloaded again) since: still its conversion, by its path
     assert entrypoint(["rm", str(other_file)]) == 0 and not other.exists() and not steps[3].exists()
     assert other_file.is_file() and [m.name for m in hub.cached_models()] == []
 
@@ -1021,6 +1030,12 @@ def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
     left.rename(tmp_path / ".partial-999999999-dead")  # as a process that is gone left it
     files.remove_dir(tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "c").mkdir()
+    monkeypatch.setattr(os, "rename", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied",
+                                                                                        *map(str, a))))
+    with pytest.raises(PermissionError) as refused:  # (the CLI says "cannot use" the path it names)
+        files.remove_dir(tmp_path / "c")
+    assert refused.value.filename == str(tmp_path / "c") and refused.value.filename2 is None
 
 
 def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(caches, monkeypatch, tmp_path, capsys):
@@ -1040,6 +1055,8 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(caches, m
     with pytest.raises(FafoError, match=r"^converting big.gguf \(float32 weights\) needs about 0.1 GB in .*models, "
                                         r"which has 0.0 GB free; `fafo rm` removes models"):
         hub.convert_gguf(path)
+    (tmp_path / "copy").mkdir()  # a copy of a converted file (a reinstalled package) writes nothing: no room needed
+    assert hub.convert_gguf(Path(shutil.copy2(tmp_path / "small.gguf", tmp_path / "copy" / "small.gguf"))) == small
     capsys.readouterr()
     assert hub.weights_in(small, "bfloat16") == small  # (run in bf16: its weights copied once in that dtype)
     assert re.match(r"note: no bfloat16 copy of the weights kept \(a bfloat16 copy of small-.* needs about 0.0 GB in "
