@@ -534,7 +534,7 @@ def doctor(
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
     report = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
-                            write_to=doctor_mod.default_config_path(config) if write else None)[0]
+                            write_to=doctor_mod.default_config_path(config) if write else None)
     if report_path is not None:  # (the configured model released first: the 7B shape needs the memory)
         gc.collect()
         if device.type == "cuda":

@@ -87,7 +87,8 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
             raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
         with init_empty_weights():  # the model's parameter names, on no memory
             skeleton = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(read_header(path).architecture, TensorProcessor)(config=config.to_dict())
+    settings = config.to_dict()  # (as transformers' own GGUF reading hands its processors the model's settings)
+    processor = TENSOR_PROCESSORS.get(read_header(path).architecture, TensorProcessor)(config=settings)
     try:
         names = get_gguf_hf_weights_map(skeleton, processor)
     except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
@@ -112,7 +113,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
                 raise FafoError(f"cannot convert {path}: {first_line(e, named=True)}") from None
             if first is None:
                 array = processor.process(weights=array, name=tensor.name, tensor_key_mapping=names,
-                                          parsed_parameters={"config": config.to_dict(), "tensors": {}}).weights
+                                          parsed_parameters={"config": settings, "tensors": {}}).weights
             yield torch.from_numpy(array if array.flags.writeable else array.copy())  # (float32 ones: the file's)
         bar.update()
 

@@ -130,9 +130,10 @@ def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> Non
 
 
 def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):
-    """Every part but the GPU report: (the report as one dict, which `--json` prints; the engine loaded as
-    configured). `load(config)` loads an engine. The float32 check runs first, on a float32 copy of the model where
-    the configured dtype differs, released before the configured model loads: never both in memory at once."""
+    """Every part but the GPU report: the report as one dict, which `--json` prints (the engine it loaded goes when
+    it returns: the GPU report needs the memory). `load(config)` loads an engine. The float32 check runs first, on a
+    float32 copy of the model where the configured dtype differs, released before the configured model loads:
+    never both in memory at once."""
     from ..api import pick_device, pick_dtype
 
     if write_to is not None:
@@ -170,7 +171,7 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         # the config only where a window is recommended (its width is the setting written)
         report["written"] = {"step_costs": str(engine.steps_folder),
                              **({"config": str(write_to)} if report["recommended"]["window"] else {})}
-    return report, engine
+    return report
 
 
 def failed(report: dict) -> bool:
