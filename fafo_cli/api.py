@@ -216,9 +216,11 @@ class Engine:
         dense = "" if self.packed_matrices == matrices else f", {matrices - self.packed_matrices} matrices dense"
         return " ".join(filter(None, [hub.converted_quantization(self.folder), f"GGUF, read as stored{dense}"]))
 
-    def encode(self, prompt: Prompt, config: config_mod.Config | None = None) -> list[int]:
-        """Token ids for a prompt string or a list of chat messages, with the chat template when enabled."""
+    def encode(self, prompt: Prompt, config: config_mod.Config | None = None, tokenizer=None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages, with the chat template when enabled.
+        `tokenizer`: a copy of the engine's, for a thread other than the one that decodes (the server's requests)."""
         config = config or self.config
+        tokenizer = tokenizer or self.tokenizer
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt)
         if config.system and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
@@ -228,14 +230,14 @@ class Engine:
             from jinja2 import TemplateError  # what transformers renders chat templates with
 
             try:
-                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                              return_dict=True)
             except TemplateError as e:  # e.g. Llama-2's and Mistral's on a system message or two user turns
                 raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])
         else:  # plain continuation of the text (the caller says so to the user)
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
-            ids = self.tokenizer(text)["input_ids"]
+            ids = tokenizer(text)["input_ids"]
         if not ids:
             raise FafoError("the prompt is empty")
         return ids

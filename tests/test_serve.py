@@ -499,6 +499,27 @@ def test_a_stream_that_waits_in_the_queue_starts_and_keeps_its_connection_alive(
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"]
 
 
+def test_a_prompt_the_model_cannot_take_is_refused_with_its_status_even_behind_a_running_answer(guarded,
+                                                                                                 monkeypatch):
+    """The prompt is encoded before it queues: beyond the context, a streamed request that would wait is a 400, not
+    a 200 whose stream carries the error."""
+    from fafo_cli.serve import app
+
+    monkeypatch.setattr(app, "STREAM_HOLD_S", 0.05)
+    _slowed(monkeypatch, guarded)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"prompt": TEXT, "max_tokens": LONG, "stream": True, "method": "vanilla"}
+    with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/completions", json=long) as running:
+            events = running.iter_lines()
+            next(line for line in events if line.startswith("data: "))
+            with httpx.Client(base_url=guarded.url, headers=auth, timeout=30) as other:
+                beyond = other.post("/completions", json={"prompt": "x " * 2100, "stream": True})
+                assert beyond.status_code == 400, beyond.text
+                assert beyond.json()["error"]["code"] == "context_length_exceeded"
+                assert other.get(guarded.health).json()["waiting"] == 0  # it never queued
+
+
 def test_a_client_that_leaves_while_sending_its_body_is_no_error(served):
     address, logged = httpx.URL(served.url), len(served.log)
     with socket.create_connection((address.host, address.port), timeout=30) as leaving:
@@ -521,12 +542,14 @@ def test_closing_answers_every_waiting_request_and_starts_none(tiny):
     from fafo_cli.serve.worker import Worker
 
     engine = load(str(tiny), dtype="float32")
-    started: list[str] = []
-    encode = engine.encode
-    engine.encode = lambda prompt, config: started.append(prompt) or encode(prompt, config)
+    prompts, started = schema.Prompts(engine), []
+    generate = engine.generate
+    engine.generate = lambda ids, *args: started.append(engine.tokenizer.decode(ids)) or generate(ids, *args)
 
     def job(prompt: str, tokens: int):
-        return schema.parse({"prompt": prompt, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+        parsed = schema.parse({"prompt": prompt, "max_tokens": tokens, "method": "vanilla"}, "text", engine,
+                              engine.name)
+        return prompts.encoded(parsed)
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -576,7 +599,8 @@ def test_a_request_cancelled_mid_prefill_stops_after_the_chunk_in_flight(tiny, c
     engine.session.forward = chunk
 
     def job(text: str, tokens: int):
-        return schema.parse({"prompt": text, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+        parsed = schema.parse({"prompt": text, "max_tokens": tokens, "method": "vanilla"}, "text", engine, engine.name)
+        return schema.Prompts(engine).encoded(parsed)
 
     async def scenario():
         loop = asyncio.get_running_loop()

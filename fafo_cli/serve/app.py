@@ -30,7 +30,7 @@ from .worker import Ticket, Worker
 log = logging.getLogger("fafo.serve")
 
 OPEN_PATHS = {"/health"}  # answered without the API key: a liveness probe tells nothing about the model's use
-# A stream's headers wait this long for its first step, so an error found by then (the prompt beyond the context) is
+# A stream's headers wait this long for its first step, so an error found by then (out of memory in the prefill) is
 # still a real status; after that the stream starts, with a comment line every KEEP_ALIVE_S while the request waits
 # in the queue or prefills (a proxy drops a connection that stays silent: nginx after 60 s)
 STREAM_HOLD_S = 2.0
@@ -46,6 +46,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
     """`loopback`: the server listens on a loopback address only (requests must then be addressed to this machine:
     see `_foreign_host`); `max_tokens`: the limit of a request that gives none (None: the context left)."""
     served, started = engine.name, int(time.time())
+    prompts = schema.Prompts(engine)
 
     async def chat(request: Request) -> Response:
         return await _complete(request, "chat")
@@ -67,6 +68,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got {media})",
                            code="unsupported_media_type")
         job = schema.parse(schema.read_json(body), kind, engine, served, max_tokens)
+        job = await asyncio.to_thread(prompts.encoded, job)  # (a long prompt takes a while: not in the event loop)
         ticket = worker.submit(job, asyncio.get_running_loop())
         first = asyncio.ensure_future(ticket.next())
 

@@ -8,8 +8,10 @@ is a field not given, as in OpenAI's API.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import threading
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -43,6 +45,11 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    ids: tuple[int, ...] = ()  # the prompt's tokens (Prompts.encoded), with config.max_tokens fitted to the context
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
 
     def fitted(self, prompt_tokens: int, context: int) -> config_mod.Config:
         """The config with max_tokens bounded by the context left after the prompt (an error if asked beyond)."""
@@ -50,7 +57,7 @@ class Job:
         if room <= 0:
             raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this model's context is {context} tokens, and "
                                 "an answer needs at least one more",
-                           param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded")
+                           param=self.prompt_field, code="context_length_exceeded")
         if self.config.max_tokens <= room:
             return self.config
         if self.tokens_field:
@@ -58,6 +65,26 @@ class Job:
                                 f"{self.tokens_field} can be at most {room} (got {self.config.max_tokens})",
                            param=self.tokens_field, code="context_length_exceeded")
         return replace(self.config, max_tokens=room)
+
+
+class Prompts:
+    """Tokens of a job's prompt, found before the job queues, so that a prompt the model cannot take (beyond its
+    context, refused by its chat template) is a real status even for a stream that waits. Its own tokenizer: the
+    engine's thread decodes with the engine's, and a fast tokenizer may not be used by two threads at once."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._lock = threading.Lock()
+
+    def encoded(self, job: Job) -> Job:
+        """The job with its prompt's ids and max_tokens fitted to the context left (an ApiError where it cannot)."""
+        with self._lock:
+            try:
+                ids = self._engine.encode(job.prompt, job.config, self._tokenizer)
+            except FafoError as e:  # the prompt itself: empty, not text, refused by the chat template
+                raise ApiError(400, str(e), param=job.prompt_field, code="invalid_value") from None
+        return replace(job, ids=tuple(ids), config=job.fitted(len(ids), self._engine.model.max_context))
 
 
 def read_json(raw: bytes) -> dict:

@@ -72,7 +72,10 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
-        """Queue a job; a full queue is a 503 with Retry-After (OpenAI's status for an overloaded engine)."""
+        """Queue an encoded job (Prompts.encoded); a full queue is a 503 with Retry-After (OpenAI's status for an
+        overloaded engine)."""
+        if not job.ids:
+            raise ValueError("a job must be encoded (Prompts.encoded) before it queues")
         with self._lock:
             if self._closing:
                 raise shutting_down()
@@ -154,17 +157,11 @@ class Worker:
                   time.perf_counter() - ticket.queued_at, _settings(job))
         last: Step | None = None
         try:
-            try:
-                ids = engine.encode(job.prompt, job.config)
-            except FafoError as e:  # the prompt itself: empty, or not text
-                raise ApiError(400, str(e), param="messages" if job.kind == "chat" else "prompt",
-                               code="invalid_value") from None
-
             def prefilled(_) -> None:  # told after each chunk of the prompt's prefill
                 if ticket.cancelled:
                     raise _Cancelled
 
-            stream = engine.generate(ids, job.fitted(len(ids), engine.model.max_context), job.stop, prefilled)
+            stream = engine.generate(list(job.ids), job.config, job.stop, prefilled)
             try:
                 for last in stream:
                     ticket.post(last)
