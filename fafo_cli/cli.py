@@ -420,7 +420,7 @@ def bench(
     plot_file: Annotated[Optional[str], typer.Option("--plot", help="Speedup chart (PNG; needs matplotlib).",
                                                      show_default=False)] = None,
     tune: Annotated[bool, typer.Option("--tune", help="Measure this machine and write the best FAFO settings "
-                                       "into the user config (or the --config file).")] = False,
+                                       "into the user config (or the --config file, created where missing).")] = False,
 ) -> None:
     """FAFO against plain decoding, the peer methods and transformers, side by side."""
     from .bench import command, long
@@ -439,7 +439,7 @@ def bench(
             raise FafoError(f"--tune measures with its own prompts and settings: drop {', '.join(ignored)}")
     if verify and temperature > 0:
         raise FafoError("--verify checks greedy rows for identical tokens: drop it, or use --temperature 0")
-    settings = config_mod.resolve(config, **flags)
+    settings = config_mod.resolve(config, written=tune, **flags)
     matrix = command.FULL if full else command.QUICK
     chosen = parse_suites(suites, notify=lambda line: print(f"note: {line}", file=sys.stderr))
     if context is not None and "long" not in chosen:
@@ -497,8 +497,8 @@ def bench(
 def doctor(
     config: ConfigOpt = None,
     *, flags: dict,
-    write: Annotated[bool, typer.Option("--write", help="Write the recommended settings into the config, as `fafo "
-                                        "bench --tune` does.")] = False,
+    write: Annotated[bool, typer.Option("--write", help="Write the recommended settings into the config (or the "
+                                        "--config file, created where missing), as `fafo bench --tune` does.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the report.")] = False,
     gpu_report: Annotated[Optional[str], typer.Option("--gpu-report", metavar="FILE", show_default=False,
                                                       help="Also measure a 7B-shaped random-weight Llama's steps "
@@ -518,7 +518,7 @@ def doctor(
     if gpu_shape is not None and gpu_report is None:
         raise FafoError("--gpu-shape sets the shape of --gpu-report's model: add --gpu-report FILE")
     gpu_shape = gpu_shape or "7b"
-    settings = config_mod.resolve(config, **flags)
+    settings = config_mod.resolve(config, written=write, **flags)
     device = pick_device(settings.device)
     report_path = None
     if gpu_report is not None:  # refused before minutes of measuring

@@ -465,13 +465,16 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
     return config
 
 
-def resolve(config_file: str | None, **flags: Any) -> Config:
-    """The effective config: defaults, then the user's file (or `config_file`), then the flags."""
+def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> Config:
+    """The effective config: defaults, then the user's file (or `config_file`), then the flags. `written`: the
+    command writes settings into `config_file`, which it creates where there is none yet."""
     config = Config()
     if config_file is not None and not config_file.strip():
         raise FafoError("--config needs a file name")
     if config_file is not None:
-        config = load_file(Path(config_file).expanduser(), config)
+        path = Path(config_file).expanduser()
+        if not (written and not path.exists() and not path.is_symlink()):  # (a link to nothing: its error)
+            config = load_file(path, config)
     elif user_config_path().exists() or user_config_path().is_symlink():  # (a folder, a link to nothing: errors)
         config = load_file(user_config_path(), config)
     return build(config, **flags)

@@ -523,6 +523,11 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     assert ("Wrote streams=" in out) == ((written.streams, written.ngram, written.guesses) != (5, 6, 4))
     assert "Wrote streams=" in out or "unchanged" in out
     assert yaml.safe_load(text)["max_tokens"] == 99 and not list(tmp_path.glob("*.partial*"))
+    new = tmp_path / "tuned.yaml"  # a --config file that does not exist yet is created
+    code = entrypoint(["bench", str(tiny), "--tune", "--config", str(new), "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert code == 0 and new.is_file() == ("Wrote streams=" in out), err
+    assert config_mod.load_file(new) if new.is_file() else "unchanged" in out
 
 
 def test_a_config_that_cannot_be_written_is_refused_before_measuring(tiny, tmp_path, monkeypatch, capsys):
