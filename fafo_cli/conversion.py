@@ -10,54 +10,13 @@ reordering of query and key rows), but each tensor is dequantized and appended t
 from __future__ import annotations
 
 import functools
-import json
-import math
-import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Iterable
 
 from .errors import FafoError, first_line
+from .files import write_safetensors
 
-if TYPE_CHECKING:
-    import torch
-
-ALIGNMENT = 8  # safetensors pads its header so that the data that follows starts 8-byte aligned
 BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
-
-
-def _dtypes() -> dict:
-    import torch
-
-    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, list[int], Callable[[], Iterable["torch.Tensor"]]]],
-                      dtype: "torch.dtype", metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file of `tensors` in `dtype`, each (name, shape, a function that makes it as blocks of rows:
-    their concatenation), made and written a block at a time: the header is laid out from the shapes first."""
-    import torch
-
-    tensors, code = list(tensors), _dtypes()[dtype]
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, shape, _ in tensors:
-        size = dtype.itemsize * math.prod(shape)
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % ALIGNMENT)
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(text)) + text)
-        for name, shape, make in tensors:
-            rows = 0
-            for block in make():
-                block = block.to(dtype).contiguous()
-                if list(block.shape[1:]) != shape[1:]:
-                    raise FafoError(f"the tensor {name} came out as {list(block.shape)}, not rows of {shape}")
-                file.write(memoryview(block.view(torch.uint8).numpy()))
-                rows += block.shape[0] if block.dim() else 1
-            if rows != (shape[0] if shape else 1):
-                raise FafoError(f"the tensor {name} came out with {rows} rows, not {shape}")
 
 
 def write_gguf_as_hf(path: Path, out: Path) -> None:
@@ -119,8 +78,8 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
 
     with bar:
         write_safetensors(out / "model.safetensors",
-                          [(names[t.name], [int(d) for d in reversed(t.shape.tolist())], functools.partial(blocks, t))
-                           for t in wanted], torch.float32, metadata={"format": "pt"})
+                          [(names[t.name], [int(d) for d in reversed(t.shape.tolist())], torch.float32,
+                            functools.partial(blocks, t)) for t in wanted], metadata={"format": "pt"})
     # The weights are dequantized: a plain float32 checkpoint, not "gguf-quantized"
     if hasattr(config, "quantization_config"):
         del config.quantization_config

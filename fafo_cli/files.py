@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import re
 import secrets
 import shutil
 import socket
 import stat
+import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 
 # a partial whose writer cannot be told (from before partial names carried a process id, with this process's id but
@@ -221,17 +227,49 @@ def remove_dir(path: Path) -> None:
         _made.discard(os.path.abspath(doomed))
 
 
-SAFETENSORS_PARTIAL = re.compile(r"\.tmp(?P<pid>)\w{6}")  # safetensors writes one beside its file, then renames it
+# safetensors' names of the dtypes we write
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8", "int8": "I8",
+                      "int16": "I16", "int32": "I32", "int64": "I64"}
+SAFETENSORS_ALIGNMENT = 8  # safetensors pads its header so that the data that follows starts 8-byte aligned
 
 
-def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    """safetensors' save_file to `path`, atomically (atomic_path). Its own partial file beside it, left by a process
-    killed mid-write (hundreds of MB for packed weights), is removed once it is a day old."""
-    from safetensors.torch import save_file
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, list[int], "torch.dtype", Callable[[], Iterable]]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of `tensors`, atomically (atomic_path): each (name, shape, dtype, a function that makes it
+    as blocks of rows: their concatenation), made and written a block at a time, so that a file larger than memory
+    can be written; the header is laid out from the shapes first. Wider items first (stable), as safetensors' own
+    writer orders them, so each tensor starts aligned to its items."""
+    import torch
 
-    _sweep(path.parent, SAFETENSORS_PARTIAL)
-    with atomic_path(path) as partial:
-        save_file(tensors, str(partial), metadata=metadata)
+    from .errors import FafoError
+
+    tensors = sorted(tensors, key=lambda entry: -entry[2].itemsize)
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, shape, dtype, _ in tensors:
+        size = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": shape,
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % SAFETENSORS_ALIGNMENT)
+    with atomic_path(path) as partial, open(partial, "wb") as file:
+        file.write(struct.pack("<Q", len(text)) + text)
+        for name, shape, dtype, make in tensors:
+            rows = 0
+            for block in make():
+                block = block.to(dtype).contiguous()
+                if list(block.shape[1:]) != shape[1:]:
+                    raise FafoError(f"the tensor {name} came out as {list(block.shape)}, not rows of {shape}")
+                file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+                rows += block.shape[0] if block.dim() else 1
+            if rows != (shape[0] if shape else 1):
+                raise FafoError(f"the tensor {name} came out with {rows} rows, not {shape}")
+
+
+def whole(name: str, tensor: "torch.Tensor") -> tuple:
+    """A tensor in memory as one of write_safetensors' entries."""
+    return name, list(tensor.shape), tensor.dtype, lambda: [tensor]
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

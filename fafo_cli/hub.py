@@ -24,9 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .conversion import write_gguf_as_hf, write_safetensors
+from .conversion import write_gguf_as_hf
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, write_atomic
+from .files import publish_dir, remove_dir, write_atomic, write_safetensors
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -332,9 +332,9 @@ def weights_in(folder: Path, dtype: str) -> Path:
             (staging / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2), encoding="utf-8")
             with safe_open(folder / "model.safetensors", framework="pt") as weights:  # a tensor at a time
                 write_safetensors(staging / "model.safetensors",
-                                  [(name, list(weights.get_slice(name).get_shape()),
+                                  [(name, list(weights.get_slice(name).get_shape()), getattr(torch, dtype),
                                     functools.partial(_as_block, weights, name)) for name in weights.keys()],
-                                  getattr(torch, dtype), weights.metadata())
+                                  weights.metadata())
     except (FafoError, OSError, SafetensorError) as e:  # a full disk, a quota, another user's read-only cache
         reason = e if isinstance(e, FafoError) else getattr(e, "strerror", None) or first_line(e)
         print(f"note: no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded "

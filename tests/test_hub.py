@@ -791,23 +791,37 @@ def test_a_partial_with_this_process_id_that_it_did_not_make_is_removed_once_a_d
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["a.yaml"]
 
 
-def test_saved_tensors_are_whole_readable_as_the_umask_says_and_a_killed_saves_partial_goes(tmp_path):
-    """safetensors writes a `.tmpXXXXXX` of its own beside the file, 0600, then renames it: a published model or
-    package was unreadable to the other users of a shared cache, and a killed save's partial stayed for good."""
+def test_written_tensors_are_whole_aligned_and_readable_as_the_umask_says(tmp_path):
+    """write_safetensors: mixed dtypes in blocks of rows read back by safetensors itself, each tensor aligned to its
+    items whatever order they come in, nothing partial left, and the file readable by the other users of a shared
+    cache as the umask says (safetensors' own writer made its files 0600)."""
     import os
-    import time
 
     import torch
+    from safetensors import safe_open
 
-    from fafo_cli.files import UNOWNED_AGE_S, atomic_path, publish_dir, save_tensors
+    from fafo_cli.errors import FafoError
+    from fafo_cli.files import atomic_path, publish_dir, whole, write_safetensors
 
-    old, new = tmp_path / ".tmpAb12_z", tmp_path / ".tmpCd34_y"
-    for left in (old, new):
-        left.write_bytes(b"half")
-    aged = time.time() - UNOWNED_AGE_S - 60
-    os.utime(old, (aged, aged))  # a killed save's; the other may be another process's, still writing
-    save_tensors({"a": torch.zeros(4)}, tmp_path / "x.safetensors")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [new.name, "x.safetensors"]
+    codes = torch.arange(7, dtype=torch.uint8)  # odd bytes first: the wider tensors must still start aligned
+    rows = torch.randn(5, 3)
+    written = {"codes": codes, "rows": rows, "half": rows.to(torch.bfloat16), "scalar": torch.tensor(2.5)}
+    write_safetensors(tmp_path / "x.safetensors",
+                      [whole("codes", codes), ("rows", [5, 3], torch.float32, lambda: [rows[:2], rows[2:]]),
+                       ("half", [5, 3], torch.bfloat16, lambda: [rows]), whole("scalar", written["scalar"])],
+                      metadata={"kind": "test"})
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as file:
+        assert file.metadata() == {"kind": "test"} and sorted(file.keys()) == sorted(written)
+        for name, tensor in written.items():
+            assert torch.equal(file.get_tensor(name), tensor) and file.get_tensor(name).dtype == tensor.dtype
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    assert (8 + size) % 8 == 0 and all(header[name]["data_offsets"][0] % tensor.element_size() == 0
+                                       for name, tensor in written.items())
+    with pytest.raises(FafoError, match="came out with 4 rows, not \\[5, 3\\]"):
+        write_safetensors(tmp_path / "y.safetensors", [("rows", [5, 3], torch.float32, lambda: [rows[:4]])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
     mask = os.umask(0o022)
     os.umask(mask)
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask != 0o600

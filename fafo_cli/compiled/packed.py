@@ -403,9 +403,9 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
 def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
     """Write pack_model's modules to a safetensors file (atomically), so later processes read them in a moment
     instead of reading and checking the .gguf file's blocks again (seconds)."""
-    from ..files import save_tensors
+    from ..files import whole, write_safetensors
 
-    tensors, layout, fused_names = {}, {}, {}
+    tensors, layout, fused_names = [], {}, {}
     for name, module in modules.items():
         if isinstance(module, FusedPart):
             key = fused_names.setdefault(id(module.fused), name)  # the first part's name keys the stack
@@ -416,11 +416,11 @@ def save(modules: dict[str, torch.nn.Module], path: Path) -> None:
             layout[key]["sizes"] = module.sizes
         else:
             layout[name] = {"out_features": module.out_features}
-        tensors[f"{name}.packed"] = module.packed
+        tensors.append(whole(f"{name}.packed", module.packed))
         if module.bias is not None:
-            tensors[f"{name}.bias"] = module.bias
+            tensors.append(whole(f"{name}.bias", module.bias))
     dtype = next((str(m.dtype).removeprefix("torch.") for m in kernels(modules)), "")  # one model: one dtype
-    save_tensors(tensors, path, metadata={"layout": json.dumps(layout), "dtype": dtype})
+    write_safetensors(path, tensors, metadata={"layout": json.dumps(layout), "dtype": dtype})
 
 
 def load(path: Path) -> dict[str, torch.nn.Module]:
