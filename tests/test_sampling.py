@@ -4,6 +4,8 @@ sampling's very tokens, and the engine against the model's own probabilities."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -151,18 +153,34 @@ def test_min_p_matches_transformers():
     torch.testing.assert_close(target_probs(logits, Sampling(0.8, min_p=0.1)), expected)
 
 
-def _exact_first_two(engine, prompt_ids, sampling):
-    """The model's own distribution of the first two tokens, by enumeration over the allowed first tokens."""
+def _exact_first(engine, prompt_ids, sampling, length: int) -> dict[tuple[int, ...], float]:
+    """The model's own distribution of the first `length` tokens, by enumeration over the allowed ones."""
     model = engine.hf_model  # transformers' own class: the oracle
+    joint = {(): 1.0}
     with torch.inference_mode():
-        first = target_probs(model(torch.tensor([prompt_ids])).logits[0, -1], sampling)
-        support = first.nonzero().flatten().tolist()
-        pairs = {}
-        for x in support:
-            second = target_probs(model(torch.tensor([prompt_ids + [x]])).logits[0, -1], sampling)
-            for y in second.nonzero().flatten().tolist():
-                pairs[(x, y)] = float(first[x] * second[y])
-    return pairs
+        for _ in range(length):
+            longer = {}
+            for prefix, mass in joint.items():
+                probs = target_probs(model(torch.tensor([prompt_ids + list(prefix)])).logits[0, -1], sampling)
+                for token in probs.nonzero().flatten().tolist():
+                    longer[prefix + (token,)] = mass * float(probs[token])
+            joint = longer
+    return joint
+
+
+def pooled_chi_square(counts: dict, exact: dict, least: float = 5.0) -> tuple[float, float]:
+    """Chi-square of `counts` against the probabilities `exact` over the cells expected at least `least` times,
+    the others pooled into one, and its critical value at p = 0.001 (Wilson-Hilferty's approximation)."""
+    total = sum(counts.values())
+    cells = sorted(exact, key=exact.get, reverse=True)
+    kept = [cell for cell in cells if exact[cell] * total >= least]
+    rest = [cell for cell in cells if cell not in kept]
+    observed = [counts[cell] for cell in kept] + ([sum(counts[cell] for cell in rest)] if rest else [])
+    expected = [exact[cell] * total for cell in kept] + ([sum(exact[cell] for cell in rest) * total] if rest else [])
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    freedom = len(observed) - 1
+    critical = freedom * (1 - 2 / (9 * freedom) + 3.0902 * math.sqrt(2 / (9 * freedom))) ** 3
+    return statistic, critical
 
 
 def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
@@ -193,38 +211,54 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
     # triforce and quantspec draft with the model itself (sampled drafts, speculative sampling)
 
 
-# TriForce's middle level reads the whole (short) prompt, so its q equals p; with the draft model its own
-# checks of the draft model's q != p are exercised. QuantSpec's 4-bit copy gives q != p at the top level.
+# TriForce's middle level reads a retrieval cache of triforce_budget tokens of a longer prompt, so its q is not p;
+# with the draft model its own checks of the draft model's q != p run too. QuantSpec's 4-bit copy gives q != p.
 PEER_SETTINGS = dict(streams=2, ngram=2, guesses=3, prefix=1, lookahead_streams=2, lookahead_ngram=2,
                      lookahead_guesses=3, triforce_budget=64, triforce_chunk=4, triforce_gamma1=2,
                      quantspec_group=8, quantspec_gamma=2)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix",
-                                    "triforce", "triforce+draft", "quantspec"])
+                                    "triforce", "triforce+draft", "quantspec", "quantspec+wrong-rule"])
 def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatch, tmp_path):
+    """The first three tokens' joint distribution against the model's own, enumerated: the second and third are
+    guessed in one step (depth 1 and 2 of a draft, and the token after an accepted one), at a temperature other than
+    1, so that a draft's distribution warped otherwise than the target's would show. A wrong acceptance rule must
+    fail the same check."""
+    from fafo_cli.decoders import speculative
+
     from .conftest import build_tiny_model
 
+    wrong = method.endswith("+wrong-rule")
+    if wrong:  # accepts x with p(x), whatever q(x) was
+        monkeypatch.setattr(speculative, "accept_speculative", accept_one_hot)
     draft = str(build_tiny_model(tmp_path / "draft", "llama-mha", seed=3)) if method == "triforce+draft" else None
-    method = method.removesuffix("+draft")
+    method = method.removesuffix("+draft").removesuffix("+wrong-rule")
     engine = load(str(tiny), dtype="float32", chat_template=False, method=method, draft_model=draft,
                   **PEER_SETTINGS)
-    prompt = "The cat sat on the mat."
-    settings = dict(temperature=1.0, top_k=3, max_tokens=3)  # the first step may keep an accepted guess
-    exact = _exact_first_two(engine, engine.encode(prompt), Sampling(1.0, top_k=3))
+    # TriForce's: longer than its retrieval budget, so that its middle level's q is not the target's p
+    prompt = "The cat sat on the mat. " * (12 if method == "triforce" else 1)
+    settings = dict(temperature=0.7, top_k=3, max_tokens=3)
+    exact = _exact_first(engine, engine.encode(prompt), Sampling(0.7, top_k=3), 3)
     likely: dict[int, list[int]] = {}
-    for first, second in exact:
-        likely.setdefault(first, []).append(second)
+    for triple in exact:
+        for before, after in zip(triple, triple[1:]):
+            if after not in likely.setdefault(before, []):
+                likely[before].append(after)
     _offer(monkeypatch, method, likely)
     counts = dict.fromkeys(exact, 0)
-    accepted = 0
+    accepted = drafted = 0
     for seed in range(1500):
         result = engine.complete(prompt, seed=seed, **settings)
-        counts[tuple(result.token_ids[:2])] += 1
+        counts[tuple(result.token_ids)] += 1
         accepted += result.stats.accepted_tokens
+        drafted += result.stats.drafted_tokens
         if seed < 100 and method not in ("vanilla", "triforce", "quantspec"):  # one-hot guesses: plain's tokens
             assert result.token_ids == engine.complete(prompt, seed=seed, method="vanilla", **settings).token_ids
-    observed = torch.tensor([counts[k] for k in exact], dtype=torch.float)
-    assert chi_square(observed, torch.tensor(list(exact.values()))) < 26.1  # 8 dof, p = 0.001
+    statistic, critical = pooled_chi_square(counts, exact)
+    if wrong:
+        assert statistic > critical, (statistic, critical)
+        return
+    assert statistic < critical, (statistic, critical)
     if method != "vanilla":
-        assert accepted > 100  # the guesses were really verified (and often accepted), not bypassed
+        assert accepted > 100 and drafted - accepted > 50  # guesses verified, often accepted and sometimes not
