@@ -228,6 +228,9 @@ def test_peer_sampling_is_reproducible(tiny, peer):
     b = engine.complete(LONG, seed=3, **settings)
     c = engine.complete(LONG, seed=4, **settings)
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    # its guesses were verified (one-hot ones would otherwise match trivially); a 2-token leader seldom recurs in a
+    # random model's sampled text
+    assert a.stats.drafted_tokens > 0 or peer == "cacheback-ll2"
     plain = engine.complete(LONG, seed=3, method="vanilla", **settings)
     assert (a.token_ids == plain.token_ids) == (PEERS[peer]["method"] not in DRAFTED_BY_MODEL)
 
