@@ -222,11 +222,13 @@ class Engine:
         config = config or self.config
         tokenizer = tokenizer or self.tokenizer
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt)
-        if config.system and not any(m["role"] == "system" for m in messages):
+        templated = config.chat_template and self.has_chat_template
+        # (without the template, a configured system prompt is left out, as a string prompt's always was)
+        if config.system and templated and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": config.system})
         for message in messages:
             _check_text(message["content"], "the prompt")
-        if config.chat_template and self.has_chat_template:
+        if templated:
             from jinja2 import TemplateError  # what transformers renders chat templates with
 
             try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from . import config as config_mod
 from .api import Engine
@@ -66,10 +67,15 @@ class Repl:
         self.settings: dict = {}  # /set overrides for the next answers
         self.totals = Totals()
         self.interactive = out.is_terminal
+        self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
 
     def _warn(self, message: str) -> None:
         """One line on stderr, never wrapped (scripts and tests read it whole)."""
         self.err.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def _error(self, message: str) -> None:
+        self.failed = True
+        self._warn(f"error: {message}")
 
     def _read(self) -> tuple[str, bool] | None:
         """One user message (possibly multi-line) and whether it was a \"\"\" block (a message even where it
@@ -87,7 +93,7 @@ class Repl:
                 try:
                     more = input("... " if self.interactive else "")
                 except EOFError:
-                    self._warn('error: the input ended inside a """ block; that message was not sent')
+                    self._error('the input ended inside a """ block; that message was not sent')
                     return None
                 if _closes(more):
                     last = more.rstrip()[:-3]
@@ -103,14 +109,15 @@ class Repl:
                 break
         return "\n".join(lines), False
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """The session; its exit status: 1 where a script's input was refused somewhere, else 0."""
         # undecodable bytes arrive as lone surrogates, which the check below refuses line by line (a strict
         # reader, as under most UTF-8 locales, would throw away the rest of its buffer with them)
         getattr(sys.stdin, "reconfigure", lambda **_: None)(errors="surrogateescape")
         if self.interactive:
             with contextlib.suppress(ImportError):  # input() then edits lines and recalls earlier ones (arrow keys)
                 import readline  # noqa: F401
-            self.out.print(f"[bold]{self.engine.name}[/] · {method_label(self.engine.request_config())} · /help for commands, "
+            self.out.print(f"[bold]{escape(self.engine.name)}[/] · {method_label(self.engine.request_config())} · /help for commands, "
                            "Ctrl-D to leave")
         while True:
             try:
@@ -122,20 +129,23 @@ class Repl:
                 self.out.print("\n(use /exit or Ctrl-D to leave)")
                 continue
             except UnicodeEncodeError:
-                self._warn("error: that message is not UTF-8 text; it was not sent")
+                self._error("that message is not UTF-8 text; it was not sent")
                 continue
             if read is None:
                 if self.interactive:
                     self.out.print()
-                return
+                return self._status()
             text, block = read
             if not text.strip():
                 continue
             if not block and text.strip().startswith("/"):
                 if self._command(text.strip()):
-                    return
+                    return self._status()
                 continue
             self._answer(text)
+
+    def _status(self) -> int:
+        return int(self.failed and not self.interactive)
 
     def _command(self, line: str) -> bool:
         """Handle a /command; True means leave."""
@@ -153,7 +163,7 @@ class Repl:
         elif name == "/set":
             self._set(line.split()[1:])
         else:
-            self._warn(f"unknown command {name} (try /help)")
+            self._error(f"unknown command {name} (try /help)")
         return False
 
     def _set(self, words: list[str]) -> None:
@@ -166,7 +176,7 @@ class Repl:
             self.out.print("  ".join(f"{key}={value}" for key, value in shown.items()), markup=False)
             return
         if len(words) != 2 or words[0] not in SETTABLE:
-            self._warn(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+            self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
             return
         key, raw = words
         try:
@@ -175,10 +185,10 @@ class Repl:
             if value not in (None, ""):  # (which restores the default)
                 self.engine.check_given(config, {key})  # and like a flag: it must change something
         except FafoError as e:
-            self._warn(f"error: {e}")
+            self._error(str(e))
             return
         except (yaml.YAMLError, ValueError) as e:  # (ValueError: an integer past Python's limit of digits)
-            self._warn(f"error: cannot read {raw[:40]!r} as a value ({first_line(e)})")
+            self._error(f"cannot read {raw[:40]!r} as a value ({first_line(e)})")
             return
         self.settings[key] = value
         # what an earlier /set asked for that this one leaves without effect (temperature 0 after a top_p): cleared,
@@ -199,21 +209,30 @@ class Repl:
         return True
 
     def _fit_context(self) -> bool:
-        """Drop the oldest exchanges until the conversation leaves the answer room in the model's context (its
-        max_tokens, at most a quarter of the context); False if not even the newest message fits."""
+        """Where the conversation leaves the answer too little room in the model's context (its max_tokens, at most
+        a quarter of the context), drop the oldest exchanges until it takes at most half of what is left, as
+        llama.cpp's context shift discards half: the turns after that reuse the cached start of the conversation
+        again instead of each dropping one more exchange and prefilling all of it. False, with its error, if the
+        newest message cannot be sent (alone beyond the context, refused by the chat template)."""
         context = self.engine.model.max_context
         room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
         messages, dropped = list(self.messages), 0
-        while (length := len(self.engine.encode(messages))) > context - room:
-            first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
-            if first is None or first >= len(messages) - 1:  # only the newest message is left
-                if length < context:  # it is answered in what room there is
-                    break
-                self.messages.pop()  # refused, and the conversation kept as it was
-                self._warn(f"error: this message alone does not fit the model's context ({context} tokens)")
-                return False
-            del messages[first:first + 2]  # the oldest user message and its answer
-            dropped += 1
+        try:
+            length = len(self.engine.encode(messages))
+            limit = context - room if length <= context - room else (context - room) // 2
+            while length > limit:
+                first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+                if first is None or first >= len(messages) - 1:  # only the newest message is left
+                    if length < context:  # it is answered in what room there is
+                        break
+                    raise FafoError(f"this message alone does not fit the model's context ({context} tokens)")
+                del messages[first:first + 2]  # the oldest user message and its answer
+                dropped += 1
+                length = len(self.engine.encode(messages))
+        except FafoError as e:  # refused, and the conversation kept as it was
+            self.messages.pop()
+            self._error(str(e))
+            return False
         self.messages[:] = messages
         if dropped:
             self._warn(f"note: the conversation outgrew the model's context ({context} tokens); dropped the "
@@ -237,17 +256,17 @@ class Repl:
         except KeyboardInterrupt:
             interrupt_handled()
             stream.close()
-            self.out.print("[dim](stopped)[/]")
+            self.err.print("[dim](stopped)[/]")  # (not into the answer's text where stdout is a file)
         except FafoError as e:
             self.messages.pop()
-            self._warn(f"error: {e}. /reset starts a new conversation.")
+            self._error(f"{e}. /reset starts a new conversation.")
             return
         except (MemoryError, RuntimeError) as e:  # the conversation so far is kept: a shorter answer may fit
             if not is_out_of_memory(e):
                 raise
             self.messages.pop()
-            self._warn("error: out of memory in this answer; /set max_tokens N asks for a shorter one, /reset starts "
-                       "a new conversation")
+            self._error("out of memory in this answer; /set max_tokens N asks for a shorter one, /reset starts a "
+                        "new conversation")
             return
         self.messages.append({"role": "assistant", "content": "".join(answer)})
         if view.last:

@@ -301,7 +301,7 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
     out, err = consoles()
     engine = _load(settings, err, flags)
     engine.explicit = frozenset()  # checked at launch; from here on /set may change any of them (and is checked)
-    Repl(engine, out, err).run()
+    raise typer.Exit(Repl(engine, out, err).run())
 
 
 @app.command()

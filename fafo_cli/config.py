@@ -303,7 +303,7 @@ def _check(name: str, value: Any, spec) -> Any:
     return value
 
 
-def build(base: Config | None = None, **changes: Any) -> Config:
+def build(base: Config | None = None, /, **changes: Any) -> Config:
     """A validated Config; keys with value None in `changes` are left as they are (flag not given)."""
     unknown = sorted(set(changes) - set(SPECS))
     if unknown:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -409,7 +410,7 @@ def test_chat_checks_set_like_a_flag_and_skips_a_message_that_is_not_text(tiny):
                              "--temperature", "0.7", "--top-p", "0.9"], input=script, capture_output=True, env=env,
                             timeout=120)
     err = result.stderr.decode()
-    assert result.returncode == 0 and "Traceback" not in err, err
+    assert result.returncode == 1 and "Traceback" not in err, err  # a script's refused input: exit 1 at its end
     assert "error: that message is not UTF-8 text; it was not sent" in err
     # top_p's flag does not stop /set temperature 0 (the command line's flags are checked at launch), and
     # /set top_p while greedy is refused as its flag would be
@@ -433,7 +434,7 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_and_sends_blocks_
     huge = "word " * 3000  # beyond the tiny model's context alone
     script = f'first message\n{huge}\n"""\n/etc/hosts lists names\n"""\n/set temperature [1\n/stats\n"""\nunclosed\n'
     result = _chat(tiny, script)
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: this message alone does not fit the model's context" in result.stderr
     assert "unknown command" not in result.stderr  # the block starting with / was a message
     assert "error: cannot read '[1' as a value (while parsing a flow sequence)" in result.stderr
@@ -544,7 +545,7 @@ def test_running_out_of_memory_in_a_chat_answer_keeps_the_conversation(tiny, mon
 def test_chat_repl_script(tiny):
     script = '/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n/reset\n/stats\n'
     result = _chat(tiny, script)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # /bogus, in a script
     assert "/reset" in result.stdout and "Ctrl-C stops the current answer" in result.stdout  # /help
     assert "3 turns · 24 tokens generated" in result.stdout  # hello, the """ block, the \ continuation
     assert "conversation cleared" in result.stdout
@@ -578,7 +579,7 @@ def test_quiet_and_verbose_together_are_refused(capsys, tiny, prompt_file):
 def test_chat_set_command_changes_and_validates_settings(tiny):
     script = "/set\n/set temperature 0.5\n/set top_p 2\n/set bogus 1\n/set seed 7\n/set\nhello\n"
     result = _chat(tiny, script)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     assert "temperature=0.0" in result.stdout  # the first /set shows the current values
     assert "temperature = 0.5" in result.stdout and "seed = 7" in result.stdout
     assert "temperature=0.5" in result.stdout and "seed=7" in result.stdout  # the second /set
@@ -591,11 +592,32 @@ def test_chat_that_outgrows_the_context_drops_the_oldest_turns(tmp_path):
     folder = build_tiny_model(tmp_path / "small", "llama-gqa", max_positions=160)
     script = "".join(f"message number {i} with some words\n" for i in range(6)) + "x" * 300 + "\nshort\n/stats\n"
     result = _chat(folder, script)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     assert "dropped the oldest" in result.stderr and "(/reset starts over)" in result.stderr
     assert "this message alone does not fit the model's context (160 tokens)" in result.stderr
     assert "7 turns" in result.stdout  # every message that fits was answered
     assert "Traceback" not in result.stderr
+
+
+def test_a_chat_beyond_the_context_drops_half_of_it_so_later_turns_reuse_the_cache(tmp_path):
+    """Each drop frees half of the room, as llama.cpp's context shift: the turns after it add to a conversation
+    whose start is cached, instead of each dropping one more exchange and prefilling the whole conversation."""
+    folder = build_tiny_model(tmp_path / "small", "llama-gqa", max_positions=400)  # about 8 exchanges
+    script = "".join(f"message number {i} with some words\n" for i in range(16)) + "/stats\n"
+    result = _chat(folder, script)
+    assert result.returncode == 0 and "16 turns" in result.stdout, result.stderr
+    drops = [int(n) for n in re.findall(r"dropped the oldest (\d+) exchange", result.stderr)]
+    assert drops and min(drops) >= 3 and len(drops) <= 3, drops  # (one a turn from the ninth on, before)
+    cached = re.search(r"prompt tokens (\d+) \((\d+) reused from the cache\)", result.stdout)
+    assert cached and int(cached.group(2)) > int(cached.group(1)) // 2, result.stdout
+
+
+def test_a_chat_template_that_refuses_a_chats_messages_refuses_that_message_only(tmp_path):
+    folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
+    result = _chat(folder, "hello\n/stats\n", "--system", "Be brief.")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: the model's chat template refused the messages: System role not supported" in result.stderr
+    assert "0 turns" in result.stdout  # the session went on to /stats
 
 
 # like Llama-2's and Mistral's templates: no system role
@@ -630,6 +652,11 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     with pytest.raises(FafoError, match="'chat_template' needs a chat template"):  # a completion asking for it
         engine.check_given(engine.request_config(chat_template=True), {"chat_template"})
     engine.check_given(engine.request_config(chat_template=False), {"chat_template"})
+    # a config file's system prompt (a default) is left out of a chat's plain text, as of a string prompt's
+    defaulted = load(str(folder), dtype="float32", system="Be brief.")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+    assert defaulted.encode(chat) == engine.encode(chat) == engine.tokenizer("hi\nyes")["input_ids"]
+    assert defaulted.encode("hi") == engine.encode("hi")
     for flags in (["--chat-template"], ["--system", "Be brief."]):  # a server's defaults that no request could use
         code, out, err = run_cli(capsys, "serve", folder, "--port", "0", "--dtype", "float32", *flags)
         assert code == 1 and "needs a chat template, and" in err and err.count("\n") == 2, err  # (after the note)

@@ -58,6 +58,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("bogus: 1\n", "unknown config key 'bogus'"),
+    ("base: 1\n", "unknown config key 'base'"),  # (build's own argument's name)
     ("dtype: fp8\n", "'dtype' must be one of auto, float32, bfloat16, float16"),
     ("max_tokens: 0\n", "'max_tokens' must be >= 1"),
     ("max_tokens: 1.5\n", "'max_tokens' must be an integer"),
