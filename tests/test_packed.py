@@ -221,10 +221,10 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
                    ffn_gate=(512, 256), ffn_up=(512, 256), ffn_down=(256, 512))  # [out, in]
 
 
-def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2"):
+def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
-    embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of TINY_TYPES
-    with scales that keep activations moderate; or its Llama twin (no q, k, v biases; llama.cpp stores its query and
+    embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of `types`
+    (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases; llama.cpp stores its query and
     key rows reordered)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -238,7 +238,8 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
     writer.add_context_length(512)
     writer.add_embedding_length(256)
     writer.add_feed_forward_length(512)
-    writer.add_block_count(len(TINY_TYPES))
+    types = types or TINY_TYPES
+    writer.add_block_count(len(types))
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_rope_freq_base(10000.0)
@@ -260,7 +261,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
     matrix("token_embd.weight", "Q8_0", len(tokens), 256)
     if head is not None:
         matrix("output.weight", head, len(tokens), 256)
-    for layer, kinds in TINY_TYPES.items():
+    for layer, kinds in types.items():
         for name, kind in kinds.items():
             matrix(f"blk.{layer}.{name}.weight", kind, *TINY_SHAPES[name])
         for name, size in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128)) if architecture == "qwen2" else ():
@@ -472,6 +473,53 @@ def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):
     assert not torch.equal(logits[0], logits[1])  # the packed kernel's sums, not torch's
     ours, theirs = (run.complete("one two three four", max_tokens=24, method="vanilla") for run in (engine, dense))
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24
+
+def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_step_size(compiled_cache, tmp_path):
+    """Where every matrix is read packed, a float32 compiled step (the default on CPUs without AVX512-BF16) gives a
+    token the logits of the one-row step bit for bit in the 2- and 4-row packages too, window rows beside it or
+    not: compiled FAFO decodes compiled plain decoding's very tokens, not only up to near-ties. (A matrix left dense
+    runs inductor's GEMM, whose sums may part by row count: the tiny model's Q5_1 one did, by 2e-5.)"""
+    from fafo_cli import load
+    from fafo_cli.compiled.build import stored_dtype
+    from fafo_cli.compiled.kernels import loader
+
+    loader.load(compiled_cache / "compiled")
+    if torch.ops.fafo.packed_kernel(torch.float32) == "plain":
+        pytest.skip("this CPU lacks AVX2: float32 steps keep dense weights")
+    types = {layer: {name: "Q8_0" if kind == "Q5_1" else kind for name, kind in kinds.items()}
+             for layer, kinds in TINY_TYPES.items()}
+    path = write_tiny_gguf(tmp_path / "tiny-packed.gguf", seed=2, types=types)
+    notices: list[str] = []
+    engine = load(str(path), dtype="float32", compile="on", notify=notices.append)
+    assert not [n for n in notices if "stay dense" in n]
+    runners = {rows: engine.compiled.runner(rows) for rows in (1, 2, 4)}
+    assert all(runners.values()), notices
+    model, gen = engine.model, torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for context in (40, 300):
+            cache = model.new_cache(context + 4, context + 4)
+            for part in (cache.keys, cache.values):
+                part.copy_(torch.randn(part.shape, generator=gen))
+            cache.commit(context)
+            cache.store_as(stored_dtype(model))
+            visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
+            visible[:4] = visible[-20:] = True  # what window rows see of the cache
+
+            def step(rows: int) -> torch.Tensor:  # token 0 at the next position, then more rows (2 as a window's)
+                sees_all = torch.arange(rows) < 2
+                return runners[rows](torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
+                                     torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
+                                     list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0]
+
+            alone = step(1)
+            assert torch.equal(alone, step(2)) and torch.equal(alone, step(4)), f"after {context} cached tokens"
+    engine.stop_ids = frozenset()  # random weights: run to the token limit
+    prompt = "one two three four one two three four"
+    vanilla = engine.complete(prompt, max_tokens=40, method="vanilla")
+    engine.reset()
+    fafo = engine.complete(prompt, max_tokens=40, method="fafo", streams=0, draft_tokens=3)  # in packages 1, 2, 4
+    assert fafo.token_ids == vanilla.token_ids and max(map(int, fafo.stats.step_rows)) > 1
+
 
 
 def test_a_conversion_draws_no_progress_bars_off_a_terminal(tmp_path, monkeypatch, capfd):
