@@ -56,9 +56,12 @@ def test_every_module_computes_what_transformers_computes(tiny_models, variant):
             assert torch.equal(a.mlp(x), b.mlp(x))
             for name in ("q_proj", "k_proj", "v_proj"):
                 assert torch.equal(getattr(a.self_attn, name)(x), getattr(b.self_attn, name)(x))
+            attended = torch.randn(1, 12, b.self_attn.o_proj.in_features)
+            assert torch.equal(a.self_attn.o_proj(attended), b.self_attn.o_proj(attended))
             heads = x.view(1, 12, -1, a.self_attn.head_dim)[..., :ours.config.num_key_value_heads, :]
-            if hasattr(b.self_attn, "q_norm"):
-                assert torch.equal(a.self_attn.q_norm(heads), b.self_attn.q_norm(heads))
+            for name in ("q_norm", "k_norm"):
+                if hasattr(b.self_attn, name):
+                    assert torch.equal(getattr(a.self_attn, name)(heads), getattr(b.self_attn, name)(heads))
             assert a.self_attn.scaling == b.self_attn.scaling and a.self_attn.head_dim == b.self_attn.head_dim
         assert torch.equal(ours.lm_head(x), theirs.lm_head(x))
     assert ours.generation_config.eos_token_id == theirs.generation_config.eos_token_id
