@@ -9,9 +9,11 @@ reordering of query and key rows), but each tensor is dequantized and appended t
 
 from __future__ import annotations
 
+import copy
 import functools
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .errors import FafoError, first_line
 from .files import write_safetensors
@@ -19,22 +21,50 @@ from .files import write_safetensors
 BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
 
 
+@contextmanager
+def _header_read_once() -> Iterator[None]:
+    """transformers reads a .gguf file's whole header (gguf's GGUFReader: 10-15 s for a 150k-token vocabulary on a
+    small CPU) for its config, and again for its tokenizer: within this block, once. A transformers without that
+    function reads it twice, as before."""
+    from transformers import modeling_gguf_pytorch_utils as module
+
+    read = getattr(module, "load_gguf_checkpoint", None)
+    if read is None:
+        yield
+        return
+    kept: dict[str, dict] = {}
+
+    def once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return read(path, return_tensors=return_tensors, **kwargs)
+        if str(path) not in kept:
+            kept[str(path)] = read(path, return_tensors=False)
+        return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
+
+    module.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        module.load_gguf_checkpoint = read
+
+
 def write_gguf_as_hf(path: Path, out: Path) -> None:
     """Write the .gguf model at `path` into the folder `out`: config, generation settings, tokenizer, and its
     weights dequantized into float32 (gguf's own dequantizer, as transformers reads them)."""
     import torch
     from accelerate import init_empty_weights
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
-    from .gguf_header import read_header
+    from .gguf_header import read_header, read_tensors
     from .runtime.architectures import check_architecture
     from .runtime.model import quiet_transformers
 
-    with quiet_transformers():  # convert_gguf read the header first, so the gguf package is known to be there
+    # (convert_gguf read the header first, so the gguf package is known to be there)
+    with quiet_transformers(), _header_read_once():
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as e:
@@ -52,7 +82,10 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         names = get_gguf_hf_weights_map(skeleton, processor)
     except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
         raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
-    wanted = [tensor for tensor in GGUFReader(path).tensors if tensor.name in names]
+    try:
+        wanted = [tensor for tensor in read_tensors(path) if tensor.name in names]
+    except ValueError as e:  # (a tensor type the gguf package does not know)
+        raise FafoError(f"cannot convert {path}: {e}") from None
     bar = tqdm(total=len(wanted), desc="dequantizing", unit="tensor", disable=None)  # (None: on a terminal only)
 
     def whole(tensor) -> bool:
@@ -78,7 +111,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
 
     with bar:
         write_safetensors(out / "model.safetensors",
-                          [(names[t.name], [int(d) for d in reversed(t.shape.tolist())], torch.float32,
+                          [(names[t.name], list(reversed(t.shape)), torch.float32,
                             functools.partial(blocks, t)) for t in wanted], metadata={"format": "pt"})
     # The weights are dequantized: a plain float32 checkpoint, not "gguf-quantized"
     if hasattr(config, "quantization_config"):

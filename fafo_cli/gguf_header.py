@@ -1,6 +1,7 @@
-"""A .gguf file's header, read without its tensors: the architecture it names and how its weights are quantized.
+"""A .gguf file's header: the architecture it names, how its weights are quantized, and its tensors mapped from
+the file.
 
-gguf's GGUFReader builds numpy views for every entry of every array (30 s for the header of a model with a
+gguf's GGUFReader builds numpy views for every entry of every array (11-30 s for the header of a model with a
 150k-token vocabulary on a small CPU); this walks the key-value section and the tensor descriptions directly
 (GGUF versions 2 and 3, little-endian), skipping arrays, in a fraction of a second.
 """
@@ -13,11 +14,25 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # GGUF value types: 0-7, 10-12 scalars (struct formats), 8 a string, 9 an array
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 WANTED = ("general.architecture", "general.file_type", "general.alignment")
+# tensor types stored as plain numbers, by numpy's names (gguf's reader: the others are blocks of bytes)
+PLAIN = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32",
+         "I64": "int64"}
+
+
+class TensorEntry(NamedTuple):
+    name: str
+    dims: tuple[int, ...]  # the file's order: columns first
+    kind: int  # gguf's tensor type number
+    offset: int  # from the start of the data section
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,8 @@ class GgufHeader:
     file_type: int | None  # general.file_type: llama.cpp's name for the mix (15: Q4_K_M); absent in some files
     tensor_bytes: dict[str, int]  # tensor type name ("Q4_K", "F32", ...) -> bytes its tensors take
     elements: int = 0  # numbers its tensors hold, all together
+    tensors: tuple[TensorEntry, ...] = ()
+    data_start: int = 0  # where the data section starts in the file
 
     @property
     def quantization(self) -> str | None:
@@ -67,22 +84,64 @@ def _parse(data) -> GgufHeader:
         else:
             reader.skip(kind)
     tensor_bytes: Counter[str] = Counter()
+    tensors = []
     data_end = elements = 0  # where the last tensor's data ends, from the start of the data section
     for _ in range(n_tensors):
-        reader.string()  # name
+        name = reader.string()
         dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
         kind, offset = reader.unpack("<IQ", many=True)
-        name, size = _tensor_type(kind, dims)
-        tensor_bytes[name] += size
+        tensors.append(TensorEntry(name, dims, kind, offset))
+        type_name, size = _tensor_type(kind, dims)
+        tensor_bytes[type_name] += size
         elements += math.prod(dims)
         data_end = max(data_end, offset + size)
     alignment = found.get("general.alignment")
     alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
-    if -(-reader.at // alignment) * alignment + data_end > len(data):  # the data section starts aligned
+    data_start = -(-reader.at // alignment) * alignment  # the data section starts aligned
+    if data_start + data_end > len(data):
         raise ValueError("the file ends before its tensors' data does (cut short?)")
     architecture, file_type = found.get("general.architecture"), found.get("general.file_type")
     return GgufHeader(architecture if isinstance(architecture, str) else None,
-                      file_type if isinstance(file_type, int) else None, dict(tensor_bytes), elements)
+                      file_type if isinstance(file_type, int) else None, dict(tensor_bytes), elements,
+                      tuple(tensors), data_start)
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """A tensor of a .gguf file under the names of gguf's ReaderTensor: `shape` in the file's order (columns first),
+    `data` a read-only view of the file (rows of bytes for a type of blocks, as gguf's dequantize reads them)."""
+    name: str
+    tensor_type: object  # gguf's GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: "np.ndarray"
+
+
+def read_tensors(path: Path) -> list[GgufTensor]:
+    """The tensors of the .gguf file at `path`, mapped from the file (what GGUFReader's tensors hold, without its
+    parsing of the header's arrays). A type the gguf package does not know is a ValueError naming it."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    header = read_header(path)
+    data = np.memmap(path, mode="r")
+    tensors = []
+    for entry in header.tensors:
+        try:
+            kind = GGMLQuantizationType(entry.kind)
+        except ValueError:
+            raise ValueError(f"its tensor {entry.name} is of type {entry.kind}, which the gguf package does not "
+                             "know") from None
+        shape = tuple(reversed(entry.dims))  # numpy's order: rows first
+        start = header.data_start + entry.offset
+        if kind.name in PLAIN:
+            item = np.dtype(PLAIN[kind.name])
+            view = data[start:start + math.prod(shape) * item.itemsize].view(item).reshape(shape)
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            row = shape[-1] // block * size
+            view = data[start:start + math.prod(shape[:-1]) * row].reshape(*shape[:-1], row)
+        tensors.append(GgufTensor(entry.name, kind, tuple(entry.dims), view))
+    return tensors
 
 
 def _tensor_type(kind: int, dims: tuple[int, ...]) -> tuple[str, int]:

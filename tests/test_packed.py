@@ -281,6 +281,36 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-qwen2.gguf")
 
 
+def test_the_tensor_table_maps_what_ggufs_reader_reads(tiny_gguf, tmp_path):
+    """read_tensors (the header walked directly, the data mapped from the file) gives every tensor gguf's own
+    GGUFReader gives: name, type, shape and data, for blocks of every type we write and float32 tensors; a tensor
+    type the gguf package does not know is a ValueError that names it."""
+    import struct
+
+    from gguf import GGUFReader
+
+    from fafo_cli.gguf_header import read_header, read_tensors
+
+    path = write_tiny_gguf(tmp_path / "own-head.gguf", seed=3, head="Q6_K")
+    for file in (tiny_gguf, path):
+        ours, theirs = read_tensors(file), GGUFReader(file).tensors
+        assert [t.name for t in ours] == [t.name for t in theirs] and len(ours) > 20
+        for mine, reference in zip(ours, theirs):
+            assert mine.tensor_type == reference.tensor_type and mine.shape == tuple(map(int, reference.shape))
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape, mine.name
+            assert np.array_equal(mine.data, reference.data), mine.name
+    assert {t.tensor_type.name for t in read_tensors(path)} >= {"Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q4_1", "Q5_1", "F32"}
+    data = bytearray(path.read_bytes())
+    header = read_header(path)
+    unknown = next(i for i in range(200, 1000) if i not in {t.kind for t in header.tensors})
+    entry = header.tensors[0]  # its type number, just before its offset, after its dims
+    at = data.index(entry.name.encode()) + len(entry.name) + 4 + 8 * len(entry.dims)
+    data[at:at + 4] = struct.pack("<I", unknown)
+    (tmp_path / "unknown.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"tensor {entry.name} is of type {unknown}, which the gguf package"):
+        read_tensors(tmp_path / "unknown.gguf")
+
+
 @pytest.mark.parametrize("architecture, head", [("qwen2", None), ("qwen2", "Q6_K"), ("llama", None)])
 def test_a_conversion_holds_what_transformers_reads_from_the_gguf_file(tmp_path, monkeypatch, capsys, architecture,
                                                                         head):

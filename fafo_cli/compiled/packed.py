@@ -371,9 +371,9 @@ def pack_model(model: Model, gguf: Path, notify=None) -> dict[str, torch.nn.Modu
     transformers model ("model.layers.3.mlp.up_proj", "lm_head"): PackedLinear, or FusedPart where a layer's
     matrices that read the same input could be stacked. Matrices of a type we do not read stay dense: `notify`
     hears of them in one line."""
-    from gguf import GGUFReader
+    from ..gguf_header import read_tensors
 
-    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+    tensors = {t.name: t for t in read_tensors(gguf)}
     wanted = {f"model.layers.{i}.{module}": [tensors.get(f"blk.{i}.{name}.weight")]
               for i in range(len(model.layers)) for name, module in LAYER_MODULES.items()}
     wanted["lm_head"] = [tensors[name] for name in HEAD_TENSORS if name in tensors]
