@@ -233,7 +233,7 @@ class Engine:
 
             try:
                 encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)
+                                                        return_dict=True)
             except TemplateError as e:  # e.g. Llama-2's and Mistral's on a system message or two user turns
                 raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])

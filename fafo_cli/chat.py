@@ -117,8 +117,8 @@ class Repl:
         if self.interactive:
             with contextlib.suppress(ImportError):  # input() then edits lines and recalls earlier ones (arrow keys)
                 import readline  # noqa: F401
-            self.out.print(f"[bold]{escape(self.engine.name)}[/] · {method_label(self.engine.request_config())} · /help for commands, "
-                           "Ctrl-D to leave")
+            label = method_label(self.engine.request_config())
+            self.out.print(f"[bold]{escape(self.engine.name)}[/] · {label} · /help for commands, Ctrl-D to leave")
         while True:
             try:
                 read = self._read()
@@ -145,7 +145,7 @@ class Repl:
             self._answer(text)
 
     def _status(self) -> int:
-        return int(self.failed and not self.interactive)
+        return int(self.failed and not sys.stdin.isatty())  # (read from a file or a pipe)
 
     def _command(self, line: str) -> bool:
         """Handle a /command; True means leave."""
@@ -210,16 +210,20 @@ class Repl:
 
     def _fit_context(self) -> bool:
         """Where the conversation leaves the answer too little room in the model's context (its max_tokens, at most
-        a quarter of the context), drop the oldest exchanges until it takes at most half of what is left, as
-        llama.cpp's context shift discards half: the turns after that reuse the cached start of the conversation
-        again instead of each dropping one more exchange and prefilling all of it. False, with its error, if the
-        newest message cannot be sent (alone beyond the context, refused by the chat template)."""
+        a quarter of the context), drop the oldest exchanges until the earlier ones take at most half of the room
+        the newest message leaves, as llama.cpp's context shift discards half: the turns after that reuse the
+        cached start of the conversation instead of each dropping one more exchange and prefilling all of it.
+        False, with its error, if the newest message cannot be sent (alone beyond the context, refused by the chat
+        template)."""
         context = self.engine.model.max_context
         room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
         messages, dropped = list(self.messages), 0
         try:
             length = len(self.engine.encode(messages))
-            limit = context - room if length <= context - room else (context - room) // 2
+            limit = context - room
+            if length > limit:  # the newest message, and half the room it leaves the earlier ones
+                newest = len(self.engine.encode([m for m in messages if m["role"] == "system"] + messages[-1:]))
+                limit = (limit + newest) // 2
             while length > limit:
                 first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
                 if first is None or first >= len(messages) - 1:  # only the newest message is left

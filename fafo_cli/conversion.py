@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -19,6 +20,7 @@ from .errors import FafoError, first_line
 from .files import write_safetensors
 
 BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
+_HEADER_PATCH = threading.Lock()
 
 
 @contextmanager
@@ -28,24 +30,26 @@ def _header_read_once() -> Iterator[None]:
     function reads it twice, as before."""
     from transformers import modeling_gguf_pytorch_utils as module
 
-    read = getattr(module, "load_gguf_checkpoint", None)
-    if read is None:
-        yield
-        return
     kept: dict[str, dict] = {}
+    # (two conversions in threads of one process: one at a time, each restoring transformers' own function)
+    with _HEADER_PATCH:
+        read = getattr(module, "load_gguf_checkpoint", None)
+        if read is None:
+            yield
+            return
 
-    def once(path, return_tensors=False, **kwargs):
-        if return_tensors or kwargs:
-            return read(path, return_tensors=return_tensors, **kwargs)
-        if str(path) not in kept:
-            kept[str(path)] = read(path, return_tensors=False)
-        return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
+        def once(path, return_tensors=False, **kwargs):
+            if return_tensors or kwargs:
+                return read(path, return_tensors=return_tensors, **kwargs)
+            if str(path) not in kept:
+                kept[str(path)] = read(path, return_tensors=False)
+            return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
 
-    module.load_gguf_checkpoint = once
-    try:
-        yield
-    finally:
-        module.load_gguf_checkpoint = read
+        module.load_gguf_checkpoint = once
+        try:
+            yield
+        finally:
+            module.load_gguf_checkpoint = read
 
 
 def write_gguf_as_hf(path: Path, out: Path) -> None:

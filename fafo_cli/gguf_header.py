@@ -123,6 +123,8 @@ def read_tensors(path: Path) -> list[GgufTensor]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     header = read_header(path)
+    if len({entry.name for entry in header.tensors}) < len(header.tensors):
+        raise ValueError("it names a tensor twice")
     data = np.memmap(path, mode="r")
     tensors = []
     for entry in header.tensors:
@@ -138,6 +140,9 @@ def read_tensors(path: Path) -> list[GgufTensor]:
             view = data[start:start + math.prod(shape) * item.itemsize].view(item).reshape(shape)
         else:
             block, size = GGML_QUANT_SIZES[kind]
+            if not shape or shape[-1] % block:
+                raise ValueError(f"its tensor {entry.name} of type {kind.name} has rows of {shape[-1:]} numbers, not "
+                                 f"of whole blocks of {block}")
             row = shape[-1] // block * size
             view = data[start:start + math.prod(shape[:-1]) * row].reshape(*shape[:-1], row)
         tensors.append(GgufTensor(entry.name, kind, tuple(entry.dims), view))

@@ -147,7 +147,7 @@ def test_transformers_rows_count_the_tokens_after_the_prefills_pass():
     from fafo_cli.bench.runner import _Timing
     from fafo_cli.runtime.memory import PeakMemory
 
-    timing = _Timing(PeakMemory(torch.device("cpu")))
+    timing = _Timing(PeakMemory([torch.device("cpu")]))
     for batch in ([[1, 2, 3, 4]], [5, 6, 7], [8], [9, 10]):  # the prompt, then the prefill pass's three tokens
         timing.put(torch.tensor(batch))
     assert timing.first_tokens == 3 and timing.last > timing.first
@@ -526,8 +526,8 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     new = tmp_path / "tuned.yaml"  # a --config file that does not exist yet is created
     code = entrypoint(["bench", str(tiny), "--tune", "--config", str(new), "--dtype", "float32"])
     out, err = capsys.readouterr()
-    assert code == 0 and new.is_file() == ("Wrote streams=" in out), err
-    assert config_mod.load_file(new) if new.is_file() else "unchanged" in out
+    assert code == 0 and new.is_file(), err  # whether or not the measurement changed a setting
+    config_mod.load_file(new)
 
 
 def test_a_config_that_cannot_be_written_is_refused_before_measuring(tiny, tmp_path, monkeypatch, capsys):

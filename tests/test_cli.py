@@ -608,8 +608,12 @@ def test_a_chat_beyond_the_context_drops_half_of_it_so_later_turns_reuse_the_cac
     assert result.returncode == 0 and "16 turns" in result.stdout, result.stderr
     drops = [int(n) for n in re.findall(r"dropped the oldest (\d+) exchange", result.stderr)]
     assert drops and min(drops) >= 3 and len(drops) <= 3, drops  # (one a turn from the ninth on, before)
-    cached = re.search(r"prompt tokens (\d+) \((\d+) reused from the cache\)", result.stdout)
+    cached = re.search(r"prompt\s+tokens\s+(\d+)\s+\((\d+)\s+reused", result.stdout)  # (wrapped where narrow)
     assert cached and int(cached.group(2)) > int(cached.group(1)) // 2, result.stdout
+    # a long message keeps half the room it leaves for the exchanges before it (not none of them)
+    script = "".join(f"message number {i} with some words\n" for i in range(6)) + "x" * 150 + "\n"
+    drops = [int(n) for n in re.findall(r"dropped the oldest (\d+) exchange", _chat(folder, script).stderr)]
+    assert len(drops) == 1 and 0 < drops[0] < 6, drops
 
 
 def test_a_chat_template_that_refuses_a_chats_messages_refuses_that_message_only(tmp_path):

@@ -10,13 +10,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fafo_cli"
 
-# what each layer may import from the package (besides itself and the shared leaves: errors, files, config)
+# what each layer may import from the package (besides itself and the shared leaves: errors, files, config, and the
+# .gguf file format's reader, which the conversion and the packing of blocks share)
 ALLOWED = {
     "runtime": set(),
     "compiled": {"runtime"},
     "decoders": {"runtime"},
 }
-LEAVES = {"errors", "files", "config"}
+LEAVES = {"errors", "files", "config", "gguf_header"}
 
 
 def _module(path: Path) -> str:

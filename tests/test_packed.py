@@ -224,8 +224,8 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
 def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
     embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of `types`
-    (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases; llama.cpp stores its query and
-    key rows reordered)."""
+    (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases;
+    llama.cpp stores its query and key rows reordered)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -309,6 +309,10 @@ def test_the_tensor_table_maps_what_ggufs_reader_reads(tiny_gguf, tmp_path):
     (tmp_path / "unknown.gguf").write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"tensor {entry.name} is of type {unknown}, which the gguf package"):
         read_tensors(tmp_path / "unknown.gguf")
+    data = path.read_bytes().replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight")  # (as GGUFReader refuses)
+    (tmp_path / "twice.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match="it names a tensor twice"):
+        read_tensors(tmp_path / "twice.gguf")
 
 
 @pytest.mark.parametrize("architecture, head", [("qwen2", None), ("qwen2", "Q6_K"), ("llama", None)])
@@ -506,9 +510,9 @@ def test_a_float32_gguf_steps_over_its_packed_blocks(compiled_cache, tiny_gguf):
 
 def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_step_size(compiled_cache, tmp_path):
     """Where every matrix is read packed, a float32 compiled step (the default on CPUs without AVX512-BF16) gives a
-    token the logits of the one-row step bit for bit in the 2- and 4-row packages too, window rows beside it or
-    not: compiled FAFO decodes compiled plain decoding's very tokens, not only up to near-ties. (A matrix left dense
-    runs inductor's GEMM, whose sums may part by row count: the tiny model's Q5_1 one did, by 2e-5.)"""
+    token the logits of the one-row step bit for bit in a 4-row package too, window rows beside it: compiled FAFO
+    decodes compiled plain decoding's very tokens, not only up to near-ties. (A matrix left dense runs inductor's
+    GEMM, whose sums may part by row count: the tiny model's Q5_1 one did, by 2e-5.)"""
     from fafo_cli import load
     from fafo_cli.compiled.build import stored_dtype
     from fafo_cli.compiled.kernels import loader
@@ -522,7 +526,7 @@ def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_
     notices: list[str] = []
     engine = load(str(path), dtype="float32", compile="on", notify=notices.append)
     assert not [n for n in notices if "stay dense" in n]
-    runners = {rows: engine.compiled.runner(rows) for rows in (1, 2, 4)}
+    runners = {rows: engine.compiled.runner(rows) for rows in (1, 4)}
     assert all(runners.values()), notices
     model, gen = engine.model, torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -541,14 +545,7 @@ def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_
                                      torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
                                      list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0]
 
-            alone = step(1)
-            assert torch.equal(alone, step(2)) and torch.equal(alone, step(4)), f"after {context} cached tokens"
-    engine.stop_ids = frozenset()  # random weights: run to the token limit
-    prompt = "one two three four one two three four"
-    vanilla = engine.complete(prompt, max_tokens=40, method="vanilla")
-    engine.reset()
-    fafo = engine.complete(prompt, max_tokens=40, method="fafo", streams=0, draft_tokens=3)  # in packages 1, 2, 4
-    assert fafo.token_ids == vanilla.token_ids and max(map(int, fafo.stats.step_rows)) > 1
+            assert torch.equal(step(1), step(4)), f"after {context} cached tokens"
 
 
 

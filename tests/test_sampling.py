@@ -236,6 +236,7 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
     method = method.removesuffix("+draft").removesuffix("+wrong-rule")
     engine = load(str(tiny), dtype="float32", chat_template=False, method=method, draft_model=draft,
                   **PEER_SETTINGS)
+    engine.stop_ids = frozenset()  # every answer three tokens long, as the enumeration
     # TriForce's: longer than its retrieval budget, so that its middle level's q is not the target's p
     prompt = "The cat sat on the mat. " * (12 if method == "triforce" else 1)
     settings = dict(temperature=0.7, top_k=3, max_tokens=3)

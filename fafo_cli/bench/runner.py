@@ -103,7 +103,7 @@ def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tu
     from transformers import GenerationConfig
 
     model = engine.hf_model
-    memory = PeakMemory(engine.model.device)
+    memory = PeakMemory(engine.model.devices)
     timing = _Timing(memory)
     prompt = torch.tensor([ids], device=engine.model.device)
     options = dict(EXTERNAL[row.method])

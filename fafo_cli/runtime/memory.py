@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import os
 import resource
+import sys
+from typing import Iterable
 
 import torch
 
@@ -16,23 +18,26 @@ def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE
-    except OSError:  # not Linux: the process-lifetime peak is the best we have
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except OSError:  # not Linux: the process-lifetime peak is the best we have (macOS counts it in bytes)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 class PeakMemory:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    """`devices`: the model's (Model.devices); on CUDA the peaks of all of them, summed (a model spread over GPUs)."""
+
+    def __init__(self, devices: Iterable[torch.device]):
+        self.devices = tuple(devices)
+        self.cuda = self.devices[0].type == "cuda"
         self.kind = "cuda" if self.cuda else "rss"
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        self.device = device
+            for device in self.devices:
+                torch.cuda.reset_peak_memory_stats(device)
         self.peak = 0
         self.sample()
 
     def sample(self) -> float:
         """Record the current usage; return the peak so far in MB."""
-        now = torch.cuda.max_memory_allocated(self.device) if self.cuda else _rss_bytes()
+        now = sum(map(torch.cuda.max_memory_allocated, self.devices)) if self.cuda else _rss_bytes()
         self.peak = max(self.peak, now)
         return self.peak / 2**20
 

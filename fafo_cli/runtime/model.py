@@ -108,6 +108,7 @@ class Model:
         # state moves to the next layer's device between layers (one small copy per hop and step)
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
         self.spread = len(set(self.layer_devices)) > 1
+        self.devices = tuple(dict.fromkeys([self.device, *self.layer_devices, self.norm.weight.device]))
         # how a decoding step's rows go through the linear layers, where not as the modules compute them
         self.step_linear = _columns_linear if (self.device.type, self.dtype) == ("cpu", torch.float32) else None
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
@@ -187,7 +188,8 @@ class Model:
             x = x.to(self.norm.weight.device)
         x = self.norm(x)[0]
         if logit_rows is not None:
-            x = x[logit_rows]
+            # (spread: a tensor of rows' indices was made on the embedding's GPU)
+            x = x[logit_rows.to(x.device) if torch.is_tensor(logit_rows) else logit_rows]
         if self.spread:
             return self._spread_logits(x, as_float)
         logits = lin(self.lm_head, x)

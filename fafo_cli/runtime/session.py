@@ -217,7 +217,7 @@ class Emitter:
         # a continuation's first token is decoded after the prompt's last ones (its space kept); a message's is not
         self.detok = Detokenizer(tokenizer, request.prompt_ids[-CONTEXT_IDS:] if request.continues_text else ())
         self.stops = StopStrings(request.stop_strings) if request.stop_strings else None
-        self.memory = PeakMemory(session.model.device)
+        self.memory = PeakMemory(session.model.devices)
         self.stats = Stats(prompt_tokens=len(request.prompt_ids), memory_kind=self.memory.kind)
         self.token_ids: list[int] = []
         self.started = time.perf_counter()

@@ -68,6 +68,7 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got {media})",
                            code="unsupported_media_type")
         job = schema.parse(schema.read_json(body), kind, engine, served, max_tokens)
+        worker.check_room()  # a full queue refuses at once, not after the prompt's encoding
         job = await asyncio.to_thread(prompts.encoded, job)  # (a long prompt takes a while: not in the event loop)
         ticket = worker.submit(job, asyncio.get_running_loop())
         first = asyncio.ensure_future(ticket.next())

@@ -77,18 +77,26 @@ class Worker:
         if not job.ids:
             raise ValueError("a job must be encoded (Prompts.encoded) before it queues")
         with self._lock:
-            if self._closing:
-                raise shutting_down()
-            # A worker that is idle, or only closing the stream of a request it has answered, takes the first
-            # waiting request next: that one is not waiting (else a client's next request could find it "busy").
-            busy = self._running is not None and not self._running.answered
-            if len(self._waiting) >= self.max_waiting + (not busy):
-                raise ApiError(503, f"the server is busy: {len(self._waiting)} requests are waiting (--queue "
-                                    f"{self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
+            self._check_room()
             ticket = Ticket(job, loop)
             self._waiting.append(ticket)
             self._lock.notify()
         return ticket
+
+    def check_room(self) -> None:
+        """The 503 a request would get now (the server stopping, the queue full), before the work of encoding it."""
+        with self._lock:
+            self._check_room()
+
+    def _check_room(self) -> None:  # holding the lock
+        if self._closing:
+            raise shutting_down()
+        # A worker that is idle, or only closing the stream of a request it has answered, takes the first waiting
+        # request next: that one is not waiting (else a client's next request could find it "busy").
+        busy = self._running is not None and not self._running.answered
+        if len(self._waiting) >= self.max_waiting + (not busy):
+            raise ApiError(503, f"the server is busy: {len(self._waiting)} requests are waiting (--queue "
+                                f"{self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
 
     def cancel(self, ticket: Ticket, ending: ApiError | None = None) -> None:
         """Stop a request: a waiting one leaves the queue, a running one ends after its current step. `ending`: what
