@@ -189,6 +189,13 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path} is read-only")
 
 
+def _create_config(path: Path | None) -> None:
+    """A --config FILE that --tune or --write names is created where it does not exist yet, every key commented out
+    (as `fafo config init` writes it): the next command given it finds it, whatever the measurement sets."""
+    if path is not None and not path.exists() and not path.is_symlink():
+        write_atomic(path, config_mod.default_yaml(active=False))
+
+
 def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]], binary: tuple[str, ...] = ()) -> None:
     """A command's output files ({flag: path}) can each be written (`_check_output`), none overwrites an input
     ({flag: paths}) or another output, and at most one is standard output (-), which a `binary` one cannot be."""
@@ -683,13 +690,6 @@ def config_path() -> None:
 
 
 @config_app.command("init")
-def _create_config(path: Path | None) -> None:
-    """A --config FILE that --tune or --write names is created where it does not exist yet, every key commented out
-    (as `fafo config init` writes it): the next command given it finds it, whatever the measurement sets."""
-    if path is not None and not path.exists() and not path.is_symlink():
-        write_atomic(path, config_mod.default_yaml(active=False))
-
-
 def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False) -> None:
     """Write the documented default configuration to the user config path, every key commented out."""
     path = config_mod.user_config_path()

@@ -70,7 +70,9 @@ class KVCache:
         self.length = 0  # committed positions
         self.lead = 0  # leading slots per layer before position 0 (block-sparse layout)
         self.keys = self.values = torch.empty(0)
-        self._allocate(min(max(initial_slots, 1), max_slots), 0)
+        # spread over GPUs: the whole context at once, as runtime/placement.py budgets each layer's cache (growing
+        # would hold the old and the new cache at once: up to twice that budget, out of memory mid-answer)
+        self._allocate(max_slots if self.spread else min(max(initial_slots, 1), max_slots), 0)
 
     @property
     def spread(self) -> bool:
