@@ -238,7 +238,7 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
                   **PEER_SETTINGS)
     engine.stop_ids = frozenset()  # every answer three tokens long, as the enumeration
     # TriForce's: longer than its retrieval budget, so that its middle level's q is not the target's p
-    prompt = "The cat sat on the mat. " * (12 if method == "triforce" else 1)
+    prompt = "The cat sat on the mat. " * (4 if method == "triforce" else 1)
     settings = dict(temperature=0.7, top_k=3, max_tokens=3)
     exact = _exact_first(engine, engine.encode(prompt), Sampling(0.7, top_k=3), 3)
     likely: dict[int, list[int]] = {}
