@@ -268,6 +268,28 @@ def compiled_engine(compiled_folder, tiny):
     return engine
 
 
+def first_row_logits(model, runners: dict, context: int, recent: int, generator) -> dict[int, torch.Tensor]:
+    """{rows: the first row's logits} for token 0 at position `context`, after a cache of random keys and values, in
+    each compiled package of `runners` ({rows: runner}); the rows after the first ask the same, those from the third
+    on as a window's rows, which see the cache's first 4 positions and its last `recent` (StreamingLLM's view)."""
+    from fafo_cli.compiled.build import stored_dtype
+
+    cache = model.new_cache(context + max(runners), context + max(runners))
+    for part in (cache.keys, cache.values):
+        part.copy_(torch.randn(part.shape, generator=generator))
+    cache.commit(context)
+    cache.store_as(stored_dtype(model))
+    visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
+    visible[:4] = visible[-recent:] = True
+    logits = {}
+    for rows, runner in runners.items():
+        sees_all = torch.arange(rows) < 2
+        logits[rows] = runner(torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
+                              torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
+                              list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0]
+    return logits
+
+
 def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int, dtype=torch.float32) -> list[int]:
     """The external oracle: transformers' own greedy generate on the test's device (each answer computed once per
     session)."""

@@ -13,7 +13,7 @@ from fafo_cli import load
 from fafo_cli.cli import entrypoint
 from fafo_cli.compiled.timing import read_step_costs, write_step_costs
 
-from .conftest import LONG, PEERS, SHORT, TOKENS, hf_greedy
+from .conftest import LONG, PEERS, SHORT, TOKENS, first_row_logits, hf_greedy
 
 # Each package costs a build (a minute or more on a small CPU, most of this file's time), so the methods share
 # sizes: 1 row (plain steps); 2 (FAFO's anchor with one guess); 6 (FAFO W=1's window with 3 guesses, 1 + 2 + 3; FAFO
@@ -874,7 +874,6 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     even in bf16 (it parted at the 14th token of this prompt while inductor dropped roundings by row count)."""
     from fafo_cli.bench import suites
     from fafo_cli.compiled.kernels import loader
-    from fafo_cli.compiled.build import stored_dtype
 
     loader.load(compiled_cache / "compiled")
     if torch.ops.fafo.packed_kernel() == "plain":
@@ -883,26 +882,12 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     engine = load(str(smollm2), dtype="bfloat16", compile="on", notify=notices.append)
     plain, one_guess, fafo_step = engine.compiled.runner(1), engine.compiled.runner(2), engine.compiled.runner(4)
     assert plain is not None and one_guess is not None and fafo_step is not None, notices
-    model, gen = engine.model, torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for context in (300, 1300):
-            cache = model.new_cache(context + 4, context + 4)
-            for part in (cache.keys, cache.values):
-                part.copy_(torch.randn(part.shape, generator=gen))
-            cache.commit(context)
-            cache.store_as(stored_dtype(model))
-            visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
-            visible[:4] = visible[-252:] = True  # what FAFO's fumble rows see of the cache (StreamingLLM)
-
-            def step(runner, rows: int) -> torch.Tensor:  # token 0 at the next position, then 3 more rows
-                sees_all = torch.arange(rows) < 2  # (in the 4-row step, 2 rows as a window's)
-                return runner(torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
-                              torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
-                              list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
-
-            alone = step(plain, 1)[0]
-            assert torch.equal(alone, step(one_guess, 2)[0]), f"after {context} cached tokens"
-            assert torch.equal(alone, step(fafo_step, 4)[0]), f"after {context} cached tokens"
+            logits = first_row_logits(engine.model, {1: plain, 2: one_guess, 4: fafo_step}, context, 252, gen)
+            assert torch.equal(logits[1], logits[2]), f"after {context} cached tokens"
+            assert torch.equal(logits[1], logits[4]), f"after {context} cached tokens"
     sample = next(s for s in suites.load_suite("summarize") if s.id == "doc-json")
     vanilla = engine.complete(list(sample.messages), max_tokens=48, method="vanilla")
     engine.reset()  # both prefill the whole prompt (a reused one prefills its last token alone: other roundings)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from .conftest import first_row_logits
+
 KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
 # (type, wide): each format the kernels read, the types packed apart for float32 rows (their codes as bytes) too
 FORMATS = [(kind, False) for kind in KINDS] + [("Q4_K", True), ("Q5_0", True), ("Q6_K", True)]
@@ -514,7 +516,6 @@ def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_
     decodes compiled plain decoding's very tokens, not only up to near-ties. (A matrix left dense runs inductor's
     GEMM, whose sums may part by row count: the tiny model's Q5_1 one did, by 2e-5.)"""
     from fafo_cli import load
-    from fafo_cli.compiled.build import stored_dtype
     from fafo_cli.compiled.kernels import loader
 
     loader.load(compiled_cache / "compiled")
@@ -528,24 +529,11 @@ def test_float32_steps_over_packed_blocks_give_a_token_the_same_logits_in_every_
     assert not [n for n in notices if "stay dense" in n]
     runners = {rows: engine.compiled.runner(rows) for rows in (1, 4)}
     assert all(runners.values()), notices
-    model, gen = engine.model, torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for context in (40, 300):
-            cache = model.new_cache(context + 4, context + 4)
-            for part in (cache.keys, cache.values):
-                part.copy_(torch.randn(part.shape, generator=gen))
-            cache.commit(context)
-            cache.store_as(stored_dtype(model))
-            visible = torch.zeros(context, len(model.layers), dtype=torch.bool)
-            visible[:4] = visible[-20:] = True  # what window rows see of the cache
-
-            def step(rows: int) -> torch.Tensor:  # token 0 at the next position, then more rows (2 as a window's)
-                sees_all = torch.arange(rows) < 2
-                return runners[rows](torch.zeros(rows, dtype=torch.long), torch.arange(context, context + rows),
-                                     torch.ones(rows, rows, dtype=torch.bool).tril(), sees_all, ~sees_all, visible,
-                                     list(cache.keys.unbind(0)), list(cache.values.unbind(0)))[0]
-
-            assert torch.equal(step(1), step(4)), f"after {context} cached tokens"
+            logits = first_row_logits(engine.model, runners, context, 20, gen)
+            assert torch.equal(logits[1], logits[4]), f"after {context} cached tokens"
 
 
 
