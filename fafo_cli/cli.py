@@ -189,9 +189,10 @@ def _check_output(flag: str, path: str | None) -> None:
         raise FafoError(f"{flag} {path} is read-only")
 
 
-def _create_config(path: Path | None) -> None:
+def _create_config(config: str | None) -> None:
     """A --config FILE that --tune or --write names is created where it does not exist yet, every key commented out
     (as `fafo config init` writes it): the next command given it finds it, whatever the measurement sets."""
+    path = Path(config).expanduser() if config else None
     if path is not None and not path.exists() and not path.is_symlink():
         write_atomic(path, config_mod.default_yaml(active=False))
 
@@ -493,7 +494,7 @@ def bench(
 
         written = Path(config).expanduser() if config else None
         _check_output("config file", str(written or config_mod.user_config_path()))
-        _create_config(written)
+        _create_config(config)
         raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, written))
     engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
@@ -537,7 +538,7 @@ def doctor(
         gpu_mod.check(device, gpu_shape)
     if write:  # before a minute of measuring
         _check_output("config file", str(doctor_mod.default_config_path(config)))
-        _create_config(Path(config).expanduser() if config else None)
+        _create_config(config)
     # the model found (or converted) before the first progress line: a missing one is one line
     hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
     out, err = consoles()

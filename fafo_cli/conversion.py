@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 from .errors import FafoError, first_line
 from .files import write_safetensors
+from .gguf_header import GgufHeader
 
 BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
 _HEADER_PATCH = threading.Lock()
@@ -52,9 +53,10 @@ def _header_read_once() -> Iterator[None]:
             module.load_gguf_checkpoint = read
 
 
-def write_gguf_as_hf(path: Path, out: Path) -> None:
-    """Write the .gguf model at `path` into the folder `out`: config, generation settings, tokenizer, and its
-    weights dequantized into float32 (gguf's own dequantizer, as transformers reads them)."""
+def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
+    """Write the .gguf model at `path` (`header`: its read_header) into the folder `out`: config, generation
+    settings, tokenizer, and its weights dequantized into float32 (gguf's own dequantizer, as transformers reads
+    them)."""
     import torch
     from accelerate import init_empty_weights
     from gguf import dequantize
@@ -63,7 +65,7 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
-    from .gguf_header import read_header, read_tensors
+    from .gguf_header import read_tensors
     from .runtime.architectures import check_architecture
     from .runtime.model import quiet_transformers
 
@@ -81,13 +83,13 @@ def write_gguf_as_hf(path: Path, out: Path) -> None:
         with init_empty_weights():  # the model's parameter names, on no memory
             skeleton = AutoModelForCausalLM.from_config(config)
     settings = config.to_dict()  # (as transformers' own GGUF reading hands its processors the model's settings)
-    processor = TENSOR_PROCESSORS.get(read_header(path).architecture, TensorProcessor)(config=settings)
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=settings)
     try:
         names = get_gguf_hf_weights_map(skeleton, processor)
     except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
         raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
     try:
-        wanted = [tensor for tensor in read_tensors(path) if tensor.name in names]
+        wanted = [tensor for tensor in read_tensors(path, header) if tensor.name in names]
     except ValueError as e:  # (a tensor type the gguf package does not know)
         raise FafoError(f"cannot convert {path}: {e}") from None
     bar = tqdm(total=len(wanted), desc="dequantizing", unit="tensor", disable=None)  # (None: on a terminal only)

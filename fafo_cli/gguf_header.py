@@ -116,13 +116,14 @@ class GgufTensor:
     data: "np.ndarray"
 
 
-def read_tensors(path: Path) -> list[GgufTensor]:
+def read_tensors(path: Path, header: GgufHeader | None = None) -> list[GgufTensor]:
     """The tensors of the .gguf file at `path`, mapped from the file (what GGUFReader's tensors hold, without its
-    parsing of the header's arrays). A type the gguf package does not know is a ValueError naming it."""
+    parsing of the header's arrays); `header`: its read_header, where the caller has it. A type the gguf package
+    does not know is a ValueError naming it."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    header = read_header(path)
+    header = header or read_header(path)
     if len({entry.name for entry in header.tensors}) < len(header.tensors):
         raise ValueError("it names a tensor twice")
     data = np.memmap(path, mode="r")

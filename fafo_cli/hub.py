@@ -145,7 +145,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
             # seconds to minutes, once: said before it starts (the dequantizing bar shows on a terminal only)
             print(f"note: converting {path.name} ({path.stat().st_size / 2**20:,.0f} MB) once: its tensors "
                   f"dequantized into {target.parent}; later runs load that", file=sys.stderr, flush=True)
-            write_gguf_as_hf(path, staging)
+            write_gguf_as_hf(path, header, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
                       "sha256": digest}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))

@@ -493,7 +493,7 @@ def test_freed_heap_goes_back_to_the_system():
 def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     gguf = _gguf_header(tmp_path / "m.gguf", "llama", **Q4_1_MODEL)
 
-    def crash(path, out):
+    def crash(path, header, out):
         (out / "config.json").write_text("{}")  # half-written
         raise RuntimeError("killed")
 
@@ -505,7 +505,7 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
 
     calls = []
 
-    def convert(path, out):
+    def convert(path, header, out):
         calls.append(path)
         build_tiny_model(out, "llama-gqa")
 
@@ -541,7 +541,7 @@ def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tm
     names no file: either way one line, nothing left."""
     from safetensors import SafetensorError
 
-    def full_disk(path, out):
+    def full_disk(path, header, out):
         (out / "config.json").write_text("{}")
         if error == "safetensors":
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -556,7 +556,7 @@ def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tm
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
     compiled = caches / "fafo" / "compiled"
 
     def convert(path: Path) -> Path:
@@ -595,7 +595,7 @@ def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, 
 
     calls = []
 
-    def convert(path, out):
+    def convert(path, header, out):
         calls.append(path)
         build_tiny_model(out, "llama-gqa")
 
@@ -641,7 +641,7 @@ def test_a_copy_of_a_file_converted_by_an_older_fafo_runs_on_its_conversion(cach
     import shutil
 
     calls = []
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: (calls.append(path),
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: (calls.append(path),
                                                                     build_tiny_model(out, "llama-gqa")))
     original = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
     folder = hub.convert_gguf(original)
@@ -670,7 +670,7 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     where two files share a name (a new version of the file), without any hub lookup; others stay hub ids."""
     import os
 
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
     monkeypatch.setattr(hub, "pull", lambda *a, **k: pytest.fail("looked the name up on the hub"))
     (tmp_path / "old").mkdir()
     older = hub.convert_gguf(_gguf_header(tmp_path / "old" / "model.Q4_1.gguf", "llama", **Q4_1_MODEL))
@@ -915,7 +915,7 @@ def test_embedded_model_is_a_plain_hf_folder(smollm2):
 
 def test_a_conversion_is_announced_once(caches, monkeypatch, tmp_path, capsys):
     """Minutes for a real model: said before it starts, on a terminal or not; a converted file says nothing."""
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
     path = _gguf_header(tmp_path / "m.gguf", "llama", **Q4_1_MODEL)
     assert hub.convert_gguf(path) == hub.convert_gguf(path)
     err = capsys.readouterr().err
@@ -978,7 +978,7 @@ def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(ca
     its size on disk); a .gguf path removes its conversion, not the file; unknown names remove nothing."""
     import os
 
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
     (tmp_path / "old").mkdir()
     older_file = _gguf_header(tmp_path / "old" / "model.Q4_1.gguf", "llama", **Q4_1_MODEL)
     older = hub.convert_gguf(older_file)
@@ -1059,9 +1059,9 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(caches, m
     import shutil
     from collections import namedtuple
 
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: build_tiny_model(out, "llama-gqa"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
     small = hub.convert_gguf(_gguf_header(tmp_path / "small.gguf", "llama", **Q4_1_MODEL))
-    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, out: pytest.fail("converted without room"))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: pytest.fail("converted without room"))
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 10**6))
     big = dict(Q4_1_MODEL, tensors=[("blk.0.ffn_up.weight", "Q4_1", 4096, 4096)])  # 16.8 M weights, 67 MB float32
