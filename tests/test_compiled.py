@@ -395,23 +395,29 @@ def test_bench_runs_eager_and_compiled_side_by_side(compiled_cache, compiled_eng
 
 
 @pytest.mark.compiled
-def test_a_full_disk_after_the_build_is_one_notice(tiny, tmp_path, monkeypatch, compiled_folder):
-    from fafo_cli.compiled.kernels.loader import library_path
+def test_a_full_disk_after_the_build_is_one_notice(tiny, tmp_path, monkeypatch, compiled_folder, compiled_engine):
+    """The build succeeds (the session's package, copied into an empty cache, stands in for it) and writing its
+    timing record fails: one notice, and the steps run eager."""
+    import shutil
+
+    from fafo_cli.api import Engine
     from fafo_cli.compiled.timing import Timing
 
     def no_space(self, path):
         raise OSError(28, "No space left on device")
 
+    compiled_engine.complete(SHORT, max_tokens=4, method="vanilla")  # its 1-row package built or loaded
+    shutil.copytree(compiled_folder / "compiled", tmp_path / "compiled", symlinks=True)
+    for record in (tmp_path / "compiled").rglob("rows*.json"):
+        record.unlink()  # a package without its record is built again
+    monkeypatch.setattr(Engine, "build_elsewhere", lambda self, rows, package: None)
     monkeypatch.setattr(Timing, "write", no_space)
-    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))  # an empty cache: a build (of a graph inductor has seen)
-    built = library_path(compiled_folder / "compiled")
-    if built.exists():  # the session's kernel library, which the building process would otherwise compile again
-        (tmp_path / "compiled").mkdir()
-        library_path(tmp_path / "compiled").symlink_to(built)
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
     notices: list[str] = []
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append)
     result = engine.complete(SHORT, max_tokens=TOKENS, method="vanilla")
     assert result.token_ids == hf_greedy(tiny, engine.encode(SHORT), TOKENS)
+    assert engine.compiled.calls == 0  # eager
     assert [n for n in notices if n.startswith("compilation failed")] == [
         "compilation failed, running eager: OSError: [Errno 28] No space left on device"]
 
