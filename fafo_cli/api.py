@@ -295,16 +295,16 @@ class Engine:
         if on_prefill is not None and not callable(on_prefill):
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling.of(config)
-        stop_ids, stop = self._token_stops(stop)
+        stop_ids, stop = self.token_stops(stop)
         request = Request(ids, config.max_tokens, sampling, self.stop_ids | stop_ids, config, stop, on_prefill,
                           continues_text=not (config.chat_template and self.has_chat_template))
         # the session (cache, ids, what decoders learn) serves one answer at a time: one started while this stream
         # was suspended took it over, and this one may neither go on nor undo anything of it
         self._answering = owner = object()
-        self.session.recall(ids)
         emitter = Emitter(self.session, request, self.tokenizer)
-        steps = DECODERS[config.method](self.session, request, emitter)
         try:
+            self.session.recall(ids)  # (out of memory while it loads a kept copy: the finally empties the cache)
+            steps = DECODERS[config.method](self.session, request, emitter)
             for step in counted(steps, self.model.device) if self.count_syncs else steps:
                 yield step
                 if self._answering is not owner:
@@ -319,14 +319,15 @@ class Engine:
                     keep = min(keep, len(ids) + len(emitter.token_ids) - 1)  # decoding, all but the last token
                 self.session.rollback(keep)
 
-    def _token_stops(self, stop: Sequence[str]) -> tuple[frozenset[int], tuple[str, ...]]:
+    def token_stops(self, stop: Sequence[str], tokenizer=None) -> tuple[frozenset[int], tuple[str, ...]]:
         """The stop strings that are one special token's text (`<|im_end|>` sent by a client whose template ends
         turns with it), as stop ids: the shown text never holds a special token, so as strings they would never
-        match. And the other stop strings."""
+        match. And the other stop strings. `tokenizer`: another thread's copy of the engine's."""
+        tokenizer = tokenizer or self.tokenizer
         ids, strings = set(), []
         for text in stop:
-            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            decode = self.tokenizer.decode  # (a SentencePiece "▁" decodes to nothing either way: not special)
+            encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+            decode = tokenizer.decode  # (a SentencePiece "▁" decodes to nothing either way: not special)
             shown = decode(encoded, skip_special_tokens=True)
             if len(encoded) == 1 and not shown and decode(encoded) == text:
                 ids.add(encoded[0])

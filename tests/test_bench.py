@@ -571,6 +571,35 @@ def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch,
     assert code == 1 and "the timings were disturbed" in err and path.read_text() == "streams: 2\n", err
 
 
+def test_tune_says_when_no_prompt_fits_and_runs_every_setting_after_a_first_run(tiny, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Each setting's runs are compared only after FAFO's first one (its one-time costs), and the current setting
+    is not always the first of a prompt; with no prompt that fits the context, one line and nothing written."""
+    from fafo_cli.bench import tune
+
+    monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1), (2, 2, 0)))
+    monkeypatch.setattr(tune, "TOKENS", 8)
+    monkeypatch.setattr(tune, "DISTURBED", float("inf"))
+    measured, ran = tune.run_once, []
+    monkeypatch.setattr(tune, "run_once", lambda engine, row, *a, **k: ran.append(row.overrides) or measured(
+        engine, row, *a, **k))
+    path = tmp_path / "config.yaml"
+    path.write_text("streams: 1\nngram: 2\nguesses: 1\n")
+    assert entrypoint(["bench", str(tiny), "--tune", "--config", str(path), "--dtype", "float32"]) == 0
+    prompts = capsys.readouterr().err.count("measured ")
+    fafo = [dict(overrides) for overrides in ran if overrides]
+    current = {"streams": 1, "ngram": 2, "guesses": 1}
+    assert prompts >= 2 and len(fafo) == 1 + 2 * prompts
+    assert fafo[0] == current and fafo[1:3] == [current, {**current, "streams": 2, "guesses": 0}]
+    assert fafo[3] != current  # the second prompt's first run is another setting's
+    tuned = path.read_text()  # (by chance, the other setting may have been written)
+    monkeypatch.setattr(tune.suites, "fitting", lambda *args: [])
+    code = entrypoint(["bench", str(tiny), "--tune", "--config", str(path), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: none of the tuning prompts fits the model's context") and \
+        err.count("\n") == 1 and path.read_text() == tuned, err
+
+
 def test_a_disturbed_cost_curve_is_never_kept(tiny, tmp_path, monkeypatch, capsys):
     """Each command that measures the pass-cost curve (bench, --tune, doctor --write) keeps and writes nothing from
     one that says a 2-row pass is cheaper than a 1-row one, however often it is measured again."""

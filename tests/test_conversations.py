@@ -162,6 +162,29 @@ def test_kept_copy_is_restored_bit_for_bit_in_bfloat16(tiny):
     assert torch.equal(session.cache.keys[:, :length], keys) and torch.equal(session.cache.values[:, :length], values)
 
 
+def test_running_out_of_memory_while_a_kept_copy_loads_leaves_a_consistent_cache(tiny, monkeypatch):
+    """A kept copy that cannot be loaded (out of memory while the cache grows for it): that request fails, and the
+    next is answered exactly, not from a cache emptied under the ids it held."""
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
+    engine.keep_conversations(2, 100)
+    first = "the first conversation, long enough to be kept " * 8
+    answer = engine.complete(first, max_tokens=30)
+    engine.complete("another one entirely", max_tokens=4)
+    cache = engine.session.cache
+
+    def no_memory(positions):
+        raise torch.OutOfMemoryError("out of memory")
+
+    again = first + answer.text + " and then"
+    monkeypatch.setattr(cache, "reserve", no_memory)  # as when the cache grows to load the kept copy
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.complete(again, max_tokens=8)
+    monkeypatch.undo()
+    assert len(engine.session.ids) == cache.length
+    result = engine.complete(again, max_tokens=8)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(again), 8)
+
+
 def test_reset_forgets_kept_conversations(tiny):
     engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     engine.keep_conversations(2, 100)

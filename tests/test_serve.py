@@ -501,8 +501,8 @@ def test_a_stream_that_waits_in_the_queue_starts_and_keeps_its_connection_alive(
 
 def test_a_prompt_the_model_cannot_take_is_refused_with_its_status_even_behind_a_running_answer(guarded,
                                                                                                  monkeypatch):
-    """The prompt is encoded before it queues: beyond the context, a streamed request that would wait is a 400, not
-    a 200 whose stream carries the error."""
+    """The prompt is encoded, and its stop strings read, before it queues: beyond the context, or with a stop string
+    that could never match, a streamed request that would wait is a 400, not a 200 whose stream carries the error."""
     from fafo_cli.serve import app
 
     monkeypatch.setattr(app, "STREAM_HOLD_S", 0.05)
@@ -517,7 +517,9 @@ def test_a_prompt_the_model_cannot_take_is_refused_with_its_status_even_behind_a
                 beyond = other.post("/completions", json={"prompt": "x " * 2100, "stream": True})
                 assert beyond.status_code == 400, beyond.text
                 assert beyond.json()["error"]["code"] == "context_length_exceeded"
-                assert other.get(guarded.health).json()["waiting"] == 0  # it never queued
+                never = other.post("/completions", json={"prompt": "x", "stream": True, "stop": "<|im_end|>\n"})
+                assert never.status_code == 400 and never.json()["error"]["param"] == "stop", never.text
+                assert other.get(guarded.health).json()["waiting"] == 0  # neither queued
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_no_error(served):
@@ -778,7 +780,7 @@ BAD = [
     ("chat", {"messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "temperature": "hot", "top_p": 0}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "logit_bias": {"42": 5}}, 400, "logit_bias"),
-    ("chat", {"messages": MESSAGES, "stop": "<|im_end|>\n"}, 400, None),
+    ("chat", {"messages": MESSAGES, "stop": "<|im_end|>\n"}, 400, "stop"),
     ("chat", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "top_p": -0.5}, 400, "top_p"),
     ("chat", {"messages": MESSAGES, "seed": -5}, 400, "seed"),

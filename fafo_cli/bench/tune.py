@@ -169,14 +169,19 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     ceilings: dict[tuple, list[float]] = {s: [] for s in settings}
     # what its steps cost by the curve, in one-row passes: the rows the planner chose, not the most it may
     curve, step_cost = StepCosts(costs), {s: [] for s in settings}
-    if sample:  # the first run pays one-time costs (first calls, allocations): not one to compare
-        run_once(engine, Row("vanilla", "vanilla"), sample[0], 0, TOKENS, greedy)
-    for item in sample:
+    if not sample:
+        raise FafoError(f"none of the tuning prompts fits the model's context of {engine.model.max_context} tokens "
+                        f"with an answer of {TOKENS} tokens; the step costs are kept, {path} is unchanged")
+
+    def fafo_row(w: int, k: int, g: int) -> Row:
+        return Row("fafo", "fafo", (("streams", w), ("ngram", k), ("guesses", g)))
+
+    for row in (Row("vanilla", "vanilla"), fafo_row(*current)):  # first runs pay one-time costs: not compared
+        run_once(engine, row, sample[0], 0, TOKENS, greedy)
+    for turn, item in enumerate(sample):
         base = run_once(engine, Row("vanilla", "vanilla"), item, 0, TOKENS, greedy)
-        for setting in settings:
-            w, k, g = setting
-            fafo = run_once(engine, Row("fafo", "fafo", (("streams", w), ("ngram", k), ("guesses", g))), item, 0,
-                            TOKENS, greedy)
+        for setting in settings[turn % len(settings):] + settings[:turn % len(settings)]:  # none always first
+            fafo = run_once(engine, fafo_row(*setting), item, 0, TOKENS, greedy)
             speed[setting].append(fafo.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
             taus[setting].append(len(fafo.token_ids) / max(1, fafo.steps))
             ceilings[setting].append((len(fafo.token_ids) - 1) / max(1, fafo.steps - 1))
@@ -196,7 +201,8 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     console.print(table)
     best = max(settings, key=lambda s: statistics.median(speed[s]))
     before, after = statistics.median(speed[current]), statistics.median(speed[best])
-    if statistics.median(s / c for s, c in zip(speed[best], ceilings[best])) > 1 + DISTURBED:
+    beyond = [s / c for s, c in zip(speed[best], ceilings[best]) if c]  # (c is 0 where one token was all)
+    if beyond and statistics.median(beyond) > 1 + DISTURBED:
         raise FafoError(f"the timings were disturbed (W={best[0]}, k={best[1]}, G={best[2]} ran faster than the "
                         f"tokens its steps emitted allow); {path} is unchanged: run again with the machine otherwise "
                         "idle")

@@ -68,9 +68,10 @@ class Job:
 
 
 class Prompts:
-    """Tokens of a job's prompt, found before the job queues, so that a prompt the model cannot take (beyond its
-    context, refused by its chat template) is a real status even for a stream that waits. Its own tokenizer: the
-    engine's thread decodes with the engine's, and a fast tokenizer may not be used by two threads at once."""
+    """Tokens of a job's prompt, found before the job queues, so that a request the model cannot take (a prompt
+    beyond its context or refused by its chat template, a stop string that could never match) is a real status
+    even for a stream that waits. Its own tokenizer: the engine's thread decodes with the engine's, and a fast
+    tokenizer may not be used by two threads at once."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
@@ -84,6 +85,10 @@ class Prompts:
                 ids = self._engine.encode(job.prompt, job.config, self._tokenizer)
             except FafoError as e:  # the prompt itself: empty, not text, refused by the chat template
                 raise ApiError(400, str(e), param=job.prompt_field, code="invalid_value") from None
+            try:
+                self._engine.token_stops(job.stop, self._tokenizer)
+            except FafoError as e:  # a special token's text among other text
+                raise ApiError(400, str(e), param="stop", code="invalid_value") from None
         return replace(job, ids=tuple(ids), config=job.fitted(len(ids), self._engine.model.max_context))
 
 
