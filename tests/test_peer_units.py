@@ -63,10 +63,11 @@ def test_streaming_draft_model_keeps_sink_and_recent_positions_renumbered(tiny):
     engine.model.forward(ids, torch.arange(length), fresh,
                          causal_attention(prefix_causal_mask(0, length, ids.device), engine.model.scaling))
     assert torch.allclose(draft.cache.keys[0, :length], fresh.keys[0, :length], atol=1e-4)
-    # a round's tentative tokens are cut back
+    # a round's tentative tokens are cut back, and the logits after the text are those it proposes from again
+    logits = draft.logits
     draft.extend([7, 8, 9])
     draft.end()
-    assert draft.cache.length == length and draft.ids == text
+    assert draft.cache.length == length and draft.ids == text and draft.logits is logits
     # a branch (a different text) starts over
     draft.begin([1, 2, 3])
     assert draft.ids == [1, 2, 3] and draft.cache.length == 3
@@ -171,3 +172,17 @@ def test_suffix_history_keeps_the_last_answers():
     assert not history.answers and history.index.find([5])[1] == 0
     history.add([6])
     assert not history.answers
+
+
+def test_suffix_history_rebuilds_over_no_more_answers_than_its_index_keeps(monkeypatch):
+    from fafo_cli.decoders import suffix
+
+    monkeypatch.setattr(suffix, "HISTORY_TOKENS", 8)
+    history = History(keep=2, count_depth=32)
+    for answer in ([1, 1, 1], [2, 2, 2], [3, 3, 3], [4, 4, 4], [5] * 9):
+        history.add(answer)
+    assert list(history.answers) == [[5] * 9]  # the newest alone is beyond 8 tokens: kept, the others not
+    assert [history.index.find([t])[1] for t in (4, 5)] == [0, 1]
+    history.add([6, 6])
+    history.configure(keep=2, count_depth=16)  # rebuilt for deeper counts: 3 + 10 tokens are beyond 8
+    assert list(history.answers) == [[6, 6]]

@@ -32,7 +32,8 @@ HISTORY_TOKENS = 1 << 15  # earlier answers' tokens indexed: between this and tw
 class History:
     """The session's earlier answers in one index, each closed by a separator of its own (a negative id, which
     no token has), so no match runs from one answer into the next. Past 2 × `keep` answers it is rebuilt over
-    the last `keep`; the index itself keeps at most 2 × HISTORY_TOKENS tokens."""
+    the last `keep`, of which only the newest HISTORY_TOKENS tokens' worth are kept (the index itself keeps at
+    most 2 × HISTORY_TOKENS tokens: older ones would be indexed to be dropped)."""
 
     def __init__(self, keep: int, count_depth: int):
         self.keep, self.count_depth = keep, count_depth
@@ -42,6 +43,12 @@ class History:
     def _rebuild(self) -> None:
         self.index = SuffixIndex(HISTORY_TOKENS, counts=True, count_depth=self.count_depth)
         self._separator = -1
+        tokens = 0
+        for kept, answer in enumerate(reversed(self.answers)):
+            tokens += len(answer) + 1
+            if tokens > HISTORY_TOKENS and kept:
+                self.answers = deque(list(self.answers)[-kept:])
+                break
         for answer in self.answers:
             self._index(answer)
 

@@ -46,7 +46,7 @@ class StreamingDraftModel:
         self.pad = target_vocab - model.vocab_size  # a smaller vocabulary proposes none of the missing ids
         self.ids: list[int] = []  # every token seen (the cache holds the sink and the most recent ones)
         self.logits: torch.Tensor | None = None  # for the token after ids[-1]
-        self.mark = (0, 0)  # (slots, ids) at the start of a round
+        self.mark = (0, 0, None)  # (slots, ids, logits) at the start of a round
         self.passes = 0
 
     def _forward(self, tokens: list[int]) -> None:
@@ -82,7 +82,7 @@ class StreamingDraftModel:
         for start in range(0, len(new), PREFILL_CHUNK):
             self._forward(new[start:start + PREFILL_CHUNK])
             self._evict()
-        self.mark = (self.cache.length, len(self.ids))
+        self.mark = (self.cache.length, len(self.ids), self.logits)
 
     def extend(self, tokens: list[int]) -> None:
         """Tokens the middle level accepted in this round (cut back by `end`)."""
@@ -106,7 +106,7 @@ class StreamingDraftModel:
         return tokens, (drafts if not sampling.greedy else None)
 
     def end(self) -> None:
-        slots, ids = self.mark
+        slots, ids, self.logits = self.mark  # (the next round may begin with no new token: its logits are these)
         self.cache.truncate(slots)
         del self.ids[ids:]
 
