@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from fafo_cli import load
@@ -806,7 +808,11 @@ def test_a_cost_curve_cheaper_past_one_row_is_measured_again_then_refused(monkey
     assert "2 rows measured 0.50× one row" in tune.curve_disturbed({1: 10.0, 2: 5.0, 4: 12.0})
     curves = [{1: 10.0, 2: 5.0}, {1: 10.0, 2: 11.0}]
     monkeypatch.setattr(tune, "_measured_costs", lambda *args: curves.pop(0))
-    assert tune.step_costs(None) == {1: 10.0, 2: 11.0} and curves == []  # the second, undisturbed one
+    assert tune.step_costs(None, row_counts=(1, 2)) == {1: 10.0, 2: 11.0} and curves == []  # the undisturbed one
     calls = []
-    monkeypatch.setattr(tune, "_measured_costs", lambda *args: calls.append(1) or {1: 10.0, 2: 5.0})
-    assert tune.curve_disturbed(tune.step_costs(None)) and len(calls) == tune.CURVE_ATTEMPTS
+    monkeypatch.setattr(tune, "_measured_costs", lambda *args: calls.append(args[2]) or {1: 10.0, 2: 5.0})
+    assert tune.curve_disturbed(tune.step_costs(None, row_counts=(1, 2))) and len(calls) == tune.CURVE_ATTEMPTS
+    calls.clear()
+    for device, rows in (("cpu", tune.ROWS), ("cuda", tune.ROWS + tune.WIDE_ROWS)):  # (bench, --tune, alike)
+        tune.step_costs(SimpleNamespace(model=SimpleNamespace(device=torch.device(device))))
+        assert calls[-1] == rows

@@ -55,9 +55,13 @@ def curve_disturbed(costs: dict[int, float]) -> str | None:
             f"row, {CURVE_ATTEMPTS} times): another process is using this machine; measure again when it is quiet")
 
 
-def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] = ROWS, repeats: int = 8) -> dict[int, float]:
-    """Median milliseconds of one forward pass with each row count, after `context` cached tokens, the counts
+def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] | None = None,
+               repeats: int = 8) -> dict[int, float]:
+    """Median milliseconds of one forward pass with each row count (by default ROWS, and WIDE_ROWS on an
+    accelerator, where a wide window's steps are read off the curve too), after `context` cached tokens, the counts
     taking turns (`median_ms`); measured again, up to CURVE_ATTEMPTS times, while `curve_disturbed`."""
+    if row_counts is None:
+        row_counts = ROWS + (WIDE_ROWS if engine.model.device.type != "cpu" else ())
     for _ in range(CURVE_ATTEMPTS):
         costs = _measured_costs(engine, context, row_counts, repeats)
         if curve_disturbed(costs) is None:
@@ -139,7 +143,7 @@ def run(engine, config, console, err_console, config_path: Path | None = None) -
     path = config_path or config_mod.user_config_path()
     settings_file(path)  # one that cannot be written is said before minutes of measuring
     accelerator = engine.model.device.type != "cpu"
-    costs = step_costs(engine, row_counts=ROWS + (WIDE_ROWS if accelerator else ()))
+    costs = step_costs(engine)
     if curve_disturbed(costs):
         raise FafoError(curve_disturbed(costs) + "; nothing written")
     table = Table("rows per pass", "ms", "× one row", title="step cost on this machine", title_justify="left")
