@@ -9,6 +9,7 @@ import torch
 from fafo_cli import load
 from fafo_cli.errors import FafoError
 from fafo_cli.runtime.conversations import KeptConversation, KeptConversations
+from fafo_cli.runtime.detok import Detokenizer
 from fafo_cli.runtime.sampling import Sampling
 from fafo_cli.runtime.session import Emitter, Request
 from fafo_cli.runtime.stops import StopStrings
@@ -75,6 +76,24 @@ def test_a_stop_string_completed_in_held_back_bytes_is_a_stop(fafo_engine):
     request = Request([1, 2, 3], 2, Sampling(), frozenset(), fafo_engine.config, ("END",))
     step = Emitter(fafo_engine.session, request, Pieces()).emit([1, 2])
     assert step.finish_reason == "stop" and step.text == ""
+
+
+def test_a_stop_string_before_an_incomplete_character_stops_at_its_own_token(fafo_engine):
+    """A token that completes a stop string and begins a multi-byte character (byte-level BPE merges such bytes):
+    the text before the character is settled, so the answer stops at that token, not at the next one."""
+
+    class Bytes:  # token 2: "D" and the first two bytes of "€", which token 3 completes
+        pieces = {1: b"EN", 2: b"D\xe2\x82", 3: b"\xac!", 4: b" more"}
+
+        def decode(self, ids, **_):
+            return b"".join(self.pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+    request = Request([1, 2, 3], 10, Sampling(), frozenset(), fafo_engine.config, ("END",))
+    step = Emitter(fafo_engine.session, request, Bytes()).emit([1, 2, 3, 4])
+    assert step.finish_reason == "stop" and step.text == "" and list(step.token_ids) == [1, 2]
+    detok = Detokenizer(Bytes())
+    assert [detok.add([t]) for t in (1, 2, 3, 4)] == ["EN", "D", "€!", " more"] and detok.flush() == ""
+    assert detok.add([2]) == "D" and detok.flush() == "\ufffd"  # never completed: shown at the end
 
 
 def test_engine_stops_at_a_stop_string(fafo_engine):

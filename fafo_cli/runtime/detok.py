@@ -18,25 +18,36 @@ class Detokenizer:
         self._context = len(self.ids)
         self._prefix = 0  # start of the window re-decoded for context (spacing depends on the left token)
         self._read = len(self.ids)  # ids up to here have been returned as text (or are the context)
+        self._shown = 0  # characters returned of the ids after _read: those before an incomplete one at the end
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, ids: list[int]) -> str:
+        """The text these ids add. Where the text ends in an incomplete character (a token holding the first bytes
+        of one), that character waits for the ids that complete it; the text before it does not (a stop string
+        that ends there is found at the token that completes it)."""
         self.ids.extend(ids)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return after[len(before):]
+        if after.endswith("\ufffd"):
+            settled = after.rstrip("\ufffd")[len(before) + self._shown:]
+            self._shown += len(settled)
+            return settled
+        if len(after) > len(before):
+            text = after[len(before) + self._shown:]
+            self._prefix, self._read, self._shown = self._read, len(self.ids), 0
+            return text
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
+        text = after[len(before) + self._shown:]
         self._prefix = self._read = len(self.ids)
-        return after[len(before):]
+        self._shown = 0
+        return text
 
     @property
     def text(self) -> str:
