@@ -593,13 +593,14 @@ def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(co
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
-    rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 3 rows: one build)."""
+    rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 95 rows: one build, of a
+    size beyond the rows and cache the build's example holds by default)."""
     from fafo_cli.compiled.build import stored_dtype
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
     notices: list[str] = []
     engine = load(str(tiny), dtype="bfloat16", chat_template=False, compile="on", notify=notices.append)
-    model, rows, context = engine.model, 4, 40
+    model, rows, context = engine.model, 96, 40
     runner = engine.compiled.runner(rows)
     assert runner is not None, notices
     cache = model.new_cache(context + rows, context + rows)
@@ -607,7 +608,7 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     for part in (cache.keys, cache.values):  # values a bf16 model's keys and values can take
         part.copy_(torch.randn(part.shape, generator=gen).bfloat16())
     cache.commit(context)
-    ids = torch.tensor([5, 17, 3, 9])
+    ids = torch.randint(model.vocab_size, (rows,), generator=gen)
     positions = torch.arange(context, context + rows)
     mask = prefix_causal_mask(context, rows, model.device)
     eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))

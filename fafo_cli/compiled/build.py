@@ -44,7 +44,7 @@ from .kernels import bf16_gemm, loader
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # bump when the traced computation, our ops' signatures or the packed formats (packed.py) change: old packages are
 # rebuilt
-GRAPH_VERSION = 14
+GRAPH_VERSION = 15
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
@@ -168,8 +168,11 @@ class _Step(torch.nn.Module):
                                   as_float=False)
 
 
-def _example(model: Model, rows: int, length: int = 64, capacity: int = 128):
+def _example(model: Model, rows: int, length: int = 64):
+    """The traced step's inputs. The cache holds more than the step's rows after `length`: a capacity export saw
+    exceeded would be traced as a slice clamped to it, a graph that serves no real cache."""
     device, n_layers = model.device, len(model.layers)
+    capacity = length + rows + 64
     cache = model.new_cache(capacity, capacity)
     cache.store_as(stored_dtype(model))
     return (torch.zeros(rows, dtype=torch.long, device=device), torch.arange(length, length + rows, device=device),
