@@ -248,6 +248,29 @@ def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path, monk
     calls.clear()
     assert steps.step_costs([2, 1]) == costs and calls == []  # kept in memory
 
+    def fails(*_):
+        raise RuntimeError("fafo::attend: unsupported shapes")
+
+    steps._runners[3] = fails
+    steps.paths(3)[0].touch()
+    told = len(notices)
+    assert steps.step_costs([1, 3]) is None and steps.step_costs([3, 1]) is None  # tried once, not per request
+    assert notices[told:] == ["timing the compiled steps side by side for the step planner, once (later runs read "
+                              "it)", "timing the compiled steps failed (RuntimeError: fafo::attend: unsupported "
+                                     "shapes)"]
+
+
+def test_a_damaged_build_record_is_no_record(tmp_path):
+    from fafo_cli.compiled.timing import Timing
+
+    record = tmp_path / "rows1.json"
+    for text in ('{"rows": 1, "eager_ms": null, "compiled_ms": 2.0}', '{"rows": 1, "eager_ms": 1, "compiled_ms": 2, '
+                 '"build_s": "x"}', "[1, 2]", "{", '{"rows": true, "eager_ms": 1, "compiled_ms": 2}'):
+        record.write_text(text)
+        assert Timing.read(record) is None, text
+    record.write_text('{"rows": 1, "eager_ms": 3, "compiled_ms": 2.5, "build_s": 40.0}')
+    assert Timing.read(record) == Timing(1, 3, 2.5, 40.0) and Timing.read(record).pays_off
+
 
 def test_auto_never_builds(compiled_cache, tiny_models):
     engine = load(str(tiny_models["mistral"]), dtype="float32", chat_template=False, compile="auto",

@@ -108,6 +108,7 @@ class CompiledSteps(OnceNotices):
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._timings: dict[int, float] | None = None  # the packages' side-by-side timings (step_costs), once read
+        self._timing_failed = False  # (not tried again until a package is built or bench --tune asks)
         self._layer_views: tuple | None = None  # per-layer views of the cache, rebuilt when it is reallocated
         # constant inputs, sliced per step: the view mask of a step that has no view, and per-row flags
         self._whole_cache = torch.ones(0, len(model.layers), dtype=torch.bool, device=model.device)
@@ -206,10 +207,12 @@ class CompiledSteps(OnceNotices):
         if self._timings is None:
             self._timings = read_step_costs(self.folder).get("compiled", {})
         if refresh or not set(packages.values()) <= set(self._timings):
-            if any(self.runner(package) is None for package in set(packages.values())):
+            if self._timing_failed and not refresh or any(self.runner(package) is None
+                                                          for package in set(packages.values())):
                 return None
             timed = self._time_side_by_side(set(packages.values()) | {size for size in self._timings
                                                                       if self.paths(size)[0].exists()})
+            self._timing_failed = timed is None
             if timed is None:
                 return None
             self._timings = timed
@@ -281,7 +284,8 @@ class CompiledSteps(OnceNotices):
             return None
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
-        self._timings = {}  # timed before this package was: the next step_costs times them all again
+        # timed before this package was: the next step_costs times them all again
+        self._timings, self._timing_failed = {}, False
         with contextlib.suppress(OSError):  # (a folder that takes no more is told when the timings are written)
             write_step_costs(self.folder, {"compiled": {}})
         return runner

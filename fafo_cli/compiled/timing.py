@@ -31,10 +31,13 @@ class Timing:
 
     @classmethod
     def read(cls, path: Path) -> "Timing | None":
+        """The record at `path`; None where it cannot be read or is not a record of numbers (damaged, foreign)."""
         try:
-            return cls(**json.loads(path.read_text(encoding="utf-8")))
+            timing = cls(**json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             return None
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in asdict(timing).values())
+        return timing if numbers else None
 
 
 # beside a model's packages: {"eager" | "compiled": {rows: ms}}; eager from `fafo bench --tune` or `fafo doctor
