@@ -185,13 +185,19 @@ def _new_dir(parent: Path, prefix: str) -> Path:
 PARTIAL_DIR = re.compile(r"\.partial-(?:" + WRITER + r"-)?[^-]+")  # publish_dir's staging, remove_dir's leftovers
 
 
+def sweep_partial_dirs(folder: Path) -> None:
+    """Remove what writers that are gone left in `folder` (publish_dir's staging, remove_dir's leftovers): before
+    a check of the disk's free space, which their bytes would otherwise fail for good."""
+    _sweep(folder, PARTIAL_DIR)
+
+
 @contextmanager
 def publish_dir(target: Path, done: str) -> Iterator[Path]:
     """A staging folder (`.partial-*`, beside `target`) to fill; when the block ends without an exception it is
     renamed to `target`, which so appears complete or not at all. Where another process published `target` first
     (its file `done` is there) that copy is kept. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(target.parent, PARTIAL_DIR)
+    sweep_partial_dirs(target.parent)
     staging = _new_dir(target.parent, f".partial-{_writer()}-")
     _made.add(os.path.abspath(staging))
     try:
@@ -213,7 +219,7 @@ def remove_dir(path: Path) -> None:
     """Remove the folder `path` so that no reader sees part of it: renamed to a partial name first (one rename),
     then deleted; if this process is cut off meanwhile, the next publish_dir or remove_dir beside it finishes the
     job. FileNotFoundError where it is gone already (another process removed it)."""
-    _sweep(path.parent, PARTIAL_DIR)
+    sweep_partial_dirs(path.parent)
     doomed = path.with_name(f".partial-{_writer()}-{secrets.token_hex(4)}")
     _made.add(os.path.abspath(doomed))
     try:

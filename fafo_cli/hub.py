@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 
 from .conversion import write_gguf_as_hf
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, write_atomic, write_safetensors
+from .files import publish_dir, remove_dir, sweep_partial_dirs, write_atomic, write_safetensors
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -161,8 +161,10 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
 
 
 def _check_room(folder: Path, needed: int, what: str) -> None:
-    """Refuse before writing (minutes, for a large model) what the disk under `folder` cannot hold."""
+    """Refuse before writing (minutes, for a large model) what the disk under `folder` cannot hold (once what a
+    killed writer left there is gone)."""
     folder.mkdir(parents=True, exist_ok=True)
+    sweep_partial_dirs(folder)
     try:
         free = shutil.disk_usage(folder).free
     except OSError:  # no such figure here: the write itself says
@@ -485,7 +487,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
     if _offline():  # nothing to ask the hub: the cached copy, if whole
         folder = cached_snapshot(repo_id, revision)
         if folder is None:
-            raise FafoError(f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to "
+            raise FafoError(f"model '{repo_id}' is not in the local cache and {_offline()} is set; unset it to "
                             "download")
         return folder
     silence = quiet and not are_progress_bars_disabled()
@@ -569,7 +571,8 @@ def _hub_error(repo_id: str, error: Exception) -> str:
         return f"revision not found for {repo_id}"
     if isinstance(error, errors.OfflineModeIsEnabled) or (
             isinstance(error, errors.LocalEntryNotFoundError) and _offline()):
-        return f"model '{repo_id}' is not in the local cache and HF_HUB_OFFLINE is set; unset it to download"
+        return (f"model '{repo_id}' is not in the local cache and {_offline() or 'HF_HUB_OFFLINE'} is set; unset it "
+                "to download")
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
     if any(cls.__name__ in ("ConnectError", "ConnectTimeout") for cls in type(error).__mro__):  # (httpx's)
@@ -595,8 +598,11 @@ def _broken_off(error: Exception) -> bool:
     return any(cls.__name__ == "TransportError" for cls in type(error).__mro__)
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+def _offline() -> str | None:
+    """The variable that puts the hub offline, as huggingface_hub reads them (None: online): HF_HUB_OFFLINE, or
+    where it is not set, transformers' TRANSFORMERS_OFFLINE."""
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    return name if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") else None
 
 
 def _check_config(folder: Path, trust_remote_code: bool) -> None:
@@ -656,16 +662,23 @@ def _steps_size(folders: Iterable[Path]) -> int:
     return sum(_folder_size(steps) for folder in folders for steps in compiled_steps_of(folder))
 
 
-def cached_models() -> list[CachedModel]:
-    """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
+def _scanned_hub_cache():
+    """huggingface_hub's scan of the HF cache snapshot_download uses (None: there is none yet)."""
     from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
-    found: list[CachedModel] = []
     try:
-        cache = scan_cache_dir(constants.HF_HUB_CACHE)  # the same folder snapshot_download uses
+        return scan_cache_dir(constants.HF_HUB_CACHE)
     except CacheNotFound:
-        cache = None
+        return None
+    except ValueError as e:  # (a file where the folder should be)
+        raise FafoError(f"cannot read the Hugging Face cache: {first_line(e)}") from None
+
+
+def cached_models() -> list[CachedModel]:
+    """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
+    found: list[CachedModel] = []
+    cache = _scanned_hub_cache()
     for repo in cache.repos if cache else ():
         latest = _newest_whole(repo)
         if latest is None:
@@ -721,10 +734,8 @@ def remove(model: CachedModel) -> None:
     if model.source == "gguf":
         _remove_with_steps(model.path)
         return
-    from huggingface_hub import constants, scan_cache_dir
-
-    cache = scan_cache_dir(constants.HF_HUB_CACHE)
-    for repo in cache.repos:
+    cache = _scanned_hub_cache()
+    for repo in cache.repos if cache else ():
         if repo.repo_id == model.name and repo.repo_type == "model":
             for revision in repo.revisions:
                 for steps in compiled_steps_of(revision.snapshot_path):
@@ -740,12 +751,8 @@ def remove(model: CachedModel) -> None:
 def newest_snapshot(repo_id: str) -> Path | None:
     """The newest snapshot of a hub model in the HF cache that holds a whole model, whatever its revision, where
     `main` was never pulled (a `main` cut off mid-way is for the pull to finish, not to run an older copy)."""
-    from huggingface_hub import constants, scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    try:
-        cache = scan_cache_dir(constants.HF_HUB_CACHE)
-    except CacheNotFound:
+    cache = _scanned_hub_cache()
+    if cache is None:
         return None
     return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id and "main" not in repo.refs),
                 None)

@@ -347,6 +347,12 @@ def test_list_json(capsys, monkeypatch, tmp_path):
     assert code == 0 and json.loads(out) == []
     code, out, _ = run_cli(capsys, "list")
     assert "No cached models" in out
+    (tmp_path / "hub-file").write_text("")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-file"))  # a file where the folder should be
+    for command in ("list", "rm"):
+        code, out, err = run_cli(capsys, command, *(["org/model"] if command == "rm" else []))
+        assert code == 1 and err.startswith("error: cannot read the Hugging Face cache: ") and err.count("\n") == 1
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     from datetime import datetime, timezone
 
     from fafo_cli import hub

@@ -262,7 +262,12 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch
     assert hub.pull("org/tiny") == folder and fake_hub.requests == []
     with pytest.raises(FafoError, match="^model 'org/other' is not in the local cache and HF_HUB_OFFLINE is set"):
         hub.pull("org/other")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # huggingface_hub's other name for it
+    assert hub.pull("org/tiny") == folder and fake_hub.requests == []
+    with pytest.raises(FafoError, match="^model 'org/other' is not in the local cache and TRANSFORMERS_OFFLINE is"):
+        hub.pull("org/other")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (which wins over it)
     sha = fake_hub.repos["org/tiny"].sha
     assert hub.pull("org/tiny", revision=sha) == folder
     with pytest.raises(FafoError, match="^revision not found for org/tiny$"):
@@ -551,6 +556,23 @@ def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tm
     with pytest.raises(FafoError, match="cannot write the conversion of model.gguf into .*: .*No space left"):
         hub.convert_gguf(_gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL))
     assert not list((caches / "fafo" / "models").iterdir())
+
+
+def test_what_a_killed_conversion_left_does_not_count_against_the_next_ones_room(caches, monkeypatch, tmp_path):
+    """A conversion killed mid-write (SIGKILL, the OOM killer: no clean-up ran) left its staging folder: it is
+    removed before the free space is checked, which it would otherwise fail on every later try."""
+    import shutil
+
+    models = caches / "fafo" / "models"
+    leftover = models / f".partial-{_finished_pid()}-ab_cd"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"half")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda folder: usage._replace(free=0 if leftover.exists() else
+                                                                                 usage.free))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    folder = hub.convert_gguf(_gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL))
+    assert (folder / "config.json").is_file() and not leftover.exists()
 
 
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
