@@ -454,7 +454,12 @@ def load_tokenizer(folder: Path, config: config_mod.Config, model_config=None):
     # the model's config given to the tokenizer spares transformers loading its own (a second of imports)
     known = {"config": llama.Config(**{**vars(model_config), "_name_or_path": str(folder)})} if model_config else {}
     with quiet_transformers():
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
+        try:
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code, **known)
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises plain Exceptions on a file it cannot read
+            raise FafoError(f"cannot load the tokenizer in {folder}: {first_line(e, named=True)}") from None
 
 
 def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dtype, device: torch.device,

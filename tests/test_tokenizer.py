@@ -172,3 +172,10 @@ def test_unreadable_tokenizer_and_generation_files_are_one_line(tmp_path, broken
     with pytest.raises(FafoError, match=f"cannot (read|load) .*{folder}") as error:
         load(str(folder), device="cpu", compile="off")
     assert "\n" not in str(error.value)
+    if broken == "tokenizer.json":  # read by transformers (a class of its own), which `tokenizers` fails plainly
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "Qwen2Tokenizer"}))
+        (folder / broken).write_text(json.dumps({"version": "1.0", "model": {"type": "Unheard"}}))
+        with pytest.raises(FafoError, match=f"^cannot load the tokenizer in {folder}: ") as error:
+            load(str(folder), device="cpu", compile="off")
+        assert "\n" not in str(error.value)
