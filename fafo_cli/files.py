@@ -10,6 +10,7 @@ one that carries this process's own id but that it did not make (in containers f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -195,7 +196,8 @@ def sweep_partial_dirs(folder: Path) -> None:
 def publish_dir(target: Path, done: str) -> Iterator[Path]:
     """A staging folder (`.partial-*`, beside `target`) to fill; when the block ends without an exception it is
     renamed to `target`, which so appears complete or not at all. Where another process published `target` first
-    (its file `done` is there) that copy is kept. Either way no staging folder remains."""
+    (its file `done` is there) that copy is kept; a `target` without it was damaged since (a published one is
+    whole), and is replaced. Either way no staging folder remains."""
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep_partial_dirs(target.parent)
     staging = _new_dir(target.parent, f".partial-{_writer()}-")
@@ -208,8 +210,13 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
         try:
             os.rename(staging, target)
         except OSError:
-            if not (target / done).is_file():  # not a concurrent writer that won the race
+            if (target / done).is_file():  # a concurrent writer that won the race
+                return
+            if not target.is_dir():
                 raise
+            with contextlib.suppress(FileNotFoundError):
+                remove_dir(target)
+            os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         _made.discard(os.path.abspath(staging))

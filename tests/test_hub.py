@@ -575,6 +575,17 @@ def test_what_a_killed_conversion_left_does_not_count_against_the_next_ones_room
     assert (folder / "config.json").is_file() and not leftover.exists()
 
 
+def test_a_conversion_folder_damaged_since_is_converted_again(caches, monkeypatch, tmp_path):
+    """A conversion's folder that lost its config.json (a cache cleaner, a hand): the next run converts the file
+    again and replaces it (renaming onto the damaged folder failed, on every run)."""
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    gguf = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
+    folder = hub.convert_gguf(gguf)
+    (folder / "config.json").unlink()
+    assert hub.convert_gguf(gguf) == folder and (folder / "config.json").is_file()
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+
+
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
