@@ -477,11 +477,12 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
 
 
 def _compiled_folder(model: Model, folder: Path) -> Path:
-    """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device."""
+    """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device, and
+    whether its .gguf file is there (whose packed blocks its packages read instead of holding the weights)."""
     folder = folder.resolve()  # `fafo run .` and a link to the folder: the same steps (and the building process's)
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
                      if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
-    source = json.dumps([str(folder), weights])
+    source = json.dumps([str(folder), weights, hub.gguf_source(folder) is not None])
     return hub.compiled_steps_folder(folder, identity(model, source))
 
 

@@ -586,6 +586,19 @@ def test_a_conversion_folder_damaged_since_is_converted_again(caches, monkeypatc
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
 
 
+def test_a_conversion_whose_file_is_gone_has_compiled_steps_of_its_own(caches, monkeypatch, tmp_path):
+    """Packages built beside a .gguf file read its packed blocks and hold no weights: once the file is gone (the
+    model runs dense), they are not the ones its steps load."""
+    from fafo_cli import load
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    gguf = _gguf_header(tmp_path / "model.gguf", "llama", **Q4_1_MODEL)
+    folder = hub.convert_gguf(gguf)
+    beside = load(str(folder), dtype="float32", compile="off").steps_folder
+    gguf.unlink()
+    assert load(str(folder), dtype="float32", compile="off").steps_folder != beside
+
+
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
