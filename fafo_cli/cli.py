@@ -635,7 +635,8 @@ def pull(
 def list_models(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
 ) -> None:
-    """Models available offline, with their quantization: the Hugging Face cache and converted .gguf models."""
+    """Models available offline, with their quantization: the Hugging Face cache and converted .gguf models (and
+    pulls cut off before they held a whole model)."""
     models = hub.cached_models()
     if as_json:
         print(json.dumps([m.to_dict() for m in models], indent=2))
@@ -653,7 +654,8 @@ def list_models(
     table = Table("name", "quantization", "on disk", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
-        table.add_row(m.name, m.quantization or "—", _megabytes(m.size_bytes), m.modified.strftime("%Y-%m-%d %H:%M"),
+        table.add_row(m.name if m.complete else f"{m.name} [yellow](incomplete: pull it again, or rm it)[/]",
+                      m.quantization or "—", _megabytes(m.size_bytes), m.modified.strftime("%Y-%m-%d %H:%M"),
                       str(m.path))
     out.print(table)
 

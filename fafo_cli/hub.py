@@ -643,10 +643,12 @@ class CachedModel:
     path: Path
     source: str  # "hub" or "gguf"
     quantization: str | None  # "Q4_K_M" (a converted .gguf's), "bf16" (a hub model's stored dtype); None: unknown
+    complete: bool = True  # False: a pull cut off (or refused) before any snapshot held the whole model
 
     def to_dict(self) -> dict:
         return {"name": self.name, "size_bytes": self.size_bytes, "modified": self.modified.isoformat(),
-                "path": str(self.path), "source": self.source, "quantization": self.quantization}
+                "path": str(self.path), "source": self.source, "quantization": self.quantization,
+                "complete": self.complete}
 
 
 def _folder_size(folder: Path) -> int:
@@ -676,17 +678,18 @@ def _scanned_hub_cache():
 
 
 def cached_models() -> list[CachedModel]:
-    """Models available offline: hub snapshots in the HF cache and converted .gguf models."""
+    """Models available offline: hub snapshots in the HF cache and converted .gguf models; and the hub downloads
+    that hold no whole model yet (`complete` False: not a model offline, but their bytes are on disk)."""
     found: list[CachedModel] = []
     cache = _scanned_hub_cache()
     for repo in cache.repos if cache else ():
-        latest = _newest_whole(repo)
-        if latest is None:
+        if repo.repo_type != "model":
             continue
+        latest = _newest_whole(repo)
         snapshots = [revision.snapshot_path for revision in repo.revisions]
         found.append(CachedModel(repo.repo_id, repo.size_on_disk + _steps_size(snapshots),
-                                 datetime.fromtimestamp(repo.last_modified, timezone.utc),
-                                 latest, "hub", stored_precision(latest)))
+                                 datetime.fromtimestamp(repo.last_modified, timezone.utc), latest or repo.repo_path,
+                                 "hub", stored_precision(latest) if latest else None, complete=latest is not None))
     for folder, name, converted in _conversions():
         found.append(CachedModel(name, _folder_size(folder) + _steps_size([folder]), converted, folder, "gguf",
                                  converted_quantization(folder)))

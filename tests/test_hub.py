@@ -325,7 +325,9 @@ def test_a_model_we_cannot_run_is_refused_before_its_weights_download(fake_hub, 
     assert entrypoint(["pull", "org/bert", "-q"]) == 1
     assert "BertForMaskedLM" in capsys.readouterr().err
     assert _names(fake_hub.downloads()) == ["config.json"]  # not the weights
-    assert entrypoint(["list", "--json"]) == 0 and "org/bert" not in capsys.readouterr().out
+    assert entrypoint(["list", "--json"]) == 0
+    assert [(m["name"], m["complete"]) for m in json.loads(capsys.readouterr().out)] == [("org/bert", False)]
+    assert entrypoint(["rm", "org/bert"]) == 0 and hub.cached_models() == []  # what it downloaded, removed
 
 
 def test_fafo_pull_command_with_its_progress_bar(fake_hub, tiny):
@@ -379,14 +381,15 @@ def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, ti
     blobs = list((repo / "blobs").iterdir())
     assert all(hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name for blob in blobs)  # each one whole
     assert "model.safetensors" not in _names(repo.rglob("*")) and len(blobs) == len(list(tiny.iterdir())) - 1
-    assert hub.cached_snapshot("org/tiny") is None and hub.cached_models() == []  # not a model offline
+    assert hub.cached_snapshot("org/tiny") is None  # not a model offline, but listed (and removable) as one cut off
+    assert [(m.name, m.complete, m.path) for m in hub.cached_models()] == [("org/tiny", False, repo)]
 
     fake_hub.cuts.clear()
     fake_hub.requests.clear()
     folder = hub.pull("org/tiny")
     assert (folder / "model.safetensors").read_bytes() == weights
     assert _names(fake_hub.downloads()) == ["model.safetensors"]  # only what was missing
-    assert [m.name for m in hub.cached_models()] == ["org/tiny"]
+    assert [(m.name, m.complete) for m in hub.cached_models()] == [("org/tiny", True)]
 
 
 def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_path, monkeypatch):
@@ -407,9 +410,9 @@ def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_p
     # as huggingface_hub before 2.x (the floor is 1.0): a snapshot folder is returned offline unchecked
     monkeypatch.setattr(_snapshot_download, "_raise_if_incomplete_snapshot", lambda **kwargs: None, raising=False)
     (folder / shards[-1]).unlink()  # the pull was cut off before its last shard
-    assert hub.cached_models() == [] and hub.cached_snapshot("org/sharded") is None
+    assert [m.complete for m in hub.cached_models()] == [False] and hub.cached_snapshot("org/sharded") is None
     assert hub.resolve("org/sharded") == folder and (folder / shards[-1]).is_file()  # the missing shard is fetched
-    assert [m.name for m in hub.cached_models()] == ["org/sharded"]
+    assert [(m.name, m.complete) for m in hub.cached_models()] == [("org/sharded", True)]
     copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
     (copy / "model.safetensors.index.json").write_text("{not json")
     assert not hub._has_model_files(copy)
