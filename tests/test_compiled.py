@@ -942,3 +942,20 @@ def test_a_token_gets_the_same_logits_in_every_step_size(compiled_cache, smollm2
     session.compiled = engine.compiled
     parted = [i for i, (a, b) in enumerate(zip(logits["compiled"], logits["eager"])) if not torch.equal(a, b)]
     assert parted == [], f"eager and compiled steps part from step {parted[0]}"
+
+
+def test_gpu_packages_are_named_by_the_gpu_they_hold_kernels_for(monkeypatch):
+    """A package compiled on a GPU holds kernels for its compute capability: a cache shared by an H100's and an
+    A100's machine keeps one set for each."""
+    from types import SimpleNamespace
+
+    from fafo_cli.compiled.build import identity
+
+    config = SimpleNamespace(to_json_string=lambda: '{"hidden_size": 64}')
+
+    def on(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        return identity(SimpleNamespace(config=config, dtype=torch.bfloat16, device=torch.device("cuda", 0)), "m")
+
+    cpu = identity(SimpleNamespace(config=config, dtype=torch.bfloat16, device=torch.device("cpu")), "m")
+    assert len({on((9, 0)), on((8, 0)), cpu}) == 3 and on((9, 0)) == on((9, 0))

@@ -222,12 +222,16 @@ def load_kernels(model: Model, folder: Path) -> None:
 
 
 def identity(model: Model, source: str) -> str:
-    """Names a model's packages: its source and config, dtype, device kind, our kernels' version (with the
-    CPU's features, for which kernels are generated, and torch's version), graph version."""
+    """Names a model's packages: its source and config, dtype, device kind (a GPU's with its compute capability,
+    whose kernels a package holds: a cache shared by machines), our kernels' version (with the CPU's features, for
+    which kernels are generated, and torch's version), graph version."""
     described = model.config.to_json_string()
     if '"_name_or_path"' in described:  # the path as typed, where transformers keeps it: `source` names the folder
         config = json.loads(described)
         del config["_name_or_path"]
         described = json.dumps(config, sort_keys=True)
-    key = json.dumps([source, described, str(model.dtype), model.device.type, loader.version(), GRAPH_VERSION])
+    device = model.device.type
+    if device == "cuda":
+        device += "-sm{}{}".format(*torch.cuda.get_device_capability(model.device))
+    key = json.dumps([source, described, str(model.dtype), device, loader.version(), GRAPH_VERSION])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
