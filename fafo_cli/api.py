@@ -125,7 +125,7 @@ class Engine:
             engine.compiled = engine.session.compiled = GraphSteps(engine.model, notify or _print_notice)
         elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
-                                            notify=notify or _print_notice, gguf=hub.gguf_source(folder),
+                                            notify=notify or _print_notice, gguf=engine.gguf,
                                             serves=engine.steps_serve,
                                             builder=engine.build_elsewhere if device.type == "cpu" else None)
             engine.session.compiled = engine.compiled
@@ -154,9 +154,15 @@ class Engine:
         return transformers_model(weights, self.config, self.model.dtype, self.model.device)
 
     @cached_property
+    def gguf(self) -> Path | None:
+        """The .gguf file a converted model came from, where it is still there (hub.gguf_source): looked for once,
+        as the compiled steps' folder and their packed blocks must agree on it."""
+        return hub.gguf_source(self.folder)
+
+    @cached_property
     def steps_folder(self) -> Path:
         """Where this model's compiled steps and measured step costs live."""
-        return _compiled_folder(self.model, self.folder)
+        return _compiled_folder(self.model, self.folder, self.gguf is not None)
 
     @property
     def steps_serve(self) -> dict:
@@ -220,7 +226,7 @@ class Engine:
         """Token ids for a prompt string or a list of chat messages, with the chat template when enabled.
         `tokenizer`: a copy of the engine's, for a thread other than the one that decodes (the server's requests)."""
         config = config or self.config
-        tokenizer = tokenizer or self.tokenizer
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt)
         templated = config.chat_template and self.has_chat_template
         # (without the template, a configured system prompt is left out, as a string prompt's always was)
@@ -323,7 +329,7 @@ class Engine:
         """The stop strings that are one special token's text (`<|im_end|>` sent by a client whose template ends
         turns with it), as stop ids: the shown text never holds a special token, so as strings they would never
         match. And the other stop strings. `tokenizer`: another thread's copy of the engine's."""
-        tokenizer = tokenizer or self.tokenizer
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         ids, strings = set(), []
         for text in stop:
             encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -476,13 +482,13 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
     return model.eval()
 
 
-def _compiled_folder(model: Model, folder: Path) -> Path:
+def _compiled_folder(model: Model, folder: Path, packed: bool) -> Path:
     """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device, and
-    whether its .gguf file is there (whose packed blocks its packages read instead of holding the weights)."""
+    whether its .gguf file is there (`packed`: its packages read the file's blocks instead of holding weights)."""
     folder = folder.resolve()  # `fafo run .` and a link to the folder: the same steps (and the building process's)
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
                      if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
-    source = json.dumps([str(folder), weights, hub.gguf_source(folder) is not None])
+    source = json.dumps([str(folder), weights, packed])
     return hub.compiled_steps_folder(folder, identity(model, source))
 
 

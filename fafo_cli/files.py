@@ -210,16 +210,36 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
         try:
             os.rename(staging, target)
         except OSError:
-            if (target / done).is_file():  # a concurrent writer that won the race
-                return
-            if not target.is_dir():
-                raise
-            with contextlib.suppress(FileNotFoundError):
-                remove_dir(target)
-            os.rename(staging, target)
+            if not (target / done).is_file():  # else a concurrent writer won the race: its copy is kept
+                _replace_damaged(staging, target, done)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         _made.discard(os.path.abspath(staging))
+
+
+def _replace_damaged(staging: Path, target: Path, done: str) -> None:
+    """`target` lacks `done`: damaged since it was published. Moved aside for `staging`; where what was moved turns
+    out whole (another process repairing it published first), that is put back instead."""
+    aside = target.with_name(f".partial-{_writer()}-{secrets.token_hex(4)}")
+    _made.add(os.path.abspath(aside))
+    try:
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:
+            pass  # (removed meanwhile)
+        else:
+            if (aside / done).is_file():
+                with contextlib.suppress(OSError):  # (a third one's copy there now: as good)
+                    os.rename(aside, target)
+                return
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / done).is_file():
+                raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+        _made.discard(os.path.abspath(aside))
 
 
 def remove_dir(path: Path) -> None:

@@ -687,7 +687,9 @@ def cached_models() -> list[CachedModel]:
             continue
         latest = _newest_whole(repo)
         snapshots = [revision.snapshot_path for revision in repo.revisions]
-        found.append(CachedModel(repo.repo_id, repo.size_on_disk + _steps_size(snapshots),
+        # (huggingface_hub counts the blobs of snapshots: not the one a pull was cut off in)
+        size = repo.size_on_disk if latest else _folder_size(repo.repo_path)
+        found.append(CachedModel(repo.repo_id, size + _steps_size(snapshots),
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc), latest or repo.repo_path,
                                  "hub", stored_precision(latest) if latest else None, complete=latest is not None))
     for folder, name, converted in _conversions():
@@ -744,6 +746,9 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
+            if not repo.revisions:  # (a pull cut off before its first file: nothing for huggingface_hub to delete)
+                with contextlib.suppress(FileNotFoundError):
+                    remove_dir(repo.repo_path)
             with _hub_logger_quiet():  # (it logs what it could not delete, with a traceback: said below instead)
                 cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
             if repo.repo_path.exists():

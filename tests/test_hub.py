@@ -392,6 +392,17 @@ def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, ti
     assert [(m.name, m.complete) for m in hub.cached_models()] == [("org/tiny", True)]
 
 
+def test_a_pull_cut_off_in_its_first_file_is_listed_with_that_file_and_removed(caches):
+    """No snapshot yet, only the blob being downloaded (huggingface_hub counts no size and has no revision of it
+    to delete): listed as incomplete with that blob's size, and `fafo rm` removes the whole of it."""
+    repo = caches / "hf" / "hub" / "models--org--big"
+    for folder in ("snapshots", "blobs", "refs"):
+        (repo / folder).mkdir(parents=True)
+    (repo / "blobs" / "0123abcd.incomplete").write_bytes(b"x" * 5000)
+    assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 5000)]
+    assert entrypoint(["rm", "org/big"]) == 0 and not repo.exists() and hub.cached_models() == []
+
+
 def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_path, monkeypatch):
     import shutil
 
@@ -766,6 +777,22 @@ def test_a_published_folder_appears_whole_once(tmp_path):
         (staging / "config.json").write_text("new")  # the folder is taken, but not by a finished copy: replaced
     assert [p.name for p in (tmp_path / "models" / "o").iterdir()] == ["config.json"]
     assert sorted(p.name for p in target.parent.iterdir()) == ["m", "o"]  # no staging folder left
+
+
+def test_two_processes_repairing_one_damaged_folder_keep_a_whole_copy(tmp_path):
+    """Both found the folder damaged; the other one replaced it first: this one's move aside finds a whole copy,
+    which is put back (not removed for this one's), and this one's staging goes."""
+    from fafo_cli import files
+
+    target, staging = tmp_path / "m", tmp_path / ".partial-mine"
+    for folder, text in ((target, "theirs"), (staging, "mine")):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    files._replace_damaged(staging, target, "config.json")
+    assert (target / "config.json").read_text() == "theirs" and staging.exists()  # (publish_dir removes it)
+    (target / "config.json").unlink()  # damaged: replaced
+    files._replace_damaged(staging, target, "config.json")
+    assert (target / "config.json").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 def _finished_pid() -> int:

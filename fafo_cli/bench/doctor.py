@@ -27,7 +27,6 @@ from ..errors import FafoError, is_out_of_memory
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
-ROWS = (1, 2, 4, 8, 16, 32, 64)  # the pass cost's row counts: up to a wide GPU window's step
 
 
 def machine(device: torch.device, dtype: torch.dtype) -> dict:
@@ -160,7 +159,7 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         engine = load(config)
     report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype), "exactness": checks}
     progress("measuring one pass against its rows")
-    costs = tune.step_costs(engine, row_counts=ROWS)
+    costs = tune.step_costs(engine)  # the rows --tune measures: --write keeps the same curve
     report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
     report["disturbed"] = tune.curve_disturbed(costs)
     report["recommended"] = recommend(engine, config, costs)
