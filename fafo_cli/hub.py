@@ -274,10 +274,19 @@ def _remove_unreachable_conversions(keep: Path) -> None:
         sources = _sources(folder, record)
         if not sources or any(_leads_to(Path(source), key) for source, key in sources):
             continue
-        if record.get("name") != EMBEDDED_NAME and not any(Path(source).exists() for source, _ in sources):
+        if record.get("name") != EMBEDDED_NAME and not any(_known_to_exist(Path(source)) for source, _ in sources):
             continue
         with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
             _remove_with_steps(folder)
+
+
+def _known_to_exist(path: Path) -> bool:
+    """Whether `path` exists as far as this user can tell (another user's file in a shared cache's records, in a
+    folder this user may not enter: not known; Python before 3.14 raises there)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _leads_to(path: Path, key: str) -> bool:
@@ -371,7 +380,10 @@ def gguf_source(folder: Path) -> Path | None:
     digest = record.get("sha256")
     for source, _ in sources:
         path = Path(source)
-        if not path.is_file():
+        try:
+            if not path.is_file():
+                continue
+        except OSError:  # another user's file in a shared cache, in a folder this user may not enter
             continue
         if digest is None:
             return path

@@ -613,6 +613,26 @@ def test_a_conversion_whose_file_is_gone_has_compiled_steps_of_its_own(caches, m
     assert load(str(folder), dtype="float32", compile="off").steps_folder != beside
 
 
+def test_another_users_file_that_cannot_be_looked_at_is_no_error(caches, monkeypatch, tmp_path):
+    """A shared cache records conversions of other users' files, in folders this user may not enter (where Python
+    raises PermissionError on looking): that conversion is neither an error nor removed, and has no file here."""
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    (tmp_path / "bob").mkdir()
+    theirs = _gguf_header(tmp_path / "bob" / "m.gguf", "llama", **Q4_1_MODEL)
+    folder = hub.convert_gguf(theirs)
+    stat = Path.stat
+
+    def guarded(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "bob")):
+            raise PermissionError(13, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", guarded)
+    assert hub.gguf_source(folder) is None
+    hub.convert_gguf(_gguf_header(tmp_path / "alice.gguf", "llama", **Q4_1_MODEL))  # (sweeps unreachable ones)
+    assert (folder / "config.json").is_file()
+
+
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
