@@ -734,10 +734,11 @@ def removable(spec: str) -> list[CachedModel]:
             return named
         if not path.is_dir():
             raise FafoError(f"no model named {spec} offline (`fafo list` shows them)")
-    if path.is_file():  # its conversions: of this version of it, or recorded at its path (an older version's)
+    if path.is_file():  # its conversions: of this version of it, or of an older version converted at its path (not
+        # one it was a copy of once: that conversion is the other file's)
         key, here = _conversion_key(path), str(path.resolve())
-        found = [m for m in models if m.source == "gguf" and any(known == key or source == here for source, known in
-                                                                   _sources(m.path, source_record(m.path)))]
+        found = [m for m in models if m.source == "gguf" and (source_record(m.path).get("gguf") == here or any(
+            known == key for _, known in _sources(m.path, source_record(m.path))))]
     else:
         found = [m for m in models if path.exists() and m.path.resolve() == path.resolve()]
     if not found:

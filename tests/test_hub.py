@@ -1113,6 +1113,21 @@ def test_fafo_rm_removes_conversions_with_their_compiled_steps_never_the_file(ca
     assert other_file.is_file() and [m.name for m in hub.cached_models()] == []
 
 
+def test_fafo_rm_of_a_file_that_was_a_copy_once_leaves_the_original_conversion(caches, monkeypatch, tmp_path):
+    """b.gguf was a copy of a.gguf (one conversion, recorded for both), then became another model: removing b.gguf's
+    conversion removes its own, not a.gguf's."""
+    import shutil
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    a = _gguf_header(tmp_path / "a.gguf", "llama", **Q4_1_MODEL)
+    of_a = hub.convert_gguf(a)
+    b = shutil.copy(a, tmp_path / "b.gguf")
+    assert hub.convert_gguf(Path(b)) == of_a  # a copy: the same conversion
+    _gguf_header(Path(b), "llama", **Q4_1_MODEL, label="another")
+    of_b = hub.convert_gguf(Path(b))
+    assert of_b != of_a and [m.path for m in hub.removable(str(b))] == [of_b]
+
+
 def test_fafo_rm_removes_a_hub_model_with_every_revision(fake_hub, capsys):
     folder = hub.pull("org/tiny")
     steps = _steps_of(folder)
