@@ -899,6 +899,25 @@ def test_out_of_memory_is_its_own_error(served, monkeypatch):
     assert error["code"] == "out_of_memory"
 
 
+def test_a_request_that_fails_inside_the_server_stops_its_answer(served, monkeypatch):
+    """A fault of ours while an answer is gathered (here: a stand-in that raises) is a 500, and the answer that was
+    running for it stops: the worker takes the next request at once, not after a long answer for nobody."""
+    from fafo_cli.serve import app
+
+    _slowed(monkeypatch, served)
+
+    async def broken(ticket, item, model):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app, "_whole", broken)
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        assert http.post("/completions", json={"prompt": TEXT, "max_tokens": LONG}).status_code == 500
+        deadline = time.monotonic() + 10
+        while http.get(served.health).json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.get(served.health).json()["running"] == 0
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
     from .test_cli import NO_SYSTEM_TEMPLATE
 

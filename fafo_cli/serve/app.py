@@ -90,6 +90,9 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
         except asyncio.CancelledError:  # uvicorn stopped waiting at shutdown: a step in flight outlasted its grace
             close()
             return shutting_down().response()
+        except Exception:  # (answered as an internal error): the answer must not go on for nobody
+            close()
+            raise
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model(served, started)]})
