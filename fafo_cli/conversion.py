@@ -25,32 +25,38 @@ _HEADER_PATCH = threading.Lock()
 
 
 @contextmanager
-def _header_read_once() -> Iterator[None]:
-    """transformers reads a .gguf file's whole header (gguf's GGUFReader: 10-15 s for a 150k-token vocabulary on a
-    small CPU) for its config, and again for its tokenizer: within this block, once. A transformers without that
-    function reads it twice, as before."""
+def _read_once() -> Iterator[None]:
+    """Within this block, what transformers reads of a .gguf file and of gguf's tables is read once: the file's
+    whole header (gguf's GGUFReader: 10-15 s for a 150k-token vocabulary on a small CPU), which it reads for the
+    config and again for the tokenizer, and gguf's tensor name map, which its name mapping builds again for each of
+    the model's submodules (3 s for a 24-layer model). A transformers or gguf without those functions reads them as
+    before."""
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as module
 
     kept: dict[str, dict] = {}
-    # (two conversions in threads of one process: one at a time, each restoring transformers' own function)
+    read = getattr(module, "load_gguf_checkpoint", None)
+
+    def once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return read(path, return_tensors=return_tensors, **kwargs)
+        if str(path) not in kept:
+            kept[str(path)] = read(path, return_tensors=False)
+        return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
+
+    name_map = getattr(gguf, "get_tensor_name_map", None)
+    # (two conversions in threads of one process: one at a time, each restoring the libraries' own functions)
     with _HEADER_PATCH:
-        read = getattr(module, "load_gguf_checkpoint", None)
-        if read is None:
-            yield
-            return
-
-        def once(path, return_tensors=False, **kwargs):
-            if return_tensors or kwargs:
-                return read(path, return_tensors=return_tensors, **kwargs)
-            if str(path) not in kept:
-                kept[str(path)] = read(path, return_tensors=False)
-            return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
-
-        module.load_gguf_checkpoint = once
+        patches = [(module, "load_gguf_checkpoint", read, once),
+                   (gguf, "get_tensor_name_map", name_map, name_map and functools.lru_cache(maxsize=None)(name_map))]
+        patches = [patch for patch in patches if patch[2] is not None]
+        for owner, name, _, replacement in patches:
+            setattr(owner, name, replacement)
         try:
             yield
         finally:
-            module.load_gguf_checkpoint = read
+            for owner, name, original, _ in patches:
+                setattr(owner, name, original)
 
 
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
@@ -70,7 +76,7 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     from .runtime.model import quiet_transformers
 
     # (convert_gguf read the header first, so the gguf package is known to be there)
-    with quiet_transformers(), _header_read_once():
+    with quiet_transformers(), _read_once():
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as e:

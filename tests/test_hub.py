@@ -589,6 +589,29 @@ def test_what_a_killed_conversion_left_does_not_count_against_the_next_ones_room
     assert (folder / "config.json").is_file() and not leftover.exists()
 
 
+def test_a_conversion_reads_the_header_and_the_name_map_once(monkeypatch):
+    """Within a conversion, transformers' header read (for its config, then its tokenizer) and gguf's tensor name
+    map (built for each submodule) are each computed once per argument; each caller gets its own copy of the
+    header's result; outside it, the libraries' own functions are back."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as module
+
+    from fafo_cli.conversion import _read_once
+
+    calls = []
+    monkeypatch.setattr(module, "load_gguf_checkpoint", lambda path, return_tensors=False: calls.append(path) or
+                        {"config": {"layers": 2}})
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, layers: calls.append((arch, layers)) or object())
+    read, names = module.load_gguf_checkpoint, gguf.get_tensor_name_map
+    with _read_once():
+        first = module.load_gguf_checkpoint("m.gguf")
+        first["config"]["layers"] = 9  # (transformers' callers change what they get)
+        assert module.load_gguf_checkpoint("m.gguf") == {"config": {"layers": 2}}
+        assert gguf.get_tensor_name_map(1, 24) is gguf.get_tensor_name_map(1, 24)
+    assert calls == ["m.gguf", (1, 24)]
+    assert module.load_gguf_checkpoint is read and gguf.get_tensor_name_map is names
+
+
 def test_a_conversion_folder_damaged_since_is_converted_again(caches, monkeypatch, tmp_path):
     """A conversion's folder that lost its config.json (a cache cleaner, a hand): the next run converts the file
     again and replaces it (renaming onto the damaged folder failed, on every run)."""
