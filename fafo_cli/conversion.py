@@ -27,9 +27,9 @@ _HEADER_PATCH = threading.Lock()
 @contextmanager
 def _read_once() -> Iterator[None]:
     """Within this block, what transformers reads of a .gguf file and of gguf's tables is read once: the file's
-    whole header (gguf's GGUFReader: 10-15 s for a 150k-token vocabulary on a small CPU), which it reads for the
-    config and again for the tokenizer, and gguf's tensor name map, which its name mapping builds again for each of
-    the model's submodules (3 s for a 24-layer model). A transformers or gguf without those functions reads them as
+    whole header, which it reads for the config and again for the tokenizer (and from our walk of it: see
+    _read_with_our_header_walk), and gguf's tensor name map, which its name mapping builds again for each of the
+    model's submodules (3 s for a 24-layer model). A transformers or gguf without those functions reads them as
     before."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as module
@@ -41,7 +41,7 @@ def _read_once() -> Iterator[None]:
         if return_tensors or kwargs:
             return read(path, return_tensors=return_tensors, **kwargs)
         if str(path) not in kept:
-            kept[str(path)] = read(path, return_tensors=False)
+            kept[str(path)] = _read_with_our_header_walk(read, gguf, path)
         return copy.deepcopy(kept[str(path)])  # (each caller may change what it gets)
 
     name_map = getattr(gguf, "get_tensor_name_map", None)
@@ -57,6 +57,24 @@ def _read_once() -> Iterator[None]:
         finally:
             for owner, name, original, _ in patches:
                 setattr(owner, name, original)
+
+
+def _read_with_our_header_walk(read, gguf, path) -> dict:
+    """transformers' `read` (load_gguf_checkpoint) of the header at `path`, given our walk of it (gguf_header's
+    FieldsReader: a second, where gguf's GGUFReader takes 10-15 s for a 150k-token vocabulary) in place of
+    GGUFReader; where that fails in any way (a layout it does not read, a transformers that wants more of the
+    reader), with GGUFReader as before."""
+    from .gguf_header import FieldsReader
+
+    original = gguf.GGUFReader
+    gguf.GGUFReader = FieldsReader  # (transformers imports it from gguf when it reads; under _HEADER_PATCH)
+    try:
+        return read(path, return_tensors=False)
+    except Exception:  # noqa: BLE001 - whatever it was, GGUFReader's own reading decides
+        pass
+    finally:
+        gguf.GGUFReader = original
+    return read(path, return_tensors=False)
 
 
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:

@@ -3,7 +3,8 @@ the file.
 
 gguf's GGUFReader builds numpy views for every entry of every array (11-30 s for the header of a model with a
 150k-token vocabulary on a small CPU); this walks the key-value section and the tensor descriptions directly
-(GGUF versions 2 and 3, little-endian), skipping arrays, in a fraction of a second.
+(GGUF versions 2 and 3, little-endian), in a fraction of a second: skipping arrays where it only needs the
+architecture and the tensors, or reading every value in GGUFReader's layout for transformers (FieldsReader).
 """
 
 from __future__ import annotations
@@ -166,6 +167,41 @@ def _tensor_type(kind: int, dims: tuple[int, ...]) -> tuple[str, int]:
     return kind.name, math.prod(dims) // block * size
 
 
+class ReaderField(NamedTuple):
+    """A key's value as gguf's ReaderField holds it: `types` (the value's type, and an array's item type after 9),
+    `parts` and `data` (the parts holding the value, or each item of an array, one by one)."""
+    name: str
+    parts: list
+    data: list[int]
+    types: list[int]
+
+
+class FieldsReader:
+    """What transformers' GGUF loading reads of gguf's GGUFReader, from one walk of the header: `fields` (every
+    key's value, as gguf's ReaderField holds it: a string as its bytes, a number in a one-item tuple) and `tensors`
+    (their names). A second a large vocabulary, where GGUFReader builds numpy views of every item (10-30 s).
+    ValueError on an array of arrays (GGUFReader's own layout is used for those)."""
+
+    def __init__(self, path):
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                raise ValueError("no GGUF magic number at its start")
+            version, n_tensors, n_values = struct.unpack_from("<IQQ", data, 4)
+            reader = _Reader(data, 24)
+            self.fields: dict[str, ReaderField] = {  # (GGUFReader's own entries first)
+                name: ReaderField(name, [(value,)], [0], [kind]) for name, value, kind in (
+                    ("GGUF.version", version, 4), ("GGUF.tensor_count", n_tensors, 10), ("GGUF.kv_count", n_values, 10))}
+            for _ in range(n_values):
+                key = reader.string()
+                self.fields[key] = ReaderField(key, *reader.parts(reader.unpack("<I")))
+            self.tensors = []
+            for _ in range(n_tensors):
+                name = reader.string()
+                dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
+                kind, offset = reader.unpack("<IQ", many=True)
+                self.tensors.append(TensorEntry(name, dims, kind, offset))
+
+
 class _Reader:
     """Little-endian values from `data`, from offset `at` on."""
 
@@ -184,6 +220,31 @@ class _Reader:
         text = bytes(self.data[self.at:self.at + length]).decode("utf-8", errors="replace")
         self.at += length
         return text
+
+    def raw_string(self) -> bytes:
+        length = self.unpack("<Q")
+        if self.at + length > len(self.data):
+            raise ValueError("a string runs past the end of the file")
+        self.at += length
+        return bytes(self.data[self.at - length:self.at])
+
+    def parts(self, kind: int) -> tuple[list, list[int], list[int]]:
+        """A value of type `kind` as (parts, data, types): FieldsReader's fields."""
+        if kind == STRING:
+            return [self.raw_string()], [0], [kind]
+        if kind in SCALARS:
+            return [(self.unpack(SCALARS[kind]),)], [0], [kind]
+        if kind != ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.unpack("<IQ", many=True)
+        if item == STRING:
+            parts = [self.raw_string() for _ in range(count)]
+        elif item in SCALARS:
+            values = self.unpack(f"<{count}{SCALARS[item][1:]}", many=True)
+            parts = [(value,) for value in values]
+        else:
+            raise ValueError(f"an array of GGUF value type {item}")
+        return parts, list(range(count)), [kind, item]
 
     def value(self, kind: int):
         if kind == STRING:

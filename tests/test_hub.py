@@ -612,6 +612,45 @@ def test_a_conversion_reads_the_header_and_the_name_map_once(monkeypatch):
     assert module.load_gguf_checkpoint is read and gguf.get_tensor_name_map is names
 
 
+@pytest.mark.slow
+def test_our_header_walk_gives_transformers_what_gguf_s_reader_does(smollm2, monkeypatch):
+    """transformers reads the embedded model's config and tokenizer from our walk of its header (FieldsReader) as
+    from gguf's GGUFReader, every key's value and the tensors' names alike; where our walk fails, GGUFReader reads."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from fafo_cli import gguf_header
+    from fafo_cli.conversion import _read_with_our_header_walk
+
+    path = hub.gguf_source(smollm2)
+    theirs, ours = gguf.GGUFReader(path), gguf_header.FieldsReader(path)
+    assert list(ours.fields) == list(theirs.fields) and [t.name for t in ours.tensors] == [t.name for t in
+                                                                                          theirs.tensors]
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert mine.types == [int(t) for t in field.types], name
+        assert [_gguf_parse_value(mine.parts[i], mine.types) for i in mine.data] == [
+            _gguf_parse_value(field.parts[i], field.types) for i in field.data], name
+    readings = []
+
+    def read_already(path):  # (GGUFReader's seconds, once)
+        readings.append(path)
+        return theirs
+
+    monkeypatch.setattr(gguf, "GGUFReader", read_already)
+    expected = load_gguf_checkpoint(path)
+    assert _read_with_our_header_walk(load_gguf_checkpoint, gguf, path) == expected and len(readings) == 1
+    assert gguf.GGUFReader is read_already  # (put back)
+
+    def fails(self, path):
+        raise ValueError("an array of GGUF value type 9")
+
+    monkeypatch.setattr(gguf_header.FieldsReader, "__init__", fails)
+    assert _read_with_our_header_walk(load_gguf_checkpoint, gguf, path) == expected and len(readings) == 2
+
+
 def test_a_conversion_folder_damaged_since_is_converted_again(caches, monkeypatch, tmp_path):
     """A conversion's folder that lost its config.json (a cache cleaner, a hand): the next run converts the file
     again and replaces it (renaming onto the damaged folder failed, on every run)."""
