@@ -27,7 +27,7 @@ _HEADER_PATCH = threading.Lock()
 @contextmanager
 def _read_once() -> Iterator[None]:
     """Within this block, what transformers reads of a .gguf file and of gguf's tables is read once: the file's
-    whole header, which it reads for the config and again for the tokenizer (and from our walk of it: see
+    whole header, which it reads for the config, then again while it loads the tokenizer (from our walk of it: see
     _read_with_our_header_walk), and gguf's tensor name map, which its name mapping builds again for each of the
     model's submodules (3 s for a 24-layer model). A transformers or gguf without those functions reads them as
     before."""
@@ -60,10 +60,10 @@ def _read_once() -> Iterator[None]:
 
 
 def _read_with_our_header_walk(read, gguf, path) -> dict:
-    """transformers' `read` (load_gguf_checkpoint) of the header at `path`, given our walk of it (gguf_header's
-    FieldsReader: a second, where gguf's GGUFReader takes 10-15 s for a 150k-token vocabulary) in place of
-    GGUFReader; where that fails in any way (a layout it does not read, a transformers that wants more of the
-    reader), with GGUFReader as before."""
+    """transformers' `read` (load_gguf_checkpoint: the config it reads from the header at `path`), given our walk
+    of the header (gguf_header's FieldsReader: under a second, where gguf's GGUFReader takes 10-15 s for a 150k-token
+    vocabulary) in place of GGUFReader; where that fails in any way (a file it refuses, a transformers that wants
+    more of the reader), with GGUFReader as before."""
     from .gguf_header import FieldsReader
 
     original = gguf.GGUFReader
@@ -106,12 +106,12 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
             raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
         with init_empty_weights():  # the model's parameter names, on no memory
             skeleton = AutoModelForCausalLM.from_config(config)
-    settings = config.to_dict()  # (as transformers' own GGUF reading hands its processors the model's settings)
-    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=settings)
-    try:
-        names = get_gguf_hf_weights_map(skeleton, processor)
-    except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
-        raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
+        settings = config.to_dict()  # (as transformers' own GGUF reading hands its processors the model's settings)
+        processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=settings)
+        try:
+            names = get_gguf_hf_weights_map(skeleton, processor)
+        except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
+            raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
     try:
         wanted = [tensor for tensor in read_tensors(path, header) if tensor.name in names]
     except ValueError as e:  # (a tensor type the gguf package does not know)

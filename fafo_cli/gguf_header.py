@@ -179,8 +179,9 @@ class ReaderField(NamedTuple):
 class FieldsReader:
     """What transformers' GGUF loading reads of gguf's GGUFReader, from one walk of the header: `fields` (every
     key's value, as gguf's ReaderField holds it: a string as its bytes, a number in a one-item tuple) and `tensors`
-    (their names). A second a large vocabulary, where GGUFReader builds numpy views of every item (10-30 s).
-    ValueError on an array of arrays (GGUFReader's own layout is used for those)."""
+    (their names). Under a second for a large vocabulary, where GGUFReader builds numpy views of every item (10-30 s).
+    ValueError on what GGUFReader refuses (a key twice, a name not UTF-8) and on an array of arrays (GGUFReader's
+    own layout is used for those)."""
 
     def __init__(self, path):
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -192,11 +193,13 @@ class FieldsReader:
                 name: ReaderField(name, [(value,)], [0], [kind]) for name, value, kind in (
                     ("GGUF.version", version, 4), ("GGUF.tensor_count", n_tensors, 10), ("GGUF.kv_count", n_values, 10))}
             for _ in range(n_values):
-                key = reader.string()
+                key = reader.raw_string().decode()  # (strictly, as GGUFReader: a file it refuses goes to it)
+                if key in self.fields:
+                    raise ValueError(f"the key {key} is in the header twice")
                 self.fields[key] = ReaderField(key, *reader.parts(reader.unpack("<I")))
             self.tensors = []
             for _ in range(n_tensors):
-                name = reader.string()
+                name = reader.raw_string().decode()
                 dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
                 kind, offset = reader.unpack("<IQ", many=True)
                 self.tensors.append(TensorEntry(name, dims, kind, offset))

@@ -272,21 +272,23 @@ def _remove_unreachable_conversions(keep: Path) -> None:
             continue
         record = source_record(folder)
         sources = _sources(folder, record)
-        if not sources or any(_leads_to(Path(source), key) for source, key in sources):
+        # (a file this user may not look at, another user's in a shared cache, may still be the version converted)
+        if not sources or any(_leads_to(Path(source), key) or _hidden(Path(source)) for source, key in sources):
             continue
-        if record.get("name") != EMBEDDED_NAME and not any(_known_to_exist(Path(source)) for source, _ in sources):
+        if record.get("name") != EMBEDDED_NAME and not any(Path(source).exists() for source, _ in sources):
             continue
         with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
             _remove_with_steps(folder)
 
 
-def _known_to_exist(path: Path) -> bool:
-    """Whether `path` exists as far as this user can tell (another user's file in a shared cache's records, in a
-    folder this user may not enter: not known; Python before 3.14 raises there)."""
+def _hidden(path: Path) -> bool:
+    """Whether this user cannot tell if `path` exists (another user's file in a shared cache's records, in a folder
+    this user may not enter, where Python before 3.14 raises)."""
     try:
-        return path.exists()
+        path.exists()
     except OSError:
-        return False
+        return True
+    return False
 
 
 def _leads_to(path: Path, key: str) -> bool:

@@ -614,8 +614,8 @@ def test_a_conversion_reads_the_header_and_the_name_map_once(monkeypatch):
 
 @pytest.mark.slow
 def test_our_header_walk_gives_transformers_what_gguf_s_reader_does(smollm2, monkeypatch):
-    """transformers reads the embedded model's config and tokenizer from our walk of its header (FieldsReader) as
-    from gguf's GGUFReader, every key's value and the tensors' names alike; where our walk fails, GGUFReader reads."""
+    """transformers reads the embedded model's config from our walk of its header (FieldsReader) as from gguf's
+    GGUFReader, every key's value and the tensors' names alike; where our walk fails, GGUFReader reads."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -679,9 +679,14 @@ def test_another_users_file_that_cannot_be_looked_at_is_no_error(caches, monkeyp
     """A shared cache records conversions of other users' files, in folders this user may not enter (where Python
     raises PermissionError on looking): that conversion is neither an error nor removed, and has no file here."""
     monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    import shutil
+
     (tmp_path / "bob").mkdir()
     theirs = _gguf_header(tmp_path / "bob" / "m.gguf", "llama", **Q4_1_MODEL)
     folder = hub.convert_gguf(theirs)
+    copy = Path(shutil.copy(theirs, tmp_path / "copy.gguf"))  # this user's copy, recorded with it, then changed
+    assert hub.convert_gguf(copy) == folder
+    _gguf_header(copy, "llama", **Q4_1_MODEL, label="changed")
     stat = Path.stat
 
     def guarded(self, *args, **kwargs):

@@ -322,18 +322,27 @@ def test_a_conversion_holds_what_transformers_reads_from_the_gguf_file(tmp_path,
                                                                         head):
     """Converted a block of rows at a time (conversion.py), the weights are bit for bit those transformers' own
     reading of the .gguf file gives (gguf's dequantizer, llama.cpp's query and key order undone, a tied head not
-    stored), and the config is what it builds."""
+    stored), and the config is what it builds: from our walk of the header as from gguf's reader. gguf's tensor
+    name map is built once (transformers' name mapping asks for it per submodule)."""
+    import gguf
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from fafo_cli import hub
-
-    from fafo_cli import conversion
+    from fafo_cli import conversion, hub
+    from fafo_cli.gguf_header import FieldsReader
 
     monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(conversion, "BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of 256 at a time: a short last block too
     path = write_tiny_gguf(tmp_path / f"tiny-{architecture}.gguf", head=head, architecture=architecture)
+    built, name_map = [], gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *args: built.append(args) or name_map(*args))
     folder = hub.convert_gguf(path)
+    assert len(built) == 1
+    with monkeypatch.context() as walked:
+        walked.setattr(gguf, "GGUFReader", FieldsReader)
+        config_read = load_gguf_checkpoint(path)
+    assert config_read == load_gguf_checkpoint(path)
     assert "dequantizing" not in capsys.readouterr().err  # its bar is drawn on a terminal only
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = {name: tensor for name, tensor in theirs.state_dict().items()
