@@ -189,9 +189,9 @@ class FieldsReader:
                 raise ValueError("no GGUF magic number at its start")
             version, n_tensors, n_values = struct.unpack_from("<IQQ", data, 4)
             reader = _Reader(data, 24)
+            own = (("GGUF.version", version, 4), ("GGUF.tensor_count", n_tensors, 10), ("GGUF.kv_count", n_values, 10))
             self.fields: dict[str, ReaderField] = {  # (GGUFReader's own entries first)
-                name: ReaderField(name, [(value,)], [0], [kind]) for name, value, kind in (
-                    ("GGUF.version", version, 4), ("GGUF.tensor_count", n_tensors, 10), ("GGUF.kv_count", n_values, 10))}
+                name: ReaderField(name, [(value,)], [0], [kind]) for name, value, kind in own}
             for _ in range(n_values):
                 key = reader.raw_string().decode()  # (strictly, as GGUFReader: a file it refuses goes to it)
                 if key in self.fields:
