@@ -739,8 +739,12 @@ def removable(spec: str) -> list[CachedModel]:
     if path.is_file():  # its conversions: of this version of it, or of an older version converted at its path (not
         # one it was a copy of once: that conversion is the other file's)
         key, here = _conversion_key(path), str(path.resolve())
-        found = [m for m in models if m.source == "gguf" and (source_record(m.path).get("gguf") == here or any(
-            known == key for _, known in _sources(m.path, source_record(m.path))))]
+
+        def of_this_file(folder: Path) -> bool:
+            record = source_record(folder)
+            return record.get("gguf") == here or any(known == key for _, known in _sources(folder, record))
+
+        found = [m for m in models if m.source == "gguf" and of_this_file(m.path)]
     else:
         found = [m for m in models if path.exists() and m.path.resolve() == path.resolve()]
     if not found:
