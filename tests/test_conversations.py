@@ -183,7 +183,7 @@ def test_kept_copy_is_restored_bit_for_bit_in_bfloat16(tiny):
 
 def test_running_out_of_memory_while_a_kept_copy_loads_leaves_a_consistent_cache(tiny, monkeypatch):
     """A kept copy that cannot be loaded (out of memory while the cache grows for it): that request fails, and the
-    next is answered exactly, not from a cache emptied under the ids it held."""
+    next is answered exactly, not from a cache emptied under the ids it held, from the copy still kept."""
     engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     engine.keep_conversations(2, 100)
     first = "the first conversation, long enough to be kept " * 8
@@ -202,6 +202,7 @@ def test_running_out_of_memory_while_a_kept_copy_loads_leaves_a_consistent_cache
     assert len(engine.session.ids) == cache.length
     result = engine.complete(again, max_tokens=8)
     assert result.token_ids == hf_greedy(tiny, engine.encode(again), 8)
+    assert result.stats.cached_prompt_tokens >= len(engine.encode(first))  # the kept copy was not lost
 
 
 def test_reset_forgets_kept_conversations(tiny):

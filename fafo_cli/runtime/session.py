@@ -116,7 +116,11 @@ class Session:
             self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
             self.carry = {}
         if entry is not None:
-            self.cache.load(entry.keys, entry.values)
+            try:
+                self.cache.load(entry.keys, entry.values)
+            except BaseException:  # (out of memory as the cache grows for it): kept still, for a later request
+                self.kept.keep(entry)
+                raise
             self.ids, self.carry = list(entry.ids), entry.carry
 
     def rollback(self, length: int) -> None:
