@@ -254,3 +254,21 @@ def test_quantspec_drafts_from_int4_weights_and_keeps_g_to_2g_exact(tiny, monkey
     weights = quantspec.int4_weights(engine.model)
     assert set(weights.layers) >= {id(engine.model.lm_head), id(engine.model.layers[0].mlp.down_proj)}
     assert result.stats.draft_memory_mb * 2**20 > weights.nbytes()  # the 4-bit weights count as draft memory
+
+
+@pytest.mark.parametrize("overrides, group, said", [
+    ({}, 6, r"^quantspec_group \(6\) must be at least the model's head dimension \(16\) or divide it$"),
+    ({"intermediate_size": 127}, 64, r"^quantspec cannot quantize this model to 4 bits: 127 inputs cannot be split"),
+])
+def test_a_model_quantspec_cannot_quantize_is_one_line(tmp_path, overrides, group, said):
+    """Groups of an even size: a matrix of odd width (or a group that does not fit the head) is refused in one line
+    naming it, not a traceback."""
+    from fafo_cli import load
+    from fafo_cli.errors import FafoError
+
+    from .conftest import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", **overrides)
+    engine = load(str(folder), dtype="float32", chat_template=False, method="quantspec", quantspec_group=group)
+    with pytest.raises(FafoError, match=said):
+        engine.complete("hello there", max_tokens=4)

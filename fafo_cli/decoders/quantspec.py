@@ -35,12 +35,14 @@ class QuantSpec:
         self.model, self.cache = session.model, session.cache
         self.sampling, self.draws = request.sampling, draws and draws.below()
         model = self.model
-        self.weights = int4_weights(model)
-        try:
-            self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
-        except ValueError:
+        if model.head_dim % min(self.group, model.head_dim):
             raise FafoError(f"quantspec_group ({self.group}) must be at least the model's head dimension "
-                            f"({model.head_dim}) or divide it") from None
+                            f"({model.head_dim}) or divide it")
+        try:  # (a matrix of odd width, or an odd head dimension: two 4-bit codes a byte, groups of an even size)
+            self.weights = int4_weights(model)
+            self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
+        except ValueError as e:
+            raise FafoError(f"quantspec cannot quantize this model to 4 bits: {e}") from None
         self._sync()
 
     def _sync(self) -> None:
