@@ -69,12 +69,18 @@ def read_header(path: Path) -> GgufHeader:
                 raise ValueError("the file ends inside its header (cut short?)") from None
 
 
-def _parse(data) -> GgufHeader:
+def _opening(data) -> tuple[int, int, int]:
+    """The header's version, tensor count and key count (ValueError: not a GGUF file we read)."""
     if data[:4] != b"GGUF":
         raise ValueError("no GGUF magic number at its start")
     version, n_tensors, n_values = struct.unpack_from("<IQQ", data, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    return version, n_tensors, n_values
+
+
+def _parse(data) -> GgufHeader:
+    _, n_tensors, n_values = _opening(data)
     reader = _Reader(data, 24)
     found = {}
     for _ in range(n_values):
@@ -88,14 +94,11 @@ def _parse(data) -> GgufHeader:
     tensors = []
     data_end = elements = 0  # where the last tensor's data ends, from the start of the data section
     for _ in range(n_tensors):
-        name = reader.string()
-        dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
-        kind, offset = reader.unpack("<IQ", many=True)
-        tensors.append(TensorEntry(name, dims, kind, offset))
-        type_name, size = _tensor_type(kind, dims)
+        tensors.append(entry := reader.tensor_entry())
+        type_name, size = _tensor_type(entry.kind, entry.dims)
         tensor_bytes[type_name] += size
-        elements += math.prod(dims)
-        data_end = max(data_end, offset + size)
+        elements += math.prod(entry.dims)
+        data_end = max(data_end, entry.offset + size)
     alignment = found.get("general.alignment")
     alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
     data_start = -(-reader.at // alignment) * alignment  # the data section starts aligned
@@ -185,24 +188,17 @@ class FieldsReader:
 
     def __init__(self, path):
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                raise ValueError("no GGUF magic number at its start")
-            version, n_tensors, n_values = struct.unpack_from("<IQQ", data, 4)
+            version, n_tensors, n_values = _opening(data)
             reader = _Reader(data, 24)
             own = (("GGUF.version", version, 4), ("GGUF.tensor_count", n_tensors, 10), ("GGUF.kv_count", n_values, 10))
             self.fields: dict[str, ReaderField] = {  # (GGUFReader's own entries first)
                 name: ReaderField(name, [(value,)], [0], [kind]) for name, value, kind in own}
             for _ in range(n_values):
-                key = reader.raw_string().decode()  # (strictly, as GGUFReader: a file it refuses goes to it)
+                key = reader.string(strict=True)  # (as GGUFReader: a file it refuses goes to it)
                 if key in self.fields:
                     raise ValueError(f"the key {key} is in the header twice")
                 self.fields[key] = ReaderField(key, *reader.parts(reader.unpack("<I")))
-            self.tensors = []
-            for _ in range(n_tensors):
-                name = reader.raw_string().decode()
-                dims = reader.unpack(f"<{reader.unpack('<I')}Q", many=True)
-                kind, offset = reader.unpack("<IQ", many=True)
-                self.tensors.append(TensorEntry(name, dims, kind, offset))
+            self.tensors = [reader.tensor_entry(strict=True) for _ in range(n_tensors)]
 
 
 class _Reader:
@@ -216,13 +212,15 @@ class _Reader:
         self.at += struct.calcsize(fmt)
         return values if many else values[0]
 
-    def string(self) -> str:
-        length = self.unpack("<Q")
-        if self.at + length > len(self.data):
-            raise ValueError("a string runs past the end of the file")
-        text = bytes(self.data[self.at:self.at + length]).decode("utf-8", errors="replace")
-        self.at += length
-        return text
+    def string(self, strict: bool = False) -> str:
+        """`strict`: text that is not UTF-8 is a ValueError (else its bad bytes are replaced)."""
+        return self.raw_string().decode("utf-8", errors="strict" if strict else "replace")
+
+    def tensor_entry(self, strict: bool = False) -> TensorEntry:
+        name = self.string(strict)
+        dims = self.unpack(f"<{self.unpack('<I')}Q", many=True)
+        kind, offset = self.unpack("<IQ", many=True)
+        return TensorEntry(name, dims, kind, offset)
 
     def raw_string(self) -> bytes:
         length = self.unpack("<Q")
