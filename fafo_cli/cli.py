@@ -165,9 +165,10 @@ def _given(flags: dict) -> frozenset[str]:
     return frozenset(key for key, value in flags.items() if value not in (None, ""))
 
 
-def _check_output(flag: str, path: str | None) -> None:
+def _check_output(flag: str, path: str | None, makes_folders: bool = False) -> None:
     """An output file can be written where `path` says: its folder exists and takes new files (an atomic write
-    renames one there), and it is not a folder itself nor a file that is read-only."""
+    renames one there), and it is not a folder itself nor a file that is read-only. `makes_folders`: its writer
+    creates missing folders (the user's config file), so the nearest existing one must take them."""
     if path is None or path == "-":
         return
     if not path.strip():
@@ -181,17 +182,21 @@ def _check_output(flag: str, path: str | None) -> None:
         except (OSError, RuntimeError) as e:  # (RuntimeError: a loop of links, before Python 3.13)
             raise FafoError(f"{flag} {path}: cannot follow its link ({getattr(e, 'strerror', None) or 'a loop'})") \
                 from None
-    if not target.parent.is_dir():
-        raise FafoError(f"{flag} {path}: no such folder {target.parent}")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise FafoError(f"{flag} {path}: the folder {target.parent} is not writable")
+    folder = target.parent
+    while makes_folders and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise FafoError(f"{flag} {path}: no such folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FafoError(f"{flag} {path}: the folder {folder} is not writable")
     if target.exists() and not os.access(target, os.W_OK):
         raise FafoError(f"{flag} {path} is read-only")
 
 
 def _create_config(config: str | None) -> None:
-    """A --config FILE that --tune or --write names is created where it does not exist yet, every key commented out
-    (as `fafo config init` writes it): the next command given it finds it, whatever the measurement sets."""
+    """A --config FILE that --tune or --write names is created where it does not exist yet once the measuring is
+    done, every key commented out (as `fafo config init` writes it): the next command given it finds it, whatever
+    the measurement set. (A command that fails leaves no file behind.)"""
     path = Path(config).expanduser() if config else None
     if path is not None and not path.exists() and not path.is_symlink():
         write_atomic(path, config_mod.default_yaml(active=False))
@@ -493,9 +498,10 @@ def bench(
         from .bench import tune as tune_mod
 
         written = Path(config).expanduser() if config else None
-        _check_output("config file", str(written or config_mod.user_config_path()))
+        _check_output("config file", str(written or config_mod.user_config_path()), makes_folders=not written)
+        code = tune_mod.run(_load(settings, err), settings, out, err, written)
         _create_config(config)
-        raise typer.Exit(tune_mod.run(_load(settings, err), settings, out, err, written))
+        raise typer.Exit(code)
     engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
     raise typer.Exit(command.run(engine, settings, options, tables, err))
@@ -537,14 +543,15 @@ def doctor(
         report_path = Path(gpu_report).expanduser()
         gpu_mod.check(device, gpu_shape)
     if write:  # before a minute of measuring
-        _check_output("config file", str(doctor_mod.default_config_path(config)))
-        _create_config(config)
+        _check_output("config file", str(doctor_mod.default_config_path(config)), makes_folders=not config)
     # the model found (or converted) before the first progress line: a missing one is one line
     hub.resolve(settings.model, allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
     out, err = consoles()
     progress = (lambda line: None) if as_json else (lambda line: err.print(f"[dim]{line}[/]"))
     report = doctor_mod.run(settings, lambda chosen: _load(chosen, err), progress=progress,
                             write_to=doctor_mod.default_config_path(config) if write else None)
+    if write:
+        _create_config(config)
     if report_path is not None:  # (the configured model released first: the 7B shape needs the memory)
         gc.collect()
         if device.type == "cuda":

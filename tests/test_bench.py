@@ -550,6 +550,31 @@ def test_a_config_that_cannot_be_written_is_refused_before_measuring(tiny, tmp_p
         assert code == 1 and err == f"error: config file {path} is read-only\n", err
 
 
+def test_tune_and_doctor_write_the_user_config_in_a_folder_not_made_yet_and_leave_nothing_when_they_fail(
+        tiny, tmp_path, monkeypatch, capsys):
+    """A first `fafo bench --tune` or `fafo doctor --write` (no `fafo config init` before it) creates
+    ~/.config/fafo; a command that fails after a new --config FILE was checked leaves no FILE behind."""
+    from fafo_cli import cli
+    from fafo_cli.bench import doctor, tune
+
+    def failing(*args, **kwargs):
+        raise cli.FafoError("no such model")
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: object())
+    monkeypatch.setattr(cli.hub, "resolve", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "run", lambda engine, *a, **k: 0)  # (the measuring itself: other tests)
+    assert entrypoint(["bench", str(tiny), "--tune"]) == 0, capsys.readouterr().err
+    monkeypatch.setattr(doctor, "run", failing)  # past the config file's check
+    assert entrypoint(["doctor", str(tiny), "--write"]) == 1
+    assert capsys.readouterr().err == "error: no such model\n"
+    new = tmp_path / "new.yaml"
+    monkeypatch.setattr(tune, "run", failing)
+    for argv in (["bench", str(tiny), "--tune"], ["doctor", str(tiny), "--write"]):
+        assert entrypoint([*argv, "--config", str(new)]) == 1 and not new.exists()
+    assert capsys.readouterr().err.count("error: no such model") == 2
+
+
 def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch, capsys):
     """A speedup above τ cannot come from FAFO's steps (each costs at least a plain one): plain decoding was slowed
     by something else, and the sample decides nothing."""
