@@ -472,6 +472,9 @@ def bench(
         documents=tuple(documents or ()))
     if compressors is not None and "fafo" not in options.methods:
         raise FafoError("--compressors names FAFO rows: add fafo to --methods")
+    if compressors is not None and settings.streams == 0 and set(options.compressors) - {"auto"}:
+        raise FafoError("--compressors compares the window's compressors, and the config's streams: 0 runs no "
+                        "window: set streams in the config file (or give another with --config)")
     outputs = {"--json": json_file, "--csv": csv_file, "--markdown": markdown_file, "--plot": plot_file}
     _check_outputs(outputs, {"--prompts": [prompts] if prompts else [], "--documents": list(documents or ()),
                              "--config": [config] if config else []}, binary=("--plot",))  # before the run: hours

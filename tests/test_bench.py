@@ -171,6 +171,8 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
     assert entrypoint(["bench", str(tiny), "--suites", "custom", *FAST]) == 1
     assert "--suites custom is the --prompts file's suite: give --prompts FILE" in capsys.readouterr().err
     for bad, message in (('{"prompt": ""}', "needs a non-empty 'prompt'"), ("not json", "not valid JSON"),
+                         ('{"prompt": "a", "n": ' + "1" * 5000 + "}", "not valid JSON"),  # Python's digit limit
+                         ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
                          ('{"messages": [{"role": "assistant", "content": "x"}]}', "ending with a user message"),
                          # runs, references and speedups are keyed by id: a shared one lost results
                          ('{"prompt": "a", "id": "dup"}\n{"prompt": "b", "id": "dup"}', "the prompt id 'dup' is used twice"),
@@ -193,6 +195,10 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
         code = entrypoint(["bench", str(tiny), *flags, *FAST])
         err = capsys.readouterr().err
         assert code == 1 and message in err, err
+    no_window = tmp_path / "no-window.yaml"  # FAFO's rows would all run without a window: compare nothing
+    no_window.write_text("streams: 0\n")
+    code = entrypoint(["bench", str(tiny), "--config", str(no_window), "--compressors", "quest,h2o", *FAST])
+    assert code == 1 and "the config's streams: 0 runs no window" in capsys.readouterr().err
 
 
 def test_bench_inputs_are_checked_before_the_model_loads(tiny, tmp_path, capsys, monkeypatch):

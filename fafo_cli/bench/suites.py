@@ -73,7 +73,7 @@ def read_jsonl(path: Path, suite: str) -> list[Sample]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (ValueError: also an integer of over 4,300 digits)
             raise FafoError(f"{path}:{number}: not valid JSON") from None
         samples.append(_from_record(record, suite, f"{path.name}:{number}"))
     if not samples:
