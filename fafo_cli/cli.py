@@ -345,7 +345,14 @@ def serve(
 
     if conversations == 0 and conversations_mb is not None:
         raise FafoError("--conversations-mb bounds the kept conversations' caches, and --conversations 0 keeps none")
+    if api_key and (api_key != api_key.strip() or not (api_key.isascii() and api_key.isprintable())):
+        raise FafoError("the API key (--api-key or FAFO_API_KEY) must be printable ASCII without spaces at its ends: "
+                        "clients send it in an HTTP header, where no other key could ever match")
     settings = config_mod.resolve(config, **flags)
+    if settings.cacheback_table:  # any request may ask for cacheback: a table it cannot read is said now
+        from .decoders.ngram_table import table_file
+
+        table_file(settings.cacheback_table)
     options = server.Options(api_key or None, tuple(cors or ()), queue, conversations,
                              1024 if conversations_mb is None else conversations_mb, verbose,
                              server.default_max_tokens(settings, config, flags))
@@ -359,6 +366,10 @@ def serve(
         server.setup_logging(verbose)
         # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
         engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
+        if settings.cacheback_table:  # (and whether it was built with this model's tokenizer)
+            from .decoders.cacheback import load_frozen_table
+
+            load_frozen_table(settings.cacheback_table, engine.tokenizer)
         # the command line's settings are the requests' defaults; these two no request could use
         engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
         if settings.compile == "on" and engine.compiled is not None:

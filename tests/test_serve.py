@@ -978,6 +978,28 @@ def test_command_refuses_bad_addresses_in_one_line(tiny, capsys):
         assert err.count("\n") == 1 and message in err, err
 
 
+def test_command_refuses_a_key_no_header_could_carry_and_a_cacheback_table_it_cannot_read(tiny, tmp_path, capsys,
+                                                                                            monkeypatch):
+    """Checked at start, whatever the default method (any request may ask for cacheback): a client must not get a
+    400 naming the server's file for the server's own setting."""
+    from fafo_cli.decoders.ngram_table import build_table
+    from fafo_cli.serve import server
+
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: pytest.fail("served"))
+    for key in (" secret", "secret\r", "clé"):
+        assert entrypoint(["serve", str(tiny), "--port", "0", "--api-key", key]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "must be printable ASCII without spaces at its ends" in err, err
+    assert entrypoint(["serve", str(tiny), "--port", "0", "--cacheback-table", str(tmp_path / "none.bin")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err, err
+    other = tmp_path / "other.bin"  # built with another tokenizer
+    build_table([[1, 2, 3, 1, 4, 5]], leader=1, follower=2, followers=2).save(other, "another tokenizer")
+    assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0", "--cacheback-table", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer" in err, err
+
+
 def test_warns_when_listening_beyond_loopback_without_a_key(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FAFO_API_KEY", raising=False)
     missing = str(tmp_path / "no-model")  # the command stops right after the warning, at loading the model
