@@ -610,6 +610,7 @@ def compile_steps(
     if methods is not None and "method" in given:
         raise FafoError("--methods names the methods to build for: drop --method")
     unused = sorted(given & set(ANSWER_ONLY))  # the packages' shapes do not depend on these
+    unused += sorted(given & ({"draft_model"} | config_mod.DRAFT_MODEL_KEYS))  # (TriForce's draft model runs eager)
     unused += sorted(key for key in given if config_mod.method_of(config_mod.SPECS[key]) not in (None, *chosen))
     if unused:
         raise FafoError(f"fafo compile builds the steps of {', '.join(chosen)}; '{unused[0]}' does not change them")

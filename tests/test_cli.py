@@ -741,6 +741,8 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
     (["--gpus", "2"], "a model spread over GPUs runs eager steps"),
     (["--method", "fafo", "-W", "0", "-k", "4"], "'ngram' sets FAFO's lookahead window, which does not run here"),
     (["--cuda-graphs"], "CUDA graphs are captured at run time: drop --cuda-graphs"),
+    # TriForce's draft model runs eager: not even its path was looked at
+    (["--methods", "triforce", "--draft-model", "/no/such/model"], "'draft_model' does not change them"),
 ])
 def test_compile_refuses_settings_that_do_not_shape_its_steps(capsys, tiny, flags, message):
     code, out, err = run_cli(capsys, "compile", tiny, *flags)
