@@ -152,6 +152,29 @@ def test_one_token_at_a_time_matches_one_shot_and_grows_geometrically():
             assert torch.equal(a, b)
 
 
+def test_sync_quantizes_a_layer_at_a_time(monkeypatch):
+    """A long prompt's first sync held float copies of every layer's keys and values at once (several times the
+    cache's own memory, out of memory right after a prefill that fit): one layer's at a time, same codes."""
+    from fafo_cli.decoders import quantiser
+
+    cache = _fake_cache(positions=200)
+    cache.length = 200
+    whole = {name: getattr(quantiser, name)((cache.keys if "keys" in name else cache.values)[:, :192], 16)
+             for name in ("quantize_keys", "quantize_values")}
+    seen = []
+    for name in whole:
+        real = getattr(quantiser, name)
+        monkeypatch.setattr(quantiser, name, lambda x, group, real=real: seen.append(x.shape[0]) or real(x, group))
+    quant = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    quant.sync(cache.keys, cache.values, 200)
+    assert seen == [1, 1, 1, 1]
+    key_codes, key_scale, key_min = whole["quantize_keys"]
+    value_codes, value_scale, value_min = whole["quantize_values"]
+    assert torch.equal(quant.key_codes[:, :192], key_codes) and torch.equal(quant.value_codes[:, :192], value_codes)
+    assert torch.equal(quant.key_scale[:, :12], key_scale) and torch.equal(quant.key_min[:, :12], key_min)
+    assert torch.equal(quant.value_scale[:, :192], value_scale) and torch.equal(quant.value_min[:, :192], value_min)
+
+
 def test_rollback_drops_groups_and_requantizes_new_data():
     cache = _fake_cache()
     quant = QuantizedKV(2, 2, 16, group=16, device=CPU)

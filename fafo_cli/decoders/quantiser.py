@@ -143,12 +143,15 @@ class QuantizedKV:
         if end <= start:
             return
         self._reserve(end)
-        key_codes, key_scale, key_min = quantize_keys(keys[:, start:end], self.group)
-        value_codes, value_scale, value_min = quantize_values(values[:, start:end], self.group)
         g0, g1 = start // self.group, end // self.group
-        self.key_codes[:, start:end], self.value_codes[:, start:end] = key_codes, value_codes
-        self.key_scale[:, g0:g1], self.key_min[:, g0:g1] = key_scale, key_min
-        self.value_scale[:, start:end], self.value_min[:, start:end] = value_scale, value_min
+        # a layer at a time: float copies of a long prompt's every layer at once took several times the cache's memory
+        for layer in range(self.shape[0]):
+            at = slice(layer, layer + 1)
+            key_codes, key_scale, key_min = quantize_keys(keys[at, start:end], self.group)
+            value_codes, value_scale, value_min = quantize_values(values[at, start:end], self.group)
+            self.key_codes[at, start:end], self.value_codes[at, start:end] = key_codes, value_codes
+            self.key_scale[at, g0:g1], self.key_min[at, g0:g1] = key_scale, key_min
+            self.value_scale[at, start:end], self.value_min[at, start:end] = value_scale, value_min
         self.length = end
 
     def dequantize(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
