@@ -165,6 +165,21 @@ def test_kept_conversations_are_bounded_by_count_and_bytes():
     assert kept.entries == [longer]
 
 
+def test_a_conversation_too_large_to_keep_is_not_copied(tiny, monkeypatch):
+    """Past --conversations-mb a conversation can never be kept: it was copied all the same (GBs at long contexts,
+    on the GPU where the model is) and thrown away, its decoders' state with it."""
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
+    session = engine.session
+    engine.complete("the first conversation, long enough to be kept", max_tokens=30)
+    keys, values = session.cache.snapshot(engine.model.dtype)  # the size check is the copy's own size
+    assert session.cache.snapshot_bytes(engine.model.dtype) == keys.nbytes + values.nbytes
+    session.keep_conversations(2, keys.nbytes + values.nbytes - 1)
+    session.carry = carry = {"decoder": "state"}
+    monkeypatch.setattr(session.cache, "snapshot", lambda dtype: pytest.fail("copied"))
+    engine.complete("another one entirely", max_tokens=4)
+    assert len(session.kept) == 0 and session.carry is carry  # (as where no conversation is kept at all)
+
+
 def test_kept_copy_is_restored_bit_for_bit_in_bfloat16(tiny):
     engine = load(str(tiny), dtype="bfloat16", method="vanilla", chat_template=False)
     engine.keep_conversations(2, 100)

@@ -176,6 +176,11 @@ class KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def snapshot_bytes(self, dtype: torch.dtype) -> int:
+        """What `snapshot` would take."""
+        n_layers, n_kv, dim = self.shape
+        return 2 * n_layers * self.length * n_kv * dim * torch.empty(0, dtype=dtype).element_size()
+
     def snapshot(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the committed keys and values ([layer, position, kv_head, dim]) in `dtype`: the model's dtype
         holds them exactly (see the module's note), in half the bytes of a float32 store."""

@@ -64,10 +64,14 @@ class KeptConversations:
         self.entries.remove(entry)
         return entry
 
+    def takes(self, nbytes: int) -> bool:
+        """Whether a conversation of `nbytes` could be kept at all."""
+        return self.count > 0 and nbytes <= self.max_bytes
+
     def keep(self, entry: KeptConversation) -> None:
         """Keep a conversation as the most recent one. Kept conversations that are a prefix of it are dropped (it
         serves whatever they would), then the least recently used until both bounds hold."""
-        if self.count == 0 or entry.nbytes > self.max_bytes:
+        if not self.takes(entry.nbytes):
             return
         self.entries = [kept for kept in self.entries if shared_prefix(kept.ids, entry.ids) < len(kept.ids)]
         self.entries.append(entry)

@@ -111,7 +111,8 @@ class Session:
             entry = None
         else:
             self.kept.take(entry)  # before keep() below, which could drop it
-        if len(self.ids) - live >= KEEP_AT_LEAST:
+        # (not copied where it could never be kept: a long context's copy is GBs, on the GPU where the model is)
+        if len(self.ids) - live >= KEEP_AT_LEAST and self.kept.takes(self.cache.snapshot_bytes(self.model.dtype)):
             keys, values = self.cache.snapshot(self.model.dtype)
             self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
             self.carry = {}
