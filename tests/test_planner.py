@@ -276,3 +276,17 @@ def test_candidates_that_cannot_pay_are_never_built_and_the_plans_stay_the_same(
     (full, every), (bounded, some) = runs[False], runs[True]
     assert bounded == full and any(rows > 1 for rows, _, _ in full)
     assert 0 < some < every == len(full)  # plain steps in the new text skipped building; the copies were built
+
+
+def test_a_copy_whose_chances_underflow_deep_down_is_planned_not_a_crash():
+    """A copy of a hundred tokens whose per-token chances collapsed: its deep nodes' chances reach 0.0, and the
+    chance of a node given its parent divided by 0 (a ZeroDivisionError ended the answer)."""
+    from types import SimpleNamespace
+
+    from fafo_cli.decoders.fafo.planner import _merge
+
+    chain = Chain("text", 100, tuple(range(100)))
+    chances = [1e-4 ** (depth + 1) for depth in range(100)]  # 0.0 from about the 81st token on
+    assert chances[-1] == 0.0
+    tree, chance, sources, nodes = _merge([chain], SimpleNamespace(chances=lambda c: chances))
+    assert len(nodes[0]) == 100 and chance[-1] == 0.0 and chance[0] == pytest.approx(1e-4)

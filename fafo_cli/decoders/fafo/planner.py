@@ -306,7 +306,9 @@ def _merge(chains: Sequence[Chain], acceptance: Acceptance) -> tuple[DraftTree, 
             node = child
             nodes.append(node)
         nodes_of.append(nodes)
-    given = [p / (chance[parent] if parent != ROOT else 1.0) for p, parent in zip(chance, tree.parents)]
+    # (a long copy's chances can underflow to 0 deep down: a node under one of chance 0 has chance 0)
+    given = [p if parent == ROOT else p / chance[parent] if chance[parent] > 0 else 0.0
+             for p, parent in zip(chance, tree.parents)]
     siblings: dict[int, float] = {}
     for p, parent in zip(given, tree.parents):
         siblings[parent] = siblings.get(parent, 0.0) + p
