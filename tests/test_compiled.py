@@ -296,11 +296,15 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_m
 
 def test_steps_near_the_context_end(compiled_engine, tiny):
     """To the model's last position (2,048: the prompt fills most of it), with steps whose padding would pass it
-    running eager: transformers' tokens."""
+    running in the package of their own rows where one is loaded (else eager, as they would part from plain
+    decoding's compiled one-row steps at bf16 near-ties): transformers' tokens."""
     ids = compiled_engine.encode(LONG * 6)
+    calls = compiled_engine.compiled.calls_by_size
     for settings in (METHODS["vanilla"], METHODS["prompt-lookup"]):
+        one_row = calls.get(1, 0)
         result = compiled_engine.complete(LONG * 6, max_tokens=500, **settings)
         assert result.finish_reason == "context" and result.token_ids == hf_greedy(tiny, ids, 2048 - len(ids))
+    assert calls[1] > one_row  # prompt lookup's last steps, a row each: in the one-row package, not eager
 
 
 def test_cli_compile_flag(compiled_cache, compiled_engine, tiny, tmp_path, capsys):

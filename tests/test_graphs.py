@@ -31,6 +31,17 @@ def test_static_graph_step_decodes_like_generate(tiny, method, options):
         assert max(graphs.calls_by_size) > 1 and result.stats.accepted_tokens > 0
 
 
+def test_steps_near_the_context_end_run_in_the_graph_of_their_own_rows(tiny):
+    """A peer's steps are padded to its largest draft: in the last positions that padding would pass the context,
+    and every step there ran eager, parting from plain decoding's graph steps at bf16 near-ties."""
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    graphs = engine.session.compiled = GraphSteps(engine.model, lambda message: None, capture=False)
+    ids = engine.encode(LONG * 6)
+    result = engine.complete(LONG * 6, method="prompt-lookup", max_tokens=500, temperature=0.0)
+    assert result.finish_reason == "context" and result.token_ids == hf_greedy(tiny, ids, 2048 - len(ids))
+    assert sum(graphs.calls_by_size.values()) == result.stats.steps - 1
+
+
 def test_prepared_sizes_are_the_ones_every_later_step_runs_in(tiny):
     """`fafo bench` captures every step size before its timed runs: no answer makes a step of its own after that
     (a capture inside a timed run cost that run a hundred steps' time on a GPU), and answers stay exact."""

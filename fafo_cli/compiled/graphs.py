@@ -170,6 +170,8 @@ class GraphSteps(OnceNotices):
         layout = step.layout
         rows, length = ids.shape[0], cache.length
         size = bucket(max(rows, step.size))
+        if size is not None and length + size > cache.max_slots:  # near the context's end: the rows alone
+            size = bucket(rows)
         if self.failed or size is None or cache.spread or length + size > cache.max_slots:
             return None
         static = self._static_for(size, cache)

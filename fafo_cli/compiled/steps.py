@@ -321,6 +321,8 @@ class CompiledSteps(OnceNotices):
         layout = step.layout
         rows, length, device = ids.shape[0], cache.length, self.model.device
         size = bucket(max(rows, step.size))
+        if size is not None and length + size > cache.max_slots:  # near the context's end: the package of the
+            size = bucket(rows) if self._runners.get(bucket(rows)) else None  # rows alone, where one is loaded
         if size is None or length < MIN_LENGTH or length + size > cache.max_slots:
             return None
         runner = self.runner(size)
