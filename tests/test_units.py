@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -129,3 +131,18 @@ def test_stats_say_how_the_decoding_steps_ran():
     from fafo_cli.runtime.events import Stats
 
     assert [Stats(steps=9, compiled_steps=n).steps_ran for n in (0, 3, 8)] == ["eager", "compiled 3/8", "compiled"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's peak resident size: Linux")
+def test_peak_memory_counts_what_was_freed_between_samples():
+    """A prefill chunk's temporaries are freed before the chunk returns, where the peak was sampled: the kernel's
+    high-water mark, restarted per request, holds them (a process's earlier peak, say a conversion's, does not
+    count)."""
+    from fafo_cli.runtime.memory import PeakMemory, _rss_bytes
+
+    torch.empty(400 * 2**20, dtype=torch.uint8).fill_(1)  # an earlier peak, gone before the request
+    before = _rss_bytes() / 2**20
+    memory = PeakMemory([torch.device("cpu")])
+    assert memory.sample() < before + 100
+    torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once (glibc returns blocks this large)
+    assert memory.sample() >= before + 190

@@ -1,4 +1,5 @@
-"""Peak memory of one request: device memory on CUDA, resident memory of the process elsewhere."""
+"""Peak memory of one request: device memory on CUDA, resident memory of the process elsewhere (on Linux the
+kernel's own peak since the request began)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,23 @@ from typing import Iterable
 import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _restart_high_water_mark() -> bool:
+    """Linux: the kernel's peak resident size of this process counted afresh from now, so that it holds what
+    sampling between steps misses (a prefill chunk's temporaries, freed before the chunk returns). False where it
+    cannot be (not Linux, or /proc refuses)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _high_water_mark_bytes() -> int:
+    with open("/proc/self/status", "rb") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
 
 
 def _rss_bytes() -> int:
@@ -32,12 +50,16 @@ class PeakMemory:
         if self.cuda:
             for device in self.devices:
                 torch.cuda.reset_peak_memory_stats(device)
+        self.high_water = not self.cuda and _restart_high_water_mark()
         self.peak = 0
         self.sample()
 
     def sample(self) -> float:
         """Record the current usage; return the peak so far in MB."""
-        now = sum(map(torch.cuda.max_memory_allocated, self.devices)) if self.cuda else _rss_bytes()
+        if self.cuda:
+            now = sum(map(torch.cuda.max_memory_allocated, self.devices))
+        else:
+            now = _high_water_mark_bytes() if self.high_water else _rss_bytes()
         self.peak = max(self.peak, now)
         return self.peak / 2**20
 
