@@ -25,10 +25,8 @@ READY = re.compile(r"serving .* on (http://\S+?)/? ")
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "fafo_cli", "serve", "--port", "0", "--dtype", args.dtype, "--no-compile",
-               "--queue", str(max(32, args.clients))]
-    if args.model:
-        command.insert(3, args.model)
+    command = [sys.executable, "-m", "fafo_cli", "serve", *([args.model] if args.model else []), "--port", "0",
+               "--dtype", args.dtype, "--no-compile", "--queue", str(max(32, args.clients))]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=os.environ)
     for line in server.stderr:
         found = READY.search(line)
