@@ -287,6 +287,8 @@ class Engine:
         """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
         if self.model.spread:
             check_spread(config)
+            if config.compressor == "auto":  # the one compressor whose window runs on a spread model
+                config = replace(config, compressor="none")
         context = self.model.max_context
         if not ids:  # (encode refuses an empty text; ids may come from elsewhere)
             raise FafoError("the prompt is empty")
@@ -386,10 +388,9 @@ def check_spread(config: config_mod.Config) -> None:
     if config.method == "fafo" and config.attention == "block":
         raise FafoError("the block attention path keeps one cache tensor for all layers; on a model spread over GPUs "
                         "(--gpus) use --attention split")
-    compressor = config_mod.view_compressor(config.compressor)
-    if config.method == "fafo" and compressor != "none":
-        raise FafoError(f"fafo's {compressor} compressor keeps its view of the cache on one GPU; on a model spread over "
-                        "GPUs (--gpus) use --compressor none")
+    if config.method == "fafo" and config.compressor not in ("auto", "none"):  # (auto runs none there: generate)
+        raise FafoError(f"fafo's {config.compressor} compressor keeps its view of the cache on one GPU; on a model "
+                        "spread over GPUs (--gpus) use --compressor none")
     if config.method not in SPREAD_METHODS + ("fafo",):
         raise FafoError(f"method {config.method} keeps a second cache on one GPU and does not run on a model spread "
                         f"over GPUs (--gpus); these do: fafo (--compressor none), {', '.join(SPREAD_METHODS)}")

@@ -317,8 +317,12 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
     raise typer.Exit(Repl(engine, out, err).run())
 
 
+SERVE_HELP = {"max_tokens": "most tokens generated for a request that gives no limit of its own (without this flag "
+                           "or the key in the config file: the context left after its prompt, as OpenAI's API does)"}
+
+
 @app.command()
-@config_options("serve")
+@config_options("serve", help=SERVE_HELP)
 def serve(
     config: ConfigOpt = None,
     *, flags: dict,

@@ -112,11 +112,12 @@ class Config:
                       choices=DTYPES, also=("bench", "doctor"))
     device: str = _opt("auto", "where the model runs (auto: cuda, then mps, then cpu)", choices=DEVICES,
                        also=("bench", "doctor"))
-    gpus: int = _opt(1, "GPUs the model's layers are spread over (accelerate's device_map; each layer's KV cache "
-                        "on its layer's GPU), for models larger than one GPU; 1: the whole model on `device`", low=1,
+    gpus: int = _opt(1, "at most this many GPUs the model's layers are spread over, filled in order (accelerate's "
+                        "device_map; each layer's KV cache on its layer's GPU), for models larger than one GPU; a "
+                        "spread model runs FAFO with compressor none; 1: the whole model on `device`", low=1,
                      high=64, also=("bench", "doctor"))
     cuda_graphs: str = _opt("auto", "decoding steps as CUDA graphs, one captured per step size: auto uses them on a "
-                                    "CUDA GPU (not with --compile on or --gpus), on requires them, off runs eager "
+                                    "CUDA GPU (not with --compile on, nor on a model spread over GPUs), on requires them, off runs eager "
                                     "steps", choices=CUDA_GRAPHS, flag="--cuda-graphs/--no-cuda-graphs",
                             switch=("on", "off"), also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
@@ -214,8 +215,8 @@ class Config:
     suffix_min_prob: float = _opt(0.1, "suffix: draft a token only while its estimated probability (how often it "
                                        "followed, multiplied along the path) is at least this", low=0.0, high=1.0)
     suffix_tokens: int = _opt(8, "suffix: most draft tokens per step (tree nodes)", low=1, high=256)
-    suffix_outputs: int = _opt(256, "suffix: earlier answers of this session drafted from too (0 = only the "
-                                    "request's own text)", low=0, high=100_000)
+    suffix_outputs: int = _opt(256, "suffix: earlier answers of this session drafted from too, their newest 32K-64K "
+                                    "tokens at most (0 = only the request's own text)", low=0, high=100_000)
     triforce_chunk: int = _opt(8, "triforce: tokens per retrieval chunk", low=1, high=1024)
     triforce_budget: int = _opt(256, "triforce: retrieval cache size in tokens, fixed: chunks of the context chosen "
                                      "by the latest query, then the recent positions (at least two chunks and "
@@ -232,7 +233,8 @@ class Config:
                                          ".gguf); empty: the two upper levels only", nullable=True)
     quantspec_gamma: int = _opt(2, "quantspec: tokens drafted from the 4-bit cache per step", low=1, high=32)
     quantspec_group: int = _opt(64, "quantspec: quantisation group (key tokens per group; value channels per "
-                                    "group, at most head_dim)", low=2, high=4096)
+                                    "group: the smaller of it and the head dimension, which that must divide)",
+                                low=2, high=4096)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -109,6 +109,8 @@ def test_spread_models_refuse_what_keeps_a_second_cache(tiny):
     engine.model.spread = True
     with pytest.raises(FafoError, match="use --compressor none"):
         engine.complete("hi", method="fafo", compressor="stream", max_tokens=2)
+    # the default (auto) runs the window without a compressor there: `fafo run --gpus 2` was refused as it is
+    assert engine.complete("hi", method="fafo", streams=2, max_tokens=2).stats.steps > 0
     with pytest.raises(FafoError, match="use --attention split"):
         engine.complete("hi", method="fafo", compressor="none", attention="block", max_tokens=2)
     with pytest.raises(FafoError, match="method triforce keeps a second cache"):
