@@ -42,30 +42,6 @@ def test_steps_near_the_context_end_run_in_the_graph_of_their_own_rows(tiny):
     assert sum(graphs.calls_by_size.values()) == result.stats.steps - 1
 
 
-def test_prepared_sizes_are_the_ones_every_later_step_runs_in(tiny):
-    """`fafo bench` captures every step size before its timed runs: no answer makes a step of its own after that
-    (a capture inside a timed run cost that run a hundred steps' time on a GPU), and answers stay exact."""
-    from fafo_cli.bench.runner import Row, Run, measure
-    from fafo_cli.bench.suites import Sample
-
-    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
-    graphs = engine.compiled = engine.session.compiled = GraphSteps(engine.model, lambda message: None, capture=False)
-    sample = Sample("chat", "long", ({"role": "user", "content": LONG},))
-    rows = [Row("vanilla", "vanilla"), Row("fafo", "fafo", (("compressor", "none"), ("streams", 3)))]
-    made = []
-    real = graphs._static_for
-
-    def watched(size, cache):
-        made.append(size not in graphs._static)
-        return real(size, cache)
-
-    graphs._static_for = watched
-    runs = [r for r in measure(engine, rows, [sample], tokens=40, repeats=1, warmup=0, settings={})
-            if isinstance(r, Run)]
-    assert len(runs) == 2 and runs[1].token_ids == runs[0].token_ids and runs[1].accepted > 0
-    assert sum(made) == len(graphs._static) > 20 and not any(made[len(graphs._static):])  # all made up front
-
-
 def test_static_graph_step_logits_equal_eager_ones_window_rows_included(tiny_models):
     """Every row's logits, the window's too (they only feed the pool, so the tokens cannot tell whether they saw
     C(kv)), equal the eager split path's, padding rows and all."""

@@ -192,9 +192,6 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
     if samples:  # the whole answer's cache at once: steps captured as CUDA graphs are not captured again mid-run
         engine.session.cache.reserve(min(engine.model.max_context, max(
             len(engine.encode(list(sample.messages))) for sample in samples) + tokens + STEP_ROWS))
-        if hasattr(engine.compiled, "prepare"):  # CUDA graphs: every step size captured before any run is timed
-            yield Progress(done, total, "capturing CUDA graphs")
-            engine.compiled.prepare(engine.session.cache)
     for row in rows if samples and not warmup else []:
         if row.compiled:
             yield Progress(done, total, f"loading the compiled step · {row.name}")

@@ -25,7 +25,7 @@ from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
 from ..errors import first_line
-from .steps import ROW_BUCKETS, OnceNotices, bucket
+from .steps import OnceNotices, bucket
 
 WARMUP = 2  # runs on a side stream before capture (cuBLAS workspaces, lazy initialisation)
 
@@ -121,50 +121,6 @@ class GraphSteps(OnceNotices):
     def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
         return None  # not measured: the planner starts from an accelerator's default curve
 
-    def prepare(self, cache: KVCache, sizes: tuple[int, ...] = ROW_BUCKETS) -> None:
-        """Each of `sizes` captured now on `cache` as it is (`fafo bench` before its timed runs, once the cache holds
-        their longest answer: a size first met inside a timed run would count its capture). The steps run on token 0
-        after the committed positions, which real steps overwrite."""
-        for size in sizes:
-            length = cache.length
-            if self.failed or cache.spread or length + size > cache.max_slots:
-                return
-            static = self._static_for(size, cache)
-            if static.captured:
-                continue
-            static.ids.zero_()
-            static.positions.copy_(torch.arange(length, length + size, device=static.positions.device))
-            static.local.copy_(static.eye)
-            static.sees_cache.fill_(True)
-            static.sees_view.fill_(False)
-            static.view_mask.fill_(True)
-            static.length.fill_(length)
-            if not self._replay(static):
-                return
-
-    def _static_for(self, size: int, cache: KVCache) -> _Static:
-        """The buffers of `size`'s step over `cache` (room reserved for it), made anew where the cache has grown or
-        moved since the graphs were captured (their memory is gone)."""
-        cache.reserve(cache.length + size)
-        storage = (cache.keys.data_ptr(), cache.capacity)
-        if storage != self._storage:
-            self._static.clear()
-            self._storage = storage
-        if size not in self._static:
-            self._static[size] = _Static(self.model, cache, size, self.capture)
-        return self._static[size]
-
-    def _replay(self, static: _Static) -> bool:
-        """The step run (captured first where not yet); False where capture failed: every step runs eager now."""
-        try:
-            static.run()
-        except Exception as error:  # noqa: BLE001 - whatever capture refused: every step runs eager from now on
-            self.failed = True
-            self._static.clear()
-            self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
-            return False
-        return True
-
     def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache) -> torch.Tensor | None:
         layout = step.layout
@@ -174,7 +130,14 @@ class GraphSteps(OnceNotices):
             size = bucket(rows)
         if self.failed or size is None or cache.spread or length + size > cache.max_slots:
             return None
-        static = self._static_for(size, cache)
+        cache.reserve(length + size)
+        storage = (cache.keys.data_ptr(), cache.capacity)
+        if storage != self._storage:  # grown or moved: the graphs' memory is gone
+            self._static.clear()
+            self._storage = storage
+        static = self._static.get(size)
+        if static is None:
+            static = self._static[size] = _Static(self.model, cache, size, self.capture)
         static.ids[:rows] = ids
         static.ids[rows:] = 0
         static.positions[:rows] = positions
@@ -190,7 +153,12 @@ class GraphSteps(OnceNotices):
         # positions past the length are masked anyway: only the live ones are set (no view: all of them)
         static.view_mask[:length] = True if view_mask is None else view_mask
         static.length.fill_(length)
-        if not self._replay(static):
+        try:
+            static.run()
+        except Exception as error:  # noqa: BLE001 - whatever capture refused: every step runs eager from now on
+            self.failed = True
+            self._static.clear()
+            self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
             return None
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         return static.logits[:rows].clone()  # the next replay overwrites the graph's output
