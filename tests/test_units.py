@@ -146,3 +146,25 @@ def test_peak_memory_counts_what_was_freed_between_samples():
     assert memory.sample() < before + 100
     torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once (glibc returns blocks this large)
     assert memory.sample() >= before + 190
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+def test_a_pass_shares_its_additive_mask_across_layers_bit_for_bit(heads, kv_heads, monkeypatch):
+    """A long prompt's chunk attends with torch's kernel, which made an additive mask of the boolean one on every
+    layer's call: built once a pass now, with the same results."""
+    from fafo_cli.runtime import model as model_mod
+
+    torch.manual_seed(0)
+    rows, keys, dim = 300, 700, 16
+    q, k, v = torch.randn(1, heads, rows, dim), torch.randn(1, kv_heads, keys, dim), torch.randn(1, kv_heads, keys, dim)
+    mask = prefix_causal_mask(keys - rows, rows, torch.device("cpu"))
+    expected = model_mod.folded_attention(q, k, v, mask, 0.25)  # a boolean mask, as torch's kernel takes it
+    masks = []
+    real = model_mod.F.scaled_dot_product_attention
+    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or real(*a, attn_mask=attn_mask, **kw))
+    attend = model_mod.causal_attention(mask, 0.25)
+    for layer in range(3):
+        assert torch.equal(attend(layer, q, k, v), expected)
+    assert masks[0].dtype == torch.float32 and all(m is masks[0] for m in masks)
+    assert masks[0].shape == (heads // kv_heads * rows, keys)

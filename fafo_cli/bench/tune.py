@@ -77,10 +77,10 @@ def _measured_costs(engine, context: int, row_counts: tuple[int, ...], repeats: 
     length = session.cache.length
     passes = {rows: (torch.zeros(rows, dtype=torch.long, device=model.device),
                      torch.arange(length, length + rows, device=model.device),
-                     causal_attention(torch.ones(rows, length + rows, dtype=torch.bool, device=model.device),
-                                      model.scaling)) for rows in row_counts}
-    # each pass writes after the prefix, never committed
-    runs = {rows: (lambda args=args: model.forward(args[0], args[1], session.cache, args[2]))
+                     torch.ones(rows, length + rows, dtype=torch.bool, device=model.device)) for rows in row_counts}
+    # each pass writes after the prefix, never committed; its attention made anew, as a step makes its own
+    runs = {rows: (lambda args=args: model.forward(args[0], args[1], session.cache,
+                                                   causal_attention(args[2], model.scaling)))
             for rows, args in passes.items()}
     costs = median_ms(runs, repeats, model.device)
     engine.reset()

@@ -220,14 +220,15 @@ def serve_cpu_attention(op: Callable | None, *, reads_bf16: bool = False) -> Non
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+                      scale: float, memo: dict | None = None) -> torch.Tensor:
     """Attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim], each KV head serving heads / kv_heads
     query heads (grouped-query attention). Every row sees the keys before the rows' own (the last `rows` keys);
     `mask` [rows, keys] says which of the rows' own each sees (its earlier columns are all true: every mask a step
     builds is so), None: all of them.
 
     On a CPU where our library is loaded, a pass of at most STEP_ROWS rows (a decoding step, a prefill's short last
-    chunk) runs our kernel (`serve_cpu_attention`); elsewhere on a CPU torch's, through `folded_attention`."""
+    chunk) runs our kernel (`serve_cpu_attention`); elsewhere on a CPU torch's, through `folded_attention` (`memo`:
+    as there)."""
     rows, dim = q.shape[2], q.shape[3]
     if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):  # CUDA: see folded_attention
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -241,34 +242,52 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         out = _cpu_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), _TRUE[:rows],
                              _FALSE[:rows], _FALSE[:1].expand(cached), local, scale)
         return out.to(dtype).transpose(0, 1)[None]
-    return folded_attention(q, k, v, mask, scale).to(dtype)
+    return folded_attention(q, k, v, mask, scale, memo).to(dtype)
 
 
 def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, memo: dict | None = None) -> torch.Tensor:
     """torch's attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim] under `mask` [rows, keys]
     (None: every key), the query heads that share a KV head folded into that head's rows. On a CPU torch's kernel
     then reads each KV head once for all its query heads, where `enable_gqa` took a path several times slower at
     long contexts. The result is enable_gqa's up to rounding (tested). Not on CUDA: there a masked `enable_gqa`
     call takes the math path (flash takes no mask, memory-efficient no unequal head counts), and the folded call
     the memory-efficient kernel, which splits the work by query rows only and so measured far slower for one row
-    over a long cache (docs/gpu.md, scripts/gqa_steps.py)."""
+    over a long cache (docs/gpu.md, scripts/gqa_steps.py). `memo`: a dict that every layer of one pass shares, in
+    which the folded mask is kept as the additive mask torch's kernel builds from a boolean one (the same values):
+    built once a pass instead of once a layer (a quarter of a long prompt's attention time at 8K tokens)."""
     heads, kv_heads, rows, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-    if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     group = heads // kv_heads
+    if mask is not None:
+        mask = _folded_mask(mask, group, q.dtype, memo)
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     folded = q.reshape(q.shape[0], kv_heads, group * rows, dim)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=None if mask is None else mask.repeat(group, 1),
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
     return out.reshape(q.shape)  # CUDA kernels lay the heads out otherwise: no view
 
 
+def _folded_mask(mask: torch.Tensor, group: int, dtype: torch.dtype, memo: dict | None) -> torch.Tensor:
+    """`mask` [rows, keys] for `group` query heads folded into each KV head's rows ([group * rows, keys]); with
+    `memo`, as an additive mask of `dtype`, kept there."""
+    key = (group, dtype, mask.device)
+    if memo is not None and key in memo:
+        return memo[key]
+    folded = mask.repeat(group, 1) if group > 1 else mask
+    if memo is None:
+        return folded
+    memo[key] = torch.zeros(folded.shape, dtype=dtype, device=folded.device).masked_fill_(~folded, float("-inf"))
+    return memo[key]
+
+
 def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:
-    """Plain attention: every row sees the cache plus `mask` (None: a single row that sees everything)."""
+    """Plain attention: every row sees the cache plus `mask` (None: a single row that sees everything). Its layers
+    share one `memo` (folded_attention's)."""
+    memo: dict = {}
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         here = mask if mask is None or mask.device == q.device else mask.to(q.device)  # a spread model's later GPUs
-        return grouped_attention(q, k, v, here, scaling)
+        return grouped_attention(q, k, v, here, scaling, memo)
 
     return attend
 
