@@ -257,6 +257,8 @@ class Engine:
         config = config_mod.build(self.config, **overrides)
         unset = {key: value for key, value in self.sampling_defaults.items() if getattr(config, key) is None}
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
+        if self.model.spread and config.compressor == "auto":  # the one compressor that runs on a spread model
+            config = replace(config, compressor="none")  # (before the check: a compressor's settings do nothing)
         self.check_given(config, self.explicit)
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
@@ -287,8 +289,6 @@ class Engine:
         """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
         if self.model.spread:
             check_spread(config)
-            if config.compressor == "auto":  # the one compressor whose window runs on a spread model
-                config = replace(config, compressor="none")
         context = self.model.max_context
         if not ids:  # (encode refuses an empty text; ids may come from elsewhere)
             raise FafoError("the prompt is empty")
@@ -388,7 +388,7 @@ def check_spread(config: config_mod.Config) -> None:
     if config.method == "fafo" and config.attention == "block":
         raise FafoError("the block attention path keeps one cache tensor for all layers; on a model spread over GPUs "
                         "(--gpus) use --attention split")
-    if config.method == "fafo" and config.compressor not in ("auto", "none"):  # (auto runs none there: generate)
+    if config.method == "fafo" and config.compressor not in ("auto", "none"):  # (auto is none there: request_config)
         raise FafoError(f"fafo's {config.compressor} compressor keeps its view of the cache on one GPU; on a model "
                         "spread over GPUs (--gpus) use --compressor none")
     if config.method not in SPREAD_METHODS + ("fafo",):

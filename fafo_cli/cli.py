@@ -196,7 +196,7 @@ def _check_output(flag: str, path: str | None, makes_folders: bool = False) -> N
 def _create_config(config: str | None) -> None:
     """A --config FILE that --tune or --write names is created where it does not exist yet once the measuring is
     done, every key commented out (as `fafo config init` writes it): the next command given it finds it, whatever
-    the measurement set. (A command that fails leaves no file behind.)"""
+    the measurement set. (A command that fails before its measuring is done leaves no file behind.)"""
     path = Path(config).expanduser() if config else None
     if path is not None and not path.exists() and not path.is_symlink():
         write_atomic(path, config_mod.default_yaml(active=False))

@@ -111,6 +111,10 @@ def test_spread_models_refuse_what_keeps_a_second_cache(tiny):
         engine.complete("hi", method="fafo", compressor="stream", max_tokens=2)
     # the default (auto) runs the window without a compressor there: `fafo run --gpus 2` was refused as it is
     assert engine.complete("hi", method="fafo", streams=2, max_tokens=2).stats.steps > 0
+    engine.explicit = frozenset({"budget"})  # a compressor's setting given there would change nothing
+    with pytest.raises(FafoError, match="'budget' is a setting of the .* compressor, which the window does not use"):
+        engine.complete("hi", method="fafo", streams=2, budget=64, max_tokens=2)
+    engine.explicit = frozenset()
     with pytest.raises(FafoError, match="use --attention split"):
         engine.complete("hi", method="fafo", compressor="none", attention="block", max_tokens=2)
     with pytest.raises(FafoError, match="method triforce keeps a second cache"):

@@ -27,9 +27,13 @@ def _restart_high_water_mark() -> bool:
         return False
 
 
-def _high_water_mark_bytes() -> int:
-    with open("/proc/self/status", "rb") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
+def _high_water_mark_bytes() -> int | None:
+    """The kernel's peak resident size of this process; None where /proc/self/status does not say it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:")), None)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _rss_bytes() -> int:
@@ -59,7 +63,7 @@ class PeakMemory:
         if self.cuda:
             now = sum(map(torch.cuda.max_memory_allocated, self.devices))
         else:
-            now = _high_water_mark_bytes() if self.high_water else _rss_bytes()
+            now = (self.high_water and _high_water_mark_bytes()) or _rss_bytes()
         self.peak = max(self.peak, now)
         return self.peak / 2**20
 
