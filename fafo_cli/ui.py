@@ -44,10 +44,11 @@ def _pool(stats: Stats) -> str:
 
 
 def _drafts(stats: Stats) -> str:
-    """Mean draft, mean rows a step, and where accepted guesses came from."""
+    """Mean draft (over the steps that verified any: said so), mean rows a step, and where accepted guesses came
+    from."""
     if not stats.draft_steps and not stats.step_rows:
         return "—"
-    text = f"{stats.mean_draft:.1f} guessed · {stats.mean_rows:.1f} rows"
+    text = f"{stats.mean_draft:.1f} guessed a draft · {stats.mean_rows:.1f} rows a step"
     accepted = sum((stats.accepted_from or {}).values())
     if accepted:
         text += " · " + " ".join(f"{source} {n / accepted:.0%}" for source, n in stats.accepted_from.items())
@@ -180,7 +181,8 @@ class StreamView:
             self.console.file.write("\n")
             self.console.file.flush()
         if self.show_footer and self.last:
-            line = footer(self.last.stats, self.method, self.last.finish_reason)
+            interrupted = exc and exc[0] is not None and issubclass(exc[0], KeyboardInterrupt)
+            line = footer(self.last.stats, self.method, "interrupted" if interrupted else self.last.finish_reason)
             if self.stats_console.is_terminal:
                 self.stats_console.print(Text(line, style="dim"))
             else:

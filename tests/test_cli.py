@@ -398,8 +398,14 @@ def test_live_panel_renders_on_a_terminal(tiny):
     assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
     assert "fumble rows see" in screen and "keys /" in screen and "W=2" in screen  # pool, compressor, W (eager)
     assert "weights: safetensors fp32" in screen  # the weight format in use, on the panel's edge
-    assert " guessed · " in screen and " rows" in screen and "window " in screen  # drafts, rows, sources
+    assert " guessed a draft · " in screen and " rows a step" in screen and "window " in screen  # drafts, rows, sources
     assert "fafo · stream B=256 · 30 tokens" in screen  # the footer
+    buffer.seek(0), buffer.truncate()
+    with pytest.raises(KeyboardInterrupt), StreamView(console, method="fafo", live=True, show_footer=True) as view:
+        for step in engine.stream("Line one.\nLine two.", max_tokens=30):
+            view.show(step)
+            raise KeyboardInterrupt  # Ctrl-C: the footer must not read as a whole answer's
+    assert "stopped: interrupted" in buffer.getvalue()
 
 
 def _chat(model, script: str, *extra):

@@ -24,7 +24,7 @@ class Result:
     speedup: float | None  # median over samples of (row / plain decoding of its mode), each the median over repetitions
     speedups: dict[str, float]  # that ratio per sample: a method that must never lose is judged on the worst
     tau: float | None  # generated tokens / full-model passes, over all runs (None: passes not known)
-    step_ms: float  # median time of one decoding step (external rows: per token)
+    step_ms: float | None  # median time of one decoding step (hf-generate: per token; None: passes not known)
     accepted: int
     drafted: int
     peak_memory_mb: float
@@ -66,7 +66,8 @@ class Result:
             "speedup": None if self.speedup is None else round(self.speedup, 4),
             "worst_speedup": None if self.worst_speedup is None else round(self.worst_speedup, 4),
             "speedup_by_prompt": {sample: round(ratio, 4) for sample, ratio in self.speedups.items()},
-            "tau": None if self.tau is None else round(self.tau, 4), "step_ms": round(self.step_ms, 2),
+            "tau": None if self.tau is None else round(self.tau, 4),
+            "step_ms": None if self.step_ms is None else round(self.step_ms, 2),
             "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
             "accepted_tokens": self.accepted, "drafted_tokens": self.drafted,
             "exact": None if self.matches is None else f"{self.matches}/{self.compared}",
@@ -122,7 +123,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 statistics.median(ratios.values()) if ratios else None, ratios,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
-                statistics.median(r.step_ms for r in mine),
+                None if any(r.step_ms is None for r in mine) else statistics.median(r.step_ms for r in mine),
                 sum(r.accepted for r in mine), sum(r.drafted for r in mine),
                 max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
                 (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine),
@@ -144,7 +145,7 @@ def _cells(result: Result) -> list[str]:
     accepted = sum(result.accepted_from.values())
     from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
     return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup, worst,
-            _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1), f"{result.step_ms:.1f}",
+            _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1), _number(result.step_ms, 1),
             acceptance, from_text, memory, exact]
 
 

@@ -68,7 +68,7 @@ class Run:
     token_ids: list[int]
     tokens_per_s: float
     steps: int  # full-model passes (0: not known, for the external rows)
-    step_ms: float
+    step_ms: float | None  # None: an external row's passes are not known (transformers' prompt lookup drafts)
     drafted: int
     accepted: int
     peak_memory_mb: float
@@ -139,7 +139,8 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
         sampling = Sampling.of(config)
         ids = engine.encode(list(sample.messages), config)
         generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
-        step_ms = 1e3 / speed if speed else 0.0  # one token per pass
+        # one token per pass for plain generate(); its prompt lookup's passes are hidden
+        step_ms = (1e3 / speed if speed else 0.0) if row.method == "hf-generate" else None
         return Run(row, sample, repeat, generated, speed, 0, step_ms, 0, 0, peak)  # passes: generate() hides them
     if row.compiled is not None:
         engine.session.compiled = engine.compiled if row.compiled else None

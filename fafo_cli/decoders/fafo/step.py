@@ -288,13 +288,12 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
                                      observe=getattr(compressor, "observe_prefill", None),
                                      progress=emitter.prefilling)
-    compressor.rebuild(cache)
+    anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
+    emitter.prefilled(reused)  # after the first token's read: on a GPU the prefill has then run, not just launched
+    compressor.rebuild(cache)  # (after it: the prefill's speed is the model's, as every method reports it)
     view = CompressedView(cache, compressor, model.scaling,
                           block_masks=BlockSparseMasks.for_device(model.device) if block else None,
                           flex=flex_attention_kernel(model.device) if block else None)
-
-    anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
-    emitter.prefilled(reused)  # after the first token's read: on a GPU the prefill has then run, not just launched
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
     conversation = Conversation.follow(session, settings, request.prompt_ids, text, reused)
     pool, index = conversation.pool, conversation.index
