@@ -30,6 +30,7 @@ from .compiled.steps import CompiledSteps
 from .compiled.build import identity
 from .compiled.timing import read_step_costs
 from .runtime.events import Prefill, Result, Step
+from .runtime.memory import MB
 from .runtime.model import Model, quiet_transformers
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
@@ -365,7 +366,7 @@ class Engine:
     def keep_conversations(self, count: int, max_mb: float) -> None:
         """Keep the caches of up to `count` earlier conversations besides the live one (at most `max_mb` MB of keys
         and values), so that clients taking turns each prefill only their new tokens (`fafo serve` does)."""
-        self.session.keep_conversations(count, int(max_mb * 1e6))
+        self.session.keep_conversations(count, int(max_mb * MB))
 
 
 def _use_graphs(model: Model, config: config_mod.Config) -> bool:

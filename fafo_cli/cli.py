@@ -687,7 +687,9 @@ def list_models(
 
 
 def _megabytes(size: int) -> str:
-    return f"{size / 1e6:,.0f} MB" if size >= 0.5e6 else "<1 MB"
+    from .runtime.memory import MB
+
+    return f"{size / MB:,.0f} MB" if size >= MB / 2 else "<1 MB"
 
 
 @app.command("rm")

@@ -137,13 +137,13 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
                 return converted
     from safetensors import SafetensorError
 
-    from .runtime.memory import release_freed_memory
+    from .runtime.memory import MB, release_freed_memory
 
     _check_room(target.parent, 4 * header.elements, f"converting {path.name} (float32 weights)")
     try:
         with publish_dir(target, "config.json") as staging:
             # seconds to minutes, once: said before it starts (the dequantizing bar shows on a terminal only)
-            print(f"note: converting {path.name} ({path.stat().st_size / 2**20:,.0f} MB) once: its tensors "
+            print(f"note: converting {path.name} ({path.stat().st_size / MB:,.0f} MB) once: its tensors "
                   f"dequantized into {target.parent}; later runs load that", file=sys.stderr, flush=True)
             write_gguf_as_hf(path, header, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,

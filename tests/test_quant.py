@@ -276,7 +276,7 @@ def test_quantspec_drafts_from_int4_weights_and_keeps_g_to_2g_exact(tiny, monkey
     assert len(buffers) > 10 and all(16 <= n < 32 for n in buffers)  # the double full-precision buffer
     weights = quantspec.int4_weights(engine.model)
     assert set(weights.layers) >= {id(engine.model.lm_head), id(engine.model.layers[0].mlp.down_proj)}
-    assert result.stats.draft_memory_mb * 2**20 > weights.nbytes()  # the 4-bit weights count as draft memory
+    assert result.stats.draft_memory_mb * 1e6 > weights.nbytes()  # the 4-bit weights count as draft memory
 
 
 @pytest.mark.parametrize("overrides, group, said", [

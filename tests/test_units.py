@@ -141,11 +141,11 @@ def test_peak_memory_counts_what_was_freed_between_samples():
     from fafo_cli.runtime.memory import PeakMemory, _rss_bytes
 
     torch.empty(400 * 2**20, dtype=torch.uint8).fill_(1)  # an earlier peak, gone before the request
-    before = _rss_bytes() / 2**20
+    before = _rss_bytes() / 1e6  # (fafo's MB)
     memory = PeakMemory([torch.device("cpu")])
     assert memory.sample() < before + 100
     torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once (glibc returns blocks this large)
-    assert memory.sample() >= before + 190
+    assert memory.sample() >= before + 200
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])

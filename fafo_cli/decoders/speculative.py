@@ -19,6 +19,7 @@ from typing import Iterator, Protocol
 import torch
 
 from ..runtime.events import Step
+from ..runtime.memory import MB
 from ..runtime.rows import draft_step
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
@@ -76,7 +77,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     text = list(request.prompt_ids) + [anchor]
     drafter.start(session, request, text, draws)
     stats = emitter.stats
-    stats.draft_memory_mb = drafter.nbytes() / 2**20
+    stats.draft_memory_mb = drafter.nbytes() / MB
     stats.draft_passes = 0 if drafter.runs_model else None
     step = emitter.emit([anchor])
     yield step
@@ -99,7 +100,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=len(rows.ids))
         text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (a drafter's history)
         drafter.accepted(text, len(step.token_ids))
-        stats.draft_memory_mb = drafter.nbytes() / 2**20
+        stats.draft_memory_mb = drafter.nbytes() / MB
         yield replace(step, stats=replace(step.stats, draft_memory_mb=stats.draft_memory_mb))  # (grown just now)
         anchor = emitted[-1]
 

@@ -8,11 +8,13 @@ import ctypes.util
 import os
 import resource
 import sys
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MB = 1e6  # every figure fafo shows in MB (peak and draft memory, `fafo list`'s sizes, --conversations-mb)
 
 
 def _restart_high_water_mark() -> bool:
@@ -48,6 +50,8 @@ class PeakMemory:
     """`devices`: the model's (Model.devices); on CUDA the peaks of all of them, summed (a model spread over GPUs)."""
 
     def __init__(self, devices: Iterable[torch.device]):
+        import torch  # (not at import: `fafo list` reads MB from here without loading torch)
+
         self.devices = tuple(devices)
         self.cuda = self.devices[0].type == "cuda"
         self.kind = "cuda" if self.cuda else "rss"
@@ -61,11 +65,13 @@ class PeakMemory:
     def sample(self) -> float:
         """Record the current usage; return the peak so far in MB."""
         if self.cuda:
+            import torch
+
             now = sum(map(torch.cuda.max_memory_allocated, self.devices))
         else:
             now = (self.high_water and _high_water_mark_bytes()) or _rss_bytes()
         self.peak = max(self.peak, now)
-        return self.peak / 2**20
+        return self.peak / MB
 
 
 def release_freed_memory() -> None:

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from ...config import MIN_BUDGET, runs_window, view_compressor
 from ...runtime.events import Step
+from ...runtime.memory import MB
 from ...runtime.rows import draft_step
 from ...runtime.sampling import argmax_ids, next_token
 from ...runtime.session import CompiledStepRunner, Emitter, Request, Session
@@ -303,7 +304,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     window = (LookaheadWindow(settings.streams, settings.ngram, settings.prefix, request.prompt_ids)
               if settings.streams else None)
     stats.accepted_from = dict.fromkeys(SOURCES, 0)
-    stats.draft_memory_mb = compressor.nbytes() / 2**20
+    stats.draft_memory_mb = compressor.nbytes() / MB
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -336,7 +337,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         compressor.committed(cache, start, len(emitted))
         sources = planner.observe(plan, path)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
-        stats.draft_memory_mb = compressor.nbytes() / 2**20  # the copy of C(kv): created, and grown, as needed
+        stats.draft_memory_mb = compressor.nbytes() / MB  # the copy of C(kv): created, and grown, as needed
         emitting = time.perf_counter()
         step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
         emitted_at = time.perf_counter()
