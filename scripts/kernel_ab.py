@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--rows", type=shape, nargs="+", default=[shape("1"), shape("4+2"), shape("12")],
                         help='rows per call: "N" verify rows (see the whole cache), or "A+P" (P see a 256-slot view)')
     args = parser.parse_args()
-    evict = torch.ones(int(args.evict_mb * 2**20 / 4)) if args.evict_mb > 0 else None
+    evict = torch.ones(int(args.evict_mb * 1e6 / 4)) if args.evict_mb > 0 else None
     base = common.kernel_source(args.base, "attention_op.cpp")
     with tempfile.TemporaryDirectory() as folder:
         ops = {"base": loader.load_as(base, "fafo_base", Path(folder)).attend,

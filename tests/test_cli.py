@@ -398,7 +398,7 @@ def test_live_panel_renders_on_a_terminal(tiny):
     assert "tok/s" in screen and "accepted n-grams" in screen and "pool" in screen  # the panel was drawn
     assert "fumble rows see" in screen and "keys /" in screen and "W=2" in screen  # pool, compressor, W (eager)
     assert "weights: safetensors fp32" in screen  # the weight format in use, on the panel's edge
-    assert " guessed a draft · " in screen and " rows a step" in screen and "window " in screen  # drafts, rows, sources
+    assert " guessed a draft · " in screen and " rows a step" in screen and "window " in screen  # accepted's sources
     assert "fafo · stream B=256 · 30 tokens" in screen  # the footer
     buffer.seek(0), buffer.truncate()
     with pytest.raises(KeyboardInterrupt), StreamView(console, method="fafo", live=True, show_footer=True) as view:

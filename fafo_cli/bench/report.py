@@ -145,8 +145,8 @@ def _cells(result: Result) -> list[str]:
     accepted = sum(result.accepted_from.values())
     from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
     return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup, worst,
-            _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1), _number(result.step_ms, 1),
-            acceptance, from_text, memory, exact]
+            _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1),
+            _number(result.step_ms, 1), acceptance, from_text, memory, exact]
 
 
 def _number(value: float | None, digits: int = 2) -> str:
