@@ -118,8 +118,8 @@ class Config:
                      high=64, also=("bench", "doctor"))
     cuda_graphs: str = _opt("auto", "decoding steps as CUDA graphs, one captured per step size: auto uses them on a "
                                     "CUDA GPU (not with --compile on, nor on a model spread over GPUs), on requires "
-                                    "them, off runs eager steps", choices=CUDA_GRAPHS, flag="--cuda-graphs/--no-cuda-graphs",
-                            switch=("on", "off"), also=("bench", "doctor"))
+                                    "them, off runs eager steps", choices=CUDA_GRAPHS,
+                            flag="--cuda-graphs/--no-cuda-graphs", switch=("on", "off"), also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
                                 "disk: on builds them when missing, auto uses those already built that measured "
                                 "faster than eager, off uses none; on a CPU, auto and on also read a .gguf model's "
