@@ -397,7 +397,9 @@ def view_compressor(name: str) -> str:
 MIN_BUDGET = {
     "stream": lambda c: ("sink + 1", c.sink + 1),
     "quest": lambda c: ("page_size + refresh", c.page_size + c.refresh),
-    "snapkv": lambda c: ("window + 1", c.window + 1),
+    # (a quarter of snapkv's budget is kept for new tokens: below this, no position would be chosen by its score)
+    "snapkv": lambda c: ("window + 1 beside a quarter for new tokens",
+                         next(b for b in range(c.window + 2, 2 * c.window + 4) if b - max(1, b // 4) > c.window)),
     "h2o": lambda c: ("recent + 1", c.recent + 1),
 }
 

@@ -78,6 +78,8 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("compressor: quest\nbudget: 20\n", "too small for the quest compressor: it needs at least page_size \\+ "
                                          "refresh = 32"),
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
+    # a quarter of the budget is kept for new tokens: at 42, window 32, no prompt position was chosen by its score
+    ("compressor: snapkv\nbudget: 42\n", "it needs at least window \\+ 1 beside a quarter for new tokens = 43"),
     ("kernel: 4\n", "'kernel' must be odd"),
     ("compressor: lz4\n", "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
     ("streams: -1\n", "'streams' must be auto or an integer from 0 to 64 \\(got -1\\)"),
