@@ -168,6 +168,13 @@ def test_answers_equal_the_engine_and_transformers(served, reference, tiny, kind
     assert 0 <= fafo["accepted"] <= fafo["drafted"] and fafo["tokens_per_s"] > 0
 
 
+def test_a_one_token_answer_has_no_speed(served):
+    """A one-token answer has no decode time: its speed is null, not 0.0 (which pulled a client's average down)."""
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        response = http.post("/completions", json={"prompt": "Say one word.", "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["fafo"]["tokens_per_s"] is None
+
+
 def test_settings_per_request(served, reference):
     """Our settings as extra fields, and OpenAI's sampling fields, reach the engine: the same answer as the engine
     gives with those settings."""
