@@ -382,10 +382,7 @@ def gguf_source(folder: Path) -> Path | None:
     digest = record.get("sha256")
     for source, _ in sources:
         path = Path(source)
-        try:
-            if not path.is_file():
-                continue
-        except OSError:  # another user's file in a shared cache, in a folder this user may not enter
+        if _hidden(path) or not path.is_file():
             continue
         if digest is None:
             return path

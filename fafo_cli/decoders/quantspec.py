@@ -16,7 +16,7 @@ import torch
 
 from ..runtime.events import Step
 from ..runtime.model import grouped_attention
-from .quantiser import QuantizedKV
+from .quantiser import QuantizedKV, value_channel_group
 from .weights4 import int4_weights
 from ..runtime.session import Emitter, Request, Session
 from ..errors import FafoError
@@ -35,9 +35,11 @@ class QuantSpec:
         self.model, self.cache = session.model, session.cache
         self.sampling, self.draws = request.sampling, draws and draws.below()
         model = self.model
-        if model.head_dim % min(self.group, model.head_dim):
+        try:  # (the values' channel groups: checked first, as it is the setting's fault, not the model's)
+            value_channel_group(self.group, model.head_dim)
+        except ValueError:
             raise FafoError(f"quantspec_group ({self.group}) must be at least the model's head dimension "
-                            f"({model.head_dim}) or divide it")
+                            f"({model.head_dim}) or divide it") from None
         try:  # (a matrix of odd width, or an odd head dimension: two 4-bit codes a byte, groups of an even size)
             self.weights = int4_weights(model)
             self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
