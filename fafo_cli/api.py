@@ -540,7 +540,8 @@ ROLES = ("system", "user", "assistant")  # what every supported chat template ta
 
 
 def _messages(prompt) -> list[dict]:
-    """A prompt's chat messages, each a dict with a string `role` and string `content` (copied)."""
+    """A prompt's chat messages, each a dict with a string `role` and string `content` (copied), and optionally the
+    speaker's `name`, which the chat template may show (as transformers passes it; SmolLM2's and Qwen's do not)."""
     if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
         raise FafoError(f"a prompt is a string or a list of messages {{'role': ..., 'content': ...}} (got "
                         f"{type(prompt).__name__})")
@@ -548,9 +549,10 @@ def _messages(prompt) -> list[dict]:
         raise FafoError("the prompt has no messages")
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str) or set(message) - {"role", "content"}:
+                or not isinstance(message.get("content"), str) or set(message) - {"role", "content", "name"} \
+                or not isinstance(message.get("name", ""), str):
             raise FafoError(f"message {i} of the prompt must be a dict of a string 'role' and string 'content' "
-                            f"(got {message!r:.80})")
+                            f"(and optionally a string 'name') (got {message!r:.80})")
         if message["role"] not in ROLES:
             raise FafoError(f"message {i} of the prompt: the role must be one of {', '.join(ROLES)} (got "
                             f"{message['role']!r})")

@@ -318,7 +318,8 @@ def chat(config: ConfigOpt = None, *, flags: dict) -> None:
 
 
 SERVE_HELP = {"max_tokens": "most tokens generated for a request that gives no limit of its own (without this flag "
-                           "or the key in the config file: the context left after its prompt, as OpenAI's API does)"}
+                           "or the key in the config file: as OpenAI's API, a chat's answer may fill the context "
+                           "left after its prompt, a completion's has 16 tokens)"}
 
 
 @app.command()

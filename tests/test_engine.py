@@ -34,6 +34,11 @@ def test_chat_template_and_system_prompt(tiny):
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     plain = load(str(tiny), dtype="float32", chat_template=False).encode("Hi")
     assert engine.tokenizer.decode(plain) == "Hi"
+    # a message's name goes to the template, as transformers passes it: this one ignores it, others show it
+    named = [{"role": "user", "content": "Hi", "name": "bob"}]
+    assert engine.encode(named) == ids
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m.name or m.role }}: {{ m.content }}\n{% endfor %}"
+    assert engine.tokenizer.decode(engine.encode(named)) == "system: Be brief.\nbob: Hi\n"
 
 
 @BOTH
@@ -256,7 +261,8 @@ def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
     ([{"role": "user", "content": 5}], (), "message 0 of the prompt must be a dict"),
     ([], (), "the prompt has no messages"),
     ([{"role": "wizard", "content": "hi"}], (), "the role must be one of system, user, assistant"),
-    ([{"role": "user", "content": "hi", "name": "bob"}], (), "message 0 of the prompt must be a dict"),
+    ([{"role": "user", "content": "hi", "name": 5}], (), "message 0 of the prompt must be a dict"),
+    ([{"role": "user", "content": "hi", "voice": "bob"}], (), "message 0 of the prompt must be a dict"),
     ("hi", [5], "stop must be a string or a list of strings"),
 ])
 def test_malformed_arguments_are_refused_by_name(tiny, prompt, stop, message):

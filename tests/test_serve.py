@@ -191,17 +191,24 @@ def test_settings_per_request(served, reference):
     developer = [{"role": "developer", "content": "You are terse."}, CHAT[1]]  # OpenAI's newer name for system
     answer = client.chat.completions.create(model=served.name, messages=developer, max_tokens=12)
     assert answer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
+    # ids of the caller's end user and cache, storage off and a speaker's name (this template shows none): accepted
+    named = [CHAT[0], {**CHAT[1], "name": "bob"}]
+    answer = client.chat.completions.create(model=served.name, messages=named, max_tokens=12, user="u1", store=False,
+                                            extra_body={"safety_identifier": "u1", "prompt_cache_key": "k"})
+    assert answer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
 
 
-def test_a_request_without_a_limit_gets_the_context_left(served, reference):
-    """As OpenAI's: no max_tokens, no cut at `fafo run`'s default of 512, only the context bounds the answer."""
-    prompt = ("red green blue " * 120)[:1300]
-    prompt_tokens = len(reference.encode(prompt, reference.request_config(chat_template=False)))
-    room = reference.model.max_context - prompt_tokens
+def test_a_request_without_a_limit_gets_openais_default(served, reference):
+    """As OpenAI's: a chat without max_tokens is bound by the context only (no cut at `fafo run`'s 512), a completion
+    gets 16 tokens."""
+    messages = [{"role": "user", "content": ("red green blue " * 120)[:1300]}]
+    room = reference.model.max_context - len(reference.encode(messages))
     assert room > 512
     with httpx.Client(base_url=served.url, timeout=120) as http:
-        answer = http.post("/completions", json={"prompt": prompt, "method": "vanilla"}).json()
-    assert answer["usage"]["completion_tokens"] == room and answer["choices"][0]["finish_reason"] == "length"
+        chat = http.post("/chat/completions", json={"messages": messages, "method": "vanilla"}).json()
+        text = http.post("/completions", json={"prompt": messages[0]["content"]}).json()
+    assert chat["usage"]["completion_tokens"] == room and chat["choices"][0]["finish_reason"] == "length"
+    assert text["usage"]["completion_tokens"] == 16 and text["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_server_limit_bounds_requests_without_one(tiny):
@@ -254,6 +261,9 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     assert neutral.choices[0].message.content == greedy and neutral.model_extra["fafo"]["seed"] is None
     fresh = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=1.0, seed=-1)
     assert isinstance(fresh.model_extra["fafo"]["seed"], int)  # -1: a fresh seed, as SillyTavern means it
+    signed = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=1.0, seed=-7)
+    expected = reference.complete(CHAT, max_tokens=12, temperature=1.0, seed=2**64 - 7).text
+    assert signed.choices[0].message.content == expected and signed.model_extra["fafo"]["seed"] == 2**64 - 7
     # what clients send explicitly that asks for nothing (no tools, no biases, plain text)
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, tools=[],
                                              tool_choice="none", logit_bias={}, response_format={"type": "text"})
@@ -280,7 +290,7 @@ def test_top_p_zero_is_greedy(served, reference):
                                    ({"top_p": -0.1}, "top_p", "between 0 and 1"),
                                    ({"top_p": 1.5}, "top_p", "between 0 and 1"),
                                    ({"top_p": False}, "top_p", "must be a number"),
-                                   ({"seed": -5}, "seed", ">= 0 and <= 18446744073709551615")]:
+                                   ({"seed": -2**63 - 1}, "seed", ">= 0 and <= 18446744073709551615")]:
             error = _check_error(http.post("/chat/completions", json={"messages": MESSAGES, **body}), 400)
             assert error["param"] == param and words in error["message"], error
 
@@ -776,7 +786,7 @@ BAD = [
     ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0]"),
-    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name"),
     ("chat", {"messages": MESSAGES, "n": 2}, 400, "n"),
     ("chat", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
@@ -794,7 +804,11 @@ BAD = [
     ("chat", {"messages": MESSAGES, "stop": "<|im_end|>\n"}, 400, "stop"),
     ("chat", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": MESSAGES, "top_p": -0.5}, 400, "top_p"),
-    ("chat", {"messages": MESSAGES, "seed": -5}, 400, "seed"),
+    ("chat", {"messages": MESSAGES, "seed": 2**64}, 400, "seed"),
+    ("chat", {"messages": MESSAGES, "store": True}, 400, "store"),
+    ("chat", {"messages": MESSAGES, "prompt_cache_key": 5}, 400, "prompt_cache_key"),
+    ("chat", {"messages": MESSAGES, "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options.include_obfuscation"),
     ("chat", {"messages": MESSAGES, "seed": 1.5}, 400, "seed"),
     ("chat", {"messages": MESSAGES, "stream": "yes"}, 400, "stream"),
     ("chat", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -21,11 +21,14 @@ from ..errors import FafoError
 from .errors import ApiError
 
 MAX_STOPS = 4  # as OpenAI
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user"}
+TEXT_MAX_TOKENS = 16  # OpenAI's limit of a completion that gives none (a chat's is the context left)
+# (user, safety_identifier, prompt_cache_key: the caller's ids for its end user and its cache, no effect on the answer)
+IDS = ("user", "safety_identifier", "prompt_cache_key")
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", *IDS}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 TEXT = COMMON | {"prompt"}
 # Fields accepted only at the value that asks for nothing (clients often send them explicitly)
-COMMON_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+COMMON_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "store": False}
 NEUTRAL = {**COMMON_NEUTRAL, "logprobs": False, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
 # (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
 TEXT_NEUTRAL = {**COMMON_NEUTRAL, "echo": False, "best_of": 1}
@@ -129,7 +132,8 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
                            param=key, code="unsupported_parameter")
         elif key not in openai and key not in PER_REQUEST:
             raise ApiError(400, f"unsupported field '{key}'", param=key, code="unsupported_parameter")
-    _typed(given, "user", str, "a string")  # the caller's id for its end user: no effect on the answer
+    for key in IDS:
+        _typed(given, key, str, "a string")
     model = _typed(given, "model", str, "a string")
     if model is not None and model != served:
         raise ApiError(404, f"the model '{model}' does not exist: this server serves '{served}' (GET /v1/models)",
@@ -139,9 +143,14 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
         raise ApiError(400, "'system' and a system message in 'messages' both give the system prompt: send one",
                        param="system", code="invalid_value")
     overrides = {key: given[key] for key in PER_REQUEST & given.keys() if key != "max_tokens"}
+    seed = given.get("seed")
+    if type(seed) is int and -2**63 <= seed < -1:  # OpenAI's seeds are signed 64-bit: the same bits, unsigned
+        overrides["seed"] = seed + 2**64
     tokens, tokens_field = _max_tokens(given, kind)
-    # no limit asked: the server's, else the whole context (Job.fitted cuts it to what the prompt leaves), as OpenAI's
-    overrides["max_tokens"] = tokens if tokens is not None else max_tokens or engine.model.max_context
+    # no limit asked: the server's, else OpenAI's: a chat's the whole context (Job.fitted cuts it to what the prompt
+    # leaves), a completion's 16
+    overrides["max_tokens"] = tokens if tokens is not None else \
+        max_tokens or (engine.model.max_context if kind == "chat" else TEXT_MAX_TOKENS)
     # nothing a request asks for may go unheeded, but a seed while greedy: clients send one with temperature 0
     # for repeatable answers, which greedy answers are; and top_p beside temperature 0, which OpenAI accepts and
     # clients send from their presets (greedy decoding keeps to any nucleus: its token is the likeliest)
@@ -225,10 +234,13 @@ def _stream_options(given: dict, stream: bool) -> bool:
     if not stream:
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options",
                        code="invalid_value")
-    unknown = sorted(set(options) - {"include_usage"})
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
     if unknown:
         raise ApiError(400, f"unsupported field 'stream_options.{unknown[0]}'", param=f"stream_options.{unknown[0]}",
                        code="unsupported_parameter")
+    if options.get("include_obfuscation") is not None and options["include_obfuscation"] is not False:
+        raise ApiError(400, "'stream_options.include_obfuscation' must be false: this server does not pad its chunks",
+                       param="stream_options.include_obfuscation", code="unsupported_value")
     usage = options.get("include_usage")
     if usage is not None and type(usage) is not bool:
         raise ApiError(400, "'stream_options.include_usage' must be true or false",
@@ -260,7 +272,7 @@ def _message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
         raise ApiError(400, f"'{where}' must be an object with 'role' and 'content'", param=where, code="invalid_type")
     given = {key: value for key, value in message.items() if value is not None}
-    unknown = sorted(set(given) - {"role", "content"})
+    unknown = sorted(set(given) - {"role", "content", "name"})
     if unknown:
         raise ApiError(400, f"unsupported field '{where}.{unknown[0]}'", param=f"{where}.{unknown[0]}",
                        code="unsupported_parameter")
@@ -268,7 +280,12 @@ def _message(message: Any, where: str) -> dict:
     if not isinstance(role, str) or role not in ROLES:
         raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)} (got {json.dumps(role)})",
                        param=f"{where}.role", code="invalid_value")
-    return {"role": ROLES[role], "content": _content(given.get("content"), f"{where}.content")}
+    name = given.get("name")  # the speaker's: the chat template may show it (api._messages)
+    if name is not None and type(name) is not str:
+        raise ApiError(400, f"'{where}.name' must be a string (got {json.dumps(name)})", param=f"{where}.name",
+                       code="invalid_type")
+    return {"role": ROLES[role], "content": _content(given.get("content"), f"{where}.content"),
+            **({"name": name} if name is not None else {})}
 
 
 def _content(content: Any, where: str) -> str:

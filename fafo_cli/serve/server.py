@@ -50,8 +50,8 @@ class Options:  # (the address is the socket's: `bind`)
 
 def default_max_tokens(config: config_mod.Config, config_file: str | None, flags: dict) -> int | None:
     """`config`'s max_tokens where `--max-tokens` or the config file (`config_mod.resolve`'s) gave it, else None:
-    a request that gives no limit then gets the context left after its prompt, as from OpenAI (the 512 that
-    `fafo run` defaults to would cut answers short)."""
+    a request that gives no limit then gets OpenAI's (schema.parse: a chat the context left after its prompt, a
+    completion 16 tokens; the 512 that `fafo run` defaults to would cut chat answers short)."""
     if flags.get("max_tokens") is not None:
         return config.max_tokens
     path = Path(config_file).expanduser() if config_file is not None else config_mod.user_config_path()
