@@ -619,9 +619,9 @@ def test_a_draft_trees_rows_compute_what_plain_steps_along_their_branch_would(co
 
 
 def test_bfloat16_package_matches_eager(compiled_cache, tiny):
-    """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) gives eager's logits up to bf16
-    rounding, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 95 rows: one build, of a
-    size beyond the rows and cache the build's example holds by default)."""
+    """A bf16 package (our bf16 GEMM kernel where the CPU has AVX512-BF16) is as close to the float32 model's logits
+    as eager bf16 steps are, and its steps run compiled, reading the cache in bf16 (prompt lookup's 1 + 95 rows: one
+    build, of a size beyond the rows and cache the build's example holds by default)."""
     from fafo_cli.compiled.build import stored_dtype
     from fafo_cli.runtime.model import causal_attention, prefix_causal_mask
 
@@ -638,12 +638,18 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     ids = torch.randint(model.vocab_size, (rows,), generator=gen)
     positions = torch.arange(context, context + rows)
     mask = prefix_causal_mask(context, rows, model.device)
-    eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling))
+    truth_model = load(str(tiny), dtype="float32", chat_template=False).model
+    truth_cache = truth_model.new_cache(context + rows, context + rows)
+    truth_cache.keys.copy_(cache.keys), truth_cache.values.copy_(cache.values), truth_cache.commit(context)
+    truth = truth_model.forward(ids, positions, truth_cache, causal_attention(mask, truth_model.scaling))
+    eager = model.forward(ids, positions, cache, causal_attention(mask, model.scaling)).float()
     cache.store_as(stored_dtype(model))  # what the package was traced with (bf16 where our kernel reads it)
     compiled = runner(ids, positions, mask[:, context:].contiguous(), torch.ones(rows, dtype=torch.bool),
                       torch.zeros(rows, dtype=torch.bool), torch.ones(context, len(model.layers), dtype=torch.bool),
-                      list(cache.keys.unbind(0)), list(cache.values.unbind(0)))
-    torch.testing.assert_close(compiled.float(), eager, atol=0.1, rtol=0.05)
+                      list(cache.keys.unbind(0)), list(cache.values.unbind(0))).float()
+    # (the two bf16 paths round differently: 96 rows apart by up to 0.13 where each is 0.3 from float32's logits)
+    eager_error, compiled_error = (eager - truth).abs(), (compiled - truth).abs()
+    assert compiled_error.max() <= 1.25 * eager_error.max() and compiled_error.mean() <= 1.1 * eager_error.mean()
     result = engine.complete(SHORT, max_tokens=12, method="prompt-lookup", lookup_tokens=rows - 1)
     assert len(result.token_ids) == 12 and not [n for n in notices if "running eager" in n]
     assert set(engine.compiled.calls_by_size) == {rows}
