@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
@@ -101,6 +102,7 @@ class Engine:
         # (config.check_given); the config file's and load()'s are defaults, which a request might not use
         self.explicit: frozenset[str] = frozenset()
         self._answering: object | None = None  # the stream the session serves (see generate)
+        self._computing = threading.RLock()  # held while a step computes (see generate)
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer, gguf=hub.is_converted(folder))
@@ -235,6 +237,7 @@ class Engine:
             messages.insert(0, {"role": "system", "content": config.system})
         for message in messages:
             _check_text(message["content"], "the prompt")
+            _check_text(message.get("name", ""), "a message's name")
         if templated:
             from jinja2 import TemplateError  # what transformers renders chat templates with
 
@@ -287,7 +290,29 @@ class Engine:
 
     def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = (),
                  on_prefill: Callable[[Prefill], None] | None = None) -> Iterator[Step]:
-        """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
+        """`stream` for prompt token ids (`encode`) and a config from `request_config`. Each step is computed under
+        the engine's lock: an answer asked from another thread while one computes is refused, never interleaved."""
+        steps, started = self._generate(ids, config, stop, on_prefill), False
+        try:
+            while True:
+                if not self._computing.acquire(blocking=False):
+                    raise FafoError("this engine is computing an answer in another thread; an engine runs one "
+                                    "answer at a time (take turns, or load an engine per thread)")
+                started = True
+                try:
+                    step = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    self._computing.release()
+                yield step
+        finally:  # (closed early: its rollback waits for another thread's step; reentrant for a collected stream's)
+            if started:
+                with self._computing:
+                    steps.close()
+
+    def _generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str],
+                  on_prefill: Callable[[Prefill], None] | None) -> Iterator[Step]:
         if self.model.spread:
             check_spread(config)
         context = self.model.max_context
@@ -301,6 +326,8 @@ class Engine:
             raise FafoError(f"stop must be a string or a list of strings (got {stop!r})")
         if not all(stop):
             raise FafoError("a stop string must not be empty")
+        for text in stop:
+            _check_text(text, "a stop string")
         if on_prefill is not None and not callable(on_prefill):
             raise FafoError(f"on_prefill must be a function (got {on_prefill!r})")
         sampling = Sampling.of(config)

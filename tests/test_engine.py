@@ -3,6 +3,8 @@ bookkeeping: prefix reuse across requests, chunked prefill, stop tokens, limits,
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from fafo_cli import load
@@ -264,11 +266,39 @@ def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
     ([{"role": "user", "content": "hi", "name": 5}], (), "message 0 of the prompt must be a dict"),
     ([{"role": "user", "content": "hi", "voice": "bob"}], (), "message 0 of the prompt must be a dict"),
     ("hi", [5], "stop must be a string or a list of strings"),
+    ("hi", ["\ud800"], "a stop string is not UTF-8 text"),
+    ([{"role": "user", "content": "hi", "name": "b\udcffb"}], (), "a message's name is not UTF-8 text"),
 ])
 def test_malformed_arguments_are_refused_by_name(tiny, prompt, stop, message):
     engine = load(str(tiny), dtype="float32")
     with pytest.raises(FafoError, match=message):
         engine.complete(prompt, max_tokens=2, stop=stop)
+
+
+def test_an_answer_asked_from_another_thread_mid_step_is_refused(tiny):
+    """Two threads on one engine (a web framework's thread pool): the second is refused while the first computes a
+    step, rather than rolling the cache back under it; the first answer is untouched."""
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    prompt = "one two three " * 30
+    expected = engine.complete(prompt, max_tokens=12).token_ids
+    engine.reset()
+    errors: list[str] = []
+
+    def other_thread() -> None:
+        try:
+            engine.complete("four five", max_tokens=4)
+        except FafoError as e:
+            errors.append(str(e))
+
+    def on_prefill(progress) -> None:  # inside the first thread's step
+        if not errors:
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+
+    assert engine.complete(prompt, max_tokens=12, on_prefill=on_prefill).token_ids == expected
+    assert errors and "computing an answer in another thread" in errors[0], errors
+    assert engine.complete("four five", max_tokens=4).token_ids  # once it is done, the other thread's turn
 
 
 def test_one_stop_string_is_not_split_into_characters(tiny):
