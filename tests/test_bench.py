@@ -506,6 +506,58 @@ def test_compiled_rows_are_compared_with_compiled_plain_decoding():
     assert ratios == {"vanilla": 1.0, "fafo": 1.5, "fafo+compiled": None}
 
 
+def test_a_row_without_decode_time_on_a_prompt_is_not_counted_there_and_eager_steps_are_told(capsys):
+    """transformers' prompt lookup whose prefill pass finished the answer has no speed (0) on that prompt: left out
+    of its median and ratios, not a 0x. A compiled row whose steps partly ran eager says so under the table."""
+    from rich.console import Console
+
+    from fafo_cli.bench.report import aggregate, print_tables
+    from fafo_cli.bench.runner import Row, Run
+
+    rows = [Row("vanilla", "vanilla", (), False), Row("hf-prompt-lookup", "hf-prompt-lookup"),
+            Row("vanilla+compiled", "vanilla", (), True), Row("fafo+compiled", "fafo", (), True)]
+    samples = [suites.Sample("chat", name, ({"role": "user", "content": name},)) for name in ("a", "b")]
+    speeds = {("hf-prompt-lookup", "a"): 0.0, ("hf-prompt-lookup", "b"): 80.0}
+    runs = [Run(row, sample, 0, [1, 2], speeds.get((row.name, sample.id), 40.0), 2, 1.0, 0, 0, 0.0,
+                extra={"eager_steps": 3 if row.name == "fafo+compiled" else 0}) for row in rows for sample in samples]
+    results = {r.row.name: r for r in aggregate(runs, rows, {}, greedy=True)}
+    lookup = results["hf-prompt-lookup"]
+    assert lookup.tokens_per_s == 80.0 and lookup.speedups == {"b": 2.0} and lookup.worst_speedup == 2.0
+    assert results["fafo+compiled"].eager_steps == 6 and results["vanilla+compiled"].eager_steps == 0
+    print_tables(list(results.values()), Console(width=200), "title")
+    out = capsys.readouterr().out
+    assert "fafo+compiled: 6 of its decoding steps ran eager" in out and "vanilla+compiled:" not in out
+
+
+def test_an_interrupted_exactness_check_still_reports_the_divergences_unclassified(tiny, tmp_path, monkeypatch,
+                                                                                     capsys):
+    from fafo_cli.bench import command, runner
+
+    real = runner.run_once
+
+    def diverging(engine, row, *args, **kwargs):
+        run = real(engine, row, *args, **kwargs)
+        if row.name == "prompt-lookup":
+            run.token_ids[3] += 1
+        return run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_once", diverging)
+    monkeypatch.setattr(command, "divergences_from_reference", interrupted)
+    out = tmp_path / "out.json"
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
+                       "--samples", "1", "--repeats", "1", "--warmup", "0", "--tokens", "16", "--dtype", "float32",
+                       "--json", str(out)])
+    captured = capsys.readouterr()
+    err, printed = " ".join(captured.err.split()), " ".join(captured.out.split())  # (rich wraps long lines)
+    assert code == 130 and "without telling near-ties from bugs" in err
+    assert "prompt-lookup on chat-science: token 3" in printed and "not classified" in printed
+    lookup = next(r for r in json.loads(out.read_text()) if r["row"] == "prompt-lookup")
+    assert lookup["exact"] == "0/1" and lookup["divergences"][0]["near_tie"] is None
+
+
 def test_bench_on_a_model_spread_over_gpus_refuses_rows_that_cannot_run_before_loading(tiny, monkeypatch, capsys):
     from fafo_cli import cli
 

@@ -9,6 +9,7 @@ import platform
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -122,19 +123,15 @@ def divergences_from_reference(engine, runs: list[Run]
     noise of its own two modes (`tolerances`): eager rows by eager passes, compiled rows by compiled ones,
     compiled vanilla by compiled one-row passes against eager ones, and a compiled row without compiled vanilla
     to compare with by the sum of those two (the gaps' changes add up at most so)."""
-    reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
-    compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
-    tolerance = tolerances(engine, list(reference.values()),
+    tolerance = tolerances(engine, [base for run, base, _ in _compared(runs) if run is base],
                            any(r.row.compiled or r.row.compiled is None and engine.compiled is not None
                                for r in runs if not r.row.external))
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     last_sample = None
-    for run in sorted(runs, key=lambda r: (r.sample.id, r.repeat)):  # a prompt's rows in turn: its cache serves all
-        same_kernels = compiled.get(run.sample.id) if run.row.compiled and run.row.method != "vanilla" else None
-        base = same_kernels or reference.get(run.sample.id)
+    for run, base, same_kernels in _compared(runs):  # a prompt's rows in turn: its cache serves all
         key = (run.row.name, run.sample.id)
         earlier = found.get(key)
-        if base is None or run.row.name == "vanilla" or earlier is not None and not earlier.near_tie:
+        if run is base or earlier is not None and not earlier.near_tie:
             continue  # (after a near-tie, a later repetition may still hold a bug)
         position = exactness.first_divergence(run.token_ids, base.token_ids)
         if position is not None and run.sample.id != last_sample:
@@ -142,11 +139,43 @@ def divergences_from_reference(engine, runs: list[Run]
             last_sample = run.sample.id
         divergence = None if position is None else exactness.classify(
             engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position,
-            _tolerance(tolerance, run.row, same_kernels is not None))
+            _tolerance(tolerance, run.row, same_kernels))
         if earlier is None or divergence is not None and not divergence.near_tie:
             found[key] = divergence
     engine.reset()
     return found, tolerance
+
+
+def unclassified_divergences(runs: list[Run]) -> dict[tuple[str, str], exactness.Divergence | None]:
+    """`divergences_from_reference`'s divergences, token equality only: near-tie or not left unknown (what an
+    interrupted check can still report)."""
+    found: dict[tuple[str, str], exactness.Divergence | None] = {}
+    for run, base, _ in _compared(runs):
+        position = exactness.first_divergence(run.token_ids, base.token_ids)
+        if run is not base and found.get((run.row.name, run.sample.id)) is None:
+            found[(run.row.name, run.sample.id)] = None if position is None else exactness.Divergence(
+                position, _at(run.token_ids, position), _at(base.token_ids, position), None, None)
+    return found
+
+
+def _at(tokens: list[int], position: int) -> int | None:
+    return tokens[position] if position < len(tokens) else None
+
+
+def _compared(runs: list[Run]) -> Iterator[tuple[Run, Run, bool]]:
+    """Each run with the run it is compared with (vanilla's first repetitions: with themselves) and whether that one
+    ran the same kernels, by prompt and repetition; runs without a reference are left out."""
+    reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
+    compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
+    for run in sorted(runs, key=lambda r: (r.sample.id, r.repeat)):
+        if run.row.name == "vanilla":
+            if run.repeat == 0:
+                yield run, run, False
+            continue
+        same_kernels = compiled.get(run.sample.id) if run.row.compiled and run.row.method != "vanilla" else None
+        base = same_kernels or reference.get(run.sample.id)
+        if base is not None:
+            yield run, base, same_kernels is not None
 
 
 def _tolerance(tolerance: dict[str, float], row, same_kernels: bool) -> float:
@@ -267,8 +296,15 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     if not runs:
         return 130 if interrupted else 1
     if greedy:
-        with err_console.status("checking where rows diverge from vanilla (near-ties or not)"):
-            divergences, tolerance = divergences_from_reference(engine, runs)
+        try:
+            with err_console.status("checking where rows diverge from vanilla (near-ties or not)"):
+                divergences, tolerance = divergences_from_reference(engine, runs)
+        except KeyboardInterrupt:  # the measurements stand: their exactness without the near-tie check
+            interrupt_handled()
+            interrupted = True
+            err_console.print("interrupted: divergences from vanilla are reported without telling near-ties from "
+                              "bugs")
+            divergences, tolerance = unclassified_divergences(runs), None
     else:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)

@@ -25,10 +25,11 @@ class Divergence:
     ours: int | None  # the row's token there (None: it stopped earlier)
     reference: int | None  # vanilla's token there (None: vanilla stopped earlier)
     gap: float | None  # vanilla's logit of its token minus its logit of the row's token, at that position
-    near_tie: bool
+    near_tie: bool | None  # None: not classified (the check was interrupted)
 
     def describe(self) -> str:
-        kind = "near-tie" if self.near_tie else "NOT a near-tie"
+        kind = {True: "near-tie", False: "NOT a near-tie", None: "not classified: the check was interrupted"}[
+            self.near_tie]
         gap = "" if self.gap is None else f", logit gap {self.gap:.4g}"
         return f"token {self.position}: {self.ours} vs vanilla's {self.reference}{gap} ({kind})"
 
