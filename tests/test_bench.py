@@ -125,6 +125,8 @@ def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_p
     assert {(r["samples"], r["repeats"]) for r in records} == {(1, 3)}
     # a pass of plain generate() is a token; transformers' prompt lookup hides its passes (it was ms per token)
     assert records[2]["step_ms"] > 0 and records[3]["step_ms"] is None
+    # the time to the first token (the prefill, and what a method sets up before its first step): every row's
+    assert all(0 < r["ttft_ms"] < 60e3 for r in records), [r["ttft_ms"] for r in records]
 
 
 def test_transformers_rows_decode_plainly_whatever_the_models_generation_settings(tiny, tmp_path):

@@ -37,6 +37,7 @@ class Result:
     step_rows: dict[int, int] = field(default_factory=dict)  # steps by row count, over all runs
     accepted_from: dict[str, int] = field(default_factory=dict)  # accepted guesses by source (FAFO: text, window)
     eager_steps: int = 0  # a compiled row's decoding steps that ran eager, over all runs
+    ttft_ms: float = 0.0  # median over samples of the median over repetitions of the time to the first token
 
     @property
     def mean_draft(self) -> float | None:
@@ -77,14 +78,14 @@ class Result:
             "mean_draft": None if self.mean_draft is None else round(self.mean_draft, 2),
             "mean_rows": None if self.mean_rows is None else round(self.mean_rows, 2),
             "step_rows": dict(sorted(self.step_rows.items())), "accepted_from": self.accepted_from,
-            "eager_steps": self.eager_steps, "runs": self.runs, **meta,
+            "ttft_ms": round(self.ttft_ms, 1), "eager_steps": self.eager_steps, "runs": self.runs, **meta,
         }
 
 
-def _median_by_sample(runs: list[Run]) -> dict[str, list[float]]:
+def _median_by_sample(runs: list[Run], measure=lambda run: run.tokens_per_s) -> dict[str, list[float]]:
     by_sample: dict[str, list[float]] = {}
     for run in runs:
-        by_sample.setdefault(run.sample.id, []).append(run.tokens_per_s)
+        by_sample.setdefault(run.sample.id, []).append(measure(run))
     return by_sample
 
 
@@ -131,12 +132,14 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
                 (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine),
                 sum(r.extra.get("draft_steps", 0) for r in mine), step_rows, accepted_from,
-                sum(r.extra.get("eager_steps", 0) for r in mine)))
+                sum(r.extra.get("eager_steps", 0) for r in mine),
+                1e3 * statistics.median(statistics.median(times) for times in
+                                        _median_by_sample(mine, lambda run: run.ttft_s).values())))
     return results
 
 
-COLUMNS = ("suite", "method", "tokens/s", "speedup", "worst", "τ", "draft", "rows", "ms/step", "acceptance",
-           "from text", "peak memory", "exact")
+COLUMNS = ("suite", "method", "tokens/s", "speedup", "worst", "τ", "draft", "rows", "ms/step", "first token",
+           "acceptance", "from text", "peak memory", "exact")
 
 
 def _cells(result: Result) -> list[str]:
@@ -150,7 +153,7 @@ def _cells(result: Result) -> list[str]:
     from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
     return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup, worst,
             _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1),
-            _number(result.step_ms, 1), acceptance, from_text, memory, exact]
+            _number(result.step_ms, 1), f"{result.ttft_ms:,.0f} ms", acceptance, from_text, memory, exact]
 
 
 def _number(value: float | None, digits: int = 2) -> str:

@@ -74,6 +74,7 @@ class Run:
     peak_memory_mb: float
     draft_memory_mb: float = 0.0
     extra: dict = field(default_factory=dict)
+    ttft_s: float = 0.0  # request start to the first token: the prefill, and what a method sets up before decoding
 
 
 class _Timing:
@@ -99,7 +100,8 @@ class _Timing:
         pass
 
 
-def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tuple[list[int], float, float]:
+def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling
+                  ) -> tuple[list[int], float, float, float]:
     from transformers import GenerationConfig
 
     model = engine.hf_model
@@ -117,6 +119,7 @@ def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tu
     # files set a repetition penalty) apply even greedily: plain decoding is compared with plain decoding
     kept, model.generation_config = model.generation_config, GenerationConfig(
         bos_token_id=model.generation_config.bos_token_id, pad_token_id=model.generation_config.pad_token_id)
+    start = time.perf_counter()
     try:
         with torch.inference_mode():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
@@ -128,7 +131,7 @@ def _run_external(engine, row: Row, ids: list[int], tokens: int, sampling) -> tu
     decode = (timing.last - timing.first) if timing.first else 0.0
     counted = len(generated) - timing.first_tokens  # as our rows count: the tokens after the prefill's
     speed = counted / decode if counted > 0 and decode > 0 else 0.0
-    return generated, speed, memory.sample()
+    return generated, speed, memory.sample(), (timing.first - start) if timing.first else 0.0
 
 
 def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, settings: dict) -> Run:
@@ -138,10 +141,11 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
         config = engine.request_config(**settings)
         sampling = Sampling.of(config)
         ids = engine.encode(list(sample.messages), config)
-        generated, speed, peak = _run_external(engine, row, ids, tokens, sampling)
+        generated, speed, peak, ttft = _run_external(engine, row, ids, tokens, sampling)
         # one token per pass for plain generate(); its prompt lookup's passes are hidden
         step_ms = (1e3 / speed if speed else 0.0) if row.method == "hf-generate" else None
-        return Run(row, sample, repeat, generated, speed, 0, step_ms, 0, 0, peak)  # passes: generate() hides them
+        return Run(row, sample, repeat, generated, speed, 0, step_ms, 0, 0, peak,  # passes: generate() hides them
+                   ttft_s=ttft)
     if row.compiled is not None:
         engine.session.compiled = engine.compiled if row.compiled else None
     result = engine.complete(list(sample.messages), max_tokens=tokens, method=row.method,
@@ -153,7 +157,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
     return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, step_ms, s.drafted_tokens,
                s.accepted_tokens, s.peak_memory_mb, s.draft_memory_mb or 0.0,
                dict(draft_steps=s.draft_steps, step_rows=s.step_rows, accepted_from=s.accepted_from or {},
-                    eager_steps=eager))
+                    eager_steps=eager), s.ttft_s)
 
 
 WARMUP_TOKENS = 32
