@@ -285,29 +285,37 @@ class Engine:
         """Generate an answer, yielding one Step per forward pass (the last one has `finish_reason`). `stop`: strings
         that end the answer where one first appears (it is not included; finish_reason "stop"). `on_prefill` is told
         the prefill's progress after each chunk of a long prompt."""
-        config = self.request_config(**overrides)
-        yield from self.generate(self.encode(prompt, config), config, stop, on_prefill)
+        def answer() -> Iterator[Step]:
+            config = self.request_config(**overrides)
+            yield from self._generate(self.encode(prompt, config), config, stop, on_prefill)
+
+        return self._one_at_a_time(answer())
 
     def generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str] = (),
                  on_prefill: Callable[[Prefill], None] | None = None) -> Iterator[Step]:
-        """`stream` for prompt token ids (`encode`) and a config from `request_config`. Each step is computed under
-        the engine's lock: an answer asked from another thread while one computes is refused, never interleaved."""
-        steps, started = self._generate(ids, config, stop, on_prefill), False
+        """`stream` for prompt token ids (`encode`) and a config from `request_config`."""
+        return self._one_at_a_time(self._generate(ids, config, stop, on_prefill))
+
+    def _one_at_a_time(self, steps: Iterator[Step]) -> Iterator[Step]:
+        """`steps`, each computed under the engine's lock (the tokenizer's work too): an answer asked from another
+        thread while one computes is refused, never interleaved."""
+        suspended = False  # after a step, before the next: closing the answer then rolls the cache back
         try:
             while True:
                 if not self._computing.acquire(blocking=False):
                     raise FafoError("this engine is computing an answer in another thread; an engine runs one "
                                     "answer at a time (take turns, or load an engine per thread)")
-                started = True
                 try:
+                    suspended = False
                     step = next(steps)
                 except StopIteration:
                     return
                 finally:
                     self._computing.release()
+                suspended = True
                 yield step
         finally:  # (closed early: its rollback waits for another thread's step; reentrant for a collected stream's)
-            if started:
+            if suspended:
                 with self._computing:
                     steps.close()
 
