@@ -513,22 +513,26 @@ def test_a_row_without_decode_time_on_a_prompt_is_not_counted_there_and_eager_st
     of its median and ratios, not a 0x. A compiled row whose steps partly ran eager says so under the table."""
     from rich.console import Console
 
-    from fafo_cli.bench.report import aggregate, print_tables
+    from fafo_cli.bench.report import aggregate, markdown, print_tables
     from fafo_cli.bench.runner import Row, Run
 
     rows = [Row("vanilla", "vanilla", (), False), Row("hf-prompt-lookup", "hf-prompt-lookup"),
             Row("vanilla+compiled", "vanilla", (), True), Row("fafo+compiled", "fafo", (), True)]
     samples = [suites.Sample("chat", name, ({"role": "user", "content": name},)) for name in ("a", "b")]
-    speeds = {("hf-prompt-lookup", "a"): 0.0, ("hf-prompt-lookup", "b"): 80.0}
-    runs = [Run(row, sample, 0, [1, 2], speeds.get((row.name, sample.id), 40.0), 2, 1.0, 0, 0, 0.0,
-                extra={"eager_steps": 3 if row.name == "fafo+compiled" else 0}) for row in rows for sample in samples]
+    speeds = {("hf-prompt-lookup", "a"): (0.0, 0.0), ("hf-prompt-lookup", "b"): (80.0, 90.0)}
+    runs = [Run(row, sample, repeat, [1, 2], speeds.get((row.name, sample.id), (40.0, 50.0))[repeat], 2, 1.0, 0, 0,
+                0.0, extra={"eager_steps": 3 if row.name == "fafo+compiled" else 0})
+            for row in rows for sample in samples for repeat in (0, 1)]
     results = {r.row.name: r for r in aggregate(runs, rows, {}, greedy=True)}
     lookup = results["hf-prompt-lookup"]
-    assert lookup.tokens_per_s == 80.0 and lookup.speedups == {"b": 2.0} and lookup.worst_speedup == 2.0
-    assert results["fafo+compiled"].eager_steps == 6 and results["vanilla+compiled"].eager_steps == 0
+    assert lookup.tokens_per_s == 85.0 and lookup.spread == 5.0  # prompt b's alone
+    assert lookup.speedups == {"b": 85 / 45} and lookup.worst_speedup == 85 / 45
+    assert results["fafo+compiled"].eager_steps == 12 and results["vanilla+compiled"].eager_steps == 0
     print_tables(list(results.values()), Console(width=200), "title")
     out = capsys.readouterr().out
-    assert "fafo+compiled: 6 of its decoding steps ran eager" in out and "vanilla+compiled:" not in out
+    note = "fafo+compiled: 12 of its decoding steps ran eager"
+    assert note in out and "vanilla+compiled:" not in out
+    assert f"- {note}" in markdown(list(results.values()), "title")
 
 
 def test_an_interrupted_exactness_check_still_reports_the_divergences_unclassified(tiny, tmp_path, monkeypatch,

@@ -111,7 +111,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
             base = compiled if row.compiled and row.method != "vanilla" else eager
             # (0: no time to divide by, as transformers' prompt lookup whose prefill pass finished the answer)
             ratios = {s: medians[s] / base[s] for s in medians if base.get(s) and medians[s]}
-            measured = [speed for speed in medians.values() if speed] or [0.0]
+            measured = {s: speed for s, speed in medians.items() if speed} or {s: 0.0 for s in medians}
             compared = [(r.sample.id, divergences.get((row.name, r.sample.id))) for r in mine if r.repeat == 0]
             found = [(sample, d) for sample, d in compared if d is not None]
             step_rows: dict[int, int] = {}
@@ -122,8 +122,8 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 for source, n in run.extra.get("accepted_from", {}).items():
                     accepted_from[source] = accepted_from.get(source, 0) + n
             results.append(Result(
-                suite, row, statistics.median(measured),
-                statistics.median((max(v) - min(v)) / 2 for v in by_sample.values()),
+                suite, row, statistics.median(measured.values()),
+                statistics.median((max(by_sample[s]) - min(by_sample[s])) / 2 for s in measured),
                 statistics.median(ratios.values()) if ratios else None, ratios,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
@@ -178,18 +178,23 @@ def print_tables(results: list[Result], console, title: str) -> None:
             table.add_row(*cells)
         console.print(table)
         for result in (r for r in results if r.suite == suite):
-            if result.eager_steps:
-                console.print(f"  [yellow]{result.row.name}: {result.eager_steps} of its decoding steps ran eager "
-                              f"(no package of their size built or loaded): its figures are partly eager's[/]")
-            for sample, d in result.divergences:
-                style = "bold red" if d.near_tie is False else "yellow"
-                console.print(f"  [{style}]{result.row.name} on {sample}: {d.describe()}[/]")
+            for note, bad in _notes(result):
+                console.print(f"  [{'bold red' if bad else 'yellow'}]{note}[/]")
+
+
+def _notes(result: Result) -> list[tuple[str, bool]]:
+    """What a row's figures need said beside them, each with whether it is a bug."""
+    notes = [(f"{result.row.name}: {result.eager_steps} of its decoding steps ran eager (no package of their size "
+              "built or loaded): its figures are partly eager's", False)] if result.eager_steps else []
+    return notes + [(f"{result.row.name} on {sample}: {d.describe()}", d.near_tie is False)
+                    for sample, d in result.divergences]
 
 
 def markdown(results: list[Result], title: str) -> str:
     lines = [f"{title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
-    return "\n".join(lines) + "\n"
+    notes = [note for r in results for note, _ in _notes(r)]
+    return "\n".join(lines + ([""] + [f"- {note}" for note in notes] if notes else [])) + "\n"
 
 
 def to_csv(records: list[dict]) -> str:
