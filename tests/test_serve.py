@@ -196,6 +196,9 @@ def test_settings_per_request(served, reference):
     answer = client.chat.completions.create(model=served.name, messages=named, max_tokens=12, user="u1", store=False,
                                             extra_body={"safety_identifier": "u1", "prompt_cache_key": "k"})
     assert answer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
+    from fafo_cli.serve import schema
+
+    assert schema.parse({"messages": named}, "chat", reference, served.name).prompt[1]["name"] == "bob"  # kept
 
 
 def test_a_request_without_a_limit_gets_openais_default(served, reference):
@@ -290,7 +293,8 @@ def test_top_p_zero_is_greedy(served, reference):
                                    ({"top_p": -0.1}, "top_p", "between 0 and 1"),
                                    ({"top_p": 1.5}, "top_p", "between 0 and 1"),
                                    ({"top_p": False}, "top_p", "must be a number"),
-                                   ({"seed": -2**63 - 1}, "seed", ">= 0 and <= 18446744073709551615")]:
+                                   ({"seed": -2**63 - 1}, "seed", "from -2**63 to 2**64 - 1"),
+                                   ({"seed": 2**64}, "seed", "from -2**63 to 2**64 - 1")]:
             error = _check_error(http.post("/chat/completions", json={"messages": MESSAGES, **body}), 400)
             assert error["param"] == param and words in error["message"], error
 

@@ -44,7 +44,7 @@ class ClientGone(Exception):
 def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, cors: tuple[str, ...] = (),
                max_body: int, loopback: bool, max_tokens: int | None = None) -> Starlette:
     """`loopback`: the server listens on a loopback address only (requests must then be addressed to this machine:
-    see `_foreign_host`); `max_tokens`: the limit of a request that gives none (None: the context left)."""
+    see `_foreign_host`); `max_tokens`: the limit of a request that gives none (None: OpenAI's, schema.parse)."""
     served, started = engine.name, int(time.time())
     prompts = schema.Prompts(engine)
 

@@ -1,9 +1,10 @@
 """Request bodies of /v1/chat/completions and /v1/completions, checked into a Job.
 
 OpenAI's fields are checked one by one; our own settings come as extra fields (`method`, `compressor`, `budget`,
-...) and are checked exactly as the config file's keys are (Engine.request_config). Nothing is ignored: a field we
-do not support, or a value we cannot honour (n > 1, tools, logprobs), is a 400 that names it. A field given as null
-is a field not given, as in OpenAI's API.
+...) and are checked exactly as the config file's keys are (Engine.request_config). Nothing that asks for an answer
+of another kind is ignored: a field we do not support, or a value we cannot honour (n > 1, tools, logprobs), is a
+400 that names it. The caller's ids (`user`, ...) are accepted and change nothing, as from OpenAI; a message's `name`
+goes to the chat template, which may not show it. A field given as null is a field not given, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def read_json(raw: bytes) -> dict:
 
 def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | None = None) -> Job:
     """A Job for a chat (`kind` "chat") or completion ("text") request body, or ApiError 400/404. `max_tokens`: the
-    limit of a request that gives none (`fafo serve --max-tokens`); None: the context left after the prompt."""
+    limit of a request that gives none (`fafo serve --max-tokens`); None: OpenAI's (a chat's the context left after
+    the prompt, a completion's 16 tokens)."""
     given = {key: value for key, value in body.items() if value is not None}
     openai, neutral = (CHAT, NEUTRAL) if kind == "chat" else (TEXT, TEXT_NEUTRAL)
     for key, value in given.items():
@@ -144,7 +146,9 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
                        param="system", code="invalid_value")
     overrides = {key: given[key] for key in PER_REQUEST & given.keys() if key != "max_tokens"}
     seed = given.get("seed")
-    if type(seed) is int and -2**63 <= seed < -1:  # OpenAI's seeds are signed 64-bit: the same bits, unsigned
+    if type(seed) is int and (seed < -2**63 or seed >= 2**64):
+        raise ApiError(400, f"'seed' must be from -2**63 to 2**64 - 1 (got {seed})", param="seed", code="invalid_value")
+    if type(seed) is int and seed < -1:  # OpenAI's seeds are signed 64-bit: the same bits, unsigned (-1: a fresh one)
         overrides["seed"] = seed + 2**64
     tokens, tokens_field = _max_tokens(given, kind)
     # no limit asked: the server's, else OpenAI's: a chat's the whole context (Job.fitted cuts it to what the prompt

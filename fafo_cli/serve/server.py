@@ -45,7 +45,7 @@ class Options:  # (the address is the socket's: `bind`)
     conversations: int = 4  # earlier conversations whose caches are kept (Engine.keep_conversations)
     conversations_mb: float = 1024
     verbose: bool = False
-    max_tokens: int | None = None  # the limit of a request that gives none (None: the context left after its prompt)
+    max_tokens: int | None = None  # the limit of a request that gives none (None: OpenAI's, schema.parse)
 
 
 def default_max_tokens(config: config_mod.Config, config_file: str | None, flags: dict) -> int | None:
