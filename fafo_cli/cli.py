@@ -681,9 +681,10 @@ def list_models(
     table = Table("name", "quantization", "on disk", "modified", box=None, header_style="bold")
     table.add_column("path", overflow="fold")
     for m in models:
-        table.add_row(m.name if m.complete else f"{m.name} [yellow](incomplete: pull it again, or rm it)[/]",
+        name = escape(m.name)  # (a name or path with brackets is text, not Rich markup)
+        table.add_row(name if m.complete else f"{name} [yellow](incomplete: pull it again, or rm it)[/]",
                       m.quantization or "—", _megabytes(m.size_bytes), m.modified.strftime("%Y-%m-%d %H:%M"),
-                      str(m.path))
+                      escape(str(m.path)))
     out.print(table)
 
 

@@ -663,10 +663,11 @@ class CachedModel:
 
 
 def _folder_size(folder: Path) -> int:
+    """The bytes of the files in `folder`, each once: a hub snapshot's links to its blobs are not counted again."""
     size = 0
     for path in folder.rglob("*"):
         with contextlib.suppress(OSError):  # removed meanwhile (another process's clean-up)
-            size += path.stat().st_size if path.is_file() else 0
+            size += path.stat().st_size if path.is_file() and not path.is_symlink() else 0
     return size
 
 

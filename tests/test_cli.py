@@ -361,6 +361,11 @@ def test_list_json(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "cached_models", lambda: [tiny])
     code, out, _ = run_cli(capsys, "list")
     assert code == 0 and "<1 MB" in out and " 0 MB" not in out
+    # names and paths are text: a conversion of llama[v2].gguf, a folder with "[/x]" in its name
+    odd = hub.CachedModel("llama[v2]", 1000, datetime.now(timezone.utc), tmp_path / "[/x]", "gguf", "Q8_0")
+    monkeypatch.setattr(hub, "cached_models", lambda: [odd])
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0 and "llama[v2]" in out and "[/x]" in out
 
 
 def test_module_entry_point_and_version():

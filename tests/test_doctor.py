@@ -45,6 +45,22 @@ def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, 
     assert "written" not in report and isolated.read_text() == "# my settings\nmax_tokens: 100\n"
 
 
+def test_the_advice_names_the_rule_that_chose_the_width(tiny, monkeypatch):
+    """Over packed blocks (or compiled) a CPU runs one stream, whatever the curve; that is the reason given, even
+    where the widest window by the curve is one stream too."""
+    from fafo_cli import load
+    from fafo_cli.bench.doctor import recommend
+
+    engine = load(str(tiny), dtype="float32", compile="off")
+    steep = {rows: float(rows) for rows in tune.ROWS}  # each row costs a plain step: the widest window is one stream
+    monkeypatch.setattr(engine.model, "packed_matrices", 7)
+    packed = recommend(engine, engine.config, steep)
+    assert packed["streams"] == 1 and packed["why"].startswith("one stream where a CPU's steps run compiled or over")
+    monkeypatch.setattr(engine.model, "packed_matrices", 0)
+    dense = recommend(engine, engine.config, steep)
+    assert dense["streams"] == 2 and dense["why"].startswith("the least an eager window runs")
+
+
 def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     from fafo_cli import config as config_mod
     from fafo_cli.compiled.timing import read_step_costs
@@ -112,6 +128,9 @@ def test_machine_facts_name_what_our_kernels_can_use():
     facts = machine(torch.device("cpu"), torch.float32)
     assert facts["torch"] == torch.__version__ and facts["cpu_vector_level"]
     assert ("C++ compiler found" in facts["kernels"]) == (facts["compiler"] is not None)
+    # compile: off keeps dense weights and none of our kernels, whatever the machine has
+    off = machine(torch.device("cpu"), torch.float32, "off")["kernels"]
+    assert off == "eager torch only: compile: off keeps dense weights and no kernels of ours"
 
 
 def test_machine_facts_say_which_steps_read_packed_blocks(monkeypatch):
@@ -124,11 +143,14 @@ def test_machine_facts_say_which_steps_read_packed_blocks(monkeypatch):
     for flags, dtype, blocks, ours in (("avx2 fma f16c", torch.float32, True, True),
                                        ("avx2 fma f16c", torch.bfloat16, False, True),
                                        ("avx2 fma f16c avx512f avx512bw avx512_bf16", torch.bfloat16, True, True),
-                                       ("sse2", torch.float32, False, False)):
+                                       ("sse2", torch.float32, False, False),
+                                       ("fp asimd bf16", torch.bfloat16, False, False)):  # an Arm CPU's
         monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: flags)
         kernels = machine(torch.device("cpu"), dtype)["kernels"]
         assert ("steps read its quantized blocks" in kernels) is blocks, (flags, dtype)
         assert ("attend with torch's kernel, eager and compiled (no AVX2)" in kernels) is not ours, (flags, dtype)
+        # bf16 is native where `dtype: auto` picks it (AVX512-BF16, Arm's BF16)
+        assert ("bf16 is emulated" in kernels) is (dtype == torch.bfloat16 and "bf16" not in flags), flags
 
 
 @CUDA

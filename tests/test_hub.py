@@ -400,6 +400,10 @@ def test_a_pull_cut_off_in_its_first_file_is_listed_with_that_file_and_removed(c
         (repo / folder).mkdir(parents=True)
     (repo / "blobs" / "0123abcd.incomplete").write_bytes(b"x" * 5000)
     assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 5000)]
+    (repo / "blobs" / "4567ef").write_bytes(b"{}" * 1000)  # a file it finished, and its snapshot's link: once
+    (repo / "snapshots" / ("0" * 40)).mkdir()
+    (repo / "snapshots" / ("0" * 40) / "config.json").symlink_to(repo / "blobs" / "4567ef")
+    assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 7000)]
     assert entrypoint(["rm", "org/big"]) == 0 and not repo.exists() and hub.cached_models() == []
 
 

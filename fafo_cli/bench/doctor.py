@@ -19,18 +19,22 @@ from types import SimpleNamespace
 import torch
 
 from .. import config as config_mod
+from ..api import NATIVE_BF16_FLAGS
 from ..compiled import packed
 from ..compiled.kernels import loader
+from ..compiled.steps import claim_steps_folder
 from ..decoders.fafo.planner import StepCosts
-from ..decoders.fafo.step import WINDOW_SHARE, FafoSettings, compiled_for, model_streams, widest_window
+from ..decoders.fafo.step import (WINDOW_SHARE, FafoSettings, compiled_for, model_streams, steps_cost_arithmetic,
+                                  widest_window)
 from ..errors import FafoError, is_out_of_memory
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
 
 
-def machine(device: torch.device, dtype: torch.dtype) -> dict:
-    """The device and dtype decoding uses here, and what our kernels and compiled steps can use."""
+def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto") -> dict:
+    """The device and dtype decoding uses here, and what our kernels and compiled steps can use under `compile_mode`
+    (the config's `compile`)."""
     flags = set(loader.cpu_flags().split())
     compiler = shutil.which(loader.compiler())
     cuda = torch.cuda.is_available()
@@ -38,20 +42,27 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "cpu": _cpu_name(), "cpu_vector_level": torch.backends.cpu.get_cpu_capability(),
         "avx512_bf16": "avx512_bf16" in flags, "amx": loader.AMX_FLAGS <= flags,
+        "native_bf16": bool(flags & NATIVE_BF16_FLAGS),
         "compiler": compiler,
         "cuda": {"available": cuda, "torch_built_with": torch.version.cuda,
                  "devices": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else []},
         "mps": {"available": torch.backends.mps.is_available(), "built": torch.backends.mps.is_built()},
     }
     if device.type == "cpu":
-        facts["kernels"] = ("compiled steps and our attention kernel (C++ compiler found)" if compiler else
-                            "eager torch only: no C++ compiler, so no compiled steps or kernels of ours")
-        if compiler and packed.worth_preparing(SimpleNamespace(device=device, dtype=dtype)):
-            facts["kernels"] += f"; a .gguf model's {facts['dtype']} steps read its quantized blocks"
-        if compiler and not loader.attends():
-            facts["kernels"] += "; steps attend with torch's kernel, eager and compiled (no AVX2)"
-        if dtype == torch.bfloat16 and not facts["avx512_bf16"]:
-            facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16)"
+        if compile_mode == "off":
+            facts["kernels"] = "eager torch only: compile: off keeps dense weights and no kernels of ours"
+        elif not compiler:
+            facts["kernels"] = "eager torch only: no C++ compiler, so no compiled steps or kernels of ours"
+        else:
+            facts["kernels"] = ("compiled steps and our attention kernel (C++ compiler found; " +
+                                ("compile: on builds the steps it runs)" if compile_mode == "on" else
+                                 "compile: auto runs the steps `fafo compile` built)"))
+            if packed.worth_preparing(SimpleNamespace(device=device, dtype=dtype)):
+                facts["kernels"] += f"; a .gguf model's {facts['dtype']} steps read its quantized blocks"
+            if not loader.attends():
+                facts["kernels"] += "; steps attend with torch's kernel, eager and compiled (no AVX2)"
+        if dtype == torch.bfloat16 and not facts["native_bf16"]:
+            facts["kernels"] += "; bf16 is emulated on this CPU (no AVX512-BF16 or Arm BF16)"
     else:
         facts["kernels"] = f"stock torch kernels on {device.type} (our kernels are CPU-only)"
     return facts
@@ -107,10 +118,10 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     curve = StepCosts(costs)
     width = {named: model_streams(replace(settings, compressor_named=named), compiled, curve, engine.model)
              for named in {True, settings.compressor_named}}
-    if width[True] == widest_window(curve, settings.ngram):
-        why = f"the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain step"
-    elif width[True] == 1:
+    if steps_cost_arithmetic(settings, compiled, engine.model.device.type != "cpu", engine.model.packed_matrices > 0):
         why = "one stream where a CPU's steps run compiled or over packed blocks: W=1 measured faster than W=2"
+    elif width[True] == widest_window(curve, settings.ngram):
+        why = f"the widest window whose step costs at most {WINDOW_SHARE:.0%} more than a plain step"
     else:
         why = f"the least an eager window runs: any wider costs more than {WINDOW_SHARE:.0%} over a plain step"
     return {"streams": width[True], "window": width[settings.compressor_named] > 0, "why": why}
@@ -120,12 +131,12 @@ def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> Non
     """As `fafo bench --tune` writes: the window's width into the config file where `streams: auto` runs a window
     (written as 0 it would keep a compressor named later from running one), the cost curve beside the model's
     steps."""
+    tune.keep_eager_costs(engine, costs)  # (first: a cache that cannot be written leaves the config as it was)
     try:
         if recommended["window"]:
             tune.write_settings(path, {"streams": recommended["streams"]})
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
-    tune.keep_eager_costs(engine, costs)
 
 
 def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):
@@ -157,7 +168,10 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         engine = load(config)
-    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype), "exactness": checks}
+    if write_to is not None:  # where the cost curve goes: one that cannot be written is said before measuring too
+        claim_steps_folder(engine.steps_folder, engine.steps_serve)
+    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype, config.compile),
+              "exactness": checks}
     progress("measuring one pass against its rows")
     costs = tune.step_costs(engine)  # the rows --tune measures: --write keeps the same curve
     report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
@@ -179,13 +193,15 @@ def failed(report: dict) -> bool:
 
 
 def render(report: dict, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     facts = report["machine"]
     cuda = facts["cuda"]
     gpus = ", ".join(f"{g['name']} (sm {g['capability']}, {g['memory_gib']} GiB, bf16 {'yes' if g['bf16'] else 'no'})"
                      for g in cuda["devices"]) or "none"
-    console.print(f"[bold]{report['model']}[/] on {facts['device']} in {facts['dtype']} · torch {facts['torch']}")
+    console.print(f"[bold]{escape(report['model'])}[/] on {facts['device']} in {facts['dtype']} · "
+                  f"torch {facts['torch']}")
     console.print(f"CPU: {facts['cpu']} ({facts['cpu_vector_level']}; AVX512-BF16 {_yes(facts['avx512_bf16'])}, AMX "
                   f"{_yes(facts['amx'])}) · C++ compiler: {facts['compiler'] or 'none found'}")
     console.print(f"CUDA: {'available' if cuda['available'] else 'not available'} (torch built with "

@@ -119,10 +119,17 @@ def window_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None
         return 0
     if settings.streams != "auto":
         return settings.streams
-    compiled_window = compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)
-    if not accelerator and (packed or compiled_window):
+    if steps_cost_arithmetic(settings, compiled, accelerator, packed):
         return 1
     return max(EAGER_LEAST_STREAMS, widest_window(eager or StepCosts.default(accelerator), settings.ngram))
+
+
+def steps_cost_arithmetic(settings: "FafoSettings", compiled: CompiledStepRunner | None, accelerator: bool,
+                          packed: bool) -> bool:
+    """Whether a CPU's window steps run compiled (a package serves one stream's window) or eager over packed
+    blocks: their rows cost arithmetic, and `streams: auto` runs one stream (`window_streams`)."""
+    compiled_window = compiled is not None and compiled.serves(1 + replace(settings, streams=1).window_rows)
+    return not accelerator and (packed or compiled_window)
 
 
 def model_streams(settings: "FafoSettings", compiled: CompiledStepRunner | None, costs: StepCosts | None,
