@@ -207,9 +207,15 @@ def _undisturbed_cost_curves(monkeypatch):
 
 
 COMPILED_FIXTURES = {"compiled_folder", "compiled_cache", "compiled_engine"}
+# The files that build packages, minutes each: first, so that a parallel run (`-n auto --dist loadfile`, which hands
+# out files in this order: pyproject's --no-loadscope-reorder) starts them at once and gives the other files to
+# whichever worker is free
+LONGEST_FIRST = ("test_packed_packages.py", "test_compiled.py", "test_packed.py")
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else
+               len(LONGEST_FIRST))  # (stable: each file's own order is kept)
     cuda = config.getoption("--device") == "cuda"
     for item in items:  # a test that may build packages or our kernels is marked so, whichever way it asks
         if COMPILED_FIXTURES & set(getattr(item, "fixturenames", ())):
