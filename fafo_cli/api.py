@@ -101,8 +101,8 @@ class Engine:
         # keys of `config` its caller gave explicitly (a command's flags): each must have an effect on every request
         # (config.check_given); the config file's and load()'s are defaults, which a request might not use
         self.explicit: frozenset[str] = frozenset()
-        self._answering: object | None = None  # the stream the session serves (see generate)
-        self._computing = threading.RLock()  # held while a step computes (see generate)
+        self._answering: object | None = None  # the stream the session serves (see _generate)
+        self._computing = threading.RLock()  # held while a step computes (see _one_at_a_time)
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer, gguf=hub.is_converted(folder))
@@ -394,7 +394,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached conversation (the next request prefills from scratch), the kept ones, and what decoders
-        learned from earlier answers. A stream not finished yet stops (see generate)."""
+        learned from earlier answers. A stream not finished yet stops (see _generate)."""
         self._answering = None
         self.session.reset()
 

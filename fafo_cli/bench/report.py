@@ -82,7 +82,7 @@ class Result:
         }
 
 
-def _median_by_sample(runs: list[Run], measure=lambda run: run.tokens_per_s) -> dict[str, list[float]]:
+def _by_sample(runs: list[Run], measure=lambda run: run.tokens_per_s) -> dict[str, list[float]]:
     by_sample: dict[str, list[float]] = {}
     for run in runs:
         by_sample.setdefault(run.sample.id, []).append(measure(run))
@@ -96,7 +96,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
     results = []
     for suite in suites:
         def base_of(name: str) -> dict[str, float]:
-            reference = _median_by_sample([r for r in runs if r.sample.suite == suite and r.row.name == name])
+            reference = _by_sample([r for r in runs if r.sample.suite == suite and r.row.name == name])
             return {sample: statistics.median(speeds) for sample, speeds in reference.items()}
 
         eager, compiled = base_of("vanilla"), base_of("vanilla+compiled")
@@ -104,7 +104,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
             mine = [r for r in runs if r.sample.suite == suite and r.row == row]
             if not mine:
                 continue
-            by_sample = _median_by_sample(mine)
+            by_sample = _by_sample(mine)
             medians = {s: statistics.median(v) for s, v in by_sample.items()}
             # against plain decoding of the same mode: a compiled row against vanilla+compiled (and that one, as
             # transformers' rows, against eager vanilla: what compiling gives); none where that one failed
@@ -134,7 +134,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 sum(r.extra.get("draft_steps", 0) for r in mine), step_rows, accepted_from,
                 sum(r.extra.get("eager_steps", 0) for r in mine),
                 1e3 * statistics.median(statistics.median(times) for times in
-                                        _median_by_sample(mine, lambda run: run.ttft_s).values())))
+                                        _by_sample(mine, lambda run: run.ttft_s).values())))
     return results
 
 
