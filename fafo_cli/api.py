@@ -69,12 +69,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "mps":
         return torch.float16
     # On CPUs with native bf16 (AVX512-BF16/AMX) half the bytes per step is a clear win; elsewhere it is emulated
-    # (oneDNN's check says yes on any AVX-512 CPU, Skylake's included: the flags decide where they are listed)
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (oneDNN's check says yes on any AVX-512 CPU, Skylake's included: the
+    flags decide where they are listed)."""
     from .compiled.kernels.loader import cpu_flags
 
     flags = set(cpu_flags().split())
-    native = bool(flags & NATIVE_BF16_FLAGS) if flags else torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.bfloat16 if native else torch.float32
+    return bool(flags & NATIVE_BF16_FLAGS) if flags else torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86's, and Arm's (/proc/cpuinfo's names)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import config as config_mod
-from ..api import NATIVE_BF16_FLAGS
+from ..api import cpu_has_native_bf16
 from ..compiled import packed
 from ..compiled.kernels import loader
 from ..compiled.steps import claim_steps_folder
@@ -42,7 +42,7 @@ def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto"
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "cpu": _cpu_name(), "cpu_vector_level": torch.backends.cpu.get_cpu_capability(),
         "avx512_bf16": "avx512_bf16" in flags, "amx": loader.AMX_FLAGS <= flags,
-        "native_bf16": bool(flags & NATIVE_BF16_FLAGS),
+        "native_bf16": cpu_has_native_bf16(),  # (as `dtype: auto` decides)
         "compiler": compiler,
         "cuda": {"available": cuda, "torch_built_with": torch.version.cuda,
                  "devices": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else []},

@@ -153,7 +153,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
     s = result.stats
     step_ms = s.decode_s / (s.steps - 1) * 1e3 if s.steps > 1 else 0.0  # the first step's token is the prefill's
     # a compiled row's steps that ran eager (no package of their size built or loaded): its figures are partly eager's
-    eager = max(0, s.steps - 1 - s.compiled_steps) if row.compiled or s.compiled_steps else 0
+    eager = s.eager_steps if row.compiled or s.compiled_steps else 0
     return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, step_ms, s.drafted_tokens,
                s.accepted_tokens, s.peak_memory_mb, s.draft_memory_mb or 0.0,
                dict(draft_steps=s.draft_steps, step_rows=s.step_rows, accepted_from=s.accepted_from or {},

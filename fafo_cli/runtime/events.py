@@ -79,13 +79,17 @@ class Stats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
+    def eager_steps(self) -> int:
+        """Decoding steps that ran eager (the prefill's pass is one of `steps`)."""
+        return max(0, self.steps - 1 - self.compiled_steps)
+
+    @property
     def steps_ran(self) -> str:
         """How the decoding steps ran: compiled, eager, or so many of them compiled. In bf16 the two part at
         near-ties (their sums round apart), so two answers are comparable token for token where they ran alike."""
-        decoding = self.steps - 1  # (the prefill's pass is one of `steps`)
         if self.compiled_steps == 0:
             return "eager"
-        return "compiled" if self.compiled_steps >= decoding else f"compiled {self.compiled_steps}/{decoding}"
+        return "compiled" if self.eager_steps == 0 else f"compiled {self.compiled_steps}/{self.steps - 1}"
 
     def to_dict(self) -> dict:
         data = asdict(self)
