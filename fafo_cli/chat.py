@@ -17,7 +17,7 @@ from rich.markup import escape
 from . import config as config_mod
 from .api import Engine
 from .errors import FafoError, first_line, interrupt_handled, is_out_of_memory
-from .ui import StreamView, method_label
+from .ui import StreamView, method_label, on_terminal
 
 QUOTES = '"""'  # open and close a multi-line message
 
@@ -29,14 +29,17 @@ def _closes(line: str) -> bool:
 
 
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+OLLAMA_NAMES = {"num_predict": "max_tokens"}  # `/set parameter num_predict 64`, as ollama names it
 
 HELP = """Commands:
-  /help             this help
-  /set KEY VALUE    change a setting for the next answers: temperature, top_p, top_k, min_p, seed, max_tokens
-  /set              show them
-  /reset            forget the conversation (and the cached keys and values)
+  /help, /?         this help
+  /set KEY VALUE    change a setting for the next answers: temperature, top_p, top_k, min_p, seed (random: a
+                    fresh one each answer), max_tokens (ollama's `/set parameter KEY VALUE` too)
+  /set system TEXT  the system message of this conversation from here on
+  /set              show the settings
+  /reset, /clear    forget the conversation (and the cached keys and values), but its system message
   /stats            totals for this session
-  /exit             leave (Ctrl-D too)
+  /exit, /bye       leave (Ctrl-D too)
 Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\" (a line that ends with
 the closing quotes, and has no others, ends the message).
 Ctrl-C stops the current answer; the conversation stays."""
@@ -66,7 +69,7 @@ class Repl:
         self.messages: list[dict] = []
         self.settings: dict = {}  # /set overrides for the next answers
         self.totals = Totals()
-        self.interactive = out.is_terminal
+        self.interactive = on_terminal(out)
         self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
 
     def _warn(self, message: str) -> None:
@@ -152,21 +155,27 @@ class Repl:
         name = line.split()[0].lower()
         if name in ("/exit", "/quit", "/bye"):
             return True
-        if name == "/help":
+        if name in ("/help", "/?"):
             self.out.print(HELP, markup=False)
-        elif name == "/reset":
-            self.messages.clear()
+        elif name in ("/reset", "/clear"):
+            self.messages[:] = [m for m in self.messages if m["role"] == "system"]
             self.engine.reset()
             self.out.print("conversation cleared")
         elif name == "/stats":
             self.out.print(self.totals.line())
         elif name == "/set":
-            self._set(line.split()[1:])
+            self._set(line.split(maxsplit=1)[1] if len(line.split()) > 1 else "")
         else:
             self._error(f"unknown command {name} (try /help)")
         return False
 
-    def _set(self, words: list[str]) -> None:
+    def _set(self, args: str) -> None:
+        words = args.split()
+        if words[:1] == ["parameter"]:  # (ollama's form)
+            words = [OLLAMA_NAMES.get(word, word) for word in words[1:2]] + words[2:]
+        if words[:1] == ["system"]:
+            self._set_system(args.split(maxsplit=1)[1] if len(words) > 1 else "")
+            return
         if not words:
             config = self.engine.request_config(**self.settings)
             seed = config_mod.build(self.engine.config, **self.settings).seed  # (before request_config's draw)
@@ -176,11 +185,11 @@ class Repl:
             self.out.print("  ".join(f"{key}={value}" for key, value in shown.items()), markup=False)
             return
         if len(words) != 2 or words[0] not in SETTABLE:
-            self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+            self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; or /set system TEXT")
             return
         key, raw = words
         try:
-            value = yaml.safe_load(raw)
+            value = "" if key == "seed" and raw == "random" else yaml.safe_load(raw)  # ("": a fresh seed each answer)
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
             if value not in (None, ""):  # (which restores the default)
                 self.engine.check_given(config, {key})  # and like a flag: it must change something
@@ -200,6 +209,20 @@ class Repl:
             del self.settings[other]
         cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
         self.out.print(f"{key} = {value}{cleared}", markup=False)
+
+    def _set_system(self, text: str) -> None:
+        """The conversation's system message from here on (ollama's `/set system`): the first message, so that it
+        counts in the context as the template writes it."""
+        if not text.strip():
+            self._error("usage: /set system TEXT")
+            return
+        try:
+            self.engine.check_given(self.engine.request_config(system=text), {"system"})
+        except FafoError as e:
+            self._error(str(e))
+            return
+        self.messages[:] = [{"role": "system", "content": text}] + [m for m in self.messages if m["role"] != "system"]
+        self.out.print("system message set", markup=False)
 
     def _effective(self, config, key: str) -> bool:
         try:

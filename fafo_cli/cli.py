@@ -23,7 +23,7 @@ from . import __version__
 from . import config as config_mod
 from . import hub
 from .errors import FafoError, first_line, is_out_of_memory, shortened, unhandled_interrupts
-from .files import write_atomic
+from .files import user_path, write_atomic
 
 
 class _Commands(typer.core.TyperGroup):
@@ -136,7 +136,7 @@ def _read_prompt(source: str) -> str:
         # llama.cpp's -p and mlx-lm's --prompt take the text itself
         hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
                 if len(source.split()) > 1 or len(source) > 255 else "")
-        path = Path(source).expanduser()
+        path = user_path(source)
         try:
             if path.is_dir():
                 raise FafoError(f"--prompt {shown} is a folder, not a file")
@@ -173,7 +173,7 @@ def _check_output(flag: str, path: str | None, makes_folders: bool = False) -> N
         return
     if not path.strip():
         raise FafoError(f"{flag} needs a file name")
-    target = Path(path).expanduser()
+    target = user_path(path)
     if target.is_dir():
         raise FafoError(f"{flag} {path} is a folder, not a file")
     if target.is_symlink():  # the link's file is written (files.atomic_path)
@@ -197,9 +197,9 @@ def _create_config(config: str | None) -> None:
     """A --config FILE that --tune or --write names is created where it does not exist yet once the measuring is
     done, every key commented out (as `fafo config init` writes it): the next command given it finds it, whatever
     the measurement set. (A command that fails before its measuring is done leaves no file behind.)"""
-    path = Path(config).expanduser() if config else None
+    path = user_path(config) if config else None
     if path is not None and not path.exists() and not path.is_symlink():
-        write_atomic(path, config_mod.default_yaml(active=False))
+        write_atomic(path, config_mod.default_yaml())
 
 
 def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]], binary: tuple[str, ...] = ()) -> None:
@@ -209,7 +209,7 @@ def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]],
         if a == "-" or b == "-":
             return False
         try:
-            return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+            return user_path(a).resolve() == user_path(b).resolve()
         except (OSError, RuntimeError):  # a loop of links: not the same file (its write says what is wrong)
             return False
 
@@ -280,7 +280,7 @@ def run(
                                           "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
-    from .ui import StreamView, consoles, footer, method_label
+    from .ui import StreamView, consoles, footer, method_label, on_terminal
 
     if quiet and verbose:
         raise FafoError("--quiet and --verbose ask for opposite things: give one")
@@ -296,7 +296,7 @@ def run(
             print(footer(result.stats, method_label(engine.request_config()), result.finish_reason), file=sys.stderr)
         return
     request = engine.request_config()  # the model's sampling defaults filled in, a fresh seed drawn
-    live = out.is_terminal and not quiet
+    live = on_terminal(out) and not quiet
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err, weights=engine.weights)
     with view:
@@ -516,7 +516,7 @@ def bench(
     if tune:
         from .bench import tune as tune_mod
 
-        written = Path(config).expanduser() if config else None
+        written = user_path(config) if config else None
         _check_output("config file", str(written or config_mod.user_config_path()), makes_folders=not written)
         code = tune_mod.run(_load(settings, err), settings, out, err, written)
         _create_config(config)
@@ -559,7 +559,7 @@ def doctor(
         if gpu_report == "-":
             raise FafoError("--gpu-report writes a file: name one (--json prints the rest of the report)")
         _check_outputs({"--gpu-report": gpu_report}, {"the config file": [str(doctor_mod.default_config_path(config))]})
-        report_path = Path(gpu_report).expanduser()
+        report_path = user_path(gpu_report)
         gpu_mod.check(device, gpu_shape)
     if write:  # before a minute of measuring
         _check_output("config file", str(doctor_mod.default_config_path(config)), makes_folders=not config)
@@ -712,7 +712,7 @@ def config_show(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference of every key instead "
                                            "(docs/configuration.md).")] = False,
 ) -> None:
-    """Print the documented default configuration (a valid YAML file)."""
+    """Print the documented default configuration: every key at its default, commented out (as `init` writes it)."""
     print(config_mod.reference_markdown() if markdown else config_mod.default_yaml(), end="")
 
 
@@ -729,7 +729,7 @@ def config_init(force: Annotated[bool, typer.Option("--force", help="Overwrite a
     if path.exists() and not force:
         raise FafoError(f"{path} already exists (use --force to overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, config_mod.default_yaml(active=False))
+    write_atomic(path, config_mod.default_yaml())
     print(path)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import yaml
 
 from .errors import FafoError, shortened
+from .files import user_path, xdg_dir
 
 METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec")
 COMPRESSORS = ("none", "stream", "quest", "snapkv", "h2o")
@@ -397,16 +398,15 @@ def view_compressor(name: str) -> str:
 MIN_BUDGET = {
     "stream": lambda c: ("sink + 1", c.sink + 1),
     "quest": lambda c: ("page_size + refresh", c.page_size + c.refresh),
-    # (a quarter of snapkv's budget is kept for new tokens: below this, no position would be chosen by its score)
-    "snapkv": lambda c: ("window + 1 beside a quarter for new tokens",
-                         next(b for b in range(c.window + 2, 2 * c.window + 4) if b - max(1, b // 4) > c.window)),
+    # (a quarter of snapkv's budget, at least 1, is kept for new tokens: below this least B, where B - max(1, B // 4)
+    # first exceeds the window, no position would be chosen by its score)
+    "snapkv": lambda c: ("window + 1 beside a quarter for new tokens", max(c.window + 2, 4 * c.window // 3 + 1)),
     "h2o": lambda c: ("recent + 1", c.recent + 1),
 }
 
 
 def user_config_path() -> Path:
-    root = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(root) / "fafo" / "config.yaml"
+    return xdg_dir("XDG_CONFIG_HOME", ".config") / "fafo" / "config.yaml"
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -476,7 +476,7 @@ def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> 
     if config_file is not None and not config_file.strip():
         raise FafoError("--config needs a file name")
     if config_file is not None:
-        path = Path(config_file).expanduser()
+        path = user_path(config_file)
         if not (written and not path.exists() and not path.is_symlink()):  # (a link to nothing: its error)
             config = load_file(path, config)
     elif user_config_path().exists() or user_config_path().is_symlink():  # (a folder, a link to nothing: errors)
@@ -490,19 +490,17 @@ def describe(spec) -> str:
     return meta["help"] + (f" [{' | '.join(meta['choices'])}]" if meta["choices"] else "")
 
 
-def default_yaml(active: bool = True) -> str:
-    """The documented default config file; not `active`: every key commented out (what `fafo config init` writes),
-    so that the file sets nothing until a key is uncommented (a key given in a file is an explicit setting: `fafo
-    serve` takes its max_tokens as every request's limit)."""
+def default_yaml() -> str:
+    """The documented default config file, every key commented out at its default (what `fafo config show` prints
+    and `init` writes): saved, it sets nothing until a key is uncommented (a key given in a file is an explicit
+    setting: `fafo serve` takes its max_tokens as every request's limit)."""
     lines = ["# fafo-cli configuration. Command-line flags override these values.",
+             "# Each key below is commented out at its default: uncomment a key to change it.",
              f"# Location read when --config is not given: {user_config_path()}", ""]
-    if not active:
-        lines[1:1] = ["# Each key below is commented out at its default: uncomment a key to change it."]
     for spec in fields(Config):
         lines.append(f"# {describe(spec)}")
         value = spec.default if spec.default is not MISSING else None
-        line = yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip()
-        lines.append(line if active else f"# {line}")
+        lines.append("# " + yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip())
     return "\n".join(lines) + "\n"
 
 

@@ -116,6 +116,13 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
         wanted = [tensor for tensor in read_tensors(path, header) if tensor.name in names]
     except ValueError as e:  # (a tensor type the gguf package does not know)
         raise FafoError(f"cannot convert {path}: {e}") from None
+    # a parameter without its tensor would be filled with random numbers at load (transformers warns, quietly here)
+    missing = set(skeleton.state_dict()) - {names[tensor.name] for tensor in wanted}
+    if getattr(config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    if missing:
+        raise FafoError(f"cannot convert {path}: it holds no tensor for {len(missing)} of the model's parameters "
+                        f"(such as {min(missing)}): cut short, or written by a converter that left them out")
     bar = tqdm(total=len(wanted), desc="dequantizing", unit="tensor", disable=None)  # (None: on a terminal only)
 
     def whole(tensor) -> bool:

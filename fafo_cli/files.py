@@ -313,3 +313,19 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             partial.write_text(data, encoding="utf-8")
         else:
             partial.write_bytes(data)
+
+
+def user_path(text: str | os.PathLike) -> Path:
+    """A path as the user gave it (an argument, a setting, an environment variable): `~` and `~user` expanded as a
+    shell does, and left as given where that user or home is unknown (as a shell leaves it)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # (pathlib: "Could not determine home directory")
+        return Path(text)
+
+
+def xdg_dir(variable: str, default: str) -> Path:
+    """An XDG base directory: $variable, or ~/`default` where it is unset, empty or relative (the XDG spec: such a
+    value is ignored)."""
+    value = user_path(os.environ.get(variable, ""))
+    return value if value.is_absolute() else Path(os.path.expanduser("~")) / default

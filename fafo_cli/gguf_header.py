@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # GGUF value types: 0-7, 10-12 scalars (struct formats), 8 a string, 9 an array
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
-WANTED = ("general.architecture", "general.file_type", "general.alignment")
+WANTED = ("general.architecture", "general.file_type", "general.alignment", "split.count")
 # tensor types stored as plain numbers, by numpy's names (gguf's reader: the others are blocks of bytes)
 PLAIN = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32",
          "I64": "int64"}
@@ -44,6 +44,7 @@ class GgufHeader:
     elements: int = 0  # numbers its tensors hold, all together
     tensors: tuple[TensorEntry, ...] = ()
     data_start: int = 0  # where the data section starts in the file
+    parts: int = 1  # split.count: llama.cpp's gguf-split writes a large model as several files, each with some tensors
 
     @property
     def quantization(self) -> str | None:
@@ -105,9 +106,10 @@ def _parse(data) -> GgufHeader:
     if data_start + data_end > len(data):
         raise ValueError("the file ends before its tensors' data does (cut short?)")
     architecture, file_type = found.get("general.architecture"), found.get("general.file_type")
+    parts = found.get("split.count")
     return GgufHeader(architecture if isinstance(architecture, str) else None,
                       file_type if isinstance(file_type, int) else None, dict(tensor_bytes), elements,
-                      tuple(tensors), data_start)
+                      tuple(tensors), data_start, parts if isinstance(parts, int) and parts > 1 else 1)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 
 from .conversion import write_gguf_as_hf
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, sweep_partial_dirs, write_atomic, write_safetensors
+from .files import publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors, xdg_dir
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -48,9 +48,8 @@ _REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])
 def cache_dir() -> Path:
     """fafo's own cache (converted models): $FAFO_CACHE, else $XDG_CACHE_HOME/fafo, else ~/.cache/fafo."""
     if os.environ.get("FAFO_CACHE"):
-        return Path(os.environ["FAFO_CACHE"]).expanduser()  # (an env file's `~/...` is not expanded by a shell)
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "fafo"
+        return user_path(os.environ["FAFO_CACHE"])  # (an env file's `~/...` is not expanded by a shell)
+    return xdg_dir("XDG_CACHE_HOME", ".cache") / "fafo"
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -62,11 +61,11 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
     """The local HF folder for a model argument, downloading or converting it first when needed."""
     # the embedded default by name too (unless a file or folder of that name is here): this install's file, not the
     # newest conversion of that name (another virtual environment's copy)
-    if spec is None or spec == EMBEDDED_NAME and not Path(spec).expanduser().exists() \
+    if spec is None or spec == EMBEDDED_NAME and not user_path(spec).exists() \
             and importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
         folder = convert_gguf(embedded_gguf(), name=EMBEDDED_NAME)
     else:
-        path = Path(spec).expanduser()
+        path = user_path(spec)
         if path.is_dir():
             folder = path
         elif path.is_file():
@@ -128,6 +127,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
+    if header.parts > 1:  # (each part is a valid file holding some of the tensors)
+        raise FafoError(f"{path} is one of the {header.parts} parts of a split GGUF model: merge them into one file "
+                        "first (llama.cpp: llama-gguf-split --merge FIRST-PART MERGED.gguf)")
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
@@ -150,8 +152,8 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
                       "sha256": digest}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
     except (SafetensorError, OSError) as e:  # a full disk, a quota (safetensors' own type for its writes)
-        if isinstance(e, OSError) and e.filename:  # it names the path: the CLI says "cannot use PATH"
-            raise
+        if isinstance(e, OSError) and e.filename and not Path(str(e.filename)).is_relative_to(target.parent):
+            raise  # it names a path of the user's: the CLI says "cannot use PATH" (not the staging folder's, gone)
         reason = getattr(e, "strerror", None) or first_line(e)
         raise FafoError(f"cannot write the conversion of {path.name} into {target.parent}: {reason}") from None
     finally:
@@ -586,7 +588,9 @@ def _hub_error(repo_id: str, error: Exception) -> str:
                 "to download")
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
-    if any(cls.__name__ in ("ConnectError", "ConnectTimeout") for cls in type(error).__mro__):  # (httpx's)
+    # (httpx's: no connection made, a proxy that refused it, a proxy or URL scheme it does not speak)
+    if any(cls.__name__ in ("ConnectError", "ConnectTimeout", "ProxyError", "UnsupportedProtocol")
+           for cls in type(error).__mro__):
         return (f"cannot reach the Hugging Face hub to get '{repo_id}' ({first_line(error)}); a model on this "
                 "machine: give its folder or .gguf file, or a name `fafo list` shows")
     if _broken_off(error):
@@ -727,7 +731,7 @@ def removable(spec: str) -> list[CachedModel]:
     """What `fafo rm SPEC` removes, found without converting or downloading anything: the models `fafo list` shows
     under that name (each conversion of that name; a hub model with every revision cached), or the conversion of a
     .gguf file (never the file) or the one in a folder of fafo's cache."""
-    models, path = cached_models(), Path(spec).expanduser()
+    models, path = cached_models(), user_path(spec)
     if not _looks_like_path(spec) and not path.is_file():  # a name (or a folder here of that name)
         named = [m for m in models if m.name == spec] or [m for m in models if m.name.casefold() == spec.casefold()]
         if named:

@@ -124,18 +124,32 @@ class StreamView:
         self._pending = ""  # the unfinished line, shown inside the live area
         self._prefill: Prefill | None = None  # a long prefill's progress, shown until the first token
         self._live: Live | None = None
-        self._wrote_text = False
+        self._ends_line = True  # the text written so far (without a live view) ends with a newline, or is none
+
+    def _unfinished_line(self, rows: int) -> Text:
+        """The unfinished line's end, as much as `rows` rows of the terminal show (the whole line is printed once it
+        ends): a long paragraph would push the panel off the screen, and the newest text with it."""
+        rows, width = max(1, rows), self.console.size.width
+        tail = self._pending[-rows * width:]  # (at least `rows` rows: a character takes a column or more)
+        lines = Text(tail).wrap(self.console, width)
+        if len(lines) <= rows and len(tail) == len(self._pending):
+            return Text(self._pending)
+        if rows == 1:
+            return lines[-1]
+        return Text("\n").join([Text("…", style="dim"), *lines[len(lines) - rows + 1:]])  # (a row: text left out)
 
     def _renderable(self):
         stats = self.last.stats if self.last else Stats()
-        parts = [Text(self._pending)]
+        panel = stats_panel(stats, self.method, self.weights)
+        parts = []
         prefill = self._prefill
         if prefill is not None:
             bar = Table.grid(padding=(0, 1))
             bar.add_row("reading the prompt", ProgressBar(total=prefill.total, completed=prefill.done, width=40),
                         f"{prefill.done:,}/{prefill.total:,} tokens · {prefill.elapsed_s:.1f} s")
             parts.append(bar)
-        return Group(*parts, stats_panel(stats, self.method, self.weights))
+        room = self.console.size.height - len(self.console.render_lines(panel, pad=False)) - len(parts)
+        return Group(self._unfinished_line(room), *parts, panel)
 
     def prefill(self, event: Prefill) -> None:
         """A prefill chunk is done: the bar shows once the prefill has taken PREFILL_BAR_AFTER_S (Live's refresh
@@ -146,9 +160,11 @@ class StreamView:
     def __enter__(self) -> "StreamView":
         if self.live_enabled:
             # the panel is rendered by Live's refresh thread at its own rate, never per step or token
+            # a note on the terminal's stderr (a build's, a warning) is printed above the live area, which would
+            # otherwise erase it on its next refresh; stderr sent elsewhere is left alone
             self._live = Live(console=self.console, get_renderable=self._renderable,
                               refresh_per_second=REFRESH_PER_SECOND, transient=True, redirect_stdout=False,
-                              redirect_stderr=False)
+                              redirect_stderr=bool(getattr(sys.stderr, "isatty", lambda: False)()))
             self._live.__enter__()
         return self
 
@@ -157,8 +173,8 @@ class StreamView:
         self._prefill = None
         if not step.text:
             return
-        self._wrote_text = True
         if not self._live:
+            self._ends_line = step.text.endswith("\n")
             self.console.file.write(step.text)
             self.console.file.flush()
             return
@@ -177,7 +193,7 @@ class StreamView:
             self._live.__exit__(*exc)
             if self._pending:
                 self.console.print(Text(self._pending), soft_wrap=True)
-        elif self._wrote_text:
+        elif not self._ends_line:  # (the text is written as decoded; a last line is ended, as a terminal's)
             self.console.file.write("\n")
             self.console.file.flush()
         if self.show_footer and self.last:
@@ -190,6 +206,16 @@ class StreamView:
 
 
 PIPED_WIDTH = 200  # a table written to a file or a pipe is read whole later: never cut to a terminal's 80 columns
+
+
+def on_terminal(console: Console) -> bool:
+    """Whether `console` writes to a terminal itself: live displays (the panel, progress bars, the chat's prompts)
+    only there. rich's is_terminal says yes under FORCE_COLOR or TTY_COMPATIBLE=1 too, which ask for colours in a
+    log or a pipe: a live display's redrawn frames would fill it."""
+    try:
+        return console.is_terminal and bool(getattr(console.file, "isatty", lambda: False)())
+    except ValueError:  # (a closed file)
+        return False
 
 
 def consoles() -> tuple[Console, Console]:

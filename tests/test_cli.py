@@ -65,9 +65,13 @@ def test_run_json_fafo_reports_guessing_and_settings(capsys, tiny, tmp_path):
     assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["drafted_tokens"]
 
 
-def test_run_plain_output_when_not_a_terminal(capsys, tiny, prompt_file):
+def test_run_plain_output_when_not_a_terminal(capsys, monkeypatch, tiny, prompt_file):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32")
     assert code == 0 and out.strip() and err == ""
+    for variable in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # colours asked for in a log: no live panel drawn into it
+        with monkeypatch.context() as env:
+            env.setenv(variable, "1")
+            assert run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32") == (0, out, "")
     code, out2, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32", "-v")
     assert out2 == out
     assert err.startswith("fafo · 8 tokens") and "stopped: length" in err
@@ -276,13 +280,13 @@ def test_first_line():
 
 def test_config_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    code, shown, _ = run_cli(capsys, "config", "show")
-    assert code == 0 and yaml.safe_load(shown)["method"] == "fafo"
+    code, shown, _ = run_cli(capsys, "config", "show")  # saved as the config file, it changes nothing (serve's limit)
+    assert code == 0 and yaml.safe_load(shown) is None and "\n# method: fafo\n# " in shown
     code, reference, _ = run_cli(capsys, "config", "show", "--markdown")
     assert code == 0 and reference.startswith("# Configuration") and "| `draft_tokens` |" in reference
     code, out, _ = run_cli(capsys, "config", "init")
-    written = (tmp_path / "fafo" / "config.yaml").read_text()  # the same keys, each commented out at its default
-    assert code == 0 and yaml.safe_load(written) is None and "\n# method: fafo\n" in written
+    written = (tmp_path / "fafo" / "config.yaml").read_text()  # what show printed
+    assert code == 0 and written == shown
     assert all(line.startswith("# ") for line in written.splitlines() if line)
     code, _, err = run_cli(capsys, "config", "init")
     assert code == 1 and "already exists" in err
@@ -466,6 +470,19 @@ def test_paths_under_home_are_expanded(capsys, monkeypatch, tmp_path, tiny, prom
     (tmp_path / "notes.txt").write_text("some text to learn from " * 20)
     code, out, err = run_cli(capsys, "cacheback", "build-table", "~/notes.txt", "--out", "~/table.bin", "--model", tiny)
     assert code == 0 and (tmp_path / "table.bin").is_file(), err
+    # `~user` of no user is left as typed (as bash leaves it): not found, in one line
+    code, _, err = run_cli(capsys, "run", "~no-such-user-here/model.gguf", "-p", prompt_file)
+    assert code == 1 and err.startswith("error: ") and "~no-such-user-here/model.gguf" in err and err.count("\n") == 1
+    # XDG base directories: `~` expanded (an env file's is not, by a shell); a relative one ignored (the XDG spec)
+    from fafo_cli import config as config_mod, hub
+
+    monkeypatch.delenv("FAFO_CACHE", raising=False)
+    for value, cache, config in (("~/xdg", "xdg", "xdg"), ("relative/xdg", ".cache", ".config"),
+                                 ("", ".cache", ".config")):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        monkeypatch.setenv("XDG_CONFIG_HOME", value)
+        assert hub.cache_dir() == tmp_path / cache / "fafo"
+        assert config_mod.user_config_path() == tmp_path / config / "fafo" / "config.yaml"
 
 
 def test_bench_refuses_what_it_cannot_do_before_loading_a_model(capsys, monkeypatch):
@@ -579,6 +596,30 @@ def test_chat_turns_reuse_the_cache(tiny):
     messages += [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "more"}]
     second = engine.complete(messages, max_tokens=8)
     assert second.stats.cached_prompt_tokens >= answer.stats.prompt_tokens
+
+
+def test_chat_takes_ollamas_commands(tiny):
+    """ollama's spellings: /? and /clear, /bye, `/set parameter KEY VALUE` (num_predict: max_tokens), `/set system`
+    (kept by /clear), and a seed that is `random`."""
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    out = io.StringIO()
+    repl = Repl(load(str(tiny), dtype="float32", max_tokens=8), Console(file=out), Console(file=io.StringIO()))
+    for command in ("/?", "/set parameter num_predict 3", "/set temperature 0.5", "/set seed random"):
+        assert repl._command(command) is False
+    assert "/reset, /clear" in out.getvalue() and "max_tokens = 3" in out.getvalue() and "seed = " in out.getvalue()
+    assert repl.settings == {"max_tokens": 3, "temperature": 0.5, "seed": ""} and not repl.failed
+    repl._command("/set system Answer in French.")
+    repl._answer("hello")
+    assert repl.messages[0] == {"role": "system", "content": "Answer in French."} and len(repl.messages) == 3
+    repl._command("/clear")
+    assert repl.messages == [{"role": "system", "content": "Answer in French."}]
+    repl._command("/set system   ")
+    assert "usage: /set system TEXT" in repl.err.file.getvalue() and repl.failed
+    assert repl._command("/bye") is True
 
 
 def test_chat_exits_on_end_of_input(tiny):
@@ -834,6 +875,51 @@ def test_a_long_answer_line_is_not_broken_on_a_terminal():
         view.show(Step((1,), line + "\n", Stats()))
         view.show(Step((2,), line, Stats(), finish_reason="length"))
     assert buffer.getvalue().count(line) == 2  # the terminal wraps it; no newline is put inside
+
+
+def test_a_long_unfinished_line_leaves_its_end_and_the_panel_on_screen():
+    """A paragraph longer than the terminal (no newline yet) shows its newest text and the panel, not its first rows
+    and an ellipsis; wide characters take two columns."""
+    from rich.console import Console
+
+    from fafo_cli.runtime.events import Stats, Step
+    from fafo_cli.ui import StreamView
+
+    for line in ("".join(f"word{i} " for i in range(400)) + "last", "字" * 1500 + "last"):
+        view = StreamView(Console(file=io.StringIO(), force_terminal=True, width=60, height=20), method="fafo",
+                          live=True, show_footer=False)
+        with view:
+            view.show(Step((1,), line, Stats()))
+            screen = Console(file=io.StringIO(), width=60, height=20)
+            screen.print(view._renderable())
+        rows = screen.file.getvalue().splitlines()
+        panel = next(i for i, row in enumerate(rows) if row.startswith("╭─ fafo"))
+        assert len(rows) == 20 and rows[0] == "…" and rows[panel - 1].endswith("last") and panel > 5, rows
+
+
+def test_a_note_during_a_live_answer_is_printed_above_it(monkeypatch):
+    """A note on the terminal's stderr while the panel is live (a build's, a warning) goes above the live area,
+    where its next refresh cannot erase it; without a live view the text ends with one newline, never two."""
+    from rich.console import Console
+
+    from fafo_cli.runtime.events import Stats, Step
+    from fafo_cli.ui import StreamView
+
+    terminal = io.StringIO()
+    terminal.isatty = lambda: True
+    monkeypatch.setattr(sys, "stderr", terminal)
+    screen = io.StringIO()
+    with StreamView(Console(file=screen, force_terminal=True, width=60), method="fafo", live=True,
+                    show_footer=False) as view:
+        view.show(Step((1,), "first line\n", Stats()))
+        print("note: compiled the 4-row step in 61 s", file=sys.stderr, flush=True)
+        view.show(Step((2,), "second", Stats(), finish_reason="length"))
+    assert "note: compiled the 4-row step" in screen.getvalue() and terminal.getvalue() == ""
+    for text, written in (("a\nb", "a\nb\n"), ("a\nb\n", "a\nb\n")):
+        piped = io.StringIO()
+        with StreamView(Console(file=piped), method="fafo", live=False, show_footer=False) as view:
+            view.show(Step((1,), text, Stats(), finish_reason="stop"))
+        assert piped.getvalue() == written
 
 
 def test_chat_leaves_its_answer_room_in_the_context(tmp_path):

@@ -19,15 +19,18 @@ def write(tmp_path, text):
 
 
 def test_default_yaml_is_the_defaults():
-    data = yaml.safe_load(config_mod.default_yaml())
+    keys, data = set(Config().to_dict()), {}
+    for line in config_mod.default_yaml().splitlines():  # each key's line, uncommented
+        if line.startswith("# ") and line[2:].split(":")[0] in keys:
+            data.update(yaml.safe_load(line[2:]))
     assert config_mod.build(**{k: v for k, v in data.items() if v is not None}) == Config()
-    assert set(data) == set(Config().to_dict())
+    assert set(data) == keys
 
 
 def test_the_file_config_init_writes_sets_nothing_until_a_key_is_uncommented(tmp_path):
     from fafo_cli.bench.tune import write_settings
 
-    text = config_mod.default_yaml(active=False)
+    text = config_mod.default_yaml()
     assert yaml.safe_load(text) is None and "# max_tokens: 512" in text  # (fafo serve: no limit of 512 from it)
     path = write(tmp_path, text)
     write_settings(path, {"streams": 3})  # as `bench --tune` and `doctor --write` set what they measured
@@ -80,6 +83,8 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),
     # a quarter of the budget is kept for new tokens: at 42, window 32, no prompt position was chosen by its score
     ("compressor: snapkv\nbudget: 42\n", "it needs at least window \\+ 1 beside a quarter for new tokens = 43"),
+    # (found at once, however wide: it was searched for a step at a time)
+    ("compressor: snapkv\nwindow: 1000000000000\n", "beside a quarter for new tokens = 1333333333334"),
     ("kernel: 4\n", "'kernel' must be odd"),
     ("compressor: lz4\n", "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
     ("streams: -1\n", "'streams' must be auto or an integer from 0 to 64 \\(got -1\\)"),
@@ -117,6 +122,9 @@ def test_budget_tokens_or_fraction(tmp_path):
     assert config_mod.load_file(write(tmp_path, "budget: 300.0\n")).budget == 300
     # a fraction is resolved against the prompt, so the token minimum is checked per request
     assert config_mod.load_file(write(tmp_path, "compressor: quest\nbudget: 0.01\n")).budget == 0.01
+    for window in range(1, 300):  # snapkv's least budget: the first B above window + 1 whose B - max(1, B // 4)
+        least = config_mod.MIN_BUDGET["snapkv"](Config(window=window))[1]  # (kept for new tokens) exceeds the window
+        assert least - max(1, least // 4) > window and (least == window + 2 or least - 1 - (least - 1) // 4 <= window)
 
 
 def test_a_seed_of_minus_one_is_a_fresh_one_as_in_llama_cpp(tmp_path):

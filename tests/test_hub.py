@@ -190,6 +190,16 @@ def test_a_hub_that_cannot_be_reached_is_said_so(caches, monkeypatch):
         hub.resolve("nobody/nothing")
 
 
+def test_a_proxy_that_refuses_the_hub_is_no_broken_download():
+    """A proxy that refuses the hub (or a proxy URL httpx does not speak) is "cannot reach", as no connection is:
+    nothing had begun to break off."""
+    import httpx
+
+    for error in (httpx.ProxyError("403 Forbidden"), httpx.UnsupportedProtocol("socks5h://proxy")):
+        assert hub._hub_error("org/model", error).startswith("cannot reach the Hugging Face hub to get 'org/model'")
+    assert "broke off" in hub._hub_error("org/model", httpx.ReadError("connection reset"))
+
+
 def test_unknown_id_offline_fails_without_touching_the_network(caches, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     reached: list = []
@@ -558,17 +568,18 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
         assert hub.weights_format(folder, "float32") == "GGUF, dequantized to float32"
 
 
-@pytest.mark.parametrize("error", ["safetensors", "tokenizer"])
+@pytest.mark.parametrize("error", ["safetensors", "tokenizer", "weights"])
 def test_a_conversion_that_cannot_be_written_is_one_line(caches, monkeypatch, tmp_path, error):
     """safetensors reports a full disk as its own error type, the tokenizer's and config's writes as an OSError that
-    names no file: either way one line, nothing left."""
+    names no file, our weights' writer (atomic_path) one that names the staging folder's file, gone by the time the
+    user reads it: each way one line naming the conversion, nothing left."""
     from safetensors import SafetensorError
 
     def full_disk(path, header, out):
         (out / "config.json").write_text("{}")
         if error == "safetensors":
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        raise OSError(28, "No space left on device")
+        raise OSError(28, "No space left on device", *[str(out / "model.safetensors")] * (error == "weights"))
 
     monkeypatch.setattr(hub, "write_gguf_as_hf", full_disk)
     with pytest.raises(FafoError, match="cannot write the conversion of model.gguf into .*: .*No space left"):

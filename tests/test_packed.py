@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from fafo_cli.errors import FafoError
+
 from .conftest import first_row_logits
 
 KINDS = ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
@@ -223,11 +225,13 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
                    ffn_gate=(512, 256), ffn_up=(512, 256), ffn_down=(256, 512))  # [out, in]
 
 
-def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None):
+def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None,
+                    leave_out: tuple[str, ...] = (), parts: int | None = None):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
     embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of `types`
     (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases;
-    llama.cpp stores its query and key rows reordered)."""
+    llama.cpp stores its query and key rows reordered). `leave_out`: tensors not written; `parts`: the split.count
+    its header gives (llama.cpp's gguf-split)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -255,6 +259,10 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
     writer.add_bos_token_id(len(tokens) - 2)  # no eos: llama.cpp's end tokens by name (<|endoftext|>, <|im_end|>)
     writer.add_pad_token_id(len(tokens) - 3)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if parts is not None:
+        writer.add_uint16("split.count", parts)
+    add_tensor = writer.add_tensor
+    writer.add_tensor = lambda name, *args, **kwargs: name in leave_out or add_tensor(name, *args, **kwargs)
 
     def matrix(name: str, kind: str, rows: int, columns: int):
         tensor = random_matrix(kind, rows, columns, int(rng.integers(1 << 30)), edges=False)
@@ -354,6 +362,22 @@ def test_a_conversion_holds_what_transformers_reads_from_the_gguf_file(tmp_path,
     config = AutoConfig.from_pretrained(folder).to_dict()
     assert config["model_type"] == architecture and config["tie_word_embeddings"] == (head is None)
     assert config["architectures"] == [type(theirs).__name__] and "quantization_config" not in config
+
+
+def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A .gguf file that lacks some of the model's tensors (llama.cpp's first part of a split model, a converter's
+    slip) is refused before anything is written: transformers would fill the missing parameters with random numbers."""
+    from fafo_cli import hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    part = write_tiny_gguf(tmp_path / "tiny-00001-of-00002.gguf", parts=2, leave_out=("blk.1.ffn_down.weight",))
+    with pytest.raises(FafoError, match="is one of the 2 parts of a split GGUF model: merge them into one file"):
+        hub.convert_gguf(part)
+    cut = write_tiny_gguf(tmp_path / "tiny.gguf", leave_out=("blk.1.ffn_down.weight", "blk.1.attn_q.bias"))
+    with pytest.raises(FafoError, match=r"holds no tensor for 2 of the model's parameters \(such as "
+                                        r"model\.layers\.1\.mlp\.down_proj\.weight\): cut short"):
+        hub.convert_gguf(cut)
+    assert not list((tmp_path / "cache").glob("models/*"))  # nothing half-written
 
 
 def test_a_gguf_with_each_type_runs_packed_end_to_end(compiled_cache, tiny_gguf):

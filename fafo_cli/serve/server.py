@@ -20,13 +20,13 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import uvicorn
 
 from .. import config as config_mod
 from ..api import Engine
 from ..errors import FafoError
+from ..files import user_path
 from .app import create_app
 from .worker import Worker
 
@@ -54,7 +54,7 @@ def default_max_tokens(config: config_mod.Config, config_file: str | None, flags
     completion 16 tokens; the 512 that `fafo run` defaults to would cut chat answers short)."""
     if flags.get("max_tokens") is not None:
         return config.max_tokens
-    path = Path(config_file).expanduser() if config_file is not None else config_mod.user_config_path()
+    path = user_path(config_file) if config_file is not None else config_mod.user_config_path()
     if not path.exists():
         return None
     unset = replace(config_mod.Config(), max_tokens=None)  # (read again: the file was checked when resolved)
