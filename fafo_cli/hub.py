@@ -39,6 +39,8 @@ SUPPORT_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "*.
 # transformers' weight files, each as one file or as shards its index names (safetensors first, as it loads them)
 WEIGHT_FILES = (("model.safetensors", ".safetensors"), ("pytorch_model.bin", ".bin"))
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# a snapshot fafo did not pull (another tool's) counts as whole with config, weights and one of these
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
 # "sha256" of its bytes, "also": [{"gguf", "key"}] copies met at other paths}
 # the hub's own rule besides the characters: no "--" or "..", no "." or "-" at the end
@@ -472,11 +474,39 @@ def _index_shards(index: Path) -> set[str] | None:
 
 
 def _has_model_files(folder: Path) -> bool:
-    """Whether a snapshot holds config.json and its weights: model.safetensors, or every shard its index names (the
-    same for pickle weights). A pull cut off mid-way leaves the files it finished, and huggingface_hub before 2.x
-    returns such a snapshot offline without a word."""
-    if not (folder / "config.json").is_file():
+    """Whether a snapshot holds a whole model: every file a finished `fafo pull` of it fetched (`_pull_record`), or
+    where none finished here, config.json, its weights and a tokenizer. A pull cut off mid-way leaves the files it
+    finished (the tokenizer's may wait behind the shards), and huggingface_hub before 2.x returns such a snapshot
+    offline without a word."""
+    if not (folder / "config.json").is_file() or not _has_weights(folder):
         return False
+    try:
+        pulled = json.loads(_pull_record(folder).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pulled = None
+    if isinstance(pulled, list) and all(isinstance(name, str) for name in pulled):
+        return all((folder / name).is_file() for name in pulled)
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _record_pull(snapshot: Path, files: list[str]) -> None:
+    """A finished pull's files (`_has_model_files`); where fafo's cache cannot be written, the snapshot is judged as
+    another tool's."""
+    record = _pull_record(snapshot)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, json.dumps(sorted(files)))
+    except OSError:
+        pass
+
+
+def _pull_record(snapshot: Path) -> Path:
+    """Where a finished pull lists the files it fetched into a snapshot (models--org--name/snapshots/COMMIT)."""
+    return cache_dir() / "pulls" / f"{snapshot.parent.parent.name}@{snapshot.name}.json"
+
+
+def _has_weights(folder: Path) -> bool:
+    """model.safetensors, or every shard its index names (the same for pickle weights)."""
     for single, _ in WEIGHT_FILES:
         if (folder / single).is_file():
             return True
@@ -518,6 +548,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
         wanted = _support_files(files) + _weight_files(
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
+        _record_pull(folder, wanted)
     except FafoError:
         raise
     except Exception as e:
@@ -699,9 +730,9 @@ def cached_models() -> list[CachedModel]:
     found: list[CachedModel] = []
     cache = _scanned_hub_cache()
     for repo in cache.repos if cache else ():
-        if repo.repo_type != "model":
+        if repo.repo_type != "model" or not _transformers_repo(repo):
             continue
-        latest = _newest_whole(repo)
+        latest = _runs(repo)
         snapshots = [revision.snapshot_path for revision in repo.revisions]
         # (huggingface_hub counts the blobs of snapshots: not the one a pull was cut off in)
         size = repo.size_on_disk if latest else _folder_size(repo.repo_path)
@@ -785,6 +816,22 @@ def newest_snapshot(repo_id: str) -> Path | None:
         return None
     return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id and "main" not in repo.refs),
                 None)
+
+
+def _transformers_repo(repo) -> bool:
+    """Whether a cached hub repo may be a pull of fafo's, whole, cut off or refused: a snapshot holds config.json
+    (fetched first), or there is no snapshot yet (cut off in its first file). The HF cache is shared with other
+    tools: a GGUF-only repo (llama.cpp's, LM Studio's), which `fafo pull` refuses before downloading, is theirs."""
+    return not repo.revisions or any((r.snapshot_path / "config.json").is_file() for r in repo.revisions)
+
+
+def _runs(repo) -> Path | None:
+    """The snapshot of a cached repo that a run uses (`resolve`): main's where main was pulled, and only if whole (a
+    newer commit's pull cut off is for the next pull to finish), else the newest whole one."""
+    main = repo.refs.get("main")
+    if main is None:
+        return _newest_whole(repo)
+    return main.snapshot_path if repo.repo_type == "model" and _has_model_files(main.snapshot_path) else None
 
 
 def _newest_whole(repo) -> Path | None:

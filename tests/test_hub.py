@@ -377,6 +377,20 @@ def test_a_refused_download_is_one_line(fake_hub, capsys):
     assert err == "error: the hub refused org/tiny: 403 Forbidden: Request has expired.\n"
 
 
+def test_a_newer_commit_cut_off_is_listed_as_a_run_would_find_it(fake_hub, tiny):
+    """A pull of main's newer commit cut off: `fafo list` says what `fafo run` finds, main's snapshot incomplete (a
+    run pulls again), not the older whole snapshot, which no run uses once main has moved."""
+    old = hub.pull("org/tiny")
+    repo = fake_hub.repos["org/tiny"]
+    newer = fake_hub.add("org/tiny", {**repo.files, "model.safetensors": repo.files["model.safetensors"] + b" "})
+    fake_hub.cut("model.safetensors", sent=10)
+    with pytest.raises(FafoError, match="broke off"):
+        hub.pull("org/tiny")
+    [listed] = hub.cached_models()
+    assert newer.sha != repo.sha and not listed.complete and hub.cached_snapshot("org/tiny") is None
+    assert old.is_dir() and listed.path != old
+
+
 def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, tiny):
     weights = (tiny / "model.safetensors").read_bytes()
     fake_hub.cut("model.safetensors", sent=len(weights) // 2)
@@ -410,11 +424,23 @@ def test_a_pull_cut_off_in_its_first_file_is_listed_with_that_file_and_removed(c
         (repo / folder).mkdir(parents=True)
     (repo / "blobs" / "0123abcd.incomplete").write_bytes(b"x" * 5000)
     assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 5000)]
-    (repo / "blobs" / "4567ef").write_bytes(b"{}" * 1000)  # a file it finished, and its snapshot's link: once
+    config = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).encode()
+    (repo / "blobs" / "4567ef").write_bytes(config)  # a file it finished, and its snapshot's link: counted once
     (repo / "snapshots" / ("0" * 40)).mkdir()
     (repo / "snapshots" / ("0" * 40) / "config.json").symlink_to(repo / "blobs" / "4567ef")
-    assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 7000)]
+    assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 5000 + len(config))]
     assert entrypoint(["rm", "org/big"]) == 0 and not repo.exists() and hub.cached_models() == []
+
+
+def test_other_tools_gguf_repos_in_the_hf_cache_are_not_listed(fake_hub, tiny):
+    """The HF cache is shared: a GGUF-only repo (llama.cpp's, LM Studio's), which `fafo pull` refuses, is not one of
+    fafo's models, and was listed as a pull cut off ("pull it again")."""
+    from huggingface_hub import snapshot_download
+
+    fake_hub.add("org/gguf", {"model-q4_k_m.gguf": b"GGUF"})
+    snapshot_download("org/gguf")
+    hub.pull("org/tiny")
+    assert [m.name for m in hub.cached_models()] == ["org/tiny"]
 
 
 def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_path, monkeypatch):
@@ -438,6 +464,15 @@ def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_p
     assert [m.complete for m in hub.cached_models()] == [False] and hub.cached_snapshot("org/sharded") is None
     assert hub.resolve("org/sharded") == folder and (folder / shards[-1]).is_file()  # the missing shard is fetched
     assert [(m.name, m.complete) for m in hub.cached_models()] == [("org/sharded", True)]
+    # cut off with every shard but before its tokenizer's files (queued behind them): not whole either
+    (folder / "tokenizer_config.json").unlink()
+    assert [m.complete for m in hub.cached_models()] == [False] and hub.cached_snapshot("org/sharded") is None
+    assert hub.resolve("org/sharded") == folder and (folder / "tokenizer_config.json").is_file()
+    hub._pull_record(folder).unlink()  # another tool's snapshot: config, weights and a tokenizer
+    assert hub.cached_snapshot("org/sharded") == folder
+    for name in hub.TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    assert hub.cached_snapshot("org/sharded") is None
     copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
     (copy / "model.safetensors.index.json").write_text("{not json")
     assert not hub._has_model_files(copy)
