@@ -143,11 +143,11 @@ class Config:
                             nullable=True, low=0, high=2**64 - 1)  # (runtime/sampling.Draws keys on 64 bits)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
-    # The two opt-ins are off unless asked for, so they have no --no- form.
-    trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run", flag="--trust-remote-code",
+    # The two opt-ins are off unless asked for; their --no- form turns a config file's off for one command
+    trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run",
                                    also=("bench", "cacheback build-table", "doctor"))
     allow_pickle: bool = _opt(False, "allow loading pickle (.bin/.pt) weights, which can run code",
-                              flag="--allow-pickle", also=("bench", "pull", "doctor"))
+                              also=("bench", "pull", "doctor"))
     # FAFO (method fafo). Defaults measured on a 2-core CPU with SmolLM2-135M: see docs/benchmarks.md, "Choosing the defaults".
     streams: int | str = _opt("auto", "fafo: lookahead window streams W (fumble rows per level), 0-64; 0: no window "
                                       "(guesses from the text only); auto: on a CPU none, unless a compressor is "
@@ -440,16 +440,23 @@ def load_file(path: Path, base: Config | None = None) -> Config:
     return load_text(text, path, base)
 
 
+def _yaml_problem(error: yaml.YAMLError, text: str) -> str:
+    """" (line N): what is wrong", as far as PyYAML tells it."""
+    if isinstance(error, yaml.reader.ReaderError):  # a character YAML does not allow: it names no line of its own
+        line = text.count("\n", 0, error.position) + 1
+        return f" (line {line}): it holds the control character {chr(error.character)!r}"
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None) or ""
+    if "'\\t'" in problem:
+        problem = "a tab where YAML wants spaces (YAML indents with spaces only)"
+    return (f" (line {mark.line + 1})" if mark else "") + (f": {problem}" if problem else "")
+
+
 def load_text(text: str, path: Path, base: Config | None = None) -> Config:
     """`load_file` for the text of the file `path` (named in the errors)."""
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        problem = getattr(e, "problem", None)
-        problem = f": {problem}" if problem and "given twice" in problem else ""
-        raise FafoError(f"config file {path} is not valid YAML{where}{problem}") from None
+        raise FafoError(f"config file {path} is not valid YAML{_yaml_problem(e, text)}") from None
     except ValueError:  # an integer past Python's limit of digits for text
         raise FafoError(f"config file {path} holds a number of thousands of digits") from None
     if data is None:

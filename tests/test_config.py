@@ -43,6 +43,11 @@ def test_file_then_flags(tmp_path):
     path = write(tmp_path, "max_tokens: 99\ntemperature: 0.5\nseed: 3\n")
     config = config_mod.resolve(str(path), temperature=0.9)
     assert (config.max_tokens, config.temperature, config.seed) == (99, 0.9, 3)
+    opted_in = write(tmp_path, "trust_remote_code: true\nallow_pickle: true\n")
+    run = {flag.key: flag for flag in config_mod.flags("run")}  # --no-trust-remote-code, --no-allow-pickle
+    config = config_mod.resolve(str(opted_in), trust_remote_code=run["trust_remote_code"].value(False),
+                                allow_pickle=run["allow_pickle"].value(False))
+    assert (config.trust_remote_code, config.allow_pickle) == (False, False)
 
 
 def test_user_config_file_is_read(tmp_path, monkeypatch):
@@ -95,6 +100,9 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("temprature: 0.5\n", "unknown config key 'temprature' \\(did you mean 'temperature'\\?"),
     ("max_tokens: 3\nmax_tokens: 4\n", "not valid YAML \\(line 2\\): the key 'max_tokens' is given twice"),
     ("[a, b]: 1\n", "not valid YAML \\(line 1\\)"),
+    ("max_tokens: 3\n\tseed: 4\n", "not valid YAML \\(line 2\\): a tab where YAML wants spaces"),
+    ("max_tokens: 3\nsystem: a\x1bb\n", "not valid YAML \\(line 2\\): it holds the control character '\\\\x1b'"),
+    ("a: b: c\n", "not valid YAML \\(line 1\\): mapping values are not allowed here"),
     ("device: on\n", "'device' must be text \\(got True, which YAML reads as true or false: put it in quotes\\)"),
     ("model: 2024-01-01\n", "'model' must be text \\(got 2024-01-01, which YAML reads as a date"),
 ])
@@ -218,7 +226,8 @@ def test_flag_spellings():
     assert run["compile"].declarations == ("--compile/--no-compile",)
     assert (run["compile"].value(True), run["compile"].value(False), run["compile"].value(None)) == ("on", "off", None)
     assert run["copies"].declarations == ("--copies",)
-    assert run["trust_remote_code"].declarations == ("--trust-remote-code",)  # an opt-in: no --no- form
+    # an opt-in a config file gives is turned off for one command as a switch's is
+    assert run["trust_remote_code"].declarations == ("--trust-remote-code/--no-trust-remote-code",)
     assert run["model"].declarations == ()  # the positional argument
 
 
