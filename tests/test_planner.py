@@ -13,6 +13,8 @@ pytestmark = pytest.mark.step_times  # these tests feed StepCosts times (tests/c
 def test_step_costs_interpolate_eager_and_round_up_to_packages():
     eager = StepCosts({1: 10.0, 9: 18.0})
     assert eager.of(1) == 10.0 and eager.of(5) == 14.0 and eager.of(17) == 26.0  # extrapolated past the ends
+    noisy = StepCosts({1: 10.0, 16: 30.0, 24: 28.0})  # a last segment sloping down (noise): flat past its end
+    assert noisy.of(20) == 29.0 and noisy.of(24) == noisy.of(200) == 28.0
     assert eager.size(7) == 7
     packages = StepCosts({1: 10.0, 4: 12.0, 20: 30.0}, sizes=[1, 4, 20])
     assert packages.of(2) == 12.0 and packages.of(4) == 12.0 and packages.of(5) == 30.0

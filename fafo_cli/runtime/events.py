@@ -26,9 +26,9 @@ class Stats:
     streams: int | None = None  # FAFO's lookahead streams W in this request (`streams: auto` resolved)
     draft_passes: int | None = None  # forward passes spent drafting (a self-draft or a draft model; not in steps)
     draft_memory_mb: float | None = None  # device memory drafting holds beyond the model and its cache (second
-    # caches, a draft model, FAFO's copy of C(kv) with its compressor's scores), and SuffixDecoding's host-side
-    # indexes (estimated: they grow with the text); also inside peak_memory_mb, which alone covers host-side n-gram
-    # tables
+    # caches, a draft model, FAFO's copy of C(kv) with its compressor's scores), and FAFO's and SuffixDecoding's
+    # host-side suffix indexes (estimated: they grow with the text); also inside peak_memory_mb, which alone covers
+    # host-side n-gram tables
     prefill_s: float = 0.0  # time to prefill the uncached prompt tokens
     ttft_s: float = 0.0  # request start to the first emitted token
     decode_s: float = 0.0  # first emitted token to the last one

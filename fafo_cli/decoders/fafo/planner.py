@@ -262,7 +262,9 @@ class StepCosts:
             return points[0][1]
         at = min(max(1, bisect.bisect_left(self._point_rows, rows)), len(points) - 1)
         (r0, m0), (r1, m1) = points[at - 1], points[at]
-        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)  # extrapolates past the ends
+        if rows > r1:  # past the last point never cheaper than it (a last segment sloping down, from noise, would
+            return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)  # make the widest steps free)
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
     def size(self, rows: int) -> int:
         """The package size a step of `rows` rows runs in (its own row count when eager)."""

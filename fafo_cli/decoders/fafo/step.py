@@ -311,7 +311,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     window = (LookaheadWindow(settings.streams, settings.ngram, settings.prefix, request.prompt_ids)
               if settings.streams else None)
     stats.accepted_from = dict.fromkeys(SOURCES, 0)
-    stats.draft_memory_mb = compressor.nbytes() / MB
+    stats.draft_memory_mb = (compressor.nbytes() + index.nbytes()) / MB
     step = emitter.emit([anchor])
     yield step
     while not step.finish_reason:
@@ -325,8 +325,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         plan = planner.plan(lambda: guesses.chains() + found, room=model.max_context - start,
                             firsts=guesses.firsts() + found, depth=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
-        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(plan.rows),
-                          view_tokens=window.tokens() if shape else None, view_rows=shape.rows if shape else None,
+        view_tokens = window.tokens() if shape else []
+        # the rows that run: a window warming up (its first k - 1 steps of a request) has fewer than the plan's
+        ran = 1 + len(tree) + len(view_tokens)
+        rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(ran),
+                          view_tokens=view_tokens if shape else None, view_rows=shape.rows if shape else None,
                           view=view if shape else None, compiled=compiled)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
@@ -344,13 +347,14 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         compressor.committed(cache, start, len(emitted))
         sources = planner.observe(plan, path)
         stats.pool_keys, stats.pool_ngrams = pool.keys, pool.ngrams
-        stats.draft_memory_mb = compressor.nbytes() / MB  # the copy of C(kv): created, and grown, as needed
+        # the copy of C(kv), created and grown as needed, and the text's index (as SuffixDecoding counts its own)
+        stats.draft_memory_mb = (compressor.nbytes() + index.nbytes()) / MB
         emitting = time.perf_counter()
-        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=plan.rows, sources=sources)
+        step = emitter.emit(emitted, drafted=len(tree), accepted=len(path), rows=ran, sources=sources)
         emitted_at = time.perf_counter()
         text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (the next turn's prompt)
         index.extend(step.token_ids)
         # (what emitting costs, plain decoding pays too)
-        planner.costs.observe(plan.rows, plan.window, (emitting - began + time.perf_counter() - emitted_at) * 1e3)
+        planner.costs.observe(ran, plan.window, (emitting - began + time.perf_counter() - emitted_at) * 1e3)
         yield step
         anchor = emitted[-1]
