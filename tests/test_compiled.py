@@ -498,7 +498,7 @@ def vector_attend(compiled_folder, tmp_path_factory):
     other path), elsewhere built with FAFO_NO_AMX under its own op namespace."""
     from fafo_cli.compiled.kernels import loader
 
-    if "amx_tile" not in loader.cpu_features().split():
+    if "amx_tile" not in loader.cpu_flags().split():
         loader.load(compiled_folder / "compiled")
         return torch.ops.fafo.attend
     return loader.load_as(loader.SOURCES[0].read_text(), "fafo_vector", tmp_path_factory.mktemp("vector-attend"),
@@ -742,6 +742,28 @@ def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     assert not packed.FusedPackedLinear.fits([part(48, 1), part(32, 2, bias=not with_bias)])
     assert not packed.FusedPackedLinear.fits([part(48, 1), None])
     assert not packed.FusedPackedLinear.fits([part(48, 1), part(32, 2, dtype=torch.float32)])
+
+
+def test_kernels_are_named_by_the_instruction_sets_the_compiler_enables(monkeypatch):
+    """Our kernels' and the packages' version follows what -march=native enables, not /proc/cpuinfo's whole line:
+    a kernel update or a VM moved to another host changes its other flags, which orphaned every package."""
+    import shutil
+
+    from fafo_cli.compiled.kernels import loader
+
+    if shutil.which(loader.compiler()) is None:
+        pytest.skip("no C++ compiler here")
+    flags, before = loader.cpu_flags(), loader.version()
+    try:
+        loader.cpu_features.cache_clear()
+        monkeypatch.setattr(loader, "cpu_flags", lambda: flags + " hypervisor nonstop_tsc_moved")
+        assert loader.version() == before and "hypervisor" not in loader.cpu_features().split()
+        monkeypatch.setattr(loader, "compiler", lambda: "no-such-compiler-here")  # (nothing is built without one)
+        loader.cpu_features.cache_clear()
+        assert loader.cpu_features().endswith("hypervisor nonstop_tsc_moved")
+    finally:
+        monkeypatch.undo()
+        loader.cpu_features.cache_clear()
 
 
 def test_gpu_packages_are_named_by_the_gpu_they_hold_kernels_for(monkeypatch):

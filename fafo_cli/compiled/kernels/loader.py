@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -54,10 +55,21 @@ def attends() -> bool:
     return _has_flag("avx512f") or _has_flag("avx2")
 
 
+@functools.cache
 def cpu_features() -> str:
-    """What code built with -march=native depends on: the CPU's vector level and, on Linux, its feature flags
-    (a cache folder may move to another machine of the same level that lacks, say, AVX512-BF16)."""
-    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_flags()}"
+    """What code built with -march=native depends on: the CPU's vector level and the instruction-set features the
+    compiler enables for it (its predefined feature macros: a cache folder may move to another machine of the same
+    level that lacks, say, AVX512-BF16). Not /proc/cpuinfo's whole line, which also holds the kernel's and a VM's
+    own flags: a kernel update or a VM moved to another host changed it, and every package was orphaned. Where the
+    compiler cannot say (none: nothing is built here), the CPU's flags."""
+    try:
+        macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        macros = ""
+    # (upper case: features such as __AVX512BF16__; not the tuning's or the CPU model's, as __tune_znver4__)
+    features = sorted(re.findall(r"^#define __([A-Z0-9_]+)__ 1$", macros, flags=re.MULTILINE))
+    return f"{torch.backends.cpu.get_cpu_capability()} {' '.join(features) or cpu_flags()}"
 
 
 def compiler() -> str:
