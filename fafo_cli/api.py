@@ -125,6 +125,9 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
+        if (penalty := _unapplied_penalty(hf_model.generation_config)) is not None:
+            (notify or _print_notice)(f"{engine.name}'s generation_config.json sets repetition_penalty {penalty:g}, "
+                                      "which fafo does not apply (transformers' generate() would)")
         engine.session.step_costs = read_step_costs(engine.steps_folder)
         if _use_graphs(engine.model, config):
             from .compiled.graphs import GraphSteps
@@ -533,13 +536,24 @@ def _compiled_folder(model: Model, folder: Path, packed: bool) -> Path:
     return hub.compiled_steps_folder(folder, identity(model, source))
 
 
+TRANSFORMERS_TOP_K = 50  # what transformers' generate() samples with where a sampling config names no top_k
+
+
 def _sampling_defaults(generation_config) -> dict:
     """The model's sampling settings (generation_config.json), as transformers would apply them."""
     fallback = {"temperature": 0.0, **config_mod.SAMPLING_NEUTRAL}
     if not getattr(generation_config, "do_sample", False):
         return fallback
     given = {key: getattr(generation_config, key, None) for key in fallback}
-    return {**fallback, "temperature": 1.0, **{key: value for key, value in given.items() if value is not None}}
+    return {**fallback, "temperature": 1.0, "top_k": TRANSFORMERS_TOP_K,
+            **{key: value for key, value in given.items() if value is not None}}
+
+
+def _unapplied_penalty(generation_config) -> float | None:
+    """The repetition penalty a model's generation_config.json asks for (Qwen2.5's files do), which no method here
+    applies: its answers are plain decoding's without it, where transformers' generate() would apply it."""
+    penalty = getattr(generation_config, "repetition_penalty", None)
+    return penalty if isinstance(penalty, (int, float)) and penalty != 1.0 else None
 
 
 # The tokens llama.cpp ends a generation at besides a .gguf file's eos, by their text (llama-vocab.cpp's

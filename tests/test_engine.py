@@ -162,10 +162,15 @@ def test_sampling_defaults_come_from_the_model(tmp_path):
     folder = build_tiny_model(tmp_path / "m", "llama-gqa")
     config_path = folder / "generation_config.json"
     data = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**data, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
-    engine = load(str(folder), dtype="float32", chat_template=False)
+    config_path.write_text(json.dumps({**data, "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+                                       "repetition_penalty": 1.05}))
+    notices: list[str] = []
+    engine = load(str(folder), dtype="float32", chat_template=False, notify=notices.append)
     config = engine.request_config()
-    assert (config.temperature, config.top_p, config.top_k, config.min_p) == (0.6, 0.9, 0, 0.0)
+    # no top_k named: transformers' generate() samples with its default, 50
+    assert (config.temperature, config.top_p, config.top_k, config.min_p) == (0.6, 0.9, 50, 0.0)
+    assert notices == [f"{engine.name}'s generation_config.json sets repetition_penalty 1.05, which fafo does not "
+                       "apply (transformers' generate() would)"]
     assert config.seed is not None  # sampling: a fresh seed, reported
     assert engine.request_config(temperature=0.0, top_p=0.5).temperature == 0.0  # the user's word wins
     result = engine.complete(PROMPT, max_tokens=5)

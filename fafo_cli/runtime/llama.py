@@ -36,7 +36,8 @@ DEFAULTS = {
     "qwen3": dict(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False, num_key_value_heads=32,
                   head_dim=128),
 }
-GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "eos_token_id")  # what decoding reads
+# what decoding reads (and the penalty it does not apply: said at load)
+GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "eos_token_id", "repetition_penalty")
 COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
 
 
