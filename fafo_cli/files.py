@@ -329,3 +329,27 @@ def xdg_dir(variable: str, default: str) -> Path:
     value is ignored)."""
     value = user_path(os.environ.get(variable, ""))
     return value if value.is_absolute() else Path(os.path.expanduser("~")) / default
+
+
+@contextmanager
+def exclusive(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[bool]:
+    """Hold an exclusive lock on the file `path` (created where missing) for the block, across processes; True
+    where another process held it first (`waiting()` is called then), whose work may now be done. Where the system
+    has no flock (Windows), no lock is taken."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            waiting()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = True
+        try:
+            yield waited
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

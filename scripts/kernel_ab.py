@@ -1,11 +1,12 @@
 """Our attention kernel at a git revision against the working tree's, side by side in one process (both
 libraries loaded under their own op namespace, called alternately, median of the rounds), on decoding-shaped
-calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64), a separate cache per layer
-(30 MB in all after 1,300 tokens: the size of a CPU's L3), by default one row (a plain step), 6 rows (4 see the
-whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft), each after 300, 1,300 and 2,250
-positions (`--rows`, `--contexts`). Between two layers' calls it reads 9 MB (untimed), as a compiled step's matrix
-products do, so each layer's cache comes from memory: called back to back (`--evict-mb 0`) the caches stay in the
-L3, which flatters changes that rest on memory access. Also prints how far the first two results are apart.
+calls: 30 layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, dim 64; `--heads` another shape), a
+separate cache per layer (30 MB in all after 1,300 tokens: the size of a CPU's L3), by default one row (a plain
+step), 6 rows (4 see the whole cache, 2 a 256-position StreamingLLM view) and 12 verify rows (a long draft), each
+after 300, 1,300 and 2,250 positions (`--rows`, `--contexts`). Between two layers' calls it reads 9 MB (untimed),
+as a compiled step's matrix products do, so each layer's cache comes from memory: called back to back (`--evict-mb
+0`) the caches stay in the L3, which flatters changes that rest on memory access. Also prints how far the first
+two results are apart.
 `--dtype float32` takes a float32 cache (what CPUs without AVX512-BF16 run), `--torch` adds torch's kernel as eager
 steps call it where ours does not serve (the query heads folded into their KV head's rows, the mask built per call
 as a step's attention builds it).
@@ -55,8 +56,7 @@ def torch_attend(q, k, v, sees_all, sees_part, visible, local, scale):
 
 
 def compare(ops: dict, slots: int, rows: int, see_all: int, see_part: int, rounds: int, evict: torch.Tensor | None,
-            dtype: torch.dtype, layers: int = 30) -> str:
-    heads, kv_heads, dim = 9, 3, 64
+            dtype: torch.dtype, heads: int = 9, kv_heads: int = 3, dim: int = 64, layers: int = 30) -> str:
     cached = slots - rows
     keys = [torch.randn(slots, kv_heads, dim).to(dtype) for _ in range(layers)]
     values = [torch.randn(slots, kv_heads, dim).to(dtype) for _ in range(layers)]
@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's dtype")
     parser.add_argument("--torch", action="store_true", help="torch's kernel too, as a third column")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300, 1300, 2250], help="cached positions + rows")
+    parser.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("HEADS", "KV_HEADS", "DIM"),
+                        help="the attention's shape (default SmolLM2-135M's; Qwen2.5-1.5B's: 12 2 128)")
     parser.add_argument("--rows", type=shape, nargs="+", default=[shape("1"), shape("4+2"), shape("12")],
                         help='rows per call: "N" verify rows (see the whole cache), or "A+P" (P see a 256-slot view)')
     args = parser.parse_args()
@@ -111,7 +113,8 @@ def main() -> None:
         for rows, see_all, see_part in args.rows:
             for slots in args.contexts:
                 print(compare(ops, slots, rows, see_all, see_part, rounds=args.rounds, evict=evict,
-                              dtype=getattr(torch, args.dtype)), flush=True)
+                              dtype=getattr(torch, args.dtype), heads=args.heads[0], kv_heads=args.heads[1],
+                              dim=args.heads[2]), flush=True)
 
 
 if __name__ == "__main__":

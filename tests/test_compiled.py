@@ -70,6 +70,65 @@ def test_second_load_reads_the_packages(compiled_cache, compiled_engine, tiny):
     assert result.token_ids == hf_greedy(tiny, engine.encode(SHORT), TOKENS)
 
 
+def test_a_package_another_process_builds_is_waited_for_and_loaded(tiny, tmp_path, monkeypatch):
+    """Two processes that need the same package at once (a server and a `fafo run`): one builds it, the other waits
+    for that build, says so, and loads what it built instead of building it again (minutes, and another copy of the
+    model in memory)."""
+    import fcntl
+    import threading
+    import time
+
+    from fafo_cli.compiled import steps
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
+    notices: list[str] = []
+    compiled = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=notices.append).compiled
+    loaded = object()  # a package's load, without building one: what matters is who builds
+    monkeypatch.setattr(steps.CompiledSteps, "_built", lambda self, package, record: loaded if package.exists() and
+                        record.exists() else steps.REBUILD)
+    monkeypatch.setattr(steps.CompiledSteps, "build_here", lambda *args: pytest.fail("built again"))
+    compiled.builder = lambda *args: pytest.fail("built again")
+    package, record = compiled.paths(5)
+    compiled._claim_folder()
+    got: list = []
+    with open(compiled.folder / "rows5.lock", "a") as other:  # the other process, building
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: got.append(compiled.runner(5)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not any(n.startswith("waiting for another fafo process") for n in notices):
+            assert time.monotonic() < deadline, notices
+            time.sleep(0.01)
+        package.write_bytes(b"built")
+        record.write_text("{}")
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiter.join(30)
+    assert got == [loaded] and not any(n.startswith("compiling") for n in notices), notices
+
+
+def test_a_failed_kernel_build_is_tried_again_not_taken_for_a_dense_model(tiny, tmp_path, monkeypatch):
+    """Our kernels failing to build once (the compiler killed, say) is no answer to which matrices are packed: it
+    was kept as "none", and packages built over the packed blocks were then loaded without their weights."""
+    from fafo_cli.compiled import steps
+    from fafo_cli.compiled.build import CompileError
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
+    compiled = load(str(tiny), dtype="float32", chat_template=False, compile="on").compiled
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise CompileError("g++ was killed")
+
+    monkeypatch.setattr(steps, "load_kernels", failing)
+    for _ in range(2):
+        with pytest.raises(CompileError):
+            compiled.packed_modules()
+    assert len(calls) == 2
+    monkeypatch.setattr(steps, "load_kernels", lambda *args: None)
+    assert compiled.packed_modules() == {}  # (a safetensors model: nothing to pack)
+
+
 def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny, tmp_path):
     """Builds run in a process of their own (torch's compiler and its caches stay out of a chat's or server's
     process); what stops one is its last line, and nothing is left half-written."""

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..errors import first_line
-from ..files import write_atomic
+from ..files import exclusive, write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
 from ..runtime.model import STEP_ROWS, Model
@@ -35,6 +35,7 @@ ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
 
 
+REBUILD = object()  # CompiledSteps._built: no package to load
 STEPS_RECORD = "serves.json"  # in a compiled-steps folder: the model, dtype and device it serves; its time: last use
 STALE_STEPS_S = 7 * 24 * 3600
 CLAIM_EVERY_S = 24 * 3600  # a process that runs for weeks (a server) dates its folder's use this often
@@ -131,11 +132,14 @@ class CompiledSteps(OnceNotices):
         """The projections that run on packed GGUF blocks in this model's graphs (packed.py): read from the .gguf
         file and checked once per model (seconds), kept beside its packages, read from there afterwards."""
         if self._packed is None:
-            self._packed = {}
+            # (kept only once known: a failure here, the kernels' compiler killed say, must not leave the model
+            # "dense" for good, which loaded packages built over its packed blocks without their weights)
             load_kernels(self.model, self.folder.parent)
+            modules = {}
             if self.gguf is not None and packed.supported(self.model):
                 kept = self._kept_packed()
-                self._packed = kept if kept is not None else self._pack()
+                modules = kept if kept is not None else self._pack()
+            self._packed = modules
         return self._packed
 
     def install_packed(self) -> None:
@@ -252,32 +256,29 @@ class CompiledSteps(OnceNotices):
 
     def _load(self, rows: int):
         package, record = self.paths(rows)
-        if package.exists() and record.exists():
-            timing = Timing.read(record)
-            if self.mode == "auto" and timing is not None and not timing.pays_off:
-                return None
-            try:
-                load_kernels(self.model, self.folder.parent)
-                return load_package(package, self.constants())
-            except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuild under "on"
-                if self.mode == "auto":
-                    self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
-                    return None
-        if self.mode != "on":
-            return None
-        self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later runs "
-                    "load it)")
-        started = time.perf_counter()
+        built = self._built(package, record)
+        if built is not REBUILD or self.mode != "on":
+            return None if built is REBUILD else built
         try:
             self._claim_folder()
-            if self.builder is not None and (self.packed_modules() == {} or (self.folder / PACKED_FILE).is_file()):
-                self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
-            else:
-                self.build_here(rows, package)
-            runner = load_package(package, self.constants())
-            timing = measure(self.model, runner, rows)
-            timing.build_s = time.perf_counter() - started
-            timing.write(record)
+            # one build per package however many processes ask at once (a server and a `fafo run`): the others
+            # wait for it, then load what it built
+            waiting = f"waiting for another fafo process to finish building the {rows}-row step"
+            with exclusive(self.folder / f"rows{rows}.lock", lambda: self.notify(waiting)) as waited:
+                if waited and (built := self._built(package, record)) is not REBUILD:
+                    return built
+                self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later "
+                            "runs load it)")
+                started = time.perf_counter()
+                if self.builder is not None and (self.packed_modules() == {} or
+                                                 (self.folder / PACKED_FILE).is_file()):
+                    self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
+                else:
+                    self.build_here(rows, package)
+                runner = load_package(package, self.constants())
+                timing = measure(self.model, runner, rows)
+                timing.build_s = time.perf_counter() - started
+                timing.write(record)
         except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
             reason = error if isinstance(error, CompileError) else first_line(error, named=True)
             self.notify(f"compilation failed, running eager: {reason}")
@@ -289,6 +290,23 @@ class CompiledSteps(OnceNotices):
         with contextlib.suppress(OSError):  # (a folder that takes no more is told when the timings are written)
             write_step_costs(self.folder, {"compiled": {}})
         return runner
+
+    def _built(self, package: Path, record: Path):
+        """The package built before, loaded: None where it is not used (under "auto": it did not pay off, or it
+        fails to load), REBUILD where there is none (or, under "on", it fails to load: damaged or foreign)."""
+        if not (package.exists() and record.exists()):
+            return REBUILD
+        timing = Timing.read(record)
+        if self.mode == "auto" and timing is not None and not timing.pays_off:
+            return None
+        try:
+            load_kernels(self.model, self.folder.parent)
+            return load_package(package, self.constants())
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuilt under "on"
+            if self.mode == "auto":
+                self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
+                return None
+            return REBUILD
 
     def build_here(self, rows: int, package: Path) -> None:
         """The `rows`-row package built at `package` in this process (build.build); CompileError on failure."""

@@ -387,6 +387,19 @@ void amx_block(const AmxCall& a, int64_t c, int64_t h, int64_t b, AmxScratch& sc
 }
 #endif
 
+// `n` floats for a call's partials, reused call after call by the calling thread: a fresh buffer past glibc's mmap
+// threshold (32 MB: 24 rows of Qwen2.5-1.5B at 16K cached tokens) is mapped and zero-faulted anew on every call and
+// layer, which cost more than the attention itself. Every element a call reads it writes first (a chunk a row does
+// not see has its sum set to 0). One larger than kScratchKept (a long prompt's prefill chunk) is not kept.
+constexpr int64_t kScratchKept = int64_t(256) << 20;  // bytes
+
+at::Tensor scratch_floats(int64_t n, const at::TensorOptions& floats) {
+  thread_local at::Tensor kept;
+  if (n * int64_t(sizeof(float)) > kScratchKept) return at::empty({n}, floats);
+  if (!kept.defined() || kept.numel() < n) kept = at::empty({n}, floats);
+  return kept.narrow(0, 0, n);
+}
+
 // The mask comes in the pieces a decoding step has, so no graph has to build [rows, slots] per layer: row r sees
 // cached slot s when sees_cache[r], or when sees_view[r] and view_mask[s]; it sees the step's own rows (the last
 // `rows` slots) through local[r].
@@ -479,7 +492,7 @@ at::Tensor attend_as(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const int8_t* mp = mask.data();
   // per task and query: running max, sum of exponentials, unnormalised output; a query's chunks side by side, for
   // the merge to read them in order
-  at::Tensor partial = at::empty({kv_heads, queries, chunks, width}, floats);
+  at::Tensor partial = scratch_floats(kv_heads * queries * chunks * width, floats);
   float* pp = partial.data_ptr<float>();
 
   // A task is one chunk of slots for one KV head. Each thread takes a contiguous run of chunks and all KV heads of
