@@ -653,6 +653,14 @@ def pull(
 ) -> None:
     """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
     allow_pickle = config_mod.resolve(config, **flags).allow_pickle  # the config file's, unless the flag says
+    if hub.looks_like_path(model):
+        raise FafoError(f"{model} names a file or folder: `fafo run {model}` runs it as it is; `fafo pull` downloads "
+                        "models from the Hugging Face hub by id (org/name)")
+    if "/" not in model and (converted := hub.converted_named(model)) is not None:  # nothing to download
+        print(f"note: {model} is a .gguf model converted here (`fafo list` shows it); nothing to pull",
+              file=sys.stderr)
+        print(converted)
+        return
     folder = hub.pull(model, revision=revision or None, allow_pickle=allow_pickle, quiet=quiet)  # "": main
     hub.check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=True)
     print(folder)

@@ -54,7 +54,7 @@ def cache_dir() -> Path:
     return xdg_dir("XDG_CACHE_HOME", ".cache") / "fafo"
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     # hub ids are "name" or "org/name"; anything else the user typed is meant as a path
     return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or "\\" in spec
 
@@ -74,9 +74,9 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             if path.suffix != ".gguf":
                 raise FafoError(f"{spec} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
             folder = convert_gguf(path)
-        elif not _looks_like_path(spec) and (converted := converted_named(spec)) is not None:
+        elif not looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
-        elif _looks_like_path(spec) or not _REPO_ID.match(spec):
+        elif looks_like_path(spec) or not _REPO_ID.match(spec):
             tag = " (fafo names models by hub id, org/name, or by file: there are no name:tag names)" \
                 if re.fullmatch(r"[\w.-]+:[\w.-]+", spec) else ""
             raise FafoError(f"no such model file or folder: {spec}{tag}")
@@ -698,11 +698,14 @@ class CachedModel:
 
 
 def _folder_size(folder: Path) -> int:
-    """The bytes of the files in `folder`, each once: a hub snapshot's links to its blobs are not counted again."""
-    size = 0
+    """The bytes of the files in `folder` and of those its links reach, each file once: a hub snapshot's links to
+    its blobs are not counted again, and a blob that links to huggingface_hub's shared store (with hf_xet) is."""
+    size, seen = 0, set()
     for path in folder.rglob("*"):
         with contextlib.suppress(OSError):  # removed meanwhile (another process's clean-up)
-            size += path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+            if path.is_file() and (real := os.path.realpath(path)) not in seen:
+                seen.add(real)
+                size += os.stat(real).st_size
     return size
 
 
@@ -763,7 +766,7 @@ def removable(spec: str) -> list[CachedModel]:
     under that name (each conversion of that name; a hub model with every revision cached), or the conversion of a
     .gguf file (never the file) or the one in a folder of fafo's cache."""
     models, path = cached_models(), user_path(spec)
-    if not _looks_like_path(spec) and not path.is_file():  # a name (or a folder here of that name)
+    if not looks_like_path(spec) and not path.is_file():  # a name (or a folder here of that name)
         named = [m for m in models if m.name == spec] or [m for m in models if m.name.casefold() == spec.casefold()]
         if named:
             return named

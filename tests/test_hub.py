@@ -429,6 +429,12 @@ def test_a_pull_cut_off_in_its_first_file_is_listed_with_that_file_and_removed(c
     (repo / "snapshots" / ("0" * 40)).mkdir()
     (repo / "snapshots" / ("0" * 40) / "config.json").symlink_to(repo / "blobs" / "4567ef")
     assert [(m.name, m.complete, m.size_bytes) for m in hub.cached_models()] == [("org/big", False, 5000 + len(config))]
+    shared = caches / "hf" / "hub" / "shared-blobs" / "ab12"  # a finished file huggingface_hub moved to its store
+    shared.parent.mkdir()
+    shared.write_bytes(b"w" * 3000)
+    (repo / "blobs" / "89ab").symlink_to(shared)
+    (repo / "snapshots" / ("0" * 40) / "model.safetensors").symlink_to(repo / "blobs" / "89ab")
+    assert [m.size_bytes for m in hub.cached_models()] == [8000 + len(config)]
     assert entrypoint(["rm", "org/big"]) == 0 and not repo.exists() and hub.cached_models() == []
 
 
@@ -862,7 +868,7 @@ def test_a_copy_of_a_file_converted_by_an_older_fafo_runs_on_its_conversion(cach
     assert [entry["gguf"] for entry in record["also"]] == [str(copy.resolve())]
 
 
-def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch, tmp_path):
+def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch, tmp_path, capsys):
     """As `ollama run NAME`: the name `fafo list` gives a converted .gguf model resolves to its folder, the newest
     where two files share a name (a new version of the file), without any hub lookup; others stay hub ids."""
     import os
@@ -879,6 +885,13 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     assert hub.resolve("MODEL.q4_1") == newer  # in any case, as ollama's lower-case names
     downloaded = hub.convert_gguf(_gguf_header(tmp_path / "model (1).gguf", "llama", **Q4_1_MODEL))
     assert hub.resolve("model (1)") == downloaded  # a name no hub id could be
+    # `fafo pull` of that name has nothing to download (as `ollama pull` of a model it has); of a file, says so
+    capsys.readouterr()
+    assert entrypoint(["pull", "model.q4_1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{newer}\n" and "is a .gguf model converted here" in err
+    assert entrypoint(["pull", str(tmp_path / "model.Q4_1.gguf")]) == 1
+    assert "names a file or folder: `fafo run" in capsys.readouterr().err
     # the embedded default's name: this install's file, though another environment's copy was converted later
     (tmp_path / "mine").mkdir()
     mine = _gguf_header(tmp_path / "mine" / "embedded.gguf", "llama", **Q4_1_MODEL)
