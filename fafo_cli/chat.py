@@ -172,7 +172,10 @@ class Repl:
     def _set(self, args: str) -> None:
         words = args.split()
         if words[:1] == ["parameter"]:  # (ollama's form)
-            words = [OLLAMA_NAMES.get(word, word) for word in words[1:2]] + words[2:]
+            if len(words) < 2:
+                self._error("usage: /set parameter KEY VALUE")
+                return
+            args, words = args.split(maxsplit=1)[1], [OLLAMA_NAMES.get(words[1], words[1])] + words[2:]
         if words[:1] == ["system"]:
             self._set_system(args.split(maxsplit=1)[1] if len(words) > 1 else "")
             return

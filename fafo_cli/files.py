@@ -335,21 +335,26 @@ def xdg_dir(variable: str, default: str) -> Path:
 def exclusive(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[bool]:
     """Hold an exclusive lock on the file `path` (created where missing) for the block, across processes; True
     where another process held it first (`waiting()` is called then), whose work may now be done. Where the system
-    has no flock (Windows), no lock is taken."""
+    has no flock (Windows) or the file system refuses locks (NFS without its lock service, some FUSE mounts), the
+    block runs without one."""
     try:
         import fcntl
     except ImportError:
         yield False
         return
     with open(path, "a") as handle:
+        locked = waited = False
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
+            locked = True
         except BlockingIOError:
             waiting()
             fcntl.flock(handle, fcntl.LOCK_EX)
-            waited = True
+            locked = waited = True
+        except OSError:  # (ENOLCK, EOPNOTSUPP...): unlocked
+            pass
         try:
             yield waited
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)

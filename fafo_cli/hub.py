@@ -486,7 +486,7 @@ def _has_model_files(folder: Path) -> bool:
         pulled = None
     if isinstance(pulled, list) and all(isinstance(name, str) for name in pulled):
         return all((folder / name).is_file() for name in pulled)
-    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+    return any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken"))
 
 
 def _record_pull(snapshot: Path, files: list[str]) -> None:
@@ -501,8 +501,10 @@ def _record_pull(snapshot: Path, files: list[str]) -> None:
 
 
 def _pull_record(snapshot: Path) -> Path:
-    """Where a finished pull lists the files it fetched into a snapshot (models--org--name/snapshots/COMMIT)."""
-    return cache_dir() / "pulls" / f"{snapshot.parent.parent.name}@{snapshot.name}.json"
+    """Where a finished pull lists the files it fetched into a snapshot (models--org--name/snapshots/COMMIT), named
+    by its path too: another HF cache's snapshot of the same commit is another one."""
+    where = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:12]
+    return cache_dir() / "pulls" / f"{snapshot.parent.parent.name}@{snapshot.name}-{where}.json"
 
 
 def _has_weights(folder: Path) -> bool:
@@ -801,6 +803,7 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
+                _pull_record(revision.snapshot_path).unlink(missing_ok=True)
             if not repo.revisions:  # (a pull cut off before its first file: nothing for huggingface_hub to delete)
                 with contextlib.suppress(FileNotFoundError):
                     remove_dir(repo.repo_path)

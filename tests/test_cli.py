@@ -617,6 +617,8 @@ def test_chat_takes_ollamas_commands(tiny):
     assert repl.messages[0] == {"role": "system", "content": "Answer in French."} and len(repl.messages) == 3
     repl._command("/clear")
     assert repl.messages == [{"role": "system", "content": "Answer in French."}]
+    repl._command("/set parameter system Answer in German.")
+    assert repl.messages[0] == {"role": "system", "content": "Answer in German."}
     repl._command("/set system   ")
     assert "usage: /set system TEXT" in repl.err.file.getvalue() and repl.failed
     assert repl._command("/bye") is True

@@ -906,6 +906,24 @@ def test_a_converted_model_runs_by_the_name_fafo_list_shows(caches, monkeypatch,
     assert hub.resolve(hub.EMBEDDED_NAME) == Path(hub.EMBEDDED_NAME)
 
 
+def test_a_file_system_that_refuses_locks_runs_the_block_unlocked(tmp_path, monkeypatch):
+    """NFS without its lock service, some FUSE mounts: flock fails; the block still runs (one process may then
+    build what another is building, as before there were locks), never "compilation failed"."""
+    import errno
+    import fcntl
+
+    from fafo_cli.files import exclusive
+
+    def refused(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    ran = []
+    with exclusive(tmp_path / "rows1.lock") as waited:
+        ran.append(waited)
+    assert ran == [False]
+
+
 def test_a_published_folder_appears_whole_once(tmp_path):
     from fafo_cli.files import publish_dir
 
@@ -1260,10 +1278,11 @@ def test_fafo_rm_of_a_file_that_was_a_copy_once_leaves_the_original_conversion(c
 
 def test_fafo_rm_removes_a_hub_model_with_every_revision(fake_hub, capsys):
     folder = hub.pull("org/tiny")
-    steps = _steps_of(folder)
+    steps, record = _steps_of(folder), hub._pull_record(folder)
+    assert record.is_file()
     assert entrypoint(["rm", "org/tiny"]) == 0
     assert capsys.readouterr().out.startswith("removed org/tiny (")
-    assert not folder.exists() and not steps.exists() and hub.cached_models() == []
+    assert not folder.exists() and not steps.exists() and not record.exists() and hub.cached_models() == []
     assert entrypoint(["rm", "org/tiny"]) == 1
     assert "no model named org/tiny offline" in capsys.readouterr().err
 

@@ -106,6 +106,7 @@ class CompiledSteps(OnceNotices):
         # its caches in the process (about half a GB, docs/benchmarks.md), for the life of a chat or a server.
         self.builder = builder
         self._packed: dict | None = None
+        self.dense_only = False  # the packed blocks could not be prepared: no package runs (install_packed)
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._timings: dict[int, float] | None = None  # the packages' side-by-side timings (step_costs), once read
@@ -160,7 +161,10 @@ class CompiledSteps(OnceNotices):
                     self.notify(preparing)
             modules = self.packed_modules()
         except Exception as error:  # noqa: BLE001 - the compiler failed, say: every step stays dense
-            self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense weights")
+            # and eager: this model's packages run on the packed blocks the eager steps then do not have
+            self.notify_once(f"packed weights unusable ({first_line(error, named=True)}); running dense weights, "
+                             "eager")
+            self.dense_only = True
             return
         packed.install(self.model, modules)
 
@@ -255,6 +259,8 @@ class CompiledSteps(OnceNotices):
         return self._runners[rows]
 
     def _load(self, rows: int):
+        if self.dense_only:
+            return None
         package, record = self.paths(rows)
         built = self._built(package, record)
         if built is not REBUILD or self.mode != "on":
@@ -264,8 +270,8 @@ class CompiledSteps(OnceNotices):
             # one build per package however many processes ask at once (a server and a `fafo run`): the others
             # wait for it, then load what it built
             waiting = f"waiting for another fafo process to finish building the {rows}-row step"
-            with exclusive(self.folder / f"rows{rows}.lock", lambda: self.notify(waiting)) as waited:
-                if waited and (built := self._built(package, record)) is not REBUILD:
+            with exclusive(self.folder / f"rows{rows}.lock", lambda: self.notify(waiting)):
+                if (built := self._built(package, record)) is not REBUILD:  # (built meanwhile: waited for, or not)
                     return built
                 self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later "
                             "runs load it)")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -58,18 +57,27 @@ def attends() -> bool:
 @functools.cache
 def cpu_features() -> str:
     """What code built with -march=native depends on: the CPU's vector level and the instruction-set features the
-    compiler enables for it (its predefined feature macros: a cache folder may move to another machine of the same
-    level that lacks, say, AVX512-BF16). Not /proc/cpuinfo's whole line, which also holds the kernel's and a VM's
-    own flags: a kernel update or a VM moved to another host changed it, and every package was orphaned. Where the
-    compiler cannot say (none: nothing is built here), the CPU's flags."""
+    compiler enables for it, as the macros -march=native adds to its predefined ones (__AVX512BF16__,
+    __ARM_FEATURE_SVE...: a cache folder may move to another machine of the same level that lacks one). Not
+    /proc/cpuinfo's whole line, which also holds the kernel's and a VM's own flags: a kernel update or a VM moved to
+    another host changed it, and every package was orphaned. Where the compiler cannot say, the CPU's flags."""
+    native, base = _predefined_macros("-march=native"), _predefined_macros()
+    if native is None or base is None:
+        features = cpu_flags()
+    else:  # ("#define NAME VALUE" lines; not the tuning's, as __tune_znver4__: it changes no instruction)
+        names = (line.split()[1] for line in native - base if len(line.split()) > 1)
+        features = " ".join(sorted(name for name in names if not name.startswith("__tune_")))
+    return f"{torch.backends.cpu.get_cpu_capability()} {features}"
+
+
+def _predefined_macros(*flags: str) -> set[str] | None:
+    """The compiler's predefined macros under `flags` ("#define NAME VALUE" lines); None where it cannot say."""
     try:
-        macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
-                                capture_output=True, text=True, timeout=60).stdout
+        done = subprocess.run([compiler(), *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                              text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
-        macros = ""
-    # (upper case: features such as __AVX512BF16__; not the tuning's or the CPU model's, as __tune_znver4__)
-    features = sorted(re.findall(r"^#define __([A-Z0-9_]+)__ 1$", macros, flags=re.MULTILINE))
-    return f"{torch.backends.cpu.get_cpu_capability()} {' '.join(features) or cpu_flags()}"
+        return None
+    return set(done.stdout.splitlines()) if done.returncode == 0 else None
 
 
 def compiler() -> str:
