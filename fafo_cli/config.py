@@ -186,7 +186,7 @@ class Config:
     recent: int = _opt(64, "fafo h2o: most recent positions always kept (< budget)", low=1)
     attention: str = _opt("auto", "fafo stream/quest/snapkv/h2o: how window rows skip what the compressed view "
                                   "leaves out: split (two stock attention calls) or block (one FlexAttention call "
-                                  "with a block mask; never measured on a GPU); auto: split", choices=ATTENTION)
+                                  "with a block mask; slower than split on an H200); auto: split", choices=ATTENTION)
 
     # Peer methods (see docs/peers.md); defaults measured like FAFO's (docs/benchmarks.md).
     lookahead_streams: int = _opt(2, "lookahead: window streams W", low=1, high=64)
