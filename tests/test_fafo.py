@@ -260,3 +260,15 @@ def test_step_rows_count_the_rows_that_ran(tiny, monkeypatch):
                             budget=32).stats
     assert Counter(ran) == Counter(stats.step_rows) and ran == observed
     assert ran[0] < ran[2]  # the window's first levels (1 + 2 of 5 rows) before all of them
+
+
+def test_eager_costs_are_kept_apart_for_packed_and_dense_weights(tiny):
+    """A .gguf model's eager steps read its packed blocks, or (`compile: off`) its dense weights, where a row costs
+    another share of a pass: the planner reads the curve measured for the weights that run."""
+    from fafo_cli.decoders.fafo.step import eager_costs
+
+    session = load(str(tiny), dtype="float32", chat_template=False).session
+    session.step_costs = {"eager": {1: 10.0, 8: 80.0}, "eager-packed": {1: 10.0, 8: 12.0}}
+    assert eager_costs(session).of(8) == 80.0
+    session.model.packed_matrices = 7
+    assert eager_costs(session).of(8) == 12.0

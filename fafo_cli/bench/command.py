@@ -245,7 +245,7 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                         f"{options.tokens}")
     rows = plan_rows(options.methods, options.compressors, options.external, compiled=config.compile == "on")
     compiled_before = engine.session.compiled_runs  # steps run compiled (packages or CUDA graphs) so far
-    if "eager" not in engine.session.step_costs and any(row.method == "fafo" for row in rows):
+    if engine.model.eager_mode not in engine.session.step_costs and any(row.method == "fafo" for row in rows):
         from . import tune  # FAFO's planner weighs rows by what they cost here: measured once, kept for later runs
 
         err_console.print("[dim]measuring what a pass costs against its rows, once (fafo bench --tune refreshes it)[/]")

@@ -114,6 +114,12 @@ class Model:
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
 
     @property
+    def eager_mode(self) -> str:
+        """The name its eager pass costs are kept under (compiled/timing.py's step costs): over packed blocks a row
+        costs another share of a pass than over dense weights, which the same model reads under `compile: off`."""
+        return "eager-packed" if self.packed_matrices else "eager"
+
+    @property
     def attention_dtype(self) -> torch.dtype:
         """The dtype eager attention reads keys and values in, and the cache holds them in. On a CPU, torch's
         attention kernel is several times slower in bf16/fp16 than in fp32 once the context reaches ~1k tokens, so

@@ -151,7 +151,7 @@ def widest_window(costs: StepCosts, ngram: int) -> int:
 def eager_costs(session: Session) -> StepCosts:
     """One eager pass's cost against its rows: as measured here (`fafo bench --tune`, `fafo doctor --write`), else
     the default curve of this kind of device."""
-    measured = session.step_costs.get("eager")
+    measured = session.step_costs.get(session.model.eager_mode)
     return StepCosts(measured) if measured else StepCosts.default(session.model.device.type != "cpu")
 
 
