@@ -345,12 +345,13 @@ def exclusive(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterato
     with open(path, "a") as handle:
         locked = waited = False
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waiting()
+                waited = True
+                fcntl.flock(handle, fcntl.LOCK_EX)
             locked = True
-        except BlockingIOError:
-            waiting()
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            locked = waited = True
         except OSError:  # (ENOLCK, EOPNOTSUPP...): unlocked
             pass
         try:

@@ -503,7 +503,7 @@ def _record_pull(snapshot: Path, files: list[str]) -> None:
 def _pull_record(snapshot: Path) -> Path:
     """Where a finished pull lists the files it fetched into a snapshot (models--org--name/snapshots/COMMIT), named
     by its path too: another HF cache's snapshot of the same commit is another one."""
-    where = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:12]
+    where = hashlib.sha256(str(snapshot.resolve()).encode()).hexdigest()[:12]
     return cache_dir() / "pulls" / f"{snapshot.parent.parent.name}@{snapshot.name}-{where}.json"
 
 
@@ -803,15 +803,17 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
-                _pull_record(revision.snapshot_path).unlink(missing_ok=True)
             if not repo.revisions:  # (a pull cut off before its first file: nothing for huggingface_hub to delete)
                 with contextlib.suppress(FileNotFoundError):
                     remove_dir(repo.repo_path)
+            records = [_pull_record(revision.snapshot_path) for revision in repo.revisions]
             with _hub_logger_quiet():  # (it logs what it could not delete, with a traceback: said below instead)
                 cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
-            if repo.repo_path.exists():
+            if repo.repo_path.exists():  # (its records kept: what is left is judged by them still)
                 raise FafoError(f"cannot remove {model.name} from {repo.repo_path}: not all of it could be deleted "
                                 "(its files' permissions?)")
+            for record in records:
+                record.unlink(missing_ok=True)
 
 
 def newest_snapshot(repo_id: str) -> Path | None:

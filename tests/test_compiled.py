@@ -5,6 +5,7 @@ measured cheaper), C(kv) as a mask, and eager fallbacks that say so in one line 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -132,8 +133,15 @@ def test_a_failed_kernel_build_is_tried_again_not_taken_for_a_dense_model(tiny, 
     monkeypatch.setattr(steps, "load_kernels", failing)
     monkeypatch.setattr(steps.packed, "worth_preparing", lambda model: True)
     compiled._packed, compiled.gguf = None, tmp_path / "model.gguf"
-    compiled.builder = lambda *args: pytest.fail("built a package for a model without its packed blocks")
     compiled.install_packed()
+    package, record = compiled.paths(1)  # a package an earlier run built over the packed blocks
+    package.parent.mkdir(parents=True, exist_ok=True)
+    package.write_bytes(b"built")
+    record.write_text("{}")
+    monkeypatch.setattr(steps, "load_kernels", lambda *args: None)  # (the kernels build later on: the blocks pack)
+    monkeypatch.setattr(steps.CompiledSteps, "constants", lambda self: {})
+    monkeypatch.setattr(steps, "load_package", lambda *args: pytest.fail("loaded over blocks the eager steps lack"))
+    compiled.builder = lambda *args: pytest.fail("built a package for a model without its packed blocks")
     assert compiled.dense_only and compiled.runner(1) is None
 
 
@@ -820,17 +828,21 @@ def test_kernels_are_named_by_the_instruction_sets_the_compiler_enables(monkeypa
 
     if shutil.which(loader.compiler()) is None:
         pytest.skip("no C++ compiler here")
+
     flags, before = loader.cpu_flags(), loader.version()
     try:
         loader.cpu_features.cache_clear()
         monkeypatch.setattr(loader, "cpu_flags", lambda: flags + " hypervisor nonstop_tsc_moved")
         features = loader.cpu_features().split()[1:]  # (after the vector level)
         assert loader.version() == before and "hypervisor" not in features
-        # what -march=native adds (on x86 SSE3 at least, on Arm its __ARM_FEATURE_ macros), not what every build has
-        assert features and all(name.startswith("__") for name in features) and "__STDC__" not in features
-        monkeypatch.setattr(loader, "compiler", lambda: "no-such-compiler-here")  # (nothing is built without one)
+        # what -march=native adds (on x86 SSE3 at least, on Arm its __ARM_FEATURE_ macros), not what every build has,
+        # nor the CPU model's name (__znver4__: another model of the same instruction sets runs the same code)
+        assert features and all(re.match(r"__[A-Z]", name) for name in features) and "__STDC__" not in features
+        # where the compiler cannot say: the CPU's instruction-set flags, still not the others
+        monkeypatch.setattr(loader, "compiler_command", lambda: ["no-such-compiler-here"])
         loader.cpu_features.cache_clear()
-        assert loader.cpu_features().endswith("hypervisor nonstop_tsc_moved")
+        fallback = loader.cpu_features().split()
+        assert "hypervisor" not in fallback and {"sse2", "asimd"} & set(fallback)
     finally:
         monkeypatch.undo()
         loader.cpu_features.cache_clear()

@@ -262,13 +262,20 @@ def test_step_rows_count_the_rows_that_ran(tiny, monkeypatch):
     assert ran[0] < ran[2]  # the window's first levels (1 + 2 of 5 rows) before all of them
 
 
-def test_eager_costs_are_kept_apart_for_packed_and_dense_weights(tiny):
+def test_eager_costs_are_kept_apart_for_packed_and_dense_weights(tiny, tmp_path, monkeypatch):
     """A .gguf model's eager steps read its packed blocks, or (`compile: off`) its dense weights, where a row costs
-    another share of a pass: the planner reads the curve measured for the weights that run."""
+    another share of a pass: the planner reads the curve measured for the weights that run, and `bench --tune` or
+    `doctor --write` keep each under its own name."""
+    from fafo_cli.bench.tune import keep_eager_costs
+    from fafo_cli.compiled.timing import read_step_costs
     from fafo_cli.decoders.fafo.step import eager_costs
 
-    session = load(str(tiny), dtype="float32", chat_template=False).session
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    session = engine.session
     session.step_costs = {"eager": {1: 10.0, 8: 80.0}, "eager-packed": {1: 10.0, 8: 12.0}}
     assert eager_costs(session).of(8) == 80.0
     session.model.packed_matrices = 7
     assert eager_costs(session).of(8) == 12.0
+    keep_eager_costs(engine, {1: 9.0, 8: 11.0})
+    assert read_step_costs(engine.steps_folder) == {"eager-packed": {1: 9.0, 8: 11.0}}

@@ -81,8 +81,8 @@ class Session:
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
         self.compiled_runs = 0  # decoding steps run compiled so far (Stats.compiled_steps counts a request's)
-        # one pass's measured ms against its rows (compiled/timing.STEP_COSTS): "eager" here; compiled packages'
-        # times are read through CompiledSteps.step_costs; for decoders that plan their steps
+        # one pass's measured ms against its rows (compiled/timing.STEP_COSTS): Model.eager_mode's here; compiled
+        # packages' times are read through CompiledSteps.step_costs; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
         self._masks = PrefixMasks(model.device)  # eager steps' masks
         self.kept: KeptConversations | None = None  # earlier conversations besides the live one (keep_conversations)

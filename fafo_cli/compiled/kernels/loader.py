@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -63,26 +65,38 @@ def cpu_features() -> str:
     another host changed it, and every package was orphaned. Where the compiler cannot say, the CPU's flags."""
     native, base = _predefined_macros("-march=native"), _predefined_macros()
     if native is None or base is None:
-        features = cpu_flags()
-    else:  # ("#define NAME VALUE" lines; not the tuning's, as __tune_znver4__: it changes no instruction)
+        features = " ".join(flag for flag in cpu_flags().split() if ISA_FLAG.match(flag))
+    else:  # ("#define NAME VALUE" lines; the features' names are upper case, not the CPU model's or its tuning's,
+        # as __znver4__ and __tune_znver4__: another model of the same instruction sets runs the same code)
         names = (line.split()[1] for line in native - base if len(line.split()) > 1)
-        features = " ".join(sorted(name for name in names if not name.startswith("__tune_")))
+        features = " ".join(sorted(name for name in names if not re.match(r"__[a-z]", name)))
     return f"{torch.backends.cpu.get_cpu_capability()} {features}"
+
+
+# /proc/cpuinfo's instruction-set flags (x86's, Arm's), where the compiler cannot name them: not the kernel's, the
+# hypervisor's or the mitigations' own, which an update or another host changes
+ISA_FLAG = re.compile(r"(sse|ssse|avx|amx|fma|f16c|bmi|adx|aes|vaes|pclmul|vpclmul|gfni|sha|popcnt|movbe|abm|lzcnt"
+                      r"|asimd|sve|sme|bf16|i8mm|fp|crc32|atomics|dotprod)")
 
 
 def _predefined_macros(*flags: str) -> set[str] | None:
     """The compiler's predefined macros under `flags` ("#define NAME VALUE" lines); None where it cannot say."""
     try:
-        done = subprocess.run([compiler(), *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run([*compiler_command(), *flags, "-dM", "-E", "-x", "c++", "-"], input="",
+                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     return set(done.stdout.splitlines()) if done.returncode == 0 else None
 
 
+def compiler_command() -> list[str]:
+    """The C++ compiler our kernels are built with: $CXX (split as a shell splits it: `ccache g++`), else g++."""
+    return shlex.split(os.environ.get("CXX", "")) or ["g++"]
+
+
 def compiler() -> str:
-    """The C++ compiler our kernels and compiled steps are built with ($CXX, else g++)."""
-    return os.environ.get("CXX", "g++")
+    """Its program (what must be on the PATH)."""
+    return compiler_command()[0]
 
 
 def version() -> str:
@@ -105,7 +119,7 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     cxx = compiler()
     try:
         with atomic_path(path) as partial:
-            command = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+            command = [*compiler_command(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                        f"-I{HEADERS[0].parent}", *(f"-I{p}" for p in cpp_extension.include_paths()),
                        *map(str, sources), "-o", str(partial),
