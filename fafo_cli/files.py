@@ -332,30 +332,28 @@ def xdg_dir(variable: str, default: str) -> Path:
 
 
 @contextmanager
-def exclusive(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[bool]:
-    """Hold an exclusive lock on the file `path` (created where missing) for the block, across processes; True
-    where another process held it first (`waiting()` is called then), whose work may now be done. Where the system
-    has no flock (Windows) or the file system refuses locks (NFS without its lock service, some FUSE mounts), the
-    block runs without one."""
+def exclusive(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created where missing) for the block, across processes;
+    `waiting()` is called where another process holds it first. Where the system has no flock (Windows) or the file
+    system refuses locks (NFS without its lock service, some FUSE mounts), the block runs without one."""
     try:
         import fcntl
     except ImportError:
-        yield False
+        yield
         return
     with open(path, "a") as handle:
-        locked = waited = False
+        locked = False
         try:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 waiting()
-                waited = True
                 fcntl.flock(handle, fcntl.LOCK_EX)
             locked = True
         except OSError:  # (ENOLCK, EOPNOTSUPP...): unlocked
             pass
         try:
-            yield waited
+            yield
         finally:
             if locked:
                 fcntl.flock(handle, fcntl.LOCK_UN)

@@ -919,9 +919,9 @@ def test_a_file_system_that_refuses_locks_runs_the_block_unlocked(tmp_path, monk
 
     monkeypatch.setattr(fcntl, "flock", refused)
     ran = []
-    with exclusive(tmp_path / "rows1.lock") as waited:
-        ran.append(waited)
-    assert ran == [False]
+    with exclusive(tmp_path / "rows1.lock", lambda: pytest.fail("waited for a lock nobody holds")):
+        ran.append(True)
+    assert ran == [True]
 
 
 def test_a_published_folder_appears_whole_once(tmp_path):
