@@ -839,7 +839,7 @@ def _runs(repo) -> Path | None:
     main = repo.refs.get("main")
     if main is None:
         return _newest_whole(repo)
-    return main.snapshot_path if repo.repo_type == "model" and _has_model_files(main.snapshot_path) else None
+    return main.snapshot_path if _has_model_files(main.snapshot_path) else None
 
 
 def _newest_whole(repo) -> Path | None:

@@ -325,11 +325,11 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         plan = planner.plan(lambda: guesses.chains() + found, room=model.max_context - start,
                             firsts=guesses.firsts() + found, depth=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
-        view_tokens = window.tokens() if shape else []
+        view_tokens = window.tokens() if shape else None
         # the rows that run: a window warming up (its first k - 1 steps of a request) has fewer than the plan's
-        ran = 1 + len(tree) + len(view_tokens)
+        ran = 1 + len(tree) + len(view_tokens or ())
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(ran),
-                          view_tokens=view_tokens if shape else None, view_rows=shape.rows if shape else None,
+                          view_tokens=view_tokens, view_rows=shape.rows if shape else None,
                           view=view if shape else None, compiled=compiled)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
