@@ -5,6 +5,7 @@ the command itself starts, refuses bad addresses and stops cleanly on a signal."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -226,6 +227,20 @@ def test_a_server_limit_bounds_requests_without_one(tiny):
         _stop(live)
 
 
+def test_the_command_gives_the_request_log_back_as_it_found_it(tiny, monkeypatch):
+    """A handler left on the stderr of a finished command (here pytest's capture, since closed) would fail every later
+    log line of every server in the process, each with a 'Logging error' traceback."""
+    from fafo_cli.serve import server
+
+    logger = logging.getLogger("fafo.serve")
+    before = logger.handlers[:], logger.level, logger.propagate
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: seen.append(logger.handlers[:]))
+    assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0"]) == 0
+    assert seen and seen[0] != before[0]  # it did log to its own handler while it ran
+    assert (logger.handlers[:], logger.level, logger.propagate) == before
+
+
 def test_the_command_tells_a_given_max_tokens_from_the_default(tiny, tmp_path, monkeypatch):
     """The server's limit is `--max-tokens` or the config file's `max_tokens` (even at 512); the default's is none."""
     from fafo_cli.serve import server
@@ -233,7 +248,8 @@ def test_the_command_tells_a_given_max_tokens_from_the_default(tiny, tmp_path, m
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home"))
     served = []
     monkeypatch.setattr(server, "serve", lambda engine, sock, options: served.append(options.max_tokens))
-    monkeypatch.setattr(server, "setup_logging", lambda verbose: None)  # it would drop the other servers' log lines
+    # while it ran it would drop the other servers' log lines
+    monkeypatch.setattr(server, "request_log", lambda verbose: contextlib.nullcontext())
     command = ["serve", str(tiny), "--dtype", "float32", "--port", "0"]
     other = tmp_path / "other.yaml"
     other.write_text("temperature: 0.5\n")

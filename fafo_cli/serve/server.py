@@ -170,11 +170,20 @@ class Server(uvicorn.Server):
             self._loop = None
 
 
-def setup_logging(verbose: bool) -> None:
-    """The request log: one line per request on stderr (`--verbose`: also each request's settings and uvicorn's
-    access log)."""
+@contextlib.contextmanager
+def request_log(verbose: bool):
+    """The request log while the server runs: one line per request on stderr (`--verbose`: also each request's
+    settings and uvicorn's access log). The logger is given back as it was: a Python caller may serve again, and a
+    handler left on a stderr that has since closed would fail every later line."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    saved = log.handlers[:], log.level, log.propagate
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.propagate = False
+    try:
+        yield
+    finally:
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
