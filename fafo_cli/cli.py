@@ -384,6 +384,9 @@ def serve(
                 # client would wait minutes for it
                 for _ in build_ahead(engine, [settings.method]):
                     pass
+                # and no later: a request whose settings (another method, a longer draft) meet a size not built
+                # runs that step eager rather than hold every client for a build in the engine's thread
+                engine.compiled.builds = False
             server.serve(engine, sock, options)
     finally:
         sock.close()

@@ -354,6 +354,15 @@ def test_auto_never_builds(compiled_cache, tiny_models):
     assert engine.compiled.calls == 0
 
 
+def test_on_without_builds_runs_eager_where_no_package_is_built(compiled_cache, tiny_models):
+    """What a server does once its method's packages are built: a size not built runs eager, never built then."""
+    engine = load(str(tiny_models["mistral"]), dtype="float32", chat_template=False, compile="on",
+                  notify=pytest.fail)
+    engine.compiled.builds = False
+    engine.complete(SHORT, max_tokens=8, method="vanilla")
+    assert engine.compiled.calls == 0 and engine.compiled.failed() == []
+
+
 def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_models):
     import torch._inductor.config as inductor
 

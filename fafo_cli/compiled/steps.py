@@ -107,6 +107,9 @@ class CompiledSteps(OnceNotices):
         self.builder = builder
         self._packed: dict | None = None
         self.dense_only = False  # the packed blocks could not be prepared: no package runs (install_packed)
+        # under "on", whether a missing package is built when a step first needs it; False: it runs eager (a server,
+        # once its method's packages are built, must not stop every client for a build a request's settings need)
+        self.builds = True
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._timings: dict[int, float] | None = None  # the packages' side-by-side timings (step_costs), once read
@@ -263,7 +266,7 @@ class CompiledSteps(OnceNotices):
             return None
         package, record = self.paths(rows)
         built = self._built(package, record)
-        if built is not REBUILD or self.mode != "on":
+        if built is not REBUILD or self.mode != "on" or not self.builds:
             return None if built is REBUILD else built
         try:
             self._claim_folder()
@@ -327,7 +330,9 @@ class CompiledSteps(OnceNotices):
 
     def failed(self) -> list[int]:
         """The package sizes that could not be built or loaded where `compile: on` asked for them (they run eager)."""
-        return sorted(size for size, runner in self._runners.items() if runner is None) if self.mode == "on" else []
+        if self.mode != "on" or not self.builds:
+            return []
+        return sorted(size for size, runner in self._runners.items() if runner is None)
 
     def built(self) -> list[int]:
         """The package sizes loaded in this process so far (each runs its steps compiled)."""
