@@ -806,8 +806,10 @@ def entrypoint(argv: list[str] | None = None) -> int:
         raise
     finally:
         # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
-        # it skips frozen ones
-        gc.freeze()
+        # it skips frozen ones. Only as the process's command: an in-process caller goes on, and frozen garbage (a
+        # finished engine's cycles) would never be freed
+        if argv is None:
+            gc.freeze()
 
 
 def _run(command, argv: list[str] | None) -> int:

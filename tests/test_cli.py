@@ -944,3 +944,12 @@ def test_chat_leaves_its_answer_room_in_the_context(tmp_path):
     assert len(engine.encode(repl.messages)) < 159 and repl._fit_context()  # without room: a token or two
     assert len(engine.encode(repl.messages)) <= 160 - 20  # max_tokens of room (at most a quarter of the context)
     assert repl.messages[-1]["content"] == last
+
+
+def test_an_in_process_command_leaves_the_collector_as_it_was():
+    """A command freezes the collector only as the process's command (its exit then skips a last walk over torch's
+    objects): called from Python, a finished engine's reference cycles would be frozen and never freed."""
+    import gc
+
+    gc.unfreeze()
+    assert entrypoint(["--version"]) == 0 and gc.get_freeze_count() == 0
