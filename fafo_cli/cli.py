@@ -359,7 +359,7 @@ def serve(
 
         table_file(settings.cacheback_table)
     options = server.Options(api_key or None, tuple(cors or ()), queue, conversations,
-                             1024 if conversations_mb is None else conversations_mb, verbose,
+                             1024 if conversations_mb is None else conversations_mb,
                              server.default_max_tokens(settings, config, flags))
     sock = server.bind(host, port)  # before the model loads: a taken port fails at once
     try:

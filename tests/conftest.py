@@ -311,6 +311,11 @@ def _greedy(folder: Path, prompt_ids: tuple[int, ...], new_tokens: int, dtype, d
     return tuple(out[0, len(prompt_ids):].tolist())
 
 
+def forget_hf_models() -> None:
+    """Free the oracle's models (a module of large ones ends: the others' tests need the memory)."""
+    _hf_model.cache_clear()
+
+
 @lru_cache(maxsize=4)
 def _hf_model(folder: Path, dtype, device: str):
     from transformers import AutoModelForCausalLM

@@ -18,7 +18,7 @@ import pytest
 from fafo_cli import hub, load
 from fafo_cli.cli import entrypoint
 
-from .conftest import hf_greedy
+from .conftest import forget_hf_models, hf_greedy
 
 pytestmark = [pytest.mark.device, pytest.mark.slow]  # the exactness test runs on --device (tests/conftest.py)
 
@@ -39,6 +39,7 @@ def _users_cache():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FAFO_CACHE", os.environ["FAFO_TESTS_USER_CACHE"])
         yield
+    forget_hf_models()  # the 1.5B's float32 copy alone is 6 GB
 
 
 @pytest.fixture(scope="module", params=SIZES)

@@ -59,6 +59,9 @@ class Live:
         raise AssertionError(f"nothing logged matches {pattern!r}: {self.log[-5:]}")
 
 
+_LEVEL_BEFORE: list[int] = []  # the request log's level before the servers running now set it to DEBUG (_start)
+
+
 class Lines(logging.Handler):
     def __init__(self, lines: list[str]):
         super().__init__()
@@ -76,8 +79,11 @@ def _start(engine, loopback: bool | None = None, **options) -> Live:
     thread = threading.Thread(target=server.serve_on, args=(sock,), daemon=True)
     live = Live(server_mod.url(sock), engine.name, server, thread)
     live.handler = Lines(live.log)
-    logging.getLogger("fafo.serve").addHandler(live.handler)
-    logging.getLogger("fafo.serve").setLevel(logging.DEBUG)
+    logger = logging.getLogger("fafo.serve")
+    if not any(isinstance(handler, Lines) for handler in logger.handlers):  # the first of the servers running now
+        _LEVEL_BEFORE[:] = [logger.level]
+    logger.addHandler(live.handler)
+    logger.setLevel(logging.DEBUG)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -89,7 +95,10 @@ def _start(engine, loopback: bool | None = None, **options) -> Live:
 def _stop(live: Live) -> None:
     live.server.stop()
     live.thread.join(30)
-    logging.getLogger("fafo.serve").removeHandler(live.handler)
+    logger = logging.getLogger("fafo.serve")
+    logger.removeHandler(live.handler)
+    if not any(isinstance(handler, Lines) for handler in logger.handlers):
+        logger.setLevel(_LEVEL_BEFORE.pop())
     assert not live.thread.is_alive()
 
 
@@ -232,13 +241,16 @@ def test_the_command_gives_the_request_log_back_as_it_found_it(tiny, monkeypatch
     log line of every server in the process, each with a 'Logging error' traceback."""
     from fafo_cli.serve import server
 
-    logger = logging.getLogger("fafo.serve")
-    before = logger.handlers[:], logger.level, logger.propagate
-    seen = []
-    monkeypatch.setattr(server, "serve", lambda engine, sock, options: seen.append(logger.handlers[:]))
+    loggers = [logging.getLogger(name) for name in ("fafo.serve", "uvicorn", "uvicorn.access")]
+
+    def state():
+        return [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+
+    before, seen = state(), []
+    monkeypatch.setattr(server, "serve", lambda engine, sock, options: seen.append(state()))
     assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0"]) == 0
-    assert seen and seen[0] != before[0]  # it did log to its own handler while it ran
-    assert (logger.handlers[:], logger.level, logger.propagate) == before
+    assert seen and all(during != then for during, then in zip(seen[0], before))  # its own handlers while it ran
+    assert state() == before
 
 
 def test_the_command_tells_a_given_max_tokens_from_the_default(tiny, tmp_path, monkeypatch):
@@ -1082,7 +1094,7 @@ def test_the_command_serves_and_stops_cleanly_on_a_signal(tiny):
     reader.join(10)
     log = "".join(lines)
     assert re.search(r"cmpl-\w+ text vanilla .* cancelled", log) and "stopped" in log
-    assert "start after" in log  # --verbose: each request's settings
+    assert "start after" in log and '"POST /v1/completions HTTP/1.1" 200' in log  # --verbose: settings, access log
     assert KEY not in log and "Traceback" not in log
 
 

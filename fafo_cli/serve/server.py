@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import errno
 import ipaddress
 import logging
@@ -22,6 +21,7 @@ import threading
 from dataclasses import dataclass, replace
 
 import uvicorn
+import uvicorn.logging
 
 from .. import config as config_mod
 from ..api import Engine
@@ -44,7 +44,6 @@ class Options:  # (the address is the socket's: `bind`)
     queue: int = 32  # requests that may wait while one runs
     conversations: int = 4  # earlier conversations whose caches are kept (Engine.keep_conversations)
     conversations_mb: float = 1024
-    verbose: bool = False
     max_tokens: int | None = None  # the limit of a request that gives none (None: OpenAI's, schema.parse)
 
 
@@ -107,10 +106,9 @@ def create(engine: Engine, options: Options, *, loopback: bool) -> "Server":
     app = create_app(engine, worker, api_key=options.api_key, cors=options.cors,
                      max_body=BODY_BASE + BODY_PER_TOKEN * engine.model.max_context, loopback=loopback,
                      max_tokens=options.max_tokens)
-    logging_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
-    logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # every log line on stderr, as ours
-    config = uvicorn.Config(app, log_level="info" if options.verbose else "warning", access_log=options.verbose,
-                            log_config=logging_config, timeout_graceful_shutdown=GRACE_S, lifespan="off")
+    # uvicorn's loggers are set by request_log (the access log's level says whether its lines are written)
+    config = uvicorn.Config(app, log_config=None, log_level=None, access_log=True,
+                            timeout_graceful_shutdown=GRACE_S, lifespan="off")
     return Server(config, engine, worker, options)
 
 
@@ -172,18 +170,31 @@ class Server(uvicorn.Server):
 
 @contextlib.contextmanager
 def request_log(verbose: bool):
-    """The request log while the server runs: one line per request on stderr (`--verbose`: also each request's
-    settings and uvicorn's access log). The logger is given back as it was: a Python caller may serve again, and a
-    handler left on a stderr that has since closed would fail every later line."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    saved = log.handlers[:], log.level, log.propagate
-    log.handlers[:] = [handler]
-    log.setLevel(logging.DEBUG if verbose else logging.INFO)
-    log.propagate = False
+    """The logs while the server runs, on stderr: ours, a line per request (`--verbose`: also each request's
+    settings), and uvicorn's warnings (`--verbose`: its access log too). The loggers are given back as they were: a
+    Python caller may serve again, and a handler left on a stderr that has since closed would fail every later line.
+    (uvicorn is given no logging config of its own: its dictConfig would close every handler in the process.)"""
+    def on_stderr(formatter: logging.Formatter) -> list[logging.Handler]:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(formatter)
+        return [handler]
+
+    setup = {log: (on_stderr(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")),
+                   logging.DEBUG if verbose else logging.INFO),
+             logging.getLogger("uvicorn"): (on_stderr(uvicorn.logging.DefaultFormatter("%(levelprefix)s %(message)s")),
+                                            logging.INFO if verbose else logging.WARNING),
+             logging.getLogger("uvicorn.access"): (on_stderr(uvicorn.logging.AccessFormatter(
+                 '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s')),
+                 logging.INFO if verbose else logging.WARNING)}
+    saved = {logger: (logger.handlers[:], logger.level, logger.propagate) for logger in setup}
+    for logger, (handlers, level) in setup.items():
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = False
     try:
         yield
     finally:
-        log.handlers[:] = saved[0]
-        log.setLevel(saved[1])
-        log.propagate = saved[2]
+        for logger, (handlers, level, propagate) in saved.items():
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+            logger.propagate = propagate
