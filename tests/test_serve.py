@@ -297,8 +297,15 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     assert signed.choices[0].message.content == expected and signed.model_extra["fafo"]["seed"] == 2**64 - 7
     # what clients send explicitly that asks for nothing (no tools, no biases, plain text)
     neutral = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, tools=[],
-                                             tool_choice="none", logit_bias={}, response_format={"type": "text"})
+                                             tool_choice="none", logit_bias={}, response_format={"type": "text"},
+                                             service_tier="auto", top_logprobs=0, metadata={"app": "test"})
     assert neutral.choices[0].message.content == greedy
+    # a message's text parts are its lines, as vLLM and llama.cpp's server join them
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                   {"type": "text", "text": "colours."}]}]
+    joined = [CHAT[0], {"role": "user", "content": "Name three\ncolours."}]
+    assert client.chat.completions.create(model=served.name, messages=parts, max_tokens=12).choices[0].message.content \
+        == reference.complete(joined, max_tokens=12).text
     seeded = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, seed=7)  # greedy too
     assert seeded.choices[0].message.content == greedy and seeded.model_extra["fafo"]["seed"] is None
     # top_p beside temperature 0, as clients' presets send it (OpenAI takes it): greedy, as asked
@@ -366,12 +373,23 @@ def test_continued_conversations_prefill_only_their_new_tokens(served, reference
                      served.logged(again.id))
 
 
+def test_an_event_is_one_line_for_every_reader():
+    """JSON leaves U+2028, U+2029 and NEL raw, which str.splitlines and httpx's iter_lines take for line ends."""
+    from fafo_cli.serve.responses import event
+
+    data = {"text": "a\u2028b\u2029c\x85d\n"}
+    lines = [line for line in event(data).decode().splitlines() if line]
+    assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: ")) == data
+
+
 def test_stop_strings(served, reference):
     full = reference.complete(TEXT, max_tokens=40, chat_template=False).text
     at = next(i for i in range(6, len(full) - 2) if full[i:i + 2].isprintable() and full.find(full[i:i + 2]) == i)
     client = served.client()
     for stream in (False, True):
-        arguments = dict(model=served.name, prompt=TEXT, max_tokens=40, stop=[full[at:at + 2], "\x00none"])
+        # (more than OpenAI's 4 strings, as clients written for llama.cpp's server send)
+        stops = [*(f"\x00none{i}" for i in range(5)), full[at:at + 2]]
+        arguments = dict(model=served.name, prompt=TEXT, max_tokens=40, stop=stops)
         if stream:
             chunks = list(client.completions.create(**arguments, stream=True))
             text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
@@ -845,7 +863,8 @@ BAD = [
     ("chat", {"messages": MESSAGES, "stream": "yes"}, 400, "stream"),
     ("chat", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat", {"messages": MESSAGES, "stream": True, "stream_options": {"every": 1}}, 400, "stream_options.every"),
-    ("chat", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("chat", {"messages": MESSAGES, "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("chat", {"messages": MESSAGES, "service_tier": "flex"}, 400, "service_tier"),
     ("chat", {"messages": MESSAGES, "stop": [1]}, 400, "stop"),
     ("chat", {"messages": MESSAGES, "stop": ""}, 400, "stop"),
     ("chat", {"messages": MESSAGES, "method": "warp"}, 400, "method"),

@@ -60,9 +60,14 @@ def usage_chunk(ticket, model: str, stats: Stats) -> dict:
     return {**_head(ticket, model, streamed=True), "choices": [], "usage": usage(stats)}
 
 
+# characters JSON leaves raw that some SSE readers (str.splitlines, httpx's iter_lines) take for line ends
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def event(data: dict | str) -> bytes:
-    """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event (one line of data, whichever reader splits it)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_LINE_ENDS)
+    return f"data: {text}\n\n".encode()
 
 
 def _head(ticket, model: str, *, streamed: bool) -> dict:

@@ -21,16 +21,19 @@ from ..api import LOAD_KEYS, ROLES as API_ROLES, Engine
 from ..errors import FafoError
 from .errors import ApiError
 
-MAX_STOPS = 4  # as OpenAI
+MAX_STOPS = 16  # OpenAI takes 4; clients written for llama.cpp's or vLLM's servers send more (each costs little)
 TEXT_MAX_TOKENS = 16  # OpenAI's limit of a completion that gives none (a chat's is the context left)
 # (user, safety_identifier, prompt_cache_key: the caller's ids for its end user and its cache, no effect on the answer)
 IDS = ("user", "safety_identifier", "prompt_cache_key")
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", *IDS}
+# (metadata: the caller's tags for a stored completion, which this server neither stores nor reads)
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "metadata", *IDS}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 TEXT = COMMON | {"prompt"}
 # Fields accepted only at the value that asks for nothing (clients often send them explicitly)
-COMMON_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "store": False}
-NEUTRAL = {**COMMON_NEUTRAL, "logprobs": False, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+COMMON_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "store": False,
+                  "service_tier": "auto"}
+NEUTRAL = {**COMMON_NEUTRAL, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+           "response_format": {"type": "text"}}
 # (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
 TEXT_NEUTRAL = {**COMMON_NEUTRAL, "echo": False, "best_of": 1}
 # Config keys a client may not set: they name files on the server's disk
@@ -307,7 +310,7 @@ def _content(content: Any, where: str) -> str:
                 raise ApiError(400, f"unsupported field '{where}[{i}].{unknown[0]}'", param=f"{where}[{i}].{unknown[0]}",
                                code="unsupported_parameter")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # (as vLLM and llama.cpp's server join them: each part its own line)
     raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where,
                    code="invalid_type" if content is not None else "missing_required_parameter")
 
