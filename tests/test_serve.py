@@ -948,6 +948,13 @@ def test_a_loopback_server_answers_only_requests_addressed_to_this_machine(serve
             assert error["code"] == "host_not_allowed" and "'evil.example'" in error["message"]
 
 
+def test_a_loopback_server_with_a_key_answers_any_host(guarded):
+    """A reverse proxy on this machine that passes its clients' Host on: the key keeps rebound pages out."""
+    with httpx.Client(base_url=guarded.url, timeout=30) as http:
+        assert http.get("/models", headers={"Host": "myapp.example", "Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert _check_error(http.get("/models", headers={"Host": "myapp.example"}), 401)["code"] == "invalid_api_key"
+
+
 def test_a_server_listening_beyond_loopback_answers_any_host(tiny):
     """Behind a reverse proxy on the same machine that passes the client's Host on (0.0.0.0 seen from 127.0.0.1)."""
     live = _start(load(str(tiny), dtype="float32"), loopback=False)

@@ -264,11 +264,14 @@ class Guard:
         await self.app(scope, bounded, send)
 
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
-        host = _foreign_host(headers) if self.loopback else None
+        # with an API key a rebound page gets nowhere (it does not know the key), and a reverse proxy on this
+        # machine that passes its clients' Host on (Caddy's default) must get through
+        host = _foreign_host(headers) if self.loopback and not self.api_key else None
         if host is not None:
-            return ApiError(403, f"this server listens on loopback and answers requests addressed to localhost or an "
-                                 f"IP address, not to '{host}' (a web page's DNS rebinding sends its own name); to "
-                                 "be reached by other names, listen on another address (--host)",
+            return ApiError(403, f"this server listens on loopback without an API key and answers requests addressed "
+                                 f"to localhost or an IP address, not to '{host}' (a web page's DNS rebinding sends "
+                                 "its own name); to be reached by other names (a reverse proxy), set an API key "
+                                 "(--api-key) or listen on another address (--host)",
                             code="host_not_allowed")
         if self.api_key and scope["path"] not in OPEN_PATHS:
             scheme, _, key = headers.get("authorization", "").partition(" ")
