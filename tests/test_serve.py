@@ -1041,6 +1041,17 @@ def test_wrong_routes_and_oversized_bodies(served):
         assert http.post("/completions", json={"prompt": "still there?", "max_tokens": 2}).status_code == 200
 
 
+def test_a_name_with_both_kinds_of_address_listens_on_its_ipv4_one(monkeypatch):
+    """localhost is often ::1 first: clients set up with 127.0.0.1 (most) would be refused."""
+    from fafo_cli.serve import server
+
+    found = socket.getaddrinfo("127.0.0.1", 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    six = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+    monkeypatch.setattr(server.socket, "getaddrinfo", lambda *args, **kwargs: [six, *found])
+    with server.bind("localhost", 0) as sock:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "127.0.0.1"
+
+
 def test_command_refuses_bad_addresses_in_one_line(tiny, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -63,10 +63,12 @@ def default_max_tokens(config: config_mod.Config, config_file: str | None, flags
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, or a one-line FafoError (port in use, unknown host, not an address of this machine)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise FafoError(f"--host {host}: not an address or a known host name ({e})") from None
+    # a name with both kinds of address (localhost) listens on its IPv4 one, as uvicorn's own bind does: most
+    # clients are set up with 127.0.0.1, which a socket on ::1 (often listed first) would refuse
+    family, kind, proto, _, address = next((info for info in found if info[0] == socket.AF_INET), found[0])
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
