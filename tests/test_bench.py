@@ -358,6 +358,31 @@ def test_a_bug_in_a_later_repetition_is_not_hidden_by_an_earlier_near_tie(tiny, 
     assert (found[("fafo", "hello")].position, found[("fafo", "hello")].near_tie) == (2, False)
 
 
+def test_plain_decodings_own_repetitions_are_checked_and_noise_is_measured_only_after_a_divergence(tiny, monkeypatch):
+    """A reference that changes from run to run shows on its own row (it read as the other rows' divergences); the
+    near-tie noise (passes over every prompt) is not measured where nothing diverged."""
+    from fafo_cli.bench import command, exactness
+    from fafo_cli.bench.runner import Row, Run
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    measured = []
+    monkeypatch.setattr(command, "tolerances", lambda *args: measured.append(1) or {"eager": 0.0})
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+                        exactness.Divergence(position, ours[position], reference[position], 0.1, False))
+    sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
+    vanilla, fafo = Row("vanilla", "vanilla"), Row("fafo", "fafo")
+    runs = [Run(vanilla, sample, repeat, [5, 6, 7], 1.0, 3, 1.0, 0, 0, 0.0) for repeat in (0, 1)]
+    runs += [Run(fafo, sample, repeat, [5, 6, 7], 1.0, 3, 1.0, 0, 0, 0.0) for repeat in (0, 1)]
+    assert command.divergences_from_reference(engine, runs) == ({("vanilla", "hello"): None,
+                                                                 ("fafo", "hello"): None}, None)
+    assert not measured
+    runs[1] = Run(vanilla, sample, 1, [5, 6, 8], 1.0, 3, 1.0, 0, 0, 0.0)
+    found, tolerance = command.divergences_from_reference(engine, runs)
+    assert found[("vanilla", "hello")].position == 2 and found[("fafo", "hello")] is None
+    assert tolerance == {"eager": 0.0} and measured == [1]
+    assert command.unclassified_divergences(runs)[("vanilla", "hello")].position == 2
+
+
 def test_rounding_noise_is_zero_in_float32(tiny):
     from fafo_cli import load
     from fafo_cli.bench.exactness import rounding_noise
@@ -910,3 +935,14 @@ def test_a_cost_curve_cheaper_past_one_row_is_measured_again_then_refused(monkey
     for device, rows in (("cpu", tune.ROWS), ("cuda", tune.ROWS + tune.WIDE_ROWS)):  # (bench, --tune, alike)
         tune.step_costs(SimpleNamespace(model=SimpleNamespace(device=torch.device(device))))
         assert calls[-1] == rows
+
+
+def test_timings_wait_for_an_mps_gpu(monkeypatch):
+    """An MPS pass, like a CUDA one, returns once launched: a timer that did not wait would time the launch."""
+    from fafo_cli.compiled import timing
+
+    waited = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: waited.append("mps"))
+    timing.synchronize(torch.device("mps"))
+    timing.synchronize(torch.device("cpu"))
+    assert waited == ["mps"]

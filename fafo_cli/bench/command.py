@@ -122,10 +122,9 @@ def divergences_from_reference(engine, runs: list[Run]
     steps: tested). Compiled vanilla itself and every eager row: eager vanilla. Each comparison is judged by the
     noise of its own two modes (`tolerances`): eager rows by eager passes, compiled rows by compiled ones,
     compiled vanilla by compiled one-row passes against eager ones, and a compiled row without compiled vanilla
-    to compare with by the sum of those two (the gaps' changes add up at most so)."""
-    tolerance = tolerances(engine, [base for run, base, _ in _compared(runs) if run is base],
-                           any(r.row.compiled or r.row.compiled is None and engine.compiled is not None
-                               for r in runs if not r.row.external))
+    to compare with by the sum of those two (the gaps' changes add up at most so); the noise is measured only where
+    some row diverged (None where none did: a minute or more of passes on a long suite)."""
+    tolerance: dict[str, float] | None = None
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
     last_sample = None
     for run, base, same_kernels in _compared(runs):  # a prompt's rows in turn: its cache serves all
@@ -134,6 +133,10 @@ def divergences_from_reference(engine, runs: list[Run]
         if run is base or earlier is not None and not earlier.near_tie:
             continue  # (after a near-tie, a later repetition may still hold a bug)
         position = exactness.first_divergence(run.token_ids, base.token_ids)
+        if position is not None and tolerance is None:
+            tolerance = tolerances(engine, [b for r, b, _ in _compared(runs) if r is b],
+                                   any(r.row.compiled or r.row.compiled is None and engine.compiled is not None
+                                       for r in runs if not r.row.external))
         if position is not None and run.sample.id != last_sample:
             engine.reset()  # the runs' steps wrote this prompt's cache in other shapes: prefill it afresh
             last_sample = run.sample.id
@@ -163,14 +166,16 @@ def _at(tokens: list[int], position: int) -> int | None:
 
 
 def _compared(runs: list[Run]) -> Iterator[tuple[Run, Run, bool]]:
-    """Each run with the run it is compared with (vanilla's first repetitions: with themselves) and whether that one
-    ran the same kernels, by prompt and repetition; runs without a reference are left out."""
+    """Each run with the run it is compared with (vanilla's first repetitions: with themselves; its later ones with
+    its first, so a reference that changes from run to run shows on its own row, not as the other rows'
+    divergences) and whether that one ran the same kernels, by prompt and repetition; runs without a reference are
+    left out."""
     reference = {r.sample.id: r for r in runs if r.row.name == "vanilla" and r.repeat == 0}
     compiled = {r.sample.id: r for r in runs if r.row.method == "vanilla" and r.row.compiled and r.repeat == 0}
     for run in sorted(runs, key=lambda r: (r.sample.id, r.repeat)):
         if run.row.name == "vanilla":
-            if run.repeat == 0:
-                yield run, run, False
+            if run.sample.id in reference:
+                yield run, reference[run.sample.id], False
             continue
         same_kernels = compiled.get(run.sample.id) if run.row.compiled and run.row.method != "vanilla" else None
         base = same_kernels or reference.get(run.sample.id)

@@ -75,9 +75,12 @@ def _step_inputs(model: Model, rows: int, context: int):
 
 
 def synchronize(device: torch.device | None) -> None:
-    """Wait for the GPU's queued work: a CUDA pass returns once launched, and a timer would time only the launch."""
+    """Wait for the GPU's queued work: a CUDA or MPS pass returns once launched, and a timer would time only the
+    launch."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device is not None and device.type == "mps":
+        torch.mps.synchronize()
 
 
 def median_ms(runs: dict, repeats: int, device: torch.device | None) -> dict:
