@@ -946,3 +946,45 @@ def test_timings_wait_for_an_mps_gpu(monkeypatch):
     timing.synchronize(torch.device("mps"))
     timing.synchronize(torch.device("cpu"))
     assert waited == ["mps"]
+
+
+def test_transformers_rows_sample_memory_as_seldom_as_ours():
+    """A read of /proc per generated token is a share of a small model's step that our rows do not pay."""
+    from fafo_cli.bench.runner import _Timing
+
+    class Memory:
+        samples = 0
+
+        def sample(self):
+            Memory.samples += 1
+
+    timing = _Timing(Memory())
+    for _ in range(101):  # the prompt, then a hundred tokens within far less than MEMORY_EVERY_S
+        timing.put(torch.tensor([1]))
+    assert Memory.samples == 1
+
+
+def test_one_run_a_prompt_shows_no_spread_and_a_missing_speedup_no_bar(tmp_path, monkeypatch):
+    """With one repetition nothing is known of the spread ("± 0.0" read as no noise); a row whose plain decoding
+    failed has no speedup, which the chart leaves out rather than draw at 0×."""
+    from rich.console import Console
+
+    from fafo_cli.bench import report
+    from fafo_cli.bench.runner import Row, Run
+
+    rows = [Row("vanilla", "vanilla", (), False), Row("fafo", "fafo", (), False)]
+    sample = suites.Sample("chat", "a", ({"role": "user", "content": "a"},))
+    runs = [Run(row, sample, 0, [1, 2], 40.0, 2, 1.0, 0, 0, 0.0) for row in rows]
+    results = report.aggregate(runs, rows, {}, greedy=True)
+    assert [r.spread for r in results] == [None, None] and results[0].record({})["spread"] is None
+    console = Console(width=200, record=True)
+    report.print_tables(results, console, "title")
+    assert "±" not in console.export_text()
+    results[1].speedup = None
+    import matplotlib.axes
+
+    drawn, bar = [], matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, heights, *a, **k: drawn.append(list(heights))
+                        or bar(self, x, heights, *a, **k))
+    report.plot(results, tmp_path / "chart.png", "title")
+    assert drawn == [[1.0], []]

@@ -20,7 +20,7 @@ class Result:
     suite: str
     row: Row
     tokens_per_s: float  # median over samples of the median over repetitions
-    spread: float  # median over samples of half the range over repetitions (tokens/s)
+    spread: float | None  # median over samples of half the range over repetitions (tokens/s); None: one run each
     speedup: float | None  # median over samples of (row / plain decoding of its mode), each the median over repetitions
     speedups: dict[str, float]  # that ratio per sample: a method that must never lose is judged on the worst
     tau: float | None  # generated tokens / full-model passes, over all runs (None: passes not known)
@@ -64,7 +64,8 @@ class Result:
     def record(self, meta: dict) -> dict:
         return {
             "method": self.row.method, "row": self.row.name, "compressor": self.row.compressor, "suite": self.suite,
-            "tokens_per_s": round(self.tokens_per_s, 3), "spread": round(self.spread, 3),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "spread": None if self.spread is None else round(self.spread, 3),
             "speedup": None if self.speedup is None else round(self.speedup, 4),
             "worst_speedup": None if self.worst_speedup is None else round(self.worst_speedup, 4),
             "speedup_by_prompt": {sample: round(ratio, 4) for sample, ratio in self.speedups.items()},
@@ -123,7 +124,8 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                     accepted_from[source] = accepted_from.get(source, 0) + n
             results.append(Result(
                 suite, row, statistics.median(measured.values()),
-                statistics.median((max(by_sample[s]) - min(by_sample[s])) / 2 for s in measured),
+                statistics.median((max(by_sample[s]) - min(by_sample[s])) / 2 for s in measured)
+                if any(len(by_sample[s]) > 1 for s in measured) else None,  # (one run a prompt: no spread known)
                 statistics.median(ratios.values()) if ratios else None, ratios,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
@@ -151,7 +153,8 @@ def _cells(result: Result) -> list[str]:
     speedup, worst = ("—" if value is None else f"{value:.2f}×" for value in (result.speedup, result.worst_speedup))
     accepted = sum(result.accepted_from.values())
     from_text = f"{result.accepted_from.get('text', 0) / accepted:.0%}" if accepted else "—"
-    return [result.suite, result.row.name, f"{result.tokens_per_s:.1f} ± {result.spread:.1f}", speedup, worst,
+    spread = "" if result.spread is None else f" ± {result.spread:.1f}"
+    return [result.suite, result.row.name, f"{result.tokens_per_s:.1f}{spread}", speedup, worst,
             _number(result.tau), _number(result.mean_draft, 1), _number(result.mean_rows, 1),
             _number(result.step_ms, 1), f"{result.ttft_ms:,.0f} ms", acceptance, from_text, memory, exact]
 
@@ -222,8 +225,10 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     inches = max(6, 1.6 * len(suites) + 2)
     figure, axes = plt.subplots(figsize=(inches, 4))
     for i, name in enumerate(names):
-        values = [next((r.speedup or 0 for r in results if r.suite == s and r.row.name == name), 0) for s in suites]
-        axes.bar([j + i * width for j in range(len(suites))], values, width, label=name)
+        # a row with no speedup in a suite (plain decoding of its mode failed there) has no bar, not one at 0×
+        bars = [(j, r.speedup) for j, s in enumerate(suites) for r in results
+                if r.suite == s and r.row.name == name and r.speedup is not None]
+        axes.bar([j + i * width for j, _ in bars], [value for _, value in bars], width, label=name)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(suites))], suites)
     axes.set_ylabel("speedup over plain decoding of the same mode")

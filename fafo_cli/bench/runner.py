@@ -18,6 +18,7 @@ from ..errors import FafoError, first_line, is_out_of_memory
 from ..runtime.memory import PeakMemory
 from ..runtime.model import STEP_ROWS
 from ..runtime.sampling import Sampling
+from ..runtime.session import MEMORY_EVERY_S
 from .suites import Sample
 
 # transformers' own decoding on the same weights; 10 lookup tokens is the value its documentation uses
@@ -85,6 +86,7 @@ class _Timing:
         self.first = self.last = None
         self.first_tokens = 0  # in the first batch: the prefill's pass, untimed (prompt lookup's may hold several)
         self.memory = memory
+        self.sampled = float("-inf")  # when memory was last sampled: as often as our rows' steps sample it
 
     def put(self, value) -> None:
         if not self.prompt_seen:  # generate() first puts the prompt
@@ -94,7 +96,9 @@ class _Timing:
         if self.first is None:
             self.first, self.first_tokens = now, value.numel()
         self.last = now
-        self.memory.sample()
+        if now - self.sampled >= MEMORY_EVERY_S:  # (and once at the end, as the answer returns)
+            self.memory.sample()
+            self.sampled = now
 
     def end(self) -> None:
         pass
