@@ -173,3 +173,20 @@ def test_a_missing_model_is_one_line_before_any_progress(tmp_path, capsys):
     code = entrypoint(["doctor", str(tmp_path / "none.gguf")])
     err = capsys.readouterr().err
     assert code == 1 and err == f"error: no such model file or folder: {tmp_path / 'none.gguf'}\n", err
+
+
+def test_gpu_report_keeps_its_figures_when_the_block_path_fails(monkeypatch):
+    """flex attention is compiled at its first call: a failure there was a traceback and no report."""
+    from fafo_cli.bench import gpu_report
+
+    step = gpu_report.fafo_step
+
+    def failing(model, context, path, graph=False):
+        if path == "block":
+            raise RuntimeError("inductor failed\\nmore")
+        return step(model, context, path, graph=graph)
+
+    monkeypatch.setattr(gpu_report, "fafo_step", failing)
+    notices = []
+    report = gpu_report.run(torch.device("cpu"), "tiny", rows=(1, 8), context=64, notify=notices.append)
+    assert set(report["fafo_64_rows_ms"]) == {"split"} and len(notices) == 1 and "block path" in notices[0]
