@@ -78,7 +78,7 @@ def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     written = config_mod.load_file(isolated)
     assert written.streams == int(out.split("Wrote streams=")[1].split()[0]) and written.max_tokens == 100
     assert isolated.read_text().startswith("# my settings\n")  # comments and other keys kept
-    folder = next((isolated.parent / "cache" / "compiled").iterdir())
+    folder = next((isolated.parent / "cache" / "compiled").glob("*/step-costs.json")).parent
     assert sorted(read_step_costs(folder)["eager"]) == list(tune.ROWS)
     new = isolated.parent / "new.yaml"  # a --config file that does not exist yet: what it writes creates it
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(new)])
@@ -190,3 +190,42 @@ def test_gpu_report_keeps_its_figures_when_the_block_path_fails(monkeypatch):
     notices = []
     report = gpu_report.run(torch.device("cpu"), "tiny", rows=(1, 8), context=64, notify=notices.append)
     assert set(report["fafo_64_rows_ms"]) == {"split"} and len(notices) == 1 and "block path" in notices[0]
+
+
+def test_a_compiler_that_cannot_build_our_kernels_is_said(tiny, monkeypatch):
+    """A compiler on the PATH is not a working toolchain: the kernels are built (once per machine) to find out."""
+    from fafo_cli import load
+    from fafo_cli.bench.doctor import build_kernels, machine
+    from fafo_cli.compiled.kernels import loader
+
+    engine = load(str(tiny), dtype="float32")
+    monkeypatch.setattr(loader, "compiler", lambda: "sh")
+
+    def broken(folder):
+        raise loader.BuildError("g++ failed: g++: fatal error: cc1plus: No such file or directory")
+
+    monkeypatch.setattr(loader, "load", broken)
+    failure = build_kernels(engine, "auto")
+    assert failure and "cc1plus" in failure and "\n" not in failure
+    kernels = machine(torch.device("cpu"), torch.float32, "auto", failure)["kernels"]
+    assert kernels.startswith("eager torch only: our kernels did not build with") and "cc1plus" in kernels
+    assert build_kernels(engine, "off") is None  # nothing of ours runs: nothing to build
+
+
+def test_a_disturbed_curve_recommends_nothing(tiny, isolated, monkeypatch, capsys):
+    from rich.console import Console
+
+    from fafo_cli.bench import doctor
+
+    monkeypatch.setattr(doctor, "build_kernels", lambda engine, mode: None)  # (not what this tests: seconds)
+    monkeypatch.setattr(tune, "CURVE_SLACK", 0.1)  # (tests take every curve as undisturbed: conftest)
+    monkeypatch.setattr(tune, "step_costs", lambda engine: {rows: 10.0 if rows == 1 else 5.0 for rows in tune.ROWS})
+    assert entrypoint(["doctor", str(tiny), "--dtype", "float32", "--config", str(isolated), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["disturbed"] and report["recommended"] is None
+    report["step_ms"] = {int(rows): ms for rows, ms in report["step_ms"].items()}  # (as the command renders it)
+    console = Console(width=300, record=True)
+    doctor.render(report, console)
+    out = console.export_text()
+    assert "another process is using this machine" in out and "nothing recommended" in out
+    assert "Recommended" not in out

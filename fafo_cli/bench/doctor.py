@@ -26,16 +26,17 @@ from ..compiled.steps import claim_steps_folder
 from ..decoders.fafo.planner import StepCosts
 from ..decoders.fafo.step import (WINDOW_SHARE, FafoSettings, compiled_for, model_streams, steps_cost_arithmetic,
                                   widest_window)
-from ..errors import FafoError, is_out_of_memory
+from ..errors import FafoError, first_line, is_out_of_memory
 from ..files import user_path
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
 
 
-def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto") -> dict:
+def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto",
+            kernels_failed: str | None = None) -> dict:
     """The device and dtype decoding uses here, and what our kernels and compiled steps can use under `compile_mode`
-    (the config's `compile`)."""
+    (the config's `compile`); `kernels_failed`: why our kernels did not build or load here (`build_kernels`)."""
     flags = set(loader.cpu_flags().split())
     compiler = shutil.which(loader.compiler())
     cuda = torch.cuda.is_available()
@@ -54,6 +55,8 @@ def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto"
             facts["kernels"] = "eager torch only: compile: off keeps dense weights and no kernels of ours"
         elif not compiler:
             facts["kernels"] = "eager torch only: no C++ compiler, so no compiled steps or kernels of ours"
+        elif kernels_failed:
+            facts["kernels"] = f"eager torch only: our kernels did not build with {compiler} ({kernels_failed})"
         else:
             facts["kernels"] = ("compiled steps and our attention kernel (C++ compiler found; " +
                                 ("compile: on builds the steps it runs)" if compile_mode == "on" else
@@ -171,13 +174,16 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         engine = load(config)
     if write_to is not None:  # where the cost curve goes: one that cannot be written is said before measuring too
         claim_steps_folder(engine.steps_folder, engine.steps_serve)
-    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype, config.compile),
-              "exactness": checks}
     progress("measuring one pass against its rows")
     costs = tune.step_costs(engine)  # the rows --tune measures: --write keeps the same curve
-    report["step_ms"] = {rows: round(ms, 3) for rows, ms in costs.items()}
+    # (our kernels built after the passes are timed: loaded, they serve every eager step of the process, which a run
+    # of this model may not load)
+    report = {"model": engine.name, "machine": machine(engine.model.device, engine.model.dtype, config.compile,
+                                                       build_kernels(engine, config.compile)),
+              "exactness": checks, "step_ms": {rows: round(ms, 3) for rows, ms in costs.items()}}
     report["disturbed"] = tune.curve_disturbed(costs)
-    report["recommended"] = recommend(engine, config, costs)
+    # (a disturbed curve recommends nothing: another process's load, not this machine's costs, would set it)
+    report["recommended"] = None if report["disturbed"] else recommend(engine, config, costs)
     if write_to is not None and report["disturbed"]:
         raise FafoError(f"{report['disturbed']}; nothing written")
     if write_to is not None:
@@ -186,6 +192,18 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
         report["written"] = {"step_costs": str(engine.steps_folder),
                              **({"config": str(write_to)} if report["recommended"]["window"] else {})}
     return report
+
+
+def build_kernels(engine, compile_mode: str) -> str | None:
+    """Build (once per machine: seconds) and load our kernels where a CPU engine would use them; why they failed, or
+    None. A compiler on the PATH that cannot build them (a broken toolchain) is said, not taken for a working one."""
+    if engine.model.device.type != "cpu" or compile_mode == "off" or not shutil.which(loader.compiler()):
+        return None
+    try:
+        loader.load(engine.steps_folder.parent)
+    except Exception as error:  # noqa: BLE001 - whatever the compiler or the loader said: one line of it
+        return first_line(error, named=True)
+    return None
 
 
 def failed(report: dict) -> bool:
@@ -222,7 +240,8 @@ def render(report: dict, console) -> None:
         table.add_row(str(rows), f"{ms:.2f}", f"{ms / costs[1]:.2f}×")
     console.print(table)
     if report["disturbed"]:
-        console.print(f"[yellow]{report['disturbed']}[/]")
+        console.print(f"[yellow]{report['disturbed']}[/]; nothing recommended")
+        return
     streams, window = report["recommended"]["streams"], report["recommended"]["window"]
     width = f"streams={streams} ({report['recommended']['why']}; `streams: auto` derives it here)"
     console.print(f"Recommended: {width}" if window else "Recommended: no window (`streams: auto` on a CPU, unless a "
