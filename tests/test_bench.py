@@ -795,6 +795,22 @@ def test_progress_counts_a_warm_up_run_by_its_share_of_a_timed_run(tiny):
     assert [e.first_row for e in progress] == [True, False, True, False, True]
 
 
+def test_the_rows_take_turns_at_going_first(tiny, monkeypatch):
+    from fafo_cli.bench import runner
+
+    order = []
+    monkeypatch.setattr(runner, "run_once", lambda engine, row, sample, repeat, tokens, settings:
+                        order.append((sample.id, repeat, row.name)))
+    rows = [runner.Row(name, name) for name in ("vanilla", "fafo", "suffix")]
+    samples = suites.load_suite("math")[:2]
+    events = list(runner.measure(load(str(tiny), dtype="float32"), rows, samples, tokens=8, repeats=2, warmup=0,
+                                 settings={}))
+    first = [e.label.rsplit(" · ", 1)[1] for e in events if isinstance(e, runner.Progress) and e.first_row
+             and e.label != "done"]
+    assert [name for _, _, name in order][::3] == first == ["vanilla", "fafo", "suffix", "vanilla"]
+    assert sorted(order) == sorted((s.id, r, row.name) for s in samples for r in (0, 1) for row in rows)
+
+
 def test_tune_tries_wide_windows_only_where_rows_are_nearly_free():
     from fafo_cli.bench import tune
 

@@ -185,7 +185,8 @@ class Progress:
 
 def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repeats: int, warmup: int,
             settings: dict) -> Iterator[Run | Progress | Failed]:
-    """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved.
+    """Warm-up runs (each row, first sample, not recorded), then samples × repeats × rows, interleaved, the rows'
+    order turned by one each round.
     Compiled rows always get one short untimed run first: it builds or loads their package. A row that fails is
     reported once (`Failed`) and skipped from then on; vanilla's ends the measuring (nothing to compare with)."""
     warm = min(tokens, WARMUP_TOKENS) / tokens  # so the time left is estimated from what the runs really cost
@@ -218,10 +219,14 @@ def measure(engine, rows: list[Row], samples: list[Sample], *, tokens: int, repe
             if "vanilla" in failed:
                 return
             done += warm
-    for sample in samples:
+    for index, sample in enumerate(samples):
         for repeat in range(repeats):
-            for row in rows:
-                yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}", row is rows[0])
+            # the rows take turns at going first: what running first or after another row costs (a CPU that has
+            # cooled or boosted, caches another row warmed) falls on each in turn, not always on plain decoding
+            turn = (index * repeats + repeat) % len(rows)
+            ordered = rows[turn:] + rows[:turn]
+            for row in ordered:
+                yield Progress(done, total, f"{sample.suite} · {sample.id} · {row.name}", row is ordered[0])
                 if row.name not in failed:
                     yield attempt(row, sample, repeat, tokens)
                 if "vanilla" in failed:
