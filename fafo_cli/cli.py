@@ -24,6 +24,7 @@ from . import config as config_mod
 from . import hub
 from .errors import FafoError, first_line, is_out_of_memory, shortened, unhandled_interrupts
 from .files import user_path, write_atomic
+from .runtime.memory import release_dropped_models
 
 
 class _Commands(typer.core.TyperGroup):
@@ -524,9 +525,10 @@ def bench(
         code = tune_mod.run(_load(settings, err), settings, out, err, written)
         _create_config(config)
         raise typer.Exit(code)
-    engine = _load(settings, err, load_draft="triforce" in options.methods)  # its rows read the draft model
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
-    raise typer.Exit(command.run(engine, settings, options, tables, err))
+    # (the engine passed, not kept here: --verify frees it before its float32 copy loads)
+    raise typer.Exit(command.run(_load(settings, err, load_draft="triforce" in options.methods),  # (TriForce's draft)
+                                 settings, options, tables, err))
 
 
 @app.command()
@@ -575,11 +577,7 @@ def doctor(
     if write:
         _create_config(config)
     if report_path is not None:  # (the configured model released first: the 7B shape needs the memory)
-        gc.collect()
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
+        release_dropped_models()
         progress(f"measuring the {gpu_shape}-shaped model's steps (--gpu-report)")
         gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
         write_atomic(report_path, json.dumps(gpu, indent=1) + "\n")

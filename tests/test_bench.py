@@ -1004,3 +1004,29 @@ def test_one_run_a_prompt_shows_no_spread_and_a_missing_speedup_no_bar(tmp_path,
                         or bar(self, x, heights, *a, **k))
     report.plot(results, tmp_path / "chart.png", "title")
     assert drawn == [[1.0], []]
+
+
+def test_verify_frees_the_measured_model_before_its_float32_copy_loads(tiny, monkeypatch, capsys):
+    """A bf16 model, transformers' copy and a float32 copy at once may not fit (a 7B on an 80 GB GPU); a copy that
+    does not fit is one line and exit 1, after the measurements were reported."""
+    import gc
+    import weakref
+
+    from fafo_cli import cli
+    from fafo_cli.bench import command
+
+    loaded, alive = [], []
+    load = cli._load
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: loaded.append(weakref.ref(engine := load(*a, **k))) or engine)
+
+    def verify(*args):
+        gc.collect()
+        alive.append(loaded[0]() is not None)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(command, "verify_float32", verify)
+    code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo", "--no-external", "--samples",
+                       "1", "--repeats", "1", "--warmup", "0", "--tokens", "8", "--dtype", "bfloat16", "--verify"])
+    captured = capsys.readouterr()
+    assert alive == [False] and code == 1 and "fafo" in captured.out  # (reported before verifying)
+    assert "--verify: the model in float32 does not fit in this device's memory: not verified" in captured.err

@@ -15,8 +15,9 @@ import torch
 from .. import __version__
 from ..compiled.graphs import GraphSteps
 from ..config import METHODS, SAMPLING_NEUTRAL
-from ..errors import FafoError, interrupt_handled
+from ..errors import FafoError, interrupt_handled, is_out_of_memory
 from ..files import user_path, write_atomic
+from ..runtime.memory import release_dropped_models
 from ..ui import on_terminal
 from . import exactness, report, suites
 from .runner import Failed, Progress, Run, measure, plan_rows, run_once
@@ -340,8 +341,17 @@ def run(engine, config, options: BenchOptions, console, err_console) -> int:
                 print(f"error: {e}", file=sys.stderr)
     failures = []
     if options.verify and greedy and not interrupted:
-        failures = verify_float32(config, rows, [s for s in samples if s.id in complete], options.tokens,
-                                  err_console)
+        # the measured model leaves memory first (its caller keeps no reference), transformers' copy with it: the
+        # float32 copy, twice a bf16 model's size, may not fit beside them
+        engine = long_settings = None  # (the settings hold its tokenizer's method)
+        release_dropped_models()
+        try:
+            failures = verify_float32(config, rows, [s for s in samples if s.id in complete], options.tokens,
+                                      err_console)
+        except (MemoryError, RuntimeError) as e:  # (torch's OutOfMemoryError is a RuntimeError)
+            if not is_out_of_memory(e):
+                raise
+            failures = ["--verify: the model in float32 does not fit in this device's memory: not verified"]
         for failure in failures:
             err_console.print(f"[bold red]{failure}[/]")
     bugs = [b for r in results for b in r.bugs]

@@ -9,7 +9,6 @@ which `--write` writes where `--tune` writes (the config file, and the cost curv
 
 from __future__ import annotations
 
-import gc
 import platform
 import shutil
 from dataclasses import replace
@@ -28,6 +27,7 @@ from ..decoders.fafo.step import (WINDOW_SHARE, FafoSettings, compiled_for, mode
                                   widest_window)
 from ..errors import FafoError, first_line, is_out_of_memory
 from ..files import user_path
+from ..runtime.memory import release_dropped_models
 from . import exactness, suites, tune
 
 TOKENS = 64  # per exactness check
@@ -168,9 +168,7 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
             checks = [{"skipped": "the model in float32 does not fit in this device's memory"}]
         finally:
             copy = None  # released before the configured model loads
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_dropped_models()
         engine = load(config)
     if write_to is not None:  # where the cost curve goes: one that cannot be written is said before measuring too
         claim_steps_folder(engine.steps_folder, engine.steps_serve)

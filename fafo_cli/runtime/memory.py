@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import resource
 import sys
@@ -85,3 +86,15 @@ def release_freed_memory() -> None:
         return
     if trim is not None:
         trim(0)
+
+
+def release_dropped_models() -> None:
+    """Free what the caller just dropped (a model, an engine: their reference cycles need a collection) before
+    something large loads: its host memory to the system, its GPU memory from torch's cache."""
+    gc.collect()
+    release_freed_memory()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
