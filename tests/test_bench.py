@@ -324,7 +324,7 @@ def test_each_comparison_is_judged_by_the_rounding_noise_of_its_own_modes(tiny, 
     monkeypatch.setattr(exactness, "rounding_noise", lambda engine, prompt, generated, single=None, multi=None,
                         rows=9: noise[(single, multi, rows)])
     judged = {}
-    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance, steps:
                         judged.setdefault(len(judged), tolerance))
     sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
     rows = [Row(name, method, (), flag) for name, method, flag in (
@@ -347,7 +347,7 @@ def test_a_bug_in_a_later_repetition_is_not_hidden_by_an_earlier_near_tie(tiny, 
     from fafo_cli.bench.runner import Row, Run
 
     engine = load(str(tiny), dtype="float32", chat_template=False)
-    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance, steps:
                         exactness.Divergence(position, ours[position], reference[position], 0.1, position == 1))
     sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
     vanilla, fafo = Row("vanilla", "vanilla"), Row("fafo", "fafo")
@@ -367,7 +367,7 @@ def test_plain_decodings_own_repetitions_are_checked_and_noise_is_measured_only_
     engine = load(str(tiny), dtype="float32", chat_template=False)
     measured = []
     monkeypatch.setattr(command, "tolerances", lambda *args: measured.append(1) or {"eager": 0.0})
-    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance:
+    monkeypatch.setattr(exactness, "classify", lambda engine, prompt, reference, ours, position, tolerance, steps:
                         exactness.Divergence(position, ours[position], reference[position], 0.1, False))
     sample = suites.Sample("chat", "hello", ({"role": "user", "content": "Hello there"},))
     vanilla, fafo = Row("vanilla", "vanilla"), Row("fafo", "fafo")
@@ -1031,3 +1031,26 @@ def test_verify_frees_the_measured_model_before_its_float32_copy_loads(tiny, mon
     assert alive == [False] and code == 1 and "fafo" in captured.out  # (reported before verifying)
     assert "--verify: the model in float32 does not fit in this device's memory: not verified" in " ".join(
         captured.err.split())  # (as the console wrapped it)
+
+
+def test_a_divergence_is_judged_by_the_logits_plain_decoding_made(tiny, monkeypatch):
+    """The prompt prefilled, then vanilla's tokens one one-row step each, in the reference's own mode: a prefill of
+    the whole text rounds as a many-row pass, off by up to the noise it is judged by."""
+    from fafo_cli.bench import exactness
+
+    engine = load(str(tiny), dtype="bfloat16", chat_template=False)
+    prompt = engine.encode("The list of colours: red, green,")
+    reference = engine.complete("The list of colours: red, green,", max_tokens=8, temperature=0.0).token_ids
+    session, calls = engine.session, []
+    prefill, step = session.prefill, session.step
+    monkeypatch.setattr(session, "prefill", lambda ids, **k: calls.append(("prefill", len(ids), session.compiled))
+                        or prefill(ids, **k))
+    monkeypatch.setattr(session, "step", lambda token: calls.append(("step", token, session.compiled)) or step(token))
+    ours = reference[:5] + [reference[5] + 1]
+    divergence = exactness.classify(engine, prompt, reference, ours, 5, 0.5, steps=None)
+    assert calls == [("prefill", len(prompt), None)] + [("step", token, None) for token in reference[:5]]
+    engine.reset()
+    logits = session.prefill(prompt, reserve=8)[0]
+    for token in reference[:5]:
+        logits = session.step(token)
+    assert divergence.gap == abs(float(logits[reference[5]] - logits[reference[5] + 1]))

@@ -127,8 +127,8 @@ def divergences_from_reference(engine, runs: list[Run]
     some row diverged (None where none did: a minute or more of passes on a long suite)."""
     tolerance: dict[str, float] | None = None
     found: dict[tuple[str, str], exactness.Divergence | None] = {}
-    last_sample = None
-    for run, base, same_kernels in _compared(runs):  # a prompt's rows in turn: its cache serves all
+    loaded = engine.session.compiled  # (rows of compile None ran as the engine loaded)
+    for run, base, same_kernels in _compared(runs):
         key = (run.row.name, run.sample.id)
         earlier = found.get(key)
         if run is base or earlier is not None and not earlier.near_tie:
@@ -138,12 +138,10 @@ def divergences_from_reference(engine, runs: list[Run]
             tolerance = tolerances(engine, [b for r, b, _ in _compared(runs) if r is b],
                                    any(r.row.compiled or r.row.compiled is None and engine.compiled is not None
                                        for r in runs if not r.row.external))
-        if position is not None and run.sample.id != last_sample:
-            engine.reset()  # the runs' steps wrote this prompt's cache in other shapes: prefill it afresh
-            last_sample = run.sample.id
+        steps = loaded if base.row.compiled is None else engine.compiled if base.row.compiled else None
         divergence = None if position is None else exactness.classify(
             engine, engine.encode(list(run.sample.messages)), base.token_ids, run.token_ids, position,
-            _tolerance(tolerance, run.row, same_kernels))
+            _tolerance(tolerance, run.row, same_kernels), steps)
         if earlier is None or divergence is not None and not divergence.near_tie:
             found[key] = divergence
     engine.reset()

@@ -76,16 +76,30 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, singl
     return float(((one[:, :1] - one) - (many[:, :1] - many)).abs().max()) * MARGIN
 
 
+_AS_LOADED = object()  # classify's `steps` default: the compiled steps the session has
+
+
+@torch.inference_mode()
 def classify(engine, prompt_ids: list[int], reference: list[int], ours: list[int], position: int,
-             tolerance: float) -> Divergence:
-    """Vanilla's logits at the divergence (the prompt and vanilla's tokens before it, prefilled): a near-tie
-    when the row's token is within `tolerance` (`rounding_noise`) of vanilla's own. The cache is not reset: what it
-    holds of this text is reused (classify one prompt's rows in turn after a reset, and its long prompt is prefilled
-    once for all of them)."""
+             tolerance: float, steps=_AS_LOADED) -> Divergence:
+    """Vanilla's logits at the divergence as plain decoding made them: the prompt prefilled from an empty cache,
+    then vanilla's tokens before it one one-row step each, in `steps` (the compiled steps the reference ran in;
+    None: eager). A near-tie when the row's token is within `tolerance` (`rounding_noise`) of vanilla's own. (A
+    prefill of the whole text would round as a many-row pass: a gap off by up to the noise itself.)"""
     ours_token = ours[position] if position < len(ours) else None
     reference_token = reference[position] if position < len(reference) else None
     if ours_token is None or reference_token is None:  # one stopped earlier: a different token decided that
         return Divergence(position, ours_token, reference_token, None, False)
-    logits, _ = engine.session.prefill(prompt_ids + reference[:position], reserve=1)
+    session = engine.session
+    kept = session.compiled
+    engine.reset()
+    try:
+        session.compiled = kept if steps is _AS_LOADED else steps
+        logits, _ = session.prefill(prompt_ids, reserve=position + 1)
+        for token in reference[:position]:
+            logits = session.step(token)
+    finally:
+        session.compiled = kept
+        engine.reset()
     gap = abs(float(logits[reference_token] - logits[ours_token]))
     return Divergence(position, ours_token, reference_token, gap, gap <= tolerance)
