@@ -161,3 +161,34 @@ def test_generation_settings_read_as_transformers_reads_them(tmp_path, given):
     ours = llama.load(folder, torch.float32, torch.device("cpu")).generation_config
     assert {key: getattr(ours, key) for key in llama.GENERATION_KEYS} == {
         key: getattr(theirs, key) for key in llama.GENERATION_KEYS}
+
+
+def test_loading_gives_transformers_and_the_hub_their_logging_and_progress_bars_back(monkeypatch):
+    """Both switches as they were (transformers' flips the hub's too), and the logger's own level, not its
+    effective one (which would pin a logger left to its parents)."""
+    import importlib
+    import logging
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    from fafo_cli.runtime.model import quiet_transformers
+
+    # (the tests' environment turns the hub's bars off for good: HF_HUB_DISABLE_PROGRESS_BARS, read at import)
+    monkeypatch.setattr(importlib.import_module("huggingface_hub.utils.tqdm"), "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    logger = logging.getLogger("transformers")
+    kept = logger.level, hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    try:
+        for transformers_bars, hub_bars in ((True, False), (False, True), (True, True)):
+            (hf_logging.enable_progress_bar if transformers_bars else hf_logging.disable_progress_bar)()
+            (enable_progress_bars if hub_bars else disable_progress_bars)()
+            logger.setLevel(logging.NOTSET)
+            with quiet_transformers():
+                assert logger.level == logging.ERROR and are_progress_bars_disabled()
+            assert logger.level == logging.NOTSET
+            assert hf_logging.is_progress_bar_enabled() == transformers_bars
+            assert are_progress_bars_disabled() != hub_bars
+    finally:
+        logger.setLevel(kept[0])
+        (hf_logging.enable_progress_bar if kept[1] else hf_logging.disable_progress_bar)()
+        (disable_progress_bars if kept[2] else enable_progress_bars)()

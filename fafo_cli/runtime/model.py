@@ -27,18 +27,26 @@ Linear = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 @contextmanager
 def quiet_transformers():
-    """Silence transformers' warnings and progress bars while loading, then restore what was there."""
+    """Silence transformers' warnings and progress bars while loading, then restore what was there: its logger's own
+    level (not the effective one, which would pin a logger left to its parents), its progress bars' switch and
+    huggingface_hub's, which transformers' switch flips too."""
+    import logging
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    logger = logging.getLogger("transformers")  # (transformers' library root logger)
+    level, bars, hub_bars = logger.level, hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        hf_logging.set_verbosity(verbosity)
+        logger.setLevel(level)
         if bars:
             hf_logging.enable_progress_bar()
+        if hub_bars != (not are_progress_bars_disabled()):
+            (enable_progress_bars if hub_bars else disable_progress_bars)()
 
 
 def max_context(config) -> int:
