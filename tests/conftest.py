@@ -124,7 +124,8 @@ def _throwaway_cache() -> Path:
     costs go to a throwaway folder, not the user's cache (a cost curve one test's bench measured for a tiny model
     steered another test's plan, and every session's tiny models left folders behind). The user's conversions and
     built kernels are linked in, so the embedded model is not converted again; a test's clean-up cannot remove
-    them (a link is not removed as a folder). A killed session's folder is removed by the next session."""
+    them (a link is not removed as a folder). A killed session's folder is removed by the next session. The user's
+    config file is not read either: the folder holds an empty config home."""
     import shutil
     import tempfile
 
@@ -146,6 +147,9 @@ def _throwaway_cache() -> Path:
             except OSError:  # no links here: that item is made again where a test needs it
                 pass
     os.environ["FAFO_CACHE"] = str(cache)
+    # nor the user's config file (`fafo config init`, `--tune` or `doctor --write` would change what tests run)
+    (cache / "config").mkdir()
+    os.environ["XDG_CONFIG_HOME"] = str(cache / "config")
     return cache
 
 
