@@ -82,6 +82,32 @@ def test_cache_grows_without_losing_committed_rows():
         cache.reserve(101)
 
 
+def test_a_full_cache_grows_by_a_quarter_up_to_what_the_request_can_use():
+    """Doubling held three times the cache while it copied and left up to half of it unused: at a long context the
+    difference between an answer that fits and one out of memory."""
+    from fafo_cli.runtime.cache import GROW_SLOTS
+
+    cache = KVCache(1, 1, 4, max_slots=100_000, dtype=torch.float32, device=torch.device("cpu"), initial_slots=16_000)
+    cache.reserve(16_001)
+    assert cache.capacity == 20_000  # a quarter more
+    cache.limit = 21_000
+    cache.reserve(20_001)
+    assert cache.capacity == 21_000  # what the request can use, no more
+    cache.reserve(21_500)
+    assert cache.capacity == 21_500  # unless a step asks for more
+    small = KVCache(1, 1, 4, max_slots=100_000, dtype=torch.float32, device=torch.device("cpu"), initial_slots=8)
+    small.reserve(9)
+    assert small.capacity == 8 + GROW_SLOTS  # (small caches: at least GROW_SLOTS at once)
+
+
+def test_the_prefill_bounds_the_cache_by_what_the_request_can_use(tiny):
+    from fafo_cli import load
+
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    engine.complete("The list of colours:", max_tokens=20, method="vanilla")
+    assert engine.session.cache.limit == len(engine.encode("The list of colours:")) + 20
+
+
 def test_cache_slots_never_written_hold_finite_values():
     """Attention over whole blocks multiplies masked slots' values by 0: they must never be NaN."""
     cache = KVCache(2, 1, 4, max_slots=4096, dtype=torch.float32, device=torch.device("cpu"), initial_slots=8)

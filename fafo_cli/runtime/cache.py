@@ -56,6 +56,9 @@ class LayerStack:
         return [tensor[:, index] for tensor in self.groups]
 
 
+GROW_SLOTS = 1024  # the least a full cache grows by (see KVCache.reserve)
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_slots: int,
                  dtype: torch.dtype, device: torch.device, initial_slots: int = 256,
@@ -69,6 +72,7 @@ class KVCache:
         self.read_dtype = dtype  # what eager readers get (see `store_as`)
         self.length = 0  # committed positions
         self.lead = 0  # leading slots per layer before position 0 (block-sparse layout)
+        self.limit = max_slots  # the positions the current request can use (see `reserve`)
         self.keys = self.values = torch.empty(0)
         # spread over GPUs: the whole context at once, as runtime/placement.py budgets each layer's cache (growing
         # would hold the old and the new cache at once: up to twice that budget, out of memory mid-answer)
@@ -115,11 +119,15 @@ class KVCache:
         return self.keys.shape[1]
 
     def reserve(self, slots: int) -> None:
-        """Make room for `slots` positions, growing geometrically so reallocation is rare."""
+        """Make room for `slots` positions. A full cache grows by a quarter (at least GROW_SLOTS positions), never
+        past `limit` (what the request can use: the prefill sets it) unless `slots` asks: doubling held three times
+        the cache while it copied, and left up to half of it unused at the answer's end (at a long context, the
+        difference between fitting and running out of memory mid-answer)."""
         if slots > self.max_slots:
             raise ValueError(f"{slots} positions exceed the cache limit of {self.max_slots}")
         if slots > self.capacity:
-            self._allocate(min(self.max_slots, max(slots, 2 * self.capacity)), self.lead)
+            grown = min(self.max_slots, self.limit, self.capacity + max(GROW_SLOTS, self.capacity // 4))
+            self._allocate(max(slots, grown), self.lead)
 
     def use_lead(self, slots: int) -> None:
         """Keep a leading region of at least `slots` per layer (the block-sparse layout); 0 removes it.

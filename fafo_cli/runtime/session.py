@@ -28,7 +28,7 @@ from .stops import StopStrings
 from .syncs import upload
 
 PREFILL_CHUNK = 512  # bounds the prefill's attention mask and activations on long prompts
-# Slots reserved past the prompt at once; the cache grows (doubling) as a longer answer needs it, so an answer
+# Slots reserved past the prompt at once; the cache grows as a longer answer needs it, so an answer
 # without a limit does not hold the whole context's cache from its first token
 RESERVE_AHEAD = 2048
 # A request that would cut fewer of the live conversation's tokens than this does not keep a copy of it: a chat turn
@@ -146,6 +146,7 @@ class Session:
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
         self.cache.attend_in(self.model.attention_dtype)
+        self.cache.limit = min(self.model.max_context, len(prompt_ids) + reserve)  # (the cache grows up to it)
         self.cache.reserve(min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD)))
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
