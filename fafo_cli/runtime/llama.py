@@ -231,16 +231,23 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM | N
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the checkpoint must hold, exactly
     if config.tie_word_embeddings:
         del shapes["lm_head.weight"]
+    stored_shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as stored:
+            for name in stored.keys():
+                if not name.endswith("rotary_emb.inv_freq"):  # older checkpoints keep the buffer; it is computed
+                    stored_shapes[name] = torch.Size(stored.get_slice(name).get_shape())
+    if stored_shapes != shapes:
+        return None  # a tensor these modules lack or shape otherwise, or one they need that is not there
+    # each tensor read, converted and moved on its own: the whole model in host memory at once, and in two dtypes
+    # while converting, was up to three times its size before it reached a GPU
     tensors = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as stored:
             for name in stored.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # older checkpoints keep the buffer; it is computed
-                    continue
-                tensors[name] = stored.get_tensor(name)
-    if set(tensors) != set(shapes) or any(tensors[name].shape != shape for name, shape in shapes.items()):
-        return None  # a tensor these modules lack or shape otherwise, or one they need that is not there
-    model.load_state_dict({name: t.to(dtype) for name, t in tensors.items()}, strict=False, assign=True)
+                if name in shapes:
+                    tensors[name] = stored.get_tensor(name).to(device=device, dtype=dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval()
