@@ -6,6 +6,11 @@ class FafoError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 
 
+class ModelOutputError(FafoError):
+    """The model computes no numbers here (its logits overflowed: float16 on a model that needs more range): the
+    setup's fault, not a request's (the server answers 500, not 400)."""
+
+
 # Ctrl-Cs the CLI's SIGINT handler turned into KeyboardInterrupt that no command has handled: an interrupt that lands
 # inside a module's import can surface later as another error (numpy: "cannot load module more than once"), which
 # the CLI then reports as the interrupt (cli.entrypoint)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from fafo_cli import load
 from fafo_cli.runtime import session as session_mod
@@ -340,3 +341,22 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_it_computes_it(monkeypatch, flag
     monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
     assert pick_dtype("auto", torch.device("cpu")) == getattr(torch, expected)
     assert pick_dtype("float16", torch.device("cpu")) == torch.float16  # named: as named
+
+
+def test_logits_that_are_not_numbers_are_one_line_naming_the_dtype_to_use(tiny, tmp_path, monkeypatch, capsys):
+    """float16 overflows in some models (Qwen2's): argmax over NaN logits emitted token 0 on and on, silently."""
+    from fafo_cli.cli import entrypoint
+    from fafo_cli.errors import ModelOutputError
+    from fafo_cli.runtime.model import Model
+
+    forward = Model.forward
+    monkeypatch.setattr(Model, "forward", lambda self, *a, **k: forward(self, *a, **k) * float("nan"))
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    with pytest.raises(ModelOutputError, match="try --dtype float32"):
+        engine.complete("Hello", max_tokens=4)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hello")
+    assert entrypoint(["run", str(tiny), "--dtype", "float32", "-p", str(prompt), "-n", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not numbers (NaN or infinite) in float32" in err
+    assert "bfloat16" in session_mod.non_finite(torch.float16) and "Qwen2" in session_mod.non_finite(torch.float16)

@@ -965,6 +965,21 @@ def test_a_server_listening_beyond_loopback_answers_any_host(tiny):
         _stop(live)
 
 
+def test_logits_that_are_not_numbers_are_a_500_and_leave_no_cache_behind(served, reference, monkeypatch):
+    """The server's dtype, not the request, is at fault (float16 overflowing); the prompt's keys and values are no
+    numbers either, and a later request reusing them would fail too."""
+    from fafo_cli.runtime.model import Model
+
+    forward = Model.forward
+    with monkeypatch.context() as patch:
+        patch.setattr(Model, "forward", lambda self, *a, **k: forward(self, *a, **k) * float("nan"))
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            error = _check_error(http.post("/completions", json={"prompt": TEXT + " again", "max_tokens": 3}), 500)
+    assert error["code"] == "model_output_invalid" and "NaN" in error["message"]
+    answer = served.client().completions.create(model=served.name, prompt=TEXT + " again", max_tokens=3)
+    assert answer.choices[0].text == reference.complete(TEXT + " again", max_tokens=3, chat_template=False).text
+
+
 def test_out_of_memory_is_its_own_error(served, monkeypatch):
     """Memory running out (here: torch's CPU allocator, a plain RuntimeError) is a 500 `out_of_memory`, not a bug."""
     def exhausted(*args, **kwargs):

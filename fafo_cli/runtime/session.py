@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..errors import ModelOutputError
 from .cache import KVCache
 from .conversations import KeptConversation, KeptConversations, shared_prefix
 from .detok import CONTEXT_IDS, Detokenizer
@@ -158,6 +159,9 @@ class Session:
             self.commit(chunk)
             if progress is not None:
                 progress(self.cache.length, len(prompt_ids))
+        if not bool(torch.isfinite(logits[-1]).all()):  # (the first token reads these logits anyway: no extra wait)
+            self.rollback(reused)  # a later request must not reuse keys and values that are no numbers either
+            raise ModelOutputError(non_finite(self.model.dtype))
         return logits[-1], reused
 
     def forward(self, ids: list[int], attend, *, last_only: bool = False) -> torch.Tensor:
@@ -202,6 +206,15 @@ class Session:
         logits = self.run(step)
         self.accept(step, [0])
         return logits[-1]
+
+
+def non_finite(dtype: torch.dtype) -> str:
+    """Why a model's logits are NaN or infinite, and what to do."""
+    if dtype == torch.float16:
+        return ("the model's logits after the prompt are not numbers (NaN or infinite): float16 overflows in some "
+                "models (Qwen2's among them); run it in bfloat16 where this device has it, else float32 (--dtype)")
+    return (f"the model's logits after the prompt are not numbers (NaN or infinite) in {str(dtype).split('.')[-1]}: "
+            "its weights or this device's kernels give none; try --dtype float32")
 
 
 def _observed(attend, observe, cache, first: int):

@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from ..api import Engine
-from ..errors import FafoError, is_out_of_memory
+from ..errors import FafoError, ModelOutputError, is_out_of_memory
 from ..runtime.events import Step
 from .errors import ApiError, shutting_down
 from .schema import Job
@@ -181,6 +181,8 @@ class Worker:
             pass
         except ApiError as e:
             return self._failed(ticket, e)
+        except ModelOutputError as e:  # (the server's setup, not the request)
+            return self._failed(ticket, ApiError(500, str(e), code="model_output_invalid"))
         except FafoError as e:
             return self._failed(ticket, ApiError(400, str(e), code="invalid_value"))
         except Exception as e:
