@@ -106,9 +106,11 @@ def exact(engine) -> list[dict]:
         position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
         check = {"prompt": f"{sample.suite} · {sample.id}", "tokens": len(plain.token_ids), "equal": position is None,
                  "fafo_steps": fafo.stats.steps, "accepted": fafo.stats.accepted_tokens}
-        if position is not None:
-            check["divergence"] = exactness.classify(engine, engine.encode(messages), plain.token_ids,
-                                                     fafo.token_ids, position, 0.0).describe()
+        if position is not None:  # (on a GPU judged by the measured noise: its float32 kernels differ by shape)
+            prompt = engine.encode(messages)
+            divergence = exactness.classify(engine, prompt, plain.token_ids, fafo.token_ids, position,
+                                            exactness.rounding_noise(engine, prompt, plain.token_ids))
+            check["divergence"], check["near_tie"] = divergence.describe(), divergence.near_tie
         checks.append(check)
     engine.reset()
     return checks
@@ -205,8 +207,9 @@ def build_kernels(engine, compile_mode: str) -> str | None:
 
 
 def failed(report: dict) -> bool:
-    """Whether a float32 check found FAFO's output different from plain decoding's."""
-    return any(check.get("equal") is False for check in report["exactness"])
+    """Whether a float32 check found FAFO's output different from plain decoding's (but at a near-tie, which a GPU's
+    float32 kernels may part at)."""
+    return any(check.get("equal") is False and not check.get("near_tie") for check in report["exactness"])
 
 
 def render(report: dict, console) -> None:
@@ -229,7 +232,8 @@ def render(report: dict, console) -> None:
         if "skipped" in check:
             console.print(f"float32 exactness: [yellow]not checked[/]: {check['skipped']}")
             continue
-        verdict = "[green]equal[/]" if check["equal"] else f"[red]DIFFERENT[/] at {check['divergence']}"
+        verdict = ("[green]equal[/]" if check["equal"] else f"[yellow]parted at a near-tie[/], {check['divergence']}"
+                   if check.get("near_tie") else f"[red]DIFFERENT[/] at {check['divergence']}")
         console.print(f"float32 exactness, {check['prompt']}: FAFO vs plain decoding over {check['tokens']} tokens: "
                       f"{verdict} ({check['fafo_steps']} FAFO steps, {check['accepted']} guessed tokens accepted)")
     costs = report["step_ms"]
