@@ -121,3 +121,26 @@ def test_captured_cuda_graphs_equal_eager_steps(tiny, method):
     assert graphs.complete(LONG, **options).token_ids == eager.complete(LONG, **options).token_ids
     assert not notices and graphs.session.compiled.calls_by_size  # auto: captured, replayed, no fallback
     assert eager.session.compiled is None
+
+
+def test_a_graph_out_of_memory_runs_that_size_eager_until_the_cache_changes(tiny, monkeypatch):
+    """One long request's capture running out of memory turned graphs off for the life of a server."""
+    from fafo_cli.compiled import graphs as graphs_mod
+
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    notices = []
+    graphs = engine.session.compiled = GraphSteps(engine.model, notices.append, capture=False)
+    run = graphs_mod._Static.run
+
+    def short_of_memory(static):
+        if static.size > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        run(static)
+
+    monkeypatch.setattr(graphs_mod._Static, "run", short_of_memory)
+    result = engine.complete(LONG, method="prompt-lookup", max_tokens=40, temperature=0.0)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), 40)  # its padded steps eager
+    assert not graphs.failed and not graphs.calls_by_size and len(notices) == 1
+    engine.complete(LONG, method="vanilla", max_tokens=8, temperature=0.0)  # its one-row steps still graphs
+    assert graphs.calls_by_size[1] == 7
+    assert graphs._refused  # (and forgotten when the cache grows or moves)

@@ -8,7 +8,8 @@ attention reads each layer's whole cache capacity under a mask built on the devi
 device tensor), and new keys and values are written at slots computed from it. Inputs are copied into the graph's
 own buffers before each replay; the logits are copied out of its output. A graph is captured per (step size, cache
 storage): a cache that grows or moves is captured again. Capture failing (an op CUDA graphs do not allow) is one
-notice, and every step runs eager from then on.
+notice, and every step runs eager from then on; running out of memory drops the graphs, and steps of that size run
+eager until the cache changes.
 
 Like compiled steps, this plugs into the Session through runtime.session.CompiledStepRunner. `capture=False` runs
 the same static step without a graph: how CPU tests check its masks and slots against eager decoding.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from ..runtime.cache import KVCache
 from ..runtime.model import Model
 from ..runtime.rows import StepRows
-from ..errors import first_line
+from ..errors import first_line, is_out_of_memory
 from .steps import OnceNotices, bucket
 
 WARMUP = 2  # runs on a side stream before capture (cuBLAS workspaces, lazy initialisation)
@@ -112,6 +113,7 @@ class GraphSteps(OnceNotices):
         self._static: dict[int, _Static] = {}
         self._storage: tuple | None = None  # the cache storage the graphs were captured on
         self.failed = False
+        self._refused: set[int] = set()  # sizes out of memory on the current cache storage: eager until it changes
         self.calls_by_size: dict[int, int] = {}
         self._said: set[str] = set()
 
@@ -130,11 +132,16 @@ class GraphSteps(OnceNotices):
             size = bucket(rows)
         if self.failed or size is None or cache.spread or length + size > cache.max_slots:
             return None
+        if length + size > cache.capacity:  # the cache grows: the graphs' memory goes first, not after the copy
+            self._static.clear()
         cache.reserve(length + size)
-        storage = (cache.keys.data_ptr(), cache.capacity)
+        storage = (cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity)
         if storage != self._storage:  # grown or moved: the graphs' memory is gone
             self._static.clear()
             self._storage = storage
+            self._refused.clear()
+        if size in self._refused:
+            return None
         static = self._static.get(size)
         if static is None:
             static = self._static[size] = _Static(self.model, cache, size, self.capture)
@@ -156,8 +163,14 @@ class GraphSteps(OnceNotices):
         try:
             static.run()
         except Exception as error:  # noqa: BLE001 - whatever capture refused: every step runs eager from now on
-            self.failed = True
             self._static.clear()
+            if is_out_of_memory(error):  # this size eager until the cache changes; the graphs' memory given back
+                self._refused.add(size)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.notify_once("out of GPU memory for a step's CUDA graph: such steps run eager")
+                return None
+            self.failed = True
             self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
             return None
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
