@@ -90,7 +90,7 @@ def release_freed_memory() -> None:
 
 def release_dropped_models() -> None:
     """Free what the caller just dropped (a model, an engine: their reference cycles need a collection) before
-    something large loads: its host memory to the system, its GPU memory from torch's cache."""
+    something large loads: its host memory to the system, its GPU memory (CUDA, MPS) from torch's cache."""
     gc.collect()
     release_freed_memory()
     if "torch" in sys.modules:
@@ -98,3 +98,5 @@ def release_dropped_models() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        elif torch.backends.mps.is_available():
+            torch.mps.empty_cache()
