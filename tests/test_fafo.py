@@ -279,3 +279,16 @@ def test_eager_costs_are_kept_apart_for_packed_and_dense_weights(tiny, tmp_path,
     assert eager_costs(session).of(8) == 12.0
     keep_eager_costs(engine, {1: 9.0, 8: 11.0})
     assert read_step_costs(engine.steps_folder) == {"eager-packed": {1: 9.0, 8: 11.0}}
+
+
+@pytest.mark.parametrize("compressor", ["none", "stream", "snapkv"])
+def test_fafo_over_torchs_attention_decodes_transformers_tokens(tiny, monkeypatch, compressor):
+    """Where our kernel does not serve (no AVX2, `compile: off` before any library loaded), FAFO's steps attend with
+    torch's kernel, each mask folded once a pass for all layers: transformers' tokens, window rows and all."""
+    from fafo_cli.runtime import model
+
+    monkeypatch.setattr(model, "_cpu_attention", None)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    result = engine.complete(LONG, method="fafo", compressor=compressor, streams=2, budget=64, max_tokens=TOKENS,
+                             temperature=0.0)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), TOKENS)

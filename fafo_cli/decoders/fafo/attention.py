@@ -46,6 +46,8 @@ class FafoAttention:
         self.verify_rows = verify_rows = layout.verify_rows
         length = cache.length
         self.split = compressor.view(0) is not None
+        # each mask folded for torch's kernel once a pass, not in every layer (folded_attention's memo: one per mask)
+        self._memos: tuple[dict, dict] = ({}, {})
         self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
             self.view_size = compressor.view_size(cache)
@@ -70,7 +72,7 @@ class FafoAttention:
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
         if not self.split:  # (the mask moves to a spread model's later GPUs)
             mask = self.mask if self.mask.device == q.device else self.mask.to(q.device)
-            return grouped_attention(q, k, v, mask, self.scaling)
+            return grouped_attention(q, k, v, mask, self.scaling, self._memos[0])
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.view_size
@@ -90,9 +92,9 @@ class FafoAttention:
             return torch.cat([out[:, :, :n_verify], out[:, :, window_at:window_at + q.shape[2] - n_verify]], dim=2)
         verify_end = start + n_verify
         verify = grouped_attention(q[:, :, :n_verify], k[:, :, :verify_end], v[:, :, :verify_end], self.verify_mask,
-                                   self.scaling)
+                                   self.scaling, self._memos[0])
         fumble = grouped_attention(q[:, :, n_verify:], view_k[:end].transpose(0, 1)[None],
-                                   view_v[:end].transpose(0, 1)[None], self.window_mask, self.scaling)
+                                   view_v[:end].transpose(0, 1)[None], self.window_mask, self.scaling, self._memos[1])
         return torch.cat([verify, fumble], dim=2)
 
 
