@@ -51,7 +51,13 @@ class QuestCompressor(ViewCompressor):
                 page_min[:, :self.page_min.shape[1]] = self.page_min
                 page_max[:, :self.page_max.shape[1]] = self.page_max
             self.page_min, self.page_max = page_min, page_max
-        for page in range(first_page, pages):
+        full = max(first_page, end // ps)  # the full pages at once (a long prompt's thousands), then the last one
+        if full > first_page:
+            blocks = cache.keys[:, first_page * ps:full * ps]
+            blocks = blocks.reshape(blocks.shape[0], full - first_page, ps, *blocks.shape[2:])
+            self.page_min[:, first_page:full] = blocks.amin(2)
+            self.page_max[:, first_page:full] = blocks.amax(2)
+        for page in range(full, pages):
             block = cache.keys[:, page * ps:min(end, (page + 1) * ps)]
             self.page_min[:, page] = block.amin(1)
             self.page_max[:, page] = block.amax(1)
