@@ -250,15 +250,23 @@ class Repl:
             if length > limit:  # the newest message, and half the room it leaves the earlier ones
                 newest = len(self.engine.encode([m for m in messages if m["role"] == "system"] + messages[-1:]))
                 limit = (limit + newest) // 2
-            while length > limit:
-                first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
-                if first is None or first >= len(messages) - 1:  # only the newest message is left
-                    if length < context:  # it is answered in what room there is
-                        break
-                    raise FafoError(f"this message alone does not fit the model's context ({context} tokens)")
-                del messages[first:first + 2]  # the oldest user message and its answer
-                dropped += 1
+            if length > limit:
+                first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+                exchanges = max(0, (len(messages) - 1 - first) // 2)  # the oldest first, user message and answer
+
+                def fits(drop: int) -> bool:
+                    return len(self.engine.encode(messages[:first] + messages[first + 2 * drop:])) <= limit
+
+                # the fewest dropped that fit, found by halving (a long chat's hundred exchanges: 7 encodings, not
+                # one encoding of the whole conversation per exchange dropped)
+                low, high = 0, exchanges
+                while low < high:
+                    middle = (low + high) // 2
+                    low, high = (low, middle) if fits(middle) else (middle + 1, high)
+                dropped, messages = low, messages[:first] + messages[first + 2 * low:]
                 length = len(self.engine.encode(messages))
+                if length > limit and length >= context:  # the newest message alone: answered in what room there is
+                    raise FafoError(f"this message alone does not fit the model's context ({context} tokens)")
         except FafoError as e:  # refused, and the conversation kept as it was
             self.messages.pop()
             self._error(str(e))
