@@ -1054,3 +1054,19 @@ def test_a_divergence_is_judged_by_the_logits_plain_decoding_made(tiny, monkeypa
     for token in reference[:5]:
         logits = session.step(token)
     assert divergence.gap == abs(float(logits[reference[5]] - logits[reference[5] + 1]))
+
+
+def test_a_python_without_its_library_sources_is_one_line_for_the_long_suite(monkeypatch):
+    from fafo_cli.bench import long
+    from fafo_cli.errors import FafoError
+
+    def no_source(module):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(long.inspect, "getsource", no_source)
+    long.standard_library.cache_clear()
+    try:
+        with pytest.raises(FafoError, match="give your own with --documents"):
+            long.standard_library()
+    finally:
+        long.standard_library.cache_clear()

@@ -101,9 +101,15 @@ def _module_docs(name: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def standard_library() -> Material:
-    """The standard library's sources and documentation on this machine (read once per process)."""
-    return Material(tuple((f"{name.replace('.', '/')}.py", inspect.getsource(importlib.import_module(name)))
-                          for name in SOURCE_MODULES),
+    """The standard library's sources and documentation on this machine (read once per process); a Python installed
+    without its .py sources is one FafoError."""
+    try:
+        sources = tuple((f"{name.replace('.', '/')}.py", inspect.getsource(importlib.import_module(name)))
+                        for name in SOURCE_MODULES)
+    except (OSError, TypeError) as e:
+        raise FafoError(f"the long suite reads this Python's standard library sources, which are not here ({e}): give "
+                        "your own with --documents FILE.py ...") from None
+    return Material(sources,
                     tuple((f"Module {name}", _module_docs(name)) for name in DOC_MODULES),
                     STANDARD_LIBRARY, STANDARD_LIBRARY)
 
