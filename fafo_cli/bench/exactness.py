@@ -1,10 +1,10 @@
 """Is every greedy row still exact? Token ids compared with the vanilla run's, first divergences classified.
 
 In float32 on a CPU every row must equal vanilla. In bfloat16/float16, or on a GPU (whose libraries pick their
-kernels by shape, and round a pass of several rows unlike a one-row pass, float32 too), a pass over several rows
-rounds differently from a one-row pass, so where vanilla's two best logits are (nearly) tied the other token can
-win: a numerical near-tie, reported but expected. How near is measured, not assumed: `rounding_noise` compares one-row and
-multi-row passes over the same text on this model and dtype. A divergence beyond that is a bug.
+kernels by shape, float32's too), a pass over several rows rounds differently from a one-row pass, so where
+vanilla's two best logits are (nearly) tied the other token can win: a numerical near-tie, reported but expected.
+How near is measured, not assumed: `rounding_noise` compares one-row and multi-row passes over the same text on this
+model and dtype. A divergence beyond that is a bug.
 """
 
 from __future__ import annotations
