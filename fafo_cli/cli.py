@@ -526,8 +526,8 @@ def bench(
         _create_config(config)
         raise typer.Exit(code)
     tables = err if "-" in outputs.values() else out  # standard output carries that file alone
-    # (the engine passed, not kept here: --verify frees it before its float32 copy loads)
-    raise typer.Exit(command.run(_load(settings, err, load_draft="triforce" in options.methods),  # (TriForce's draft)
+    # (loaded by the bench, not here: --verify frees it before its float32 copy loads; TriForce's rows read the draft)
+    raise typer.Exit(command.run(lambda: _load(settings, err, load_draft="triforce" in options.methods),
                                  settings, options, tables, err))
 
 

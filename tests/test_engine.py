@@ -354,6 +354,7 @@ def test_logits_that_are_not_numbers_are_one_line_naming_the_dtype_to_use(tiny, 
     engine = load(str(tiny), dtype="float32", chat_template=False)
     with pytest.raises(ModelOutputError, match="try --dtype float32"):
         engine.complete("Hello", max_tokens=4)
+    assert engine.session.cache.length == 0 and not engine.session.ids  # no cache a later request could reuse
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Hello")
     assert entrypoint(["run", str(tiny), "--dtype", "float32", "-p", str(prompt), "-n", "4"]) == 1

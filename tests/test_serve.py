@@ -241,7 +241,7 @@ def test_the_command_gives_the_request_log_back_as_it_found_it(tiny, monkeypatch
     log line of every server in the process, each with a 'Logging error' traceback."""
     from fafo_cli.serve import server
 
-    loggers = [logging.getLogger(name) for name in ("fafo.serve", "uvicorn", "uvicorn.access")]
+    loggers = [logging.getLogger(name) for name in ("fafo.serve", "uvicorn", "uvicorn.error", "uvicorn.access")]
 
     def state():
         return [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
@@ -249,7 +249,7 @@ def test_the_command_gives_the_request_log_back_as_it_found_it(tiny, monkeypatch
     before, seen = state(), []
     monkeypatch.setattr(server, "serve", lambda engine, sock, options: seen.append(state()))
     assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0"]) == 0
-    assert seen and all(during != then for during, then in zip(seen[0], before))  # its own handlers while it ran
+    assert seen and seen[0] != before  # its own handlers while it ran
     assert state() == before
 
 

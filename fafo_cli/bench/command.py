@@ -212,7 +212,8 @@ def tolerances(engine, references: list[Run], compiled: bool) -> dict[str, float
 
 
 def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[str]:
-    """Re-run every greedy row once per sample in float32; every row must equal vanilla token for token."""
+    """Re-run every greedy row once per sample in float32; every row must equal vanilla token for token (on a GPU,
+    whose float32 kernels are picked by shape, but at a near-tie within the noise measured there: said, not failed)."""
     from ..api import Engine
 
     engine = Engine.from_config(replace(engine_config, dtype="float32"),
@@ -223,6 +224,13 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
         for row in rows[1:]:
             ours = run_once(engine, row, sample, 0, tokens, {"temperature": 0.0}).token_ids
             position = exactness.first_divergence(ours, reference)
+            if position is not None and engine.model.device.type != "cpu":
+                prompt = engine.encode(list(sample.messages))
+                divergence = exactness.classify(engine, prompt, reference, ours, position,
+                                                exactness.rounding_noise(engine, prompt, reference))
+                if divergence.near_tie:
+                    console.print(f"[yellow]{row.name} on {sample.id}: float32 {divergence.describe()}[/]")
+                    continue
             if position is not None:
                 failures.append(f"{row.name} on {sample.id}: differs from vanilla at token {position} in float32")
         console.print(f"[dim]verified in float32: {sample.suite} · {sample.id}[/]")
@@ -233,9 +241,13 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def run(engine, config, options: BenchOptions, console, err_console) -> int:
+def run(load, config, options: BenchOptions, console, err_console) -> int:
+    """The bench; `load()` loads the engine, which this function alone then holds (--verify frees it before its
+    float32 copy loads: an engine passed in would stay on the caller's stack)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
+
+    engine = load()
 
     def skipped(line: str) -> None:
         err_console.print(f"[yellow]{line}[/]")

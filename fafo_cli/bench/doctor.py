@@ -110,7 +110,9 @@ def exact(engine) -> list[dict]:
             prompt = engine.encode(messages)
             divergence = exactness.classify(engine, prompt, plain.token_ids, fafo.token_ids, position,
                                             exactness.rounding_noise(engine, prompt, plain.token_ids))
-            check["divergence"], check["near_tie"] = divergence.describe(), divergence.near_tie
+            # (on a CPU float32 is exact by construction: even a gap of 0 is a bug there)
+            check["divergence"] = divergence.describe()
+            check["near_tie"] = bool(divergence.near_tie) and engine.model.device.type != "cpu"
         checks.append(check)
     engine.reset()
     return checks

@@ -144,7 +144,10 @@ class GraphSteps(OnceNotices):
             return None
         static = self._static.get(size)
         if static is None:
-            static = self._static[size] = _Static(self.model, cache, size, self.capture)
+            try:
+                static = self._static[size] = _Static(self.model, cache, size, self.capture)
+            except Exception as error:  # noqa: BLE001 - its buffers: out of memory, as a capture may be
+                return self._refuse(size, error)
         static.ids[:rows] = ids
         static.ids[rows:] = 0
         static.positions[:rows] = positions
@@ -162,16 +165,21 @@ class GraphSteps(OnceNotices):
         static.length.fill_(length)
         try:
             static.run()
-        except Exception as error:  # noqa: BLE001 - whatever capture refused: every step runs eager from now on
-            self._static.clear()
-            if is_out_of_memory(error):  # this size eager until the cache changes; the graphs' memory given back
-                self._refused.add(size)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                self.notify_once("out of GPU memory for a step's CUDA graph: such steps run eager")
-                return None
-            self.failed = True
-            self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
-            return None
+        except Exception as error:  # noqa: BLE001 - whatever capture refused
+            return self._refuse(size, error)
         self.calls_by_size[size] = self.calls_by_size.get(size, 0) + 1
         return static.logits[:rows].clone()  # the next replay overwrites the graph's output
+
+    def _refuse(self, size: int, error: Exception) -> None:
+        """After a graph failed: out of memory, this size runs eager until the cache changes (the graphs' memory
+        given back); anything else, every step runs eager from now on."""
+        self._static.clear()
+        if is_out_of_memory(error):
+            self._refused.add(size)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.notify_once("out of GPU memory for a step's CUDA graph: such steps run eager")
+            return None
+        self.failed = True
+        self.notify(f"CUDA graph capture failed, decoding eager: {first_line(error, named=True)}")
+        return None

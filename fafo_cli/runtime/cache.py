@@ -126,7 +126,9 @@ class KVCache:
         if slots > self.max_slots:
             raise ValueError(f"{slots} positions exceed the cache limit of {self.max_slots}")
         if slots > self.capacity:
-            grown = min(self.max_slots, self.limit, self.capacity + max(GROW_SLOTS, self.capacity // 4))
+            # (past the limit, a padded step's few slots: grown as usual, not reallocated step by step)
+            limit = self.limit if slots <= self.limit else self.max_slots
+            grown = min(self.max_slots, limit, self.capacity + max(GROW_SLOTS, self.capacity // 4))
             self._allocate(max(slots, grown), self.lead)
 
     def use_lead(self, slots: int) -> None:

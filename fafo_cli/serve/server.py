@@ -181,18 +181,20 @@ def request_log(verbose: bool):
         handler.setFormatter(formatter)
         return [handler]
 
+    # logger: (handlers, level, propagate); uvicorn.error's lines go to uvicorn's handler, at its level
     setup = {log: (on_stderr(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")),
-                   logging.DEBUG if verbose else logging.INFO),
+                   logging.DEBUG if verbose else logging.INFO, False),
              logging.getLogger("uvicorn"): (on_stderr(uvicorn.logging.DefaultFormatter("%(levelprefix)s %(message)s")),
-                                            logging.INFO if verbose else logging.WARNING),
+                                            logging.INFO if verbose else logging.WARNING, False),
+             logging.getLogger("uvicorn.error"): ([], logging.NOTSET, True),
              logging.getLogger("uvicorn.access"): (on_stderr(uvicorn.logging.AccessFormatter(
                  '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s')),
-                 logging.INFO if verbose else logging.WARNING)}
+                 logging.INFO if verbose else logging.WARNING, False)}
     saved = {logger: (logger.handlers[:], logger.level, logger.propagate) for logger in setup}
-    for logger, (handlers, level) in setup.items():
+    for logger, (handlers, level, propagate) in setup.items():
         logger.handlers[:] = handlers
         logger.setLevel(level)
-        logger.propagate = False
+        logger.propagate = propagate
     try:
         yield
     finally:
