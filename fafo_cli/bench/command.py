@@ -224,14 +224,13 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
         for row in rows[1:]:
             ours = run_once(engine, row, sample, 0, tokens, {"temperature": 0.0}).token_ids
             position = exactness.first_divergence(ours, reference)
-            if position is not None and engine.model.device.type != "cpu":
-                prompt = engine.encode(list(sample.messages))
-                divergence = exactness.classify(engine, prompt, reference, ours, position,
-                                                exactness.rounding_noise(engine, prompt, reference))
-                if divergence.near_tie:
-                    console.print(f"[yellow]{row.name} on {sample.id}: float32 {divergence.describe()}[/]")
-                    continue
-            if position is not None:
+            if position is None:
+                continue
+            divergence = exactness.judge_float32(engine, engine.encode(list(sample.messages)), reference, ours,
+                                                 position)
+            if divergence.near_tie:
+                console.print(f"[yellow]{row.name} on {sample.id}: float32 {divergence.describe()}[/]")
+            else:
                 failures.append(f"{row.name} on {sample.id}: differs from vanilla at token {position} in float32")
         console.print(f"[dim]verified in float32: {sample.suite} · {sample.id}[/]")
     return failures

@@ -106,13 +106,10 @@ def exact(engine) -> list[dict]:
         position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
         check = {"prompt": f"{sample.suite} · {sample.id}", "tokens": len(plain.token_ids), "equal": position is None,
                  "fafo_steps": fafo.stats.steps, "accepted": fafo.stats.accepted_tokens}
-        if position is not None:  # (on a GPU judged by the measured noise: its float32 kernels differ by shape)
-            prompt = engine.encode(messages)
-            divergence = exactness.classify(engine, prompt, plain.token_ids, fafo.token_ids, position,
-                                            exactness.rounding_noise(engine, prompt, plain.token_ids))
-            # (on a CPU float32 is exact by construction: even a gap of 0 is a bug there)
-            check["divergence"] = divergence.describe()
-            check["near_tie"] = bool(divergence.near_tie) and engine.model.device.type != "cpu"
+        if position is not None:
+            divergence = exactness.judge_float32(engine, engine.encode(messages), plain.token_ids, fafo.token_ids,
+                                                 position)
+            check["divergence"], check["near_tie"] = divergence.describe(), divergence.near_tie
         checks.append(check)
     engine.reset()
     return checks
