@@ -767,7 +767,8 @@ def test_a_stop_while_a_streamed_step_outlasts_the_grace_ends_the_stream_with_th
 
 def test_api_key(guarded):
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
-        assert http.get(guarded.health).status_code == 200  # open: a liveness probe
+        health = http.get(guarded.health)  # open: a liveness probe; it does not name the model (a local path)
+        assert health.status_code == 200 and health.json()["status"] == "ok" and "model" not in health.json()
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic a2V5Og=="}):
             response = http.get("/models", headers=headers)
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
@@ -809,6 +810,24 @@ def test_health_says_unavailable_once_the_engine_has_stopped(tiny):
         worker.join(10)
         answer = http.get("/health")
         assert answer.status_code == 503 and answer.json() == {"status": "unavailable", "model": engine.name}
+
+
+def test_a_dead_engine_thread_takes_no_requests(tiny):
+    """Only a BaseException could end it, but a queue no thread serves would hold its requests forever."""
+    from fafo_cli.serve.errors import ApiError
+    from fafo_cli.serve.worker import Worker
+
+    worker = Worker(load(str(tiny), dtype="float32"), max_waiting=4)
+    worker.close()
+    worker.join(10)
+    worker._closing = False  # (as if its thread had died, not been closed)
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    worker._thread = dead
+    with pytest.raises(ApiError) as refused:
+        worker.check_room()
+    assert refused.value.status == 503
 
 
 def test_models_and_health(served):

@@ -103,10 +103,13 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
                                 f"'{served}'", param="model", code="model_not_found")
         return JSONResponse(_model(served, started))
 
+    # /health is open, as a liveness probe needs it; behind a key it does not name the model (a path on this machine)
+    named = {} if api_key else {"model": served}
+
     async def health(request: Request) -> Response:
         if not worker.running:  # (shutting down, or its thread died): what a probe must see to restart it
-            return JSONResponse({"status": "unavailable", "model": served}, status_code=503)
-        return JSONResponse({"status": "ok", "model": served, **worker.load})
+            return JSONResponse({"status": "unavailable", **named}, status_code=503)
+        return JSONResponse({"status": "ok", **named, **worker.load})
 
     routes = [Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
               Route("/v1/completions", _answers_errors(text), methods=["POST"]),

@@ -89,7 +89,7 @@ class Worker:
             self._check_room()
 
     def _check_room(self) -> None:  # holding the lock
-        if self._closing:
+        if self._closing or not self._thread.is_alive():  # (a dead engine thread would leave requests queued forever)
             raise shutting_down()
         # A worker that is idle, or only closing the stream of a request it has answered, takes the first waiting
         # request next: that one is not waiting (else a client's next request could find it "busy").
