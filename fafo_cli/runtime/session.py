@@ -213,8 +213,9 @@ def non_finite(dtype: torch.dtype) -> str:
     if dtype == torch.float16:
         return ("the model's logits after the prompt are not numbers (NaN or infinite): float16 overflows in some "
                 "models (Qwen2's among them); run it in bfloat16 where this device has it, else float32 (--dtype)")
-    return (f"the model's logits after the prompt are not numbers (NaN or infinite) in {str(dtype).split('.')[-1]}: "
-            "its weights or this device's kernels give none; try --dtype float32")
+    name = str(dtype).removeprefix("torch.")
+    return (f"the model's logits after the prompt are not numbers (NaN or infinite) in {name}: its weights or this "
+            "device's kernels give none; try --dtype float32")
 
 
 def _observed(attend, observe, cache, first: int):
