@@ -170,15 +170,64 @@ def test_h2o_evicts_for_good_and_scores_only_what_it_keeps():
         assert set(h2o.selected_positions(cache, layer)) <= set(first[layer])
 
 
-@pytest.mark.parametrize("name", ["stream", "snapkv", "quest"])
+def test_h2o_follows_a_direct_reference_step_by_step():
+    """H2O's rule written out with sets: the kept positions older than the recent window compete by accumulated
+    mass (an evicted one never again), the recent ones are all kept; the mass comes from each window step's anchor
+    over the kept positions alone. Steps without the window (no selection, no scoring) come in between."""
+    cache, length = filled_cache(70), 70
+    budget, recent = 30, 6
+    h2o = H2OCompressor(budget=budget, recent=recent, window=4, prompt_length=70, scale=0.3, tail_rows=4)
+    mass = torch.zeros(LAYERS, 512)
+    q_prompt = torch.randn(LAYERS, HEADS, 70, DIM)
+    for layer in range(LAYERS):
+        h2o.observe_prefill(layer, q_prompt[layer], cache.keys[layer, :70], 0)
+        for row in range(66, 70):
+            mass[layer, :row + 1] += attention_weights(q_prompt[layer, :, row:row + 1], cache.keys[layer, :row + 1],
+                                                       0.3)
+    kept = [set(range(70)) for _ in range(LAYERS)]
+
+    def select() -> None:
+        older = length - recent
+        for layer in range(LAYERS):
+            old = sorted(p for p in kept[layer] if p < older)
+            top = torch.topk(mass[layer, old], budget - recent).indices.tolist()
+            kept[layer] = {old[i] for i in top} | set(range(older, length))
+            assert h2o.selected_positions(cache, layer) == sorted(kept[layer]), (length, layer)
+
+    h2o.rebuild(cache)
+    select()
+    for step in range(30):
+        count = 1 + step % 3
+        rows = torch.randn(LAYERS, count, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, rows[layer], -rows[layer])
+        cache.commit(count)
+        h2o.committed(cache, length, count)
+        length += count
+        if step % 3 == 2 or 12 <= step < 16:  # no window this step
+            continue
+        h2o.prepare(cache)
+        select()
+        for layer in range(LAYERS):
+            q = torch.randn(HEADS, DIM)
+            h2o.observe(layer, q, cache.keys[layer, :length])
+            seen = torch.tensor(sorted(kept[layer]))
+            mass[layer, seen] += attention_weights(q[:, None], cache.keys[layer, seen], 0.3)
+    assert h2o.slots.size == budget
+
+
+@pytest.mark.parametrize("name", ["stream", "snapkv", "quest", "h2o"])
 def test_view_reads_and_mask_follow_the_selection(name):
     """The slot view copies keys and values only when read, and keeps its [positions, layers] mask: both agree
-    with the selection, through ring wrap-around, refreshes and the cache being reallocated under it."""
+    with the selection, through ring wrap-around, refreshes, steps without the window (no selection: quest's
+    slots filled up once in such a run) and the cache being reallocated under it."""
     cache = filled_cache(60)
     compressor = {"stream": lambda: StreamCompressor(budget=24, sink=4, tail_rows=4),
                   "snapkv": lambda: SnapKVCompressor(budget=40, window=8, kernel=3, prompt_length=60, scale=0.5,
                                                      tail_rows=4),
-                  "quest": lambda: QuestCompressor(budget=32, page_size=8, refresh=4, tail_rows=4, max_commit=3)}[name]()
+                  "quest": lambda: QuestCompressor(budget=32, page_size=8, refresh=4, tail_rows=4, max_commit=3),
+                  "h2o": lambda: H2OCompressor(budget=32, recent=8, window=8, prompt_length=60, scale=0.5,
+                                               tail_rows=4)}[name]()
     q = torch.randn(LAYERS, HEADS, 60, DIM)
     for layer in range(LAYERS):  # what query-aware compressors learn from
         if hasattr(compressor, "observe_prefill"):
@@ -198,7 +247,12 @@ def test_view_reads_and_mask_follow_the_selection(name):
         cache.commit(count)
         compressor.committed(cache, length, count)
         length += count
+        if step % 4 == 3 or 10 <= step < 17:  # a step without the window: nothing reads the view
+            continue
         compressor.prepare(cache)
+        if name == "h2o":  # the anchor row's attention over what it keeps
+            for layer in range(LAYERS):
+                compressor.observe(layer, torch.randn(HEADS, DIM), cache.keys[layer, :length])
         if step % 7:  # a compiled step reads only the mask; every 7th step reads the view as well
             continue
         view, mask = compressor.slots, compressor.view_mask(cache)

@@ -317,7 +317,6 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     while not step.finish_reason:
         began = time.perf_counter()  # the step's whole cost, host work included, teaches the planner its costs
         start = cache.length
-        compressor.prepare(cache)
         guesses = TextGuesses(index, settings.copies, settings.draft_tokens)
         # without a window no pool n-grams are offered (an earlier turn's, where its window ran)
         found = ([Chain("window", key, ngram) for ngram, key in pool.lookup(text, settings.guesses)]
@@ -326,6 +325,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                             firsts=guesses.firsts() + found, depth=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
         view_tokens = window.tokens() if shape else None
+        if shape:  # (a step without the window reads no C(kv): its selection waits for the next one that does)
+            compressor.prepare(cache)
         # the rows that run: a window warming up (its first k - 1 steps of a request) has fewer than the plan's
         ran = 1 + len(tree) + len(view_tokens or ())
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(ran),

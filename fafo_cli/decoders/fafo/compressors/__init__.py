@@ -28,7 +28,7 @@ class Compressor(Protocol):
         """Select from scratch, right after a prefill."""
 
     def prepare(self, cache: KVCache) -> None:
-        """Before a step: refresh the selection if it is due."""
+        """Before a step whose window rows run (only those read C(kv)): refresh the selection if it is due."""
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
         """Positions start..start+count-1 were just committed to the cache."""

@@ -1,11 +1,16 @@
 """`h2o` (Heavy-Hitter Oracle): keep the positions with the most accumulated attention plus a recent window.
 
 Attention mass comes from the committed rows: at prefill from the last `window` prompt queries (the full
-L×L weights would cost more than the prefill itself), then from each step's anchor row over the positions still
-kept. As in the paper, eviction is final: a position that leaves the view is never scored or selected again, so a
-step's scoring reads the budget's keys, not the whole cache (scored over every position, a step at 8K cost about
-as much as the window's rows reading the whole cache). The selection is refreshed every step: the heavy hitters
-among the older kept positions fill `budget − recent` slots, the `recent` newest positions the rest.
+L×L weights would cost more than the prefill itself), then from each window step's anchor row over the positions
+still kept. As in the paper, eviction is final: a position that leaves the view is never scored or selected again.
+So a step's work is bounded by the budget, not the context: the anchor row is scored against the view's keys, and a
+selection weighs only the kept heavy hitters against the positions that left the recent window since the last one
+(the first selection, after the prefill, weighs every older position once).
+
+The view's first `budget − recent` slots hold the heavy hitters, each staying in its slot while it is kept (a
+promoted position takes an evicted one's slot, so a selection copies only what changed); the last `recent` slots are
+a ring of the newest positions. The selection runs only on the steps whose window rows run (`prepare`): positions
+committed in between are recent, or left the recent window unscored (no mass), which the next selection weighs.
 """
 
 from __future__ import annotations
@@ -25,48 +30,83 @@ class H2OCompressor(ViewCompressor):
     def __init__(self, *, budget: int, recent: int, window: int, prompt_length: int, scale: float,
                  tail_rows: int):
         self.budget, self.recent, self.scale, self.tail_rows = budget, recent, scale, tail_rows
+        self.heavy_slots = budget - recent
         self.mass = ObservationScores(window, prompt_length, scale)
         self.observe_prefill = self.mass.observe_prefill
-        self.evicted: dict[int, torch.Tensor] = {}  # per layer, [positions]: left the view for good
+        # [layers, budget − recent]: each layer's heavy hitters, slot by slot (None before the first selection)
+        self.heavy: torch.Tensor | None = None
+        self.settled = 0  # positions below it were weighed by a selection: kept only if among `heavy`
+        self.seen = 0  # the cache's length at the last selection
+        self._kept: tuple[int, torch.Tensor] | None = None  # (length, [layers, n]) the positions not evicted
 
     def state(self) -> list[torch.Tensor]:
-        return self.mass.tensors() + list(self.evicted.values())
+        return self.mass.tensors() + ([] if self.heavy is None else [self.heavy])
 
-    def _gone(self, layer: int, length: int) -> torch.Tensor:
-        """[length] booleans: the positions evicted from `layer` (those committed since the last selection are not)."""
-        gone = torch.zeros(length, dtype=torch.bool)
-        evicted = self.evicted.get(layer)
-        if evicted is not None:
-            n = min(length, evicted.shape[0])
-            gone[:n] = evicted[:n]
-        return gone
+    def kept(self, length: int) -> torch.Tensor | None:
+        """[layers, n]: the positions below `length` not evicted, or None before the first selection (all of them)."""
+        if self.heavy is None:
+            return None
+        if self._kept is None or self._kept[0] != length:
+            newer = torch.arange(self.settled, length, device=self.heavy.device).expand(self.heavy.shape[0], -1)
+            self._kept = length, torch.cat([self.heavy, newer], dim=1)
+        return self._kept[1]
 
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        kept = (~self._gone(layer, keys.shape[0])).nonzero().squeeze(1).to(keys.device)
-        weights = torch.zeros(keys.shape[0], device=keys.device)
-        weights[kept] = attention_weights(q[:, None], keys[kept], self.scale)
-        self.mass.add(layer, weights)
-
-    def select(self, cache: KVCache) -> torch.Tensor:
-        length, older = cache.length, cache.length - self.recent
-        recent = torch.arange(older, length)
-        chosen = []
-        for layer in range(cache.keys.shape[0]):
-            mass = self.mass.layer(layer, length)[:older]
-            mass[self._gone(layer, older)] = float("-inf")
-            heavy = torch.topk(mass, self.budget - self.recent).indices.sort().values
-            gone = torch.ones(older, dtype=torch.bool)  # every older position not kept now
-            gone[heavy] = False
-            self.evicted[layer] = gone
-            chosen.append(torch.cat([heavy, recent]))
-        return torch.stack(chosen).to(cache.device)
+        length = keys.shape[0]
+        kept = self.kept(length)
+        if kept is None:
+            self.mass.add(layer, attention_weights(q[:, None], keys, self.scale))
+            return
+        positions = kept[layer]
+        self.mass.add_at(layer, positions, attention_weights(q[:, None], keys[positions], self.scale), length)
 
     def rebuild(self, cache: KVCache) -> None:
+        """The first selection: every position older than the recent window weighed at once."""
+        self.heavy, self.settled, self.seen, self._kept = None, 0, 0, None
         self.active = cache.length > self.budget
-        if self.active:
-            self._slots(cache, self.budget).fill(self.select(cache))
+        if not self.active:
+            return
+        length, older, layers = cache.length, cache.length - self.recent, cache.keys.shape[0]
+        candidates = torch.arange(older, device=cache.device).expand(layers, -1)
+        top = torch.topk(self.mass.gather(candidates, length), self.heavy_slots, dim=1).indices
+        self.heavy = candidates.gather(1, top)
+        newest = torch.arange(older, length, device=cache.device)
+        ring = newest[torch.argsort(newest % self.recent)]  # slot heavy_slots + i holds the position ≡ i mod recent
+        self._slots(cache, self.budget).fill(torch.cat([self.heavy, ring.expand(layers, -1)], dim=1))
+        self.settled, self.seen = older, length
 
-    prepare = rebuild  # every step: the recent window slides and the masses change
+    def prepare(self, cache: KVCache) -> None:
+        if not self.active:
+            if cache.length > self.budget:  # the answer outgrew the budget
+                self.rebuild(cache)
+            return
+        length, older = cache.length, cache.length - self.recent
+        if length == self.seen:
+            return
+        # the newest positions into the ring (the same slots in every layer)
+        newest = list(range(max(self.seen, older), length))
+        self.slots.put([self.heavy_slots + p % self.recent for p in newest], newest)
+        if older > self.settled:  # positions that left the recent window compete with the heavy hitters
+            self._promote(torch.arange(self.settled, older, device=cache.device), length)
+        self.settled, self.seen, self._kept = older, length, None
+
+    def _promote(self, left: torch.Tensor, length: int) -> None:
+        """Keep the heaviest `budget − recent` of the heavy hitters and the positions that `left` the recent window;
+        a promoted one takes the slot of a heavy hitter it evicts (the same count in each layer)."""
+        layers, n = self.heavy.shape[0], left.shape[0]
+        left = left.expand(layers, -1)
+        candidates = torch.cat([self.heavy, left], dim=1)
+        top = torch.topk(self.mass.gather(candidates, length), self.heavy_slots, dim=1).indices
+        keep = torch.zeros_like(candidates, dtype=torch.bool).scatter_(1, top, True)
+        swaps = min(n, self.heavy_slots)
+        # per layer: its evicted slots first, its promoted positions first (stable: the order does not matter)
+        freed = torch.sort((~keep[:, :self.heavy_slots]).to(torch.int8), dim=1, descending=True, stable=True)
+        promoted = torch.sort(keep[:, self.heavy_slots:].to(torch.int8), dim=1, descending=True, stable=True)
+        slots = freed.indices[:, :swaps]
+        real = freed.values[:, :swaps].bool()  # beyond a layer's count, a slot keeps its own position
+        positions = torch.where(real, left.gather(1, promoted.indices[:, :swaps]), self.heavy.gather(1, slots))
+        self.heavy.scatter_(1, slots, positions)
+        self.slots.put_layers(slots, positions)
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
-        pass  # the next step's prepare selects again
+        pass  # the next window step's prepare brings the view up to date

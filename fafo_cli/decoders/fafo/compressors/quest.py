@@ -109,5 +109,7 @@ class QuestCompressor(ViewCompressor):
                 self.active = True
                 self._select(cache)
             return
+        if self.slots.size + count > self.slots.slots:  # steps without the window since the last selection: the
+            return  # next window step selects anew (its refresh is due: more than `refresh` tokens came since)
         self.slots.put(list(range(self.slots.size, self.slots.size + count)), list(range(start, start + count)))
         self.slots.size += count

@@ -17,12 +17,17 @@ from .scores import attention_weights
 from .view import ViewCompressor
 
 
+def _doubled(have: int, need: int) -> int:
+    return have if need <= have else max(need, 2 * have)
+
+
 class ObservationScores:
-    """Attention mass each prompt position receives from the last `window` prompt queries, per layer."""
+    """Attention mass each position receives, per layer: from the last `window` prompt queries at prefill, then
+    from whatever the compressor adds. One [layers, positions] tensor, grown as layers and the context arrive."""
 
     def __init__(self, window: int, prompt_length: int, scale: float):
         self.window, self.prompt_length, self.scale = window, prompt_length, scale
-        self.scores: dict[int, torch.Tensor] = {}
+        self.scores: torch.Tensor | None = None
 
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
         positions = torch.arange(first, first + q.shape[1], device=q.device)
@@ -31,26 +36,39 @@ class ObservationScores:
             return
         self.add(layer, attention_weights(q[:, rows], keys, self.scale, positions[rows]))
 
-    def add(self, layer: int, weights: torch.Tensor) -> None:
-        """Accumulate attention mass ([positions]) for a layer, growing its record as the context grows."""
-        total = self.scores.get(layer)
-        if total is None or total.shape[0] < weights.shape[0]:
-            grown = torch.zeros(max(weights.shape[0], 2 * (0 if total is None else total.shape[0])),
-                                device=weights.device)
+    def _room(self, layers: int, length: int, device: torch.device) -> torch.Tensor:
+        total = self.scores
+        rows, columns = (0, 0) if total is None else total.shape
+        if layers > rows or length > columns:
+            # doubling what falls short: layers arrive one by one at the first prefill chunk, positions by steps
+            grown = torch.zeros(_doubled(rows, layers), _doubled(columns, length), device=device)
             if total is not None:
-                grown[:total.shape[0]] = total
-            total = self.scores[layer] = grown
-        total[:weights.shape[0]] += weights
+                grown[:rows, :columns] = total
+            total = self.scores = grown
+        return total
+
+    def add(self, layer: int, weights: torch.Tensor) -> None:
+        """Accumulate attention mass for a layer: `weights` [positions] from the first position on."""
+        self._room(layer + 1, weights.shape[0], weights.device)[layer, :weights.shape[0]] += weights
+
+    def add_at(self, layer: int, positions: torch.Tensor, weights: torch.Tensor, length: int) -> None:
+        """Accumulate `weights` at `positions` (all below `length`: no read of the device's tensor to know it)."""
+        self._room(layer + 1, length, weights.device)[layer].index_add_(0, positions, weights)
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.scores.values())
+        return [] if self.scores is None else [self.scores]
 
     def layer(self, layer: int, length: int) -> torch.Tensor:
-        scores = self.scores.get(layer)
+        """[length] on the host: a layer's mass (0 where none was added)."""
         out = torch.zeros(length)
-        if scores is not None:
-            out[:min(length, scores.shape[0])] = scores[:length].cpu()
+        if self.scores is not None and layer < self.scores.shape[0]:
+            n = min(length, self.scores.shape[1])
+            out[:n] = self.scores[layer, :n].cpu()
         return out
+
+    def gather(self, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """[layers, n]: each layer's mass at its own `positions` [layers, n], all below `length`."""
+        return self._room(positions.shape[0], length, positions.device)[:positions.shape[0]].gather(1, positions)
 
 
 class SnapKVCompressor(ViewCompressor):

@@ -68,6 +68,17 @@ class SlotView:
         self._selected[both[1]] = True
         self._uncopied.update(slots)
 
+    def put_layers(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store `positions` [layers, n] in `slots` [layers, n], each layer its own (copied now: the slots differ by
+        layer, which the lazy copy's slot set cannot say)."""
+        self._grow_mask()
+        self._selected[self.positions.gather(1, slots), self._layer_index] = False
+        self.positions.scatter_(1, slots, positions)
+        self._selected[positions, self._layer_index] = True
+        cache = self.cache
+        self.keys[self._layer_index, slots] = cache.readable(cache.keys[self._layer_index, positions])
+        self.values[self._layer_index, slots] = cache.readable(cache.values[self._layer_index, positions])
+
     def _grow_mask(self) -> None:
         """Room for every position the cache can hold (its last row stays the spare one)."""
         rows = self.cache.capacity + 1
