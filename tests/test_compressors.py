@@ -156,15 +156,19 @@ def test_h2o_evicts_for_good_and_scores_only_what_it_keeps():
     h2o.prepare(cache)
     first = [h2o.selected_positions(cache, layer) for layer in range(LAYERS)]
     evicted = [sorted(set(range(80)) - set(kept)) for kept in first]
+    before = [h2o.mass.layer(layer, 90).clone() for layer in range(LAYERS)]
+    queries = []
     for layer in range(LAYERS):
-        before = h2o.mass.layer(layer, 90).clone()
-        q = 50 * cache.keys[layer, evicted[layer][0]].repeat_interleave(HEADS // KV, 0)  # aims at an evicted one
-        h2o.observe(layer, q, cache.keys[layer, :90])
-        added = h2o.mass.layer(layer, 90) - before
+        queries.append(50 * cache.keys[layer, evicted[layer][0]].repeat_interleave(HEADS // KV, 0))  # aims at one
+        h2o.observe(layer, queries[layer], cache.keys[layer, :90])
+    h2o.learn(cache)  # (as a step's commit does: every layer's observed query scored at once)
+    for layer in range(LAYERS):
+        added = h2o.mass.layer(layer, 90) - before[layer]
         kept = torch.tensor(first[layer])
         assert added[evicted[layer]].abs().max() == 0
-        assert torch.allclose(added[kept], attention_weights(q[:, None], cache.keys[layer, kept], 0.3))
-        h2o.mass.add(layer, torch.zeros(90).index_fill(0, torch.tensor(evicted[layer]), 1e6))  # overwhelming mass
+        assert torch.allclose(added[kept], attention_weights(queries[layer][:, None], cache.keys[layer, kept], 0.3))
+        with torch.inference_mode():  # (as the mass is made and updated)
+            h2o.mass.add(layer, torch.zeros(90).index_fill(0, torch.tensor(evicted[layer]), 1e6))  # overwhelming
     h2o.prepare(cache)
     for layer in range(LAYERS):
         assert set(h2o.selected_positions(cache, layer)) <= set(first[layer])

@@ -316,6 +316,27 @@ def test_grouped_attention_folds_query_heads_into_rows(dtype, rows, monkeypatch)
         torch.testing.assert_close(folded, reference)
 
 
+def test_a_gpus_prefill_chunk_folds_its_query_heads_and_its_steps_do_not(monkeypatch):
+    """Off the CPU (meta tensors stand in for a GPU's: shapes only), a masked prefill chunk of a grouped-query model
+    is folded into equal head counts, which torch's memory-efficient kernel serves (`enable_gqa` with a mask takes
+    the math path, every query head's scores over the whole cache at once); a decoding step keeps `enable_gqa`."""
+    from fafo_cli.runtime import model
+
+    calls = []
+
+    def sdpa(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
+        calls.append((q.shape[1], k.shape[1], enable_gqa))
+        return torch.empty(q.shape[:-1] + v.shape[-1:], device=q.device, dtype=q.dtype)
+
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", sdpa)
+    keys = 4096
+    k = v = torch.empty(1, 2, keys, 64, device="meta")
+    for rows, expected in ((512, (2, 2, False)), (model.STEP_ROWS, (14, 2, True)), (4, (14, 2, True))):
+        q = torch.empty(1, 14, rows, 64, device="meta")
+        out = model.grouped_attention(q, k, v, torch.ones(rows, keys, dtype=torch.bool, device="meta"), 0.125, {})
+        assert calls[-1] == expected and out.shape == q.shape, rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_folder, rows, dtype):

@@ -244,7 +244,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     chunk) runs our kernel (`serve_cpu_attention`); elsewhere on a CPU torch's, through `folded_attention` (`memo`:
     as there)."""
     rows, dim = q.shape[2], q.shape[3]
-    if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):  # CUDA: see folded_attention
+    if q.device.type != "cpu" and rows > STEP_ROWS and mask is not None and mask.dim() == 2:
+        return folded_attention(q, k, v, mask, scale, memo)  # a GPU's prefill chunk: see folded_attention
+    if q.device.type != "cpu" or (mask is not None and mask.dim() != 2):  # a GPU's step: see folded_attention
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     ours = _cpu_attention is not None and rows <= STEP_ROWS and dim % 16 == 0
     dtype = q.dtype  # of the result
@@ -264,9 +266,10 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """torch's attention of q [1, heads, rows, dim] over k, v [1, kv_heads, keys, dim] under `mask` [rows, keys]
     (None: every key), the query heads that share a KV head folded into that head's rows. On a CPU torch's kernel
     then reads each KV head once for all its query heads, where `enable_gqa` took a path several times slower at
-    long contexts. The result is enable_gqa's up to rounding (tested). Not on CUDA: there a masked `enable_gqa`
-    call takes the math path (flash takes no mask, memory-efficient no unequal head counts), and the folded call
-    the memory-efficient kernel, which splits the work by query rows only and so measured far slower for one row
+    long contexts. The result is enable_gqa's up to rounding (tested). On a GPU a masked `enable_gqa` call takes
+    the math path (flash takes no mask, memory-efficient no unequal head counts), which holds every query head's
+    scores over the whole cache: a prefill chunk is folded, so that the memory-efficient kernel serves it; a
+    decoding step is not, as that kernel splits the work by query rows only and so measured far slower for one row
     over a long cache (docs/gpu.md, scripts/gqa_steps.py). `memo`: a dict that every layer of one pass shares, in
     which the folded mask is kept as the additive mask torch's kernel builds from a boolean one (the same values):
     built once a pass instead of once a layer (a quarter of a long prompt's attention time at 8K tokens)."""

@@ -38,6 +38,8 @@ class H2OCompressor(ViewCompressor):
         self.settled = 0  # positions below it were weighed by a selection: kept only if among `heavy`
         self.seen = 0  # the cache's length at the last selection
         self._kept: tuple[int, torch.Tensor] | None = None  # (length, [layers, n]) the positions not evicted
+        self._queries: dict[int, torch.Tensor] = {}  # per layer, the last window step's anchor query
+        self._observed = 0  # the cache's length when they were observed
 
     def state(self) -> list[torch.Tensor]:
         return self.mass.tensors() + ([] if self.heavy is None else [self.heavy])
@@ -52,16 +54,32 @@ class H2OCompressor(ViewCompressor):
         return self._kept[1]
 
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        length = keys.shape[0]
-        kept = self.kept(length)
-        if kept is None:
-            self.mass.add(layer, attention_weights(q[:, None], keys, self.scale))
+        """Keep the anchor's query of `layer` ([heads, dim]) over `keys` (the cache so far): every layer's is scored
+        at once when the step is committed (`learn`), not one layer at a time within the pass."""
+        self._queries[layer] = q
+        self._observed = keys.shape[0]
+
+    @torch.inference_mode()  # (the mass was made in the prefill's)
+    def learn(self, cache: KVCache) -> None:
+        """Add the observed queries' attention over the positions they kept to the mass (one call for all layers)."""
+        if not self._queries:
             return
-        positions = kept[layer]
-        self.mass.add_at(layer, positions, attention_weights(q[:, None], keys[positions], self.scale), length)
+        layers, length = cache.keys.shape[0], self._observed
+        q = torch.stack([self._queries[layer] for layer in range(layers)])[:, :, None]  # [layers, heads, 1, dim]
+        self._queries.clear()
+        if self.heavy is None:  # every position kept: the cache as it is
+            kept, keys = torch.arange(length, device=cache.device).expand(layers, -1), cache.keys[:, :length]
+        elif length == self.seen:  # observed right after a selection: the kept positions are the view's
+            self.slots.layer(0)  # (its keys copied, if no layer read them yet)
+            kept, keys = self.slots.positions[:, :self.slots.size], self.slots.keys[:, :self.slots.size]
+        else:
+            kept = self.kept(length)
+            keys = cache.keys[torch.arange(layers, device=cache.device)[:, None], kept]
+        self.mass.add_layers(kept, attention_weights(q, keys, self.scale), length)
 
     def rebuild(self, cache: KVCache) -> None:
         """The first selection: every position older than the recent window weighed at once."""
+        self.learn(cache)
         self.heavy, self.settled, self.seen, self._kept = None, 0, 0, None
         self.active = cache.length > self.budget
         if not self.active:
@@ -76,6 +94,7 @@ class H2OCompressor(ViewCompressor):
         self.settled, self.seen = older, length
 
     def prepare(self, cache: KVCache) -> None:
+        self.learn(cache)
         if not self.active:
             if cache.length > self.budget:  # the answer outgrew the budget
                 self.rebuild(cache)
@@ -109,4 +128,4 @@ class H2OCompressor(ViewCompressor):
         self.slots.put_layers(slots, positions)
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:
-        pass  # the next window step's prepare brings the view up to date
+        self.learn(cache)  # (the next window step's prepare brings the view up to date)

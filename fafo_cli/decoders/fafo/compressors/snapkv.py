@@ -51,9 +51,11 @@ class ObservationScores:
         """Accumulate attention mass for a layer: `weights` [positions] from the first position on."""
         self._room(layer + 1, weights.shape[0], weights.device)[layer, :weights.shape[0]] += weights
 
-    def add_at(self, layer: int, positions: torch.Tensor, weights: torch.Tensor, length: int) -> None:
-        """Accumulate `weights` at `positions` (all below `length`: no read of the device's tensor to know it)."""
-        self._room(layer + 1, length, weights.device)[layer].index_add_(0, positions, weights)
+    def add_layers(self, positions: torch.Tensor, weights: torch.Tensor, length: int) -> None:
+        """Accumulate `weights` [layers, n] at each layer's `positions` [layers, n], all below `length` (so no read
+        of a device's tensor to know how far they reach)."""
+        layers = positions.shape[0]
+        self._room(layers, length, weights.device)[:layers].scatter_add_(1, positions, weights)
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.scores is None else [self.scores]
