@@ -550,6 +550,11 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
         wanted = _support_files(files) + _weight_files(
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
+        # (huggingface_hub 1.x returns the cached snapshot, whole or not, when the connection fails at this point)
+        missing = [name for name in wanted if not (folder / name).is_file()]
+        if missing:
+            raise FafoError(f"the download of {repo_id} broke off ({len(missing)} of its {len(wanted)} files "
+                            "missing); pull again: the files already downloaded are kept")
         _record_pull(folder, wanted)
     except FafoError:
         raise
@@ -721,12 +726,16 @@ def _scanned_hub_cache():
     from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
-    try:
-        return scan_cache_dir(constants.HF_HUB_CACHE)
-    except CacheNotFound:
-        return None
-    except ValueError as e:  # (a file where the folder should be)
-        raise FafoError(f"cannot read the Hugging Face cache: {first_line(e)}") from None
+    for attempt in range(3):
+        try:
+            return scan_cache_dir(constants.HF_HUB_CACHE)
+        except CacheNotFound:
+            return None
+        except FileNotFoundError:  # a model renamed away while it was read (another process's `fafo rm`): again
+            if attempt == 2:
+                raise
+        except ValueError as e:  # (a file where the folder should be)
+            raise FafoError(f"cannot read the Hugging Face cache: {first_line(e)}") from None
 
 
 def cached_models() -> list[CachedModel]:
@@ -748,19 +757,6 @@ def cached_models() -> list[CachedModel]:
         found.append(CachedModel(name, _folder_size(folder) + _steps_size([folder]), converted, folder, "gguf",
                                  converted_quantization(folder)))
     return sorted(found, key=lambda m: m.name.lower())
-
-
-@contextlib.contextmanager
-def _hub_logger_quiet():
-    import logging
-
-    hub_logger = logging.getLogger("huggingface_hub")
-    level = hub_logger.level
-    hub_logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        hub_logger.setLevel(level)
 
 
 def removable(spec: str) -> list[CachedModel]:
@@ -792,7 +788,9 @@ def removable(spec: str) -> list[CachedModel]:
 
 def remove(model: CachedModel) -> None:
     """Remove a model `fafo list` shows, with its compiled steps: a conversion (the .gguf file stays), or a hub
-    model's every cached revision (huggingface_hub's own deletion, which keeps its cache consistent)."""
+    model's every cached revision: its whole folder in the HF cache, renamed away first (`remove_dir`), so that a
+    removal cut off midway leaves no half of it behind (huggingface_hub's own deletion would leave snapshots whose
+    links point at deleted blobs, which its scan no longer lists as a model)."""
     if model.source == "gguf":
         _remove_with_steps(model.path)
         return
@@ -803,15 +801,13 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
-            if not repo.revisions:  # (a pull cut off before its first file: nothing for huggingface_hub to delete)
-                with contextlib.suppress(FileNotFoundError):
-                    remove_dir(repo.repo_path)
             records = [_pull_record(revision.snapshot_path) for revision in repo.revisions]
-            with _hub_logger_quiet():  # (it logs what it could not delete, with a traceback: said below instead)
-                cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
-            if repo.repo_path.exists():  # (its records kept: what is left is judged by them still)
-                raise FafoError(f"cannot remove {model.name} from {repo.repo_path}: not all of it could be deleted "
-                                "(its files' permissions?)")
+            try:
+                remove_dir(repo.repo_path)
+            except FileNotFoundError:  # (another process removed it meanwhile)
+                pass
+            except OSError as e:
+                raise FafoError(f"cannot remove {model.name} from {repo.repo_path}: {e.strerror}") from None
             for record in records:
                 record.unlink(missing_ok=True)
 

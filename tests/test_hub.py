@@ -289,6 +289,21 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch
         ("org/tiny", "hub", "fp32", str(folder))]
 
 
+def test_a_pull_given_back_a_partial_snapshot_says_it_broke_off(fake_hub, monkeypatch, capsys):
+    """huggingface_hub 1.x returns the cached snapshot, whole or not, when the connection fails after the pull's own
+    questions: a pull whose files are not all there is an error (exit 1), and the model stays listed as incomplete."""
+    import huggingface_hub
+
+    folder = hub.pull("org/tiny")
+    (folder / "model.safetensors").unlink()  # (as a first pull cut off before its weights would leave it)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: str(folder))
+    with pytest.raises(FafoError, match="^the download of org/tiny broke off \\(1 of its .* files missing\\); pull "):
+        hub.pull("org/tiny")
+    assert entrypoint(["pull", "org/tiny"]) == 1 and "broke off" in capsys.readouterr().err
+    assert entrypoint(["list", "--json"]) == 0
+    assert [m["complete"] for m in json.loads(capsys.readouterr().out)] == [False]
+
+
 def test_a_run_refuses_a_hub_model_with_code_of_its_own_before_its_weights_download(fake_hub, tiny, tmp_path):
     import shutil
 
@@ -1285,6 +1300,29 @@ def test_fafo_rm_removes_a_hub_model_with_every_revision(fake_hub, capsys):
     assert not folder.exists() and not steps.exists() and not record.exists() and hub.cached_models() == []
     assert entrypoint(["rm", "org/tiny"]) == 1
     assert "no model named org/tiny offline" in capsys.readouterr().err
+
+
+def test_a_hub_model_removal_cut_off_midway_leaves_nothing_listed(fake_hub, capsys, monkeypatch):
+    """The model's folder in the HF cache is renamed away before it is deleted: a removal killed midway leaves no
+    snapshot whose links point at deleted blobs (which huggingface_hub's scan drops from its list of models, so
+    `fafo list` and `fafo rm` could no longer name it), and the next removal beside it deletes what was left."""
+    import shutil
+
+    import huggingface_hub.constants as constants
+
+    folder = hub.pull("org/tiny")
+    with monkeypatch.context() as killed:
+        killed.setattr(shutil, "rmtree", lambda *a, **k: None)  # the process killed before deleting
+        assert entrypoint(["rm", "org/tiny"]) == 0
+    capsys.readouterr()
+    assert not folder.exists() and hub.cached_models() == []
+    assert entrypoint(["list"]) == 0 and "org/tiny" not in capsys.readouterr().out
+    hf_cache = Path(constants.HF_HUB_CACHE)
+    (left,) = hf_cache.glob(".partial-*")
+    left.rename(hf_cache / ".partial-999999999-dead")  # as a process that is gone left it
+    again = hub.pull("org/tiny")  # pulled anew, whole
+    assert entrypoint(["rm", "org/tiny"]) == 0 and not again.exists()
+    assert [p.name for p in hf_cache.iterdir() if p.name.startswith(("models--", ".partial"))] == []
 
 
 def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
