@@ -8,8 +8,8 @@ selection weighs only the kept heavy hitters against the positions that left the
 (the first selection, after the prefill, weighs every older position once).
 
 The view's first `budget − recent` slots hold the heavy hitters, each staying in its slot while it is kept (a
-promoted position takes an evicted one's slot, so a selection copies only what changed); the last `recent` slots are
-a ring of the newest positions. The selection runs only on the steps whose window rows run (`prepare`): positions
+promoted position takes an evicted one's slot, so a selection copies a few slots, not the view); the last `recent`
+slots are a ring of the newest positions. The selection runs only on the steps whose window rows run (`prepare`): positions
 committed in between are recent, or left the recent window unscored (no mass), which the next selection weighs.
 """
 
@@ -37,26 +37,16 @@ class H2OCompressor(ViewCompressor):
         self.heavy: torch.Tensor | None = None
         self.settled = 0  # positions below it were weighed by a selection: kept only if among `heavy`
         self.seen = 0  # the cache's length at the last selection
-        self._kept: tuple[int, torch.Tensor] | None = None  # (length, [layers, n]) the positions not evicted
         self._queries: dict[int, torch.Tensor] = {}  # per layer, the last window step's anchor query
         self._observed = 0  # the cache's length when they were observed
 
     def state(self) -> list[torch.Tensor]:
         return self.mass.tensors() + ([] if self.heavy is None else [self.heavy])
 
-    def kept(self, length: int) -> torch.Tensor | None:
-        """[layers, n]: the positions below `length` not evicted, or None before the first selection (all of them)."""
-        if self.heavy is None:
-            return None
-        if self._kept is None or self._kept[0] != length:
-            newer = torch.arange(self.settled, length, device=self.heavy.device).expand(self.heavy.shape[0], -1)
-            self._kept = length, torch.cat([self.heavy, newer], dim=1)
-        return self._kept[1]
-
     def observe(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         """Keep the anchor's query of `layer` ([heads, dim]) over `keys` (the cache so far): every layer's is scored
         at once when the step is committed (`learn`), not one layer at a time within the pass."""
-        self._queries[layer] = q
+        self._queries[layer] = q.detach().clone()  # (not the view of the layer's whole query tensor)
         self._observed = keys.shape[0]
 
     @torch.inference_mode()  # (the mass was made in the prefill's)
@@ -69,18 +59,15 @@ class H2OCompressor(ViewCompressor):
         self._queries.clear()
         if self.heavy is None:  # every position kept: the cache as it is
             kept, keys = torch.arange(length, device=cache.device).expand(layers, -1), cache.keys[:, :length]
-        elif length == self.seen:  # observed right after a selection: the kept positions are the view's
+        else:  # observed in a window step, after its selection: the kept positions are the view's
             self.slots.layer(0)  # (its keys copied, if no layer read them yet)
             kept, keys = self.slots.positions[:, :self.slots.size], self.slots.keys[:, :self.slots.size]
-        else:
-            kept = self.kept(length)
-            keys = cache.keys[torch.arange(layers, device=cache.device)[:, None], kept]
         self.mass.add_layers(kept, attention_weights(q, keys, self.scale), length)
 
     def rebuild(self, cache: KVCache) -> None:
         """The first selection: every position older than the recent window weighed at once."""
         self.learn(cache)
-        self.heavy, self.settled, self.seen, self._kept = None, 0, 0, None
+        self.heavy, self.settled, self.seen = None, 0, 0
         self.active = cache.length > self.budget
         if not self.active:
             return
@@ -107,7 +94,7 @@ class H2OCompressor(ViewCompressor):
         self.slots.put([self.heavy_slots + p % self.recent for p in newest], newest)
         if older > self.settled:  # positions that left the recent window compete with the heavy hitters
             self._promote(torch.arange(self.settled, older, device=cache.device), length)
-        self.settled, self.seen, self._kept = older, length, None
+        self.settled, self.seen = older, length
 
     def _promote(self, left: torch.Tensor, length: int) -> None:
         """Keep the heaviest `budget − recent` of the heavy hitters and the positions that `left` the recent window;

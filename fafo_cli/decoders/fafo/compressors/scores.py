@@ -15,10 +15,11 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, scale: float, query_p
     """
     *lead, heads, rows, dim = q.shape
     slots, kv_heads = keys.shape[-3], keys.shape[-2]
-    grouped = q.to(keys.dtype).reshape(*lead, kv_heads, heads // kv_heads * rows, dim)  # g: kv head, q: its rows
+    # g: kv head, q: its query rows; scaled first (fp16 keeps its range for the logits, not their 1/scale multiple)
+    grouped = (q * scale).to(keys.dtype).reshape(*lead, kv_heads, heads // kv_heads * rows, dim)
     # [..., g, s, q]: one batched product over the keys as the cache lays them out, in their dtype (a bf16 cache's
     # logits rounded to bf16: these weights only rank positions)
-    logits = torch.matmul(keys.transpose(-3, -2), grouped.transpose(-1, -2)).float().transpose(-1, -2) * scale
+    logits = torch.matmul(keys.transpose(-3, -2), grouped.transpose(-1, -2)).float().transpose(-1, -2)
     if query_positions is not None:
         hidden = torch.arange(slots, device=keys.device)[None, :] > query_positions[:, None]  # [rows, slots]
         logits = logits.view(*lead, kv_heads, heads // kv_heads, rows, slots).masked_fill(hidden, float("-inf"))

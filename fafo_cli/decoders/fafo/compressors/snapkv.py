@@ -17,10 +17,6 @@ from .scores import attention_weights
 from .view import ViewCompressor
 
 
-def _doubled(have: int, need: int) -> int:
-    return have if need <= have else max(need, 2 * have)
-
-
 class ObservationScores:
     """Attention mass each position receives, per layer: from the last `window` prompt queries at prefill, then
     from whatever the compressor adds. One [layers, positions] tensor, grown as layers and the context arrive."""
@@ -40,8 +36,10 @@ class ObservationScores:
         total = self.scores
         rows, columns = (0, 0) if total is None else total.shape
         if layers > rows or length > columns:
-            # doubling what falls short: layers arrive one by one at the first prefill chunk, positions by steps
-            grown = torch.zeros(_doubled(rows, layers), _doubled(columns, length), device=device)
+            # positions doubled as they fall short (they come a step at a time); layers as they arrive (one by one,
+            # at the first prefill chunk: a few small copies, and no row more than the model has)
+            grown = torch.zeros(max(rows, layers), columns if length <= columns else max(length, 2 * columns),
+                                device=device)
             if total is not None:
                 grown[:rows, :columns] = total
             total = self.scores = grown

@@ -5,7 +5,8 @@ selection (`fill`), or updates single slots as tokens are committed (`put`). Aft
 there is room for the step's anchor and window rows (the attention puts them there).
 
 Both only record positions: keys and values are copied when a layer's view is next read (`layer`), and a
-[positions, layers] mask of the selection is kept up to date. A compiled step reads only that mask (its
+[positions, layers] mask of the selection is kept up to date. (`put_layers`, slots that differ by layer, copies at
+once: h2o's, whose steps are never compiled.) A compiled step reads only that mask (its
 kernel masks the cache itself), so it never pays for the copies nor for rebuilding the mask, both a visible
 share of a small compiled step.
 """
