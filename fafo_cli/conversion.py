@@ -21,6 +21,9 @@ from .files import write_safetensors
 from .gguf_header import GgufHeader
 
 BLOCK_BYTES = 64 << 20  # a large tensor is dequantized and written this many float32 bytes of rows at a time
+# what transformers' GGUF reading raises on metadata it does not expect (a tokenizer without merges: an
+# AttributeError, transformers#31553), besides the ValueError it raises on purpose
+GGUF_PARSE_ERRORS = (ValueError, KeyError, NotImplementedError, AttributeError, TypeError, IndexError)
 _HEADER_PATCH = threading.Lock()
 
 
@@ -77,6 +80,11 @@ def _read_with_our_header_walk(read, gguf, path) -> dict:
     return read(path, return_tensors=False)
 
 
+def _unsaid(error: Exception) -> bool:
+    """Whether an error's message means little without its type's name (a KeyError's is the key alone)."""
+    return not isinstance(error, (ValueError, OSError, NotImplementedError))
+
+
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     """Write the .gguf model at `path` (`header`: its read_header) into the folder `out`: config, generation
     settings, tokenizer, and its weights dequantized into float32 (gguf's own dequantizer, as transformers reads
@@ -97,13 +105,13 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     with quiet_transformers(), _read_once():
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError, OSError) as e:
-            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e)}") from None
+        except (OSError, *GGUF_PARSE_ERRORS) as e:
+            raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e, named=_unsaid(e))}") from None
         check_architecture(config.to_dict(), str(path))
-        try:  # (a tokenizer type transformers does not read)
+        try:  # (a tokenizer type transformers does not read, or metadata it trips on)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError, NotImplementedError) as e:
-            raise FafoError(f"cannot convert {path}: {first_line(e, named=isinstance(e, KeyError))}") from None
+        except GGUF_PARSE_ERRORS as e:
+            raise FafoError(f"cannot convert {path}: {first_line(e, named=_unsaid(e))}") from None
         with init_empty_weights():  # the model's parameter names, on no memory
             skeleton = AutoModelForCausalLM.from_config(config)
         settings = config.to_dict()  # (as transformers' own GGUF reading hands its processors the model's settings)

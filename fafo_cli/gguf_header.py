@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # GGUF value types: 0-7, 10-12 scalars (struct formats), 8 a string, 9 an array
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+MOST_NESTED = 16  # arrays of arrays (a crafted file nests them a thousand deep: Python's recursion limit)
 WANTED = ("general.architecture", "general.file_type", "general.alignment", "split.count")
 # tensor types stored as plain numbers, by numpy's names (gguf's reader: the others are blocks of bytes)
 PLAIN = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32",
@@ -257,7 +258,9 @@ class _Reader:
         self.skip(kind)  # an array: not a value we read
         return None
 
-    def skip(self, kind: int) -> None:
+    def skip(self, kind: int, depth: int = 0) -> None:
+        if depth > MOST_NESTED:
+            raise ValueError(f"arrays nested more than {MOST_NESTED} deep")
         if kind == STRING:
             length = self.unpack("<Q")
             self.at += length
@@ -269,7 +272,7 @@ class _Reader:
                 self.at += count * struct.calcsize(SCALARS[item])
             else:
                 for _ in range(count):
-                    self.skip(item)
+                    self.skip(item, depth + 1)
         else:
             raise ValueError(f"unknown GGUF value type {kind}")
         if self.at > len(self.data):

@@ -155,6 +155,14 @@ def test_a_gguf_file_transformers_cannot_convert_is_one_line(caches, monkeypatch
         hub.convert_gguf(path)
     assert list((caches / "fafo" / "models").iterdir()) == []
 
+    def tripped(*args, **kwargs):  # (transformers#31553: a GGUF tokenizer without merges)
+        raise AttributeError("'GGUFTokenizerSkeleton' object has no attribute 'merges'")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tripped)
+    with pytest.raises(FafoError, match="^cannot convert .*odd.gguf: AttributeError: 'GGUFTokenizerSkeleton' object "):
+        hub.convert_gguf(path)
+    assert list((caches / "fafo" / "models").iterdir()) == []
+
 
 def test_folder_without_config_or_weights(tmp_path):
     with pytest.raises(FafoError, match="not a model folder"):
@@ -562,6 +570,15 @@ def test_a_gguf_header_is_read_as_gguf_reads_it(tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:length])
         with pytest.raises(FafoError, match="^cannot read .*cut.gguf as a GGUF model: "):
             hub.gguf_header(tmp_path / "cut.gguf")
+    # a crafted header: a value of arrays nested 5,000 deep (12 bytes a level), past Python's recursion limit
+    import struct
+
+    key = b"general.nested"
+    nested = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    nested += struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)
+    (tmp_path / "nested.gguf").write_bytes(nested)
+    with pytest.raises(FafoError, match="^cannot read .*nested.gguf as a GGUF model: arrays nested more than 16 deep"):
+        hub.gguf_header(tmp_path / "nested.gguf")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, read from /proc")
