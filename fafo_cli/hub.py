@@ -200,7 +200,7 @@ def _converted_folders() -> list[Path]:
     """The finished conversions in fafo's cache."""
     models = cache_dir() / "models"
     return sorted(folder for folder in models.iterdir() if not folder.name.startswith(".")
-                  and (folder / "config.json").is_file()) if models.is_dir() else []
+                  and _visible_file(folder / "config.json")) if models.is_dir() else []
 
 
 def _copies(record: dict) -> list[tuple[str, str]]:
@@ -272,7 +272,7 @@ def _remove_unreachable_conversions(keep: Path) -> None:
     yours that is gone leaves its conversion, which still runs by the name `fafo list` shows, until `fafo rm`. A
     conversion whose record cannot be read is left alone."""
     for folder in (cache_dir() / "models").iterdir():
-        if folder == keep or folder.name.startswith(".") or not (folder / SOURCE_MARKER).is_file():
+        if folder == keep or folder.name.startswith(".") or not _visible_file(folder / SOURCE_MARKER):
             continue
         record = source_record(folder)
         sources = _sources(folder, record)
@@ -283,6 +283,15 @@ def _remove_unreachable_conversions(keep: Path) -> None:
             continue
         with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
             _remove_with_steps(folder)
+
+
+def _visible_file(path: Path) -> bool:
+    """Whether `path` is a file this user may see: False in a folder this user may not enter (another user's
+    conversion in a shared cache), where Python before 3.14 raises."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _hidden(path: Path) -> bool:
@@ -856,7 +865,7 @@ def _conversions() -> Iterator[tuple[Path, str, datetime]]:
     models = cache_dir() / "models"
     for folder in sorted(models.iterdir()) if models.is_dir() else ():
         marker = folder / SOURCE_MARKER
-        if folder.name.startswith(".partial-") or not marker.is_file():
+        if folder.name.startswith(".partial-") or not _visible_file(marker):
             continue
         name = source_record(folder).get("name")
         name = name if isinstance(name, str) and name else folder.name  # a damaged record: the folder's name

@@ -788,6 +788,28 @@ def test_another_users_file_that_cannot_be_looked_at_is_no_error(caches, monkeyp
     assert (folder / "config.json").is_file()
 
 
+def test_another_users_conversion_this_user_may_not_enter_is_passed_over(caches, monkeypatch, tmp_path, capsys):
+    """A shared cache holds other users' conversions, in folders made with their umask (0700): looking inside one
+    raises PermissionError before Python 3.14. `fafo list` and a conversion's clean-up pass over it."""
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda path, header, out: build_tiny_model(out, "llama-gqa"))
+    theirs = hub.convert_gguf(_gguf_header(tmp_path / "bob.gguf", "llama", **Q4_1_MODEL))
+    mine = _gguf_header(tmp_path / "alice.gguf", "llama", **Q4_1_MODEL)
+    stat = Path.stat
+
+    def guarded(self, *args, **kwargs):
+        if str(self).startswith(str(theirs) + os.sep):
+            raise PermissionError(13, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", guarded)
+    folder = hub.convert_gguf(mine)
+    capsys.readouterr()
+    assert entrypoint(["list", "--json"]) == 0
+    assert [m["path"] for m in json.loads(capsys.readouterr().out)] == [str(folder)]
+    monkeypatch.setattr(Path, "stat", stat)
+    assert (theirs / "config.json").is_file()  # left alone
+
+
 def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(caches, monkeypatch, tmp_path):
     import os
 
