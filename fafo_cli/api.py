@@ -527,11 +527,12 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
 
 
 def _compiled_folder(model: Model, folder: Path, packed: bool) -> Path:
-    """Where this model's compiled steps live: named by its folder, weight files (size, time), dtype, device, and
-    whether its .gguf file is there (`packed`: its packages read the file's blocks instead of holding weights)."""
+    """Where this model's compiled steps live: named by its folder, weight files and code of its own (size, time),
+    dtype, device, and whether its .gguf file is there (`packed`: its packages read the file's blocks instead of
+    holding weights)."""
     folder = folder.resolve()  # `fafo run .` and a link to the folder: the same steps (and the building process's)
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
-                     if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"})
+                     if p.suffix in {".safetensors", ".bin", ".gguf", ".pt", ".py"})  # (.py: a trust_remote_code model)
     source = json.dumps([str(folder), weights, packed])
     return hub.compiled_steps_folder(folder, identity(model, source))
 

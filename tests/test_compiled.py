@@ -872,3 +872,36 @@ def test_gpu_packages_are_named_by_the_gpu_they_hold_kernels_for(monkeypatch):
 
     cpu = identity(SimpleNamespace(config=config, dtype=torch.bfloat16, device=torch.device("cpu")), "m")
     assert len({on((9, 0)), on((8, 0)), cpu}) == 3 and on((9, 0)) == on((9, 0))
+
+
+def test_packages_are_named_by_the_code_they_are_traced_from(monkeypatch, tmp_path):
+    """A change to the Python a step is traced from (our layers, the step's wrapper) or to transformers' version
+    names other packages: an upgrade never loads a graph of the old code, bumped GRAPH_VERSION or not."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    from fafo_cli.compiled import build
+
+    model = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"), dtype=torch.float32,
+                            device=torch.device("cpu"))
+    source = tmp_path / "llama.py"
+    source.write_text("x = 1\n")
+    sources = build.TRACED_SOURCES
+    assert all(path.is_file() for path in sources)  # (a file renamed away would fail every start)
+    monkeypatch.setattr(build, "TRACED_SOURCES", (source,))
+
+    def named() -> str:
+        build.traced_code.cache_clear()
+        return build.identity(model, "m")
+
+    first = named()
+    assert named() == first
+    source.write_text("x = 2\n")
+    assert named() != first
+    version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "9.9" if name == "transformers" else version(name))
+    source.write_text("x = 1\n")
+    assert named() != first
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(build, "TRACED_SOURCES", sources)
+    build.traced_code.cache_clear()  # (this process's other tests name their packages as before)

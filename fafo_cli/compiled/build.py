@@ -25,6 +25,7 @@ eager path writes them. A bfloat16 model's CPU cache is stored in bfloat16 while
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -43,8 +44,12 @@ from .kernels import bf16_gemm, loader
 
 MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token prompt runs eager
 # bump when the traced computation, our ops' signatures or the packed formats (packed.py) change: old packages are
-# rebuilt
+# rebuilt (the Python the graph is traced from is in the packages' name too: `traced_code`)
 GRAPH_VERSION = 15
+# the Python a step's graph is traced from, besides transformers' own layers (by its version)
+TRACED_SOURCES = tuple(Path(__file__).parent.parent / name for name in (
+    "compiled/build.py", "compiled/packed.py", "compiled/kernels/bf16_gemm.py", "runtime/model.py", "runtime/llama.py",
+    "runtime/cache.py"))
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
@@ -233,5 +238,16 @@ def identity(model: Model, source: str) -> str:
     device = model.device.type
     if device == "cuda":
         device += "-sm{}{}".format(*torch.cuda.get_device_capability(model.device))
-    key = json.dumps([source, described, str(model.dtype), device, loader.version(), GRAPH_VERSION])
+    key = json.dumps([source, described, str(model.dtype), device, loader.version(), GRAPH_VERSION, traced_code()])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def traced_code() -> str:
+    """Names the code a package is traced from: our modules' sources and transformers' version (an upgrade that
+    changes a layer's arithmetic is another graph, whether or not anyone bumped GRAPH_VERSION)."""
+    from importlib import metadata
+
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in TRACED_SOURCES))
+    digest.update(metadata.version("transformers").encode())
+    return digest.hexdigest()[:16]
