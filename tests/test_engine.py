@@ -361,3 +361,33 @@ def test_logits_that_are_not_numbers_are_one_line_naming_the_dtype_to_use(tiny, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not numbers (NaN or infinite) in float32" in err
     assert "bfloat16" in session_mod.non_finite(torch.float16) and "Qwen2" in session_mod.non_finite(torch.float16)
+
+
+def test_eager_steps_converting_a_compact_cache_let_the_compiled_steps_drop_their_views_first(tiny):
+    """A compiled step stores the cache compact (bf16 where eager attention reads float32): the eager pass that
+    converts it tells the compiled steps first, whose views of the old tensors would keep both copies alive."""
+    engine = load(str(tiny), dtype="float32")
+    session = engine.session
+    forgotten = []
+
+    class Steps:  # compiled steps that serve no step here
+        def __call__(self, *args):
+            return None
+
+        def serves(self, rows):
+            return False
+
+        def notify_once(self, message):
+            pass
+
+        def step_costs(self, sizes, refresh=False):
+            return None
+
+        def forget_cache(self):
+            forgotten.append(session.cache.dtype)
+
+    session.compiled = Steps()
+    session.cache.store_as(torch.bfloat16)  # as a compiled step leaves it
+    assert engine.complete("Hello", max_tokens=4, method="vanilla").token_ids
+    assert forgotten == [torch.bfloat16] and session.cache.dtype == torch.float32  # once, before the conversion
+

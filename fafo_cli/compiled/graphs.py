@@ -123,6 +123,9 @@ class GraphSteps(OnceNotices):
     def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
         return None  # not measured: the planner starts from an accelerator's default curve
 
+    def forget_cache(self) -> None:
+        self._static.clear()  # (each graph holds the storage it was captured on)
+
     def __call__(self, step: StepRows, ids: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache) -> torch.Tensor | None:
         layout = step.layout

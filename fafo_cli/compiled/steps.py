@@ -249,6 +249,10 @@ class CompiledSteps(OnceNotices):
     def paths(self, rows: int) -> tuple[Path, Path]:
         return self.folder / f"rows{rows}.pt2", self.folder / f"rows{rows}.json"
 
+    def forget_cache(self) -> None:
+        """Let go of the views of the cache kept between steps (before it is reallocated: see Session)."""
+        self._layer_views = None
+
     def serves(self, rows: int) -> bool:
         """Whether a decoder whose largest step has `rows` rows runs compiled (under "on" this builds the
         package now rather than at the first step)."""

@@ -64,6 +64,9 @@ class CompiledStepRunner(Protocol):
     def notify_once(self, message: str) -> None:
         """Tell the user `message`, once per process."""
 
+    def forget_cache(self) -> None:
+        """Let go of what refers to the cache's tensors (they are about to be reallocated)."""
+
     def step_costs(self, sizes: list[int], refresh: bool = False) -> dict[int, float] | None:
         """What a step takes in the package serving each of `sizes` (ms, timed side by side; `refresh`: timed
         again); None: not measured."""
@@ -146,7 +149,7 @@ class Session:
             self.compiled.serves(steps)
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         self.rollback(reused)
-        self.cache.attend_in(self.model.attention_dtype)
+        self._attend_eagerly()
         self.cache.limit = min(self.model.max_context, len(prompt_ids) + reserve)  # (the cache grows up to it)
         self.cache.reserve(min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD)))
         logits = None
@@ -163,6 +166,14 @@ class Session:
             self.rollback(reused)  # a later request must not reuse keys and values that are no numbers either
             raise ModelOutputError(non_finite(self.model.dtype))
         return logits[-1], reused
+
+    def _attend_eagerly(self) -> None:
+        """The cache as eager attention reads it (`KVCache.attend_in`). Where that converts a compiled step's compact
+        copy, the compiled steps let go of their views of it first: else both copies stay alive until the next
+        compiled step (a long prompt's prefill held the cache twice)."""
+        if self.compiled is not None and self.cache.dtype != self.model.attention_dtype:
+            self.compiled.forget_cache()
+        self.cache.attend_in(self.model.attention_dtype)
 
     def forward(self, ids: list[int], attend, *, last_only: bool = False) -> torch.Tensor:
         """One forward pass of `ids` placed right after the committed tokens (written, not committed)."""
@@ -183,7 +194,7 @@ class Session:
             if logits is not None:  # in the model's dtype
                 self.compiled_runs += 1
                 return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
-        self.cache.attend_in(self.model.attention_dtype)  # (the step's attention, FAFO's included, finds it so)
+        self._attend_eagerly()  # (the step's attention, FAFO's included, finds it so)
         self.cache.reserve(self.cache.length + len(step.ids))
         attention = (step.view.attention(layout) if step.view is not None
                      else prefix_attention(self._masks, self.cache.length, layout, self.model.scaling))
