@@ -9,8 +9,9 @@ selection weighs only the kept heavy hitters against the positions that left the
 
 The view's first `budget − recent` slots hold the heavy hitters, each staying in its slot while it is kept (a
 promoted position takes an evicted one's slot, so a selection copies a few slots, not the view); the last `recent`
-slots are a ring of the newest positions. The selection runs only on the steps whose window rows run (`prepare`): positions
-committed in between are recent, or left the recent window unscored (no mass), which the next selection weighs.
+slots are a ring of the newest positions. The selection runs only on the steps whose window rows run (`prepare`):
+positions committed in between are recent, or left the recent window unscored (no mass), which the next selection
+weighs.
 """
 
 from __future__ import annotations
