@@ -531,10 +531,19 @@ def _compiled_folder(model: Model, folder: Path, packed: bool) -> Path:
     dtype, device, and whether its .gguf file is there (`packed`: its packages read the file's blocks instead of
     holding weights)."""
     folder = folder.resolve()  # `fafo run .` and a link to the folder: the same steps (and the building process's)
-    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
-                     if p.suffix in {".safetensors", ".bin", ".gguf", ".pt", ".py"})  # (.py: a trust_remote_code model)
+    weights = sorted((p.name, stat.st_size, stat.st_mtime_ns) for p in folder.iterdir()
+                     # (.py: a trust_remote_code model's; not an editor's lock file, a link to nothing)
+                     if p.suffix in {".safetensors", ".bin", ".gguf", ".pt", ".py"} and not p.name.startswith(".")
+                     and (stat := _stat(p)) is not None)
     source = json.dumps([str(folder), weights, packed])
     return hub.compiled_steps_folder(folder, identity(model, source))
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
 
 
 TRANSFORMERS_TOP_K = 50  # what transformers' generate() samples with where a sampling config names no top_k

@@ -560,7 +560,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
         # (huggingface_hub 1.x returns the cached snapshot, whole or not, when the connection fails at this point)
-        missing = [name for name in wanted if not (folder / name).is_file()]
+        missing = [name for name in wanted if name in files and not (folder / name).is_file()]
         if missing:
             raise FafoError(f"the download of {repo_id} broke off ({len(missing)} of its {len(wanted)} files "
                             "missing); pull again: the files already downloaded are kept")
@@ -740,7 +740,7 @@ def _scanned_hub_cache():
             return scan_cache_dir(constants.HF_HUB_CACHE)
         except CacheNotFound:
             return None
-        except FileNotFoundError:  # a model renamed away while it was read (another process's `fafo rm`): again
+        except FileNotFoundError:  # a file removed while it was read (another process's `fafo rm`): read again
             if attempt == 2:
                 raise
         except ValueError as e:  # (a file where the folder should be)
@@ -762,6 +762,11 @@ def cached_models() -> list[CachedModel]:
         found.append(CachedModel(repo.repo_id, size + _steps_size(snapshots),
                                  datetime.fromtimestamp(repo.last_modified, timezone.utc), latest or repo.repo_path,
                                  "hub", stored_precision(latest) if latest else None, complete=latest is not None))
+    for folder, repo_id in _broken_repos(cache).items():
+        with contextlib.suppress(OSError):  # (removed meanwhile)
+            found.append(CachedModel(repo_id, _folder_size(folder),
+                                     datetime.fromtimestamp(folder.stat().st_mtime, timezone.utc), folder, "hub",
+                                     None, complete=False))
     for folder, name, converted in _conversions():
         found.append(CachedModel(name, _folder_size(folder) + _steps_size([folder]), converted, folder, "gguf",
                                  converted_quantization(folder)))
@@ -797,9 +802,8 @@ def removable(spec: str) -> list[CachedModel]:
 
 def remove(model: CachedModel) -> None:
     """Remove a model `fafo list` shows, with its compiled steps: a conversion (the .gguf file stays), or a hub
-    model's every cached revision: its whole folder in the HF cache, renamed away first (`remove_dir`), so that a
-    removal cut off midway leaves no half of it behind (huggingface_hub's own deletion would leave snapshots whose
-    links point at deleted blobs, which its scan no longer lists as a model)."""
+    model's every cached revision (huggingface_hub's own deletion, which keeps its cache consistent, files in its
+    shared store included), or what a removal cut off midway left (`_broken_repos`)."""
     if model.source == "gguf":
         _remove_with_steps(model.path)
         return
@@ -810,15 +814,53 @@ def remove(model: CachedModel) -> None:
                 for steps in compiled_steps_of(revision.snapshot_path):
                     with contextlib.suppress(FileNotFoundError):
                         remove_dir(steps)
+            if not repo.revisions:  # (a pull cut off before its first file: nothing for huggingface_hub to delete)
+                with contextlib.suppress(FileNotFoundError):
+                    remove_dir(repo.repo_path)
             records = [_pull_record(revision.snapshot_path) for revision in repo.revisions]
-            try:
-                remove_dir(repo.repo_path)
-            except FileNotFoundError:  # (another process removed it meanwhile)
-                pass
-            except OSError as e:
-                raise FafoError(f"cannot remove {model.name} from {repo.repo_path}: {e.strerror}") from None
+            with _hub_logger_quiet():  # (it logs what it could not delete, with a traceback: said below instead)
+                cache.delete_revisions(*(revision.commit_hash for revision in repo.revisions)).execute()
+            _removed(model.name, repo.repo_path)
             for record in records:
                 record.unlink(missing_ok=True)
+            return
+    if model.path in _broken_repos(cache):
+        with contextlib.suppress(FileNotFoundError):
+            remove_dir(model.path)
+        _removed(model.name, model.path)
+
+
+def _removed(name: str, folder: Path) -> None:
+    if folder.exists():  # (a pull record kept: what is left is judged by it still)
+        raise FafoError(f"cannot remove {name} from {folder}: not all of it could be deleted (its files' "
+                        "permissions?)")
+
+
+def _broken_repos(cache) -> dict[Path, str]:
+    """The HF cache's model folders its scan could not read (folder: repo id), as a removal cut off midway leaves
+    them (snapshots whose links point at deleted files): `fafo list` shows them incomplete, `fafo rm` removes them."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE)
+    read = {repo.repo_path.resolve() for repo in cache.repos} if cache else set()
+    try:
+        folders = [p for p in root.iterdir() if p.name.startswith("models--") and p.is_dir() and p.resolve() not in read]
+    except OSError:  # (no cache yet, or one this user may not read)
+        return {}
+    return {folder: folder.name.removeprefix("models--").replace("--", "/") for folder in folders}
+
+
+@contextlib.contextmanager
+def _hub_logger_quiet():
+    import logging
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
 
 
 def newest_snapshot(repo_id: str) -> Path | None:

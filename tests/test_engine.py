@@ -390,4 +390,5 @@ def test_eager_steps_converting_a_compact_cache_let_the_compiled_steps_drop_thei
     session.cache.store_as(torch.bfloat16)  # as a compiled step leaves it
     assert engine.complete("Hello", max_tokens=4, method="vanilla").token_ids
     assert forgotten == [torch.bfloat16] and session.cache.dtype == torch.float32  # once, before the conversion
-
+    session.use_compiled(None)  # as the bench's eager rows set them aside: their views go too
+    assert len(forgotten) == 2 and session.compiled is None

@@ -1341,28 +1341,23 @@ def test_fafo_rm_removes_a_hub_model_with_every_revision(fake_hub, capsys):
     assert "no model named org/tiny offline" in capsys.readouterr().err
 
 
-def test_a_hub_model_removal_cut_off_midway_leaves_nothing_listed(fake_hub, capsys, monkeypatch):
-    """The model's folder in the HF cache is renamed away before it is deleted: a removal killed midway leaves no
-    snapshot whose links point at deleted blobs (which huggingface_hub's scan drops from its list of models, so
-    `fafo list` and `fafo rm` could no longer name it), and the next removal beside it deletes what was left."""
-    import shutil
-
+def test_a_hub_model_removal_cut_off_midway_is_listed_and_removed(fake_hub, capsys):
+    """huggingface_hub's deletion (which also frees the files of its shared store) cut off midway leaves snapshots
+    whose links point at deleted files, which its scan no longer reads as a model: `fafo list` shows that folder as
+    incomplete, with its size, and `fafo rm` removes it."""
     import huggingface_hub.constants as constants
 
     folder = hub.pull("org/tiny")
-    with monkeypatch.context() as killed:
-        killed.setattr(shutil, "rmtree", lambda *a, **k: None)  # the process killed before deleting
-        assert entrypoint(["rm", "org/tiny"]) == 0
+    repo = Path(constants.HF_HUB_CACHE) / "models--org--tiny"
+    (folder / "model.safetensors").resolve().unlink()  # the weights' blob deleted, the link to it not yet
+    assert not (folder / "model.safetensors").exists()
     capsys.readouterr()
-    assert not folder.exists() and hub.cached_models() == []
-    assert entrypoint(["list"]) == 0 and "org/tiny" not in capsys.readouterr().out
-    hf_cache = Path(constants.HF_HUB_CACHE)
-    (left,) = hf_cache.glob(".partial-*")
-    left.rename(hf_cache / ".partial-999999999-dead")  # as a process that is gone left it
-    again = hub.pull("org/tiny")  # pulled anew, whole
-    assert entrypoint(["rm", "org/tiny"]) == 0 and not again.exists()
-    assert [p.name for p in hf_cache.iterdir() if p.name.startswith(("models--", ".partial"))] == []
-
+    assert entrypoint(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["complete"], m["path"]) for m in listed] == [("org/tiny", False, str(repo))]
+    assert listed[0]["size_bytes"] > 0
+    assert entrypoint(["rm", "org/tiny"]) == 0 and not repo.exists() and hub.cached_models() == []
+    assert hub.pull("org/tiny") == folder and (folder / "model.safetensors").is_file()  # pulled anew, whole
 
 def test_a_removal_cut_off_midway_leaves_no_half_model(tmp_path, monkeypatch):
     """A folder is renamed away before it is deleted, so no reader finds half of it (a conversion with its

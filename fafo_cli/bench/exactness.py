@@ -56,13 +56,13 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, singl
     text = prompt_ids + generated[:128]
     engine.reset()
     try:
-        session.compiled = single
+        session.use_compiled(single)
         logits, _ = session.prefill(prompt_ids, reserve=len(text))
         one_row = [logits]
         for token in text[len(prompt_ids):-1]:
             one_row.append(session.step(token))
         session.rollback(len(prompt_ids) - 1)  # the prompt's cache kept: a long prompt is prefilled once
-        session.compiled = multi
+        session.use_compiled(multi)
         many_rows = []
         for start in range(len(prompt_ids) - 1, len(text) - 1, rows):
             chunk = text[start:start + rows]  # a chain: each row sees the ones before it, as a causal pass
@@ -70,7 +70,7 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, singl
             many_rows.append(session.run(step))
             session.accept(step, list(range(len(chunk))))
     finally:
-        session.compiled = kept
+        session.use_compiled(kept)
         engine.reset()
     single_logits, multi_logits = torch.stack(one_row), torch.cat(many_rows)[:len(one_row)]
     top = single_logits.topk(5, dim=-1).indices
@@ -96,12 +96,12 @@ def classify(engine, prompt_ids: list[int], reference: list[int], ours: list[int
     kept = session.compiled
     engine.reset()
     try:
-        session.compiled = kept if steps is _AS_LOADED else steps
+        session.use_compiled(kept if steps is _AS_LOADED else steps)
         logits, _ = session.prefill(prompt_ids, reserve=position + 1)
         for token in reference[:position]:
             logits = session.step(token)
     finally:
-        session.compiled = kept
+        session.use_compiled(kept)
         engine.reset()
     gap = abs(float(logits[reference_token] - logits[ours_token]))
     return Divergence(position, ours_token, reference_token, gap, gap <= tolerance)

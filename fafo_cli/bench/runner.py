@@ -151,7 +151,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
         return Run(row, sample, repeat, generated, speed, 0, step_ms, 0, 0, peak,  # passes: generate() hides them
                    ttft_s=ttft)
     if row.compiled is not None:
-        engine.session.compiled = engine.compiled if row.compiled else None
+        engine.session.use_compiled(engine.compiled if row.compiled else None)
     result = engine.complete(list(sample.messages), max_tokens=tokens, method=row.method,
                              **{**settings, **dict(row.overrides)})
     s = result.stats

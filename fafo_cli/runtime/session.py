@@ -167,6 +167,13 @@ class Session:
             raise ModelOutputError(non_finite(self.model.dtype))
         return logits[-1], reused
 
+    def use_compiled(self, steps: CompiledStepRunner | None) -> None:
+        """Run steps on `steps` from now on (None: eager). Compiled steps set aside let go of their views of the
+        cache, which eager steps may reallocate (see `_attend_eagerly`)."""
+        if self.compiled is not None and steps is not self.compiled:
+            self.compiled.forget_cache()
+        self.compiled = steps
+
     def _attend_eagerly(self) -> None:
         """The cache as eager attention reads it (`KVCache.attend_in`). Where that converts a compiled step's compact
         copy, the compiled steps let go of their views of it first: else both copies stay alive until the next
