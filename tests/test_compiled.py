@@ -857,6 +857,28 @@ def test_kernels_are_named_by_the_instruction_sets_the_compiler_enables(monkeypa
         loader.cpu_features.cache_clear()
 
 
+def test_our_kernels_are_named_by_the_toolchain_they_are_built_with(monkeypatch):
+    """A cache shared by machines (a home folder on a network) whose compilers, C libraries or torch builds differ
+    keeps a library for each: one built by a newer compiler's C++ runtime does not load on the other machine."""
+    import platform
+
+    from fafo_cli.compiled.kernels import loader
+
+    before = loader.version()
+    other_libc = (platform, "libc_ver", lambda *a, **k: ("glibc", "2.17"))
+    other_compiler = (loader, "_macros", lambda command, flags: frozenset(['#define __VERSION__ "99.1.0"']))
+    try:
+        for where, name, value in (other_libc, other_compiler):
+            with monkeypatch.context() as other:
+                other.setattr(where, name, value)
+                loader.toolchain.cache_clear()
+                assert loader.version() != before, name
+            loader.toolchain.cache_clear()
+            assert loader.version() == before
+    finally:
+        loader.toolchain.cache_clear()
+
+
 def test_gpu_packages_are_named_by_the_gpu_they_hold_kernels_for(monkeypatch):
     """A package compiled on a GPU holds kernels for its compute capability: a cache shared by an H100's and an
     A100's machine keeps one set for each."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -79,14 +80,32 @@ ISA_FLAG = re.compile(r"(sse|ssse|avx|amx|fma|f16c|bmi|adx|aes|vaes|pclmul|vpclm
                       r"|asimd|sve|sme|bf16|i8mm|fp|crc32|atomics|dotprod)")
 
 
-def _predefined_macros(*flags: str) -> set[str] | None:
+def _predefined_macros(*flags: str) -> frozenset[str] | None:
     """The compiler's predefined macros under `flags` ("#define NAME VALUE" lines); None where it cannot say."""
+    return _macros(tuple(compiler_command()), flags)
+
+
+@functools.cache  # (cpu_features and toolchain both read the plain set: the compiler runs once for both)
+def _macros(command: tuple[str, ...], flags: tuple[str, ...]) -> frozenset[str] | None:
     try:
-        done = subprocess.run([*compiler_command(), *flags, "-dM", "-E", "-x", "c++", "-"], input="",
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run([*command, *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                              text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    return set(done.stdout.splitlines()) if done.returncode == 0 else None
+    return frozenset(done.stdout.splitlines()) if done.returncode == 0 else None
+
+
+@functools.cache
+def toolchain() -> str:
+    """What else a built library depends on besides the CPU: the compiler's version (its C++ runtime), the C
+    library's, and torch's build (its git revision and C++ ABI: two builds may share a version string). A cache shared
+    by machines that differ in these (a home folder on a network) keeps a library for each, instead of one that the
+    other cannot load, run after run."""
+    macros = _predefined_macros() or frozenset()
+    compiler_version = next((line for line in sorted(macros) if line.startswith("#define __VERSION__ ")), "")
+    libc = " ".join(platform.libc_ver())
+    build = getattr(torch.version, "git_version", "")
+    return f"{compiler_version} {libc} {build} {int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
 
 def compiler_command() -> list[str]:
@@ -100,9 +119,10 @@ def compiler() -> str:
 
 
 def version() -> str:
-    """Names a build of our kernels: their sources, torch's version and the CPU's features (the code is built for
-    this CPU). Compiled packages carry it too: they hold weights packed for packed_linear's layout."""
-    machine = f"{torch.__version__} {cpu_features()}"
+    """Names a build of our kernels: their sources, torch's version, the CPU's features (the code is built for
+    this CPU) and the toolchain. Compiled packages carry it too: they hold weights packed for packed_linear's
+    layout."""
+    machine = f"{torch.__version__} {cpu_features()} {toolchain()}"
     code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     return hashlib.sha256(code + machine.encode()).hexdigest()[:16]
 
