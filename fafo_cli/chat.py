@@ -69,7 +69,9 @@ class Repl:
         self.messages: list[dict] = []
         self.settings: dict = {}  # /set overrides for the next answers
         self.totals = Totals()
-        self.interactive = on_terminal(out)
+        self.interactive = on_terminal(out)  # the live panel and its footer
+        # prompts and line editing where a person types and reads (not for a script piped in, nor into a log)
+        self.prompting = self.interactive and sys.stdin is not None and sys.stdin.isatty()
         self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
 
     def _warn(self, message: str) -> None:
@@ -84,8 +86,11 @@ class Repl:
         """One user message (possibly multi-line) and whether it was a \"\"\" block (a message even where it
         starts with /); None at end of input."""
         try:
-            line = input(">>> " if self.interactive else "")
+            line = input(">>> " if self.prompting else "")
         except EOFError:
+            return None
+        except (OSError, RuntimeError) as e:  # stdin closed (`<&-`: "lost sys.stdin") or unreadable (`nohup`'s)
+            self._error(f"cannot read standard input: {getattr(e, 'strerror', None) or e}")
             return None
         if line.lstrip().startswith(QUOTES):  # a block, as ollama reads one: text may follow the opening quotes,
             first = line.lstrip()[3:]         # and the line that ends with the closing ones is its last
@@ -94,7 +99,7 @@ class Repl:
             lines = [first] if first.strip() else []
             while True:
                 try:
-                    more = input("... " if self.interactive else "")
+                    more = input("... " if self.prompting else "")
                 except EOFError:
                     self._error('the input ended inside a """ block; that message was not sent')
                     return None
@@ -107,7 +112,7 @@ class Repl:
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
             try:
-                lines.append(input("... " if self.interactive else ""))
+                lines.append(input("... " if self.prompting else ""))
             except EOFError:
                 break
         return "\n".join(lines), False
@@ -117,7 +122,7 @@ class Repl:
         # undecodable bytes arrive as lone surrogates, which the check below refuses line by line (a strict
         # reader, as under most UTF-8 locales, would throw away the rest of its buffer with them)
         getattr(sys.stdin, "reconfigure", lambda **_: None)(errors="surrogateescape")
-        if self.interactive:
+        if self.prompting:
             with contextlib.suppress(ImportError):  # input() then edits lines and recalls earlier ones (arrow keys)
                 import readline  # noqa: F401
             label = method_label(self.engine.request_config())
@@ -135,7 +140,7 @@ class Repl:
                 self._error("that message is not UTF-8 text; it was not sent")
                 continue
             if read is None:
-                if self.interactive:
+                if self.prompting:
                     self.out.print()
                 return self._status()
             text, block = read
@@ -148,7 +153,7 @@ class Repl:
             self._answer(text)
 
     def _status(self) -> int:
-        return int(self.failed and not sys.stdin.isatty())  # (read from a file or a pipe)
+        return int(self.failed and not (sys.stdin is not None and sys.stdin.isatty()))  # (read from a file or pipe)
 
     def _command(self, line: str) -> bool:
         """Handle a /command; True means leave."""
@@ -295,6 +300,9 @@ class Repl:
             interrupt_handled()
             stream.close()
             self.err.print("[dim](stopped)[/]")  # (not into the answer's text where stdout is a file)
+            if not "".join(answer):  # stopped before a word: the exchange did not happen
+                self.messages.pop()
+                return
         except FafoError as e:
             self.messages.pop()
             self._error(f"{e}. /reset starts a new conversation.")

@@ -126,17 +126,20 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 def _read_prompt(source: str) -> str:
     if source == "-":
+        if sys.stdin is None:  # (closed: `fafo run -p - <&-`)
+            raise FafoError("cannot read standard input: it is closed")
         try:
             text = sys.stdin.read()
         except UnicodeDecodeError:
             raise FafoError("standard input is not UTF-8 text") from None
+        except OSError as e:  # (one a program cannot read: what `nohup` gives a terminal's)
+            raise FafoError(f"cannot read standard input: {e.strerror or first_line(e)}") from None
     else:
         if not source.strip():
             raise FafoError("--prompt needs a file name (or - for standard input)")
         shown = shortened(source, 80)
         # llama.cpp's -p and mlx-lm's --prompt take the text itself
-        hint = (" (--prompt names a file; to give the text itself: echo '...' | fafo run -p -)"
-                if len(source.split()) > 1 or len(source) > 255 else "")
+        hint = " (--prompt names a file; to give the text itself: echo '...' | fafo run)"
         path = user_path(source)
         try:
             if path.is_dir():
@@ -147,11 +150,19 @@ def _read_prompt(source: str) -> str:
         except UnicodeDecodeError:
             raise FafoError(f"prompt file {shown} is not UTF-8 text") from None
         except OSError as e:  # (a text too long to be a file name: ENAMETOOLONG)
-            raise FafoError(f"cannot read prompt file {shown}: {e.strerror}{hint}") from None
+            raise FafoError(f"cannot read prompt file {shown}: {e.strerror}"
+                            f"{hint if e.errno == errno.ENAMETOOLONG else ''}") from None
     text = text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is no part of the text
     if not text.strip():
         raise FafoError("the prompt is empty")
     return text
+
+
+def _print_json(value) -> None:
+    """One JSON object on stdout: its text as it is where stdout takes UTF-8, escaped where it does not (an ASCII or
+    Latin-1 locale), so that it is still one valid object."""
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    print(json.dumps(value, ensure_ascii=encoding not in ("utf8", "utf8sig")))
 
 
 def _finite(value: float | None) -> float | None:
@@ -270,8 +281,9 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None, loa
 @app.command()
 @config_options("run")
 def run(
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt file, or - for standard input.",
-                                        show_default=False)] = ...,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt file, or - for standard input "
+                                                  "(read without the flag where it is piped in).",
+                                                  show_default=False)] = None,
     config: ConfigOpt = None,
     *, flags: dict,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, token_ids, "
@@ -285,6 +297,10 @@ def run(
 
     if quiet and verbose:
         raise FafoError("--quiet and --verbose ask for opposite things: give one")
+    if prompt is None:  # a prompt piped in needs no flag (ollama's way)
+        if sys.stdin is None or sys.stdin.isatty():
+            raise FafoError("no prompt: give --prompt FILE, or pipe the text in (echo '...' | fafo run)")
+        prompt = "-"
     text = _read_prompt(prompt)
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
@@ -292,7 +308,7 @@ def run(
     engine.count_syncs = verbose
     if as_json:
         result = engine.complete(text)
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        _print_json(result.to_dict())
         if verbose:  # the statistics' line on stderr too, as without --json
             print(footer(result.stats, method_label(engine.request_config()), result.finish_reason), file=sys.stderr)
         return
@@ -584,7 +600,7 @@ def doctor(
         report["gpu_report"] = {"file": str(report_path), "bound_share_one_row": gpu["rows"][1]["bound_share"],
                                 "vs_one_row_64": gpu["rows"][64]["vs_one_row"] if 64 in gpu["rows"] else None}
     if as_json:
-        print(json.dumps(report, ensure_ascii=False))
+        _print_json(report)
     else:
         doctor_mod.render(report, out)
         if report_path is not None:
@@ -779,6 +795,16 @@ UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EACCES, errno.
                  errno.ENOTEMPTY}
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is (not an Exception: it unwinds every `with` and `finally`, the live
+    panel's that shows the cursor again included; not a KeyboardInterrupt, which `fafo chat` takes as "stop this
+    answer")."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def _interrupt(signum, frame) -> None:
     """Python's own SIGINT handler (a KeyboardInterrupt), remembering that it ran (`unhandled_interrupts`)."""
     unhandled_interrupts.append(signum)
@@ -796,13 +822,25 @@ def entrypoint(argv: list[str] | None = None) -> int:
     unhandled_interrupts.clear()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where a caller set its own)
         signal.signal(signal.SIGINT, _interrupt)
+    # (`fafo serve` has uvicorn's own while it serves; it gives this one back after)
+    terminate = signal.signal(signal.SIGTERM, _terminate) if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL \
+        else None
+    if argv is None:  # the process's own streams: a character the locale cannot write is replaced, not a traceback
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and "utf" not in (getattr(stream, "encoding", None) or "").lower():
+                getattr(stream, "reconfigure", lambda **_: None)(errors="replace")
     try:
         return _run(command, argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except Exception:  # after an interrupt, whatever it left half done (a module half imported)
         if unhandled_interrupts:
             return _after_interrupt()
         raise
     finally:
+        if terminate is not None:
+            signal.signal(signal.SIGTERM, terminate)
         # the interpreter's last collection walks every object torch and the model created (0.3-0.5 s of an exit);
         # it skips frozen ones. Only as the process's command: an in-process caller goes on, and frozen garbage (a
         # finished engine's cycles) would never be freed

@@ -187,7 +187,8 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
     return [
         (["run", tiny, "-p", tmp_path / "missing.txt"], "prompt file not found"),
         (["run", tiny, "-p", "Why is the sky blue?"], "prompt file not found: Why is the sky blue? (--prompt names a "
-                                                      "file; to give the text itself: echo '...' | fafo run -p -)"),
+                                                      "file; to give the text itself: echo '...' | fafo run)"),
+        (["run", tiny, "-p", "hello"], "prompt file not found: hello (--prompt names a file"),
         (["run", tiny, "-p", tmp_path], "is a folder, not a file"),
         (["run", tiny, "-p", "word " * 80], "cannot read prompt file word word word word word word word word word "
                                             "word word word word word word word…: File name too long (--prompt "
@@ -210,7 +211,6 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", tmp_path / "nothing-here", "-p", prompt_file], "no such model file or folder"),
         (["run", small_context, "-p", tmp_path / "long.txt", "--no-chat-template"],
          "the prompt is 40 tokens; the model's context is 16 tokens"),
-        (["run", tiny], "Missing option '--prompt'"),
         (["run", tiny, "-p", prompt_file, "--frobnicate"], "No such option: --frobnicate"),
         (["serve", "--cors"], "Option '--cors' requires an argument. (see `fafo serve --help`)"),
         (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
@@ -530,8 +530,83 @@ def test_a_quoted_block_is_one_message(monkeypatch, typed, message):
     lines = iter(typed)
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     repl = Repl.__new__(Repl)  # _read needs no engine
-    repl.interactive, repl.err = False, Console(file=io_mod.StringIO())
+    repl.prompting, repl.err = False, Console(file=io_mod.StringIO())
     assert repl._read() == (message, True)
+
+
+@pytest.mark.parametrize("error", [OSError(9, "Bad file descriptor"), RuntimeError("input(): lost sys.stdin")])
+def test_chat_whose_standard_input_cannot_be_read_says_so_and_ends(monkeypatch, error):
+    """`nohup fafo chat` (stdin a descriptor nobody may read) or `fafo chat <&-` (closed): one error line, and
+    the session ends as at the end of its input, exit 1."""
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli.chat import Repl
+
+    def unreadable(prompt=""):
+        raise error
+
+    monkeypatch.setattr("builtins.input", unreadable)
+    err = io_mod.StringIO()
+    repl = Repl.__new__(Repl)  # _read needs no engine
+    repl.prompting, repl.failed, repl.err = False, False, Console(file=err)
+    assert repl._read() is None and repl.failed
+    assert err.getvalue().startswith("error: cannot read standard input: ") and err.getvalue().count("\n") == 1
+
+
+def test_chat_stopped_before_its_first_word_keeps_no_empty_exchange(tiny):
+    """Ctrl-C before the answer's first token: the question is dropped too (an empty assistant turn would be sent
+    with every later message); stopped later, the partial answer stays, as ollama keeps it."""
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    engine = load(str(tiny), dtype="float32")
+    repl = Repl(engine, Console(file=io_mod.StringIO()), Console(file=io_mod.StringIO()))
+    stream = engine.stream
+
+    def stopped(after_text: bool):
+        def streamed(*args, **kwargs):
+            going = after_text
+            for step in stream(*args, **kwargs):
+                if not going:
+                    raise KeyboardInterrupt
+                yield step
+                going = not step.text  # (stopped at the step after the first text)
+        return streamed
+
+    engine.stream = stopped(after_text=False)
+    repl._answer("Hello there")
+    assert repl.messages == []
+    engine.stream = stopped(after_text=True)
+    repl._answer("Hello there")
+    assert [m["role"] for m in repl.messages] == ["user", "assistant"] and repl.messages[1]["content"]
+
+
+def test_chat_prompts_only_where_a_person_types(monkeypatch, tiny):
+    """On a terminal the answers get the live panel; the `>>>` prompts and line editing only where standard input
+    is a terminal too (not for `cat questions.txt | fafo chat` on a terminal, whose prompts nobody types at)."""
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    engine = load(str(tiny), dtype="float32")
+    terminal = io_mod.StringIO()
+    terminal.isatty = lambda: True
+    screen = Console(file=terminal, force_terminal=True)
+    for stdin_is_a_terminal in (True, False):
+        stdin = io_mod.StringIO()
+        stdin.isatty = lambda answer=stdin_is_a_terminal: answer
+        monkeypatch.setattr(sys, "stdin", stdin)
+        repl = Repl(engine, screen, Console(file=io_mod.StringIO()))
+        assert repl.interactive and repl.prompting == stdin_is_a_terminal
 
 
 def test_a_message_too_long_for_the_context_leaves_the_conversation_as_it_was(tiny):
@@ -629,6 +704,73 @@ def test_chat_exits_on_end_of_input(tiny):
     assert result.returncode == 0 and result.stderr == ""
     result = _chat(tiny, "/exit\nthis is never answered\n")
     assert result.returncode == 0 and "turns" not in result.stdout
+
+
+def test_json_is_one_valid_object_whatever_stdout_can_encode(monkeypatch):
+    """`--json` under an ASCII or Latin-1 locale escapes what the stream cannot write (ensure_ascii), instead of a
+    UnicodeEncodeError; under UTF-8 the text stays as it is."""
+    from fafo_cli import cli
+
+    for encoding, expected in (("ascii", '{"text": "caf\\u00e9 \\ud83d\\ude00"}'), ("latin-1", None),
+                               ("utf-8", '{"text": "café 😀"}')):
+        raw = io.BytesIO()
+        stream = io.TextIOWrapper(raw, encoding=encoding)
+        monkeypatch.setattr(sys, "stdout", stream)
+        cli._print_json({"text": "café 😀"})
+        stream.flush()
+        written = raw.getvalue().decode(encoding)
+        assert json.loads(written) == {"text": "café 😀"}
+        assert expected is None or written == expected + "\n", (encoding, written)
+
+
+def test_a_prompt_piped_in_needs_no_flag(capsys, monkeypatch, tiny):
+    """`echo '...' | fafo run` reads the prompt from standard input, as ollama does; on a terminal, without
+    --prompt, one line says what to give."""
+    piped = io.StringIO("Name a colour.")
+    monkeypatch.setattr(sys, "stdin", piped)
+    code, out, err = run_cli(capsys, "run", tiny, "-n", "3", "--dtype", "float32", "--json")
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 3, err
+    piped.isatty = lambda: True  # (a terminal: nothing piped in)
+    code, out, err = run_cli(capsys, "run", tiny, "-n", "3", "--dtype", "float32")
+    assert code == 1 and out == "" and err == ("error: no prompt: give --prompt FILE, or pipe the text in "
+                                               "(echo '...' | fafo run)\n")
+
+
+@pytest.mark.parametrize("stdin,message", [
+    (None, "it is closed"),  # `fafo run -p - <&-`
+    ("unreadable", "Bad file descriptor"),  # what `nohup` gives a terminal's stdin
+])
+def test_a_prompt_from_standard_input_that_cannot_be_read_is_one_line(capsys, monkeypatch, tiny, stdin, message):
+    if stdin == "unreadable":
+        stdin = io.StringIO()
+        stdin.read = lambda *args: (_ for _ in ()).throw(OSError(9, "Bad file descriptor"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = run_cli(capsys, "run", tiny, "-p", "-", "-n", "2", "--dtype", "float32")
+    assert code == 1 and out == "" and err == f"error: cannot read standard input: {message}\n"
+
+
+def test_sigterm_ends_a_run_with_one_line_and_its_exit_status(capsys, monkeypatch, tiny, prompt_file):
+    """SIGTERM (`timeout`, a service manager) unwinds like Ctrl-C, so the live panel shows the cursor again, with
+    "terminated" and 143, the shell's status for it; the handler is given back after the command."""
+    import signal
+
+    from fafo_cli import api, cli
+
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("this test process handles SIGTERM itself")
+    stream = api.Engine.stream
+    seen = []
+
+    def terminated_midway(self, *args, **kwargs):
+        for step in stream(self, *args, **kwargs):
+            yield step
+            seen.append(signal.getsignal(signal.SIGTERM))
+            cli._terminate(signal.SIGTERM, None)  # as the signal would, where the process is
+
+    monkeypatch.setattr(api.Engine, "stream", terminated_midway)
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "8", "--dtype", "float32")
+    assert code == 143 and err.endswith("terminated\n") and seen == [cli._terminate]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_quiet_and_verbose_together_are_refused(capsys, tiny, prompt_file):
