@@ -34,6 +34,16 @@ def filled_cache(length: int, seed: int = 0) -> KVCache:
     return cache
 
 
+def commit_random(cache: KVCache, compressor, length: int, count: int) -> int:
+    """`count` random positions written and committed after `length`, as a step commits them; the new length."""
+    rows = torch.randn(LAYERS, count, KV, DIM)
+    for layer in range(LAYERS):
+        cache.write(layer, rows[layer], -rows[layer])
+    cache.commit(count)
+    compressor.committed(cache, length, count)
+    return length + count
+
+
 def brute_bound(q, keys):
     """Quest's bound for one page, literally: sum over heads and dims of max(q*min, q*max)."""
     group = HEADS // KV
@@ -201,13 +211,7 @@ def test_h2o_follows_a_direct_reference_step_by_step():
     h2o.rebuild(cache)
     select()
     for step in range(40):
-        count = 1 + step % 3
-        rows = torch.randn(LAYERS, count, KV, DIM)
-        for layer in range(LAYERS):
-            cache.write(layer, rows[layer], -rows[layer])
-        cache.commit(count)
-        h2o.committed(cache, length, count)
-        length += count
+        length = commit_random(cache, h2o, length, 1 + step % 3)
         # no window this step: now and then, and for a run of more tokens than the 24 heavy slots (every one of them
         # may be evicted at the next selection)
         if step % 3 == 2 or 12 <= step < 29:
@@ -244,15 +248,9 @@ def test_view_reads_and_mask_follow_the_selection(name):
     assert compressor.active
     length = 60
     for step in range(40):
-        count = 1 + step % 3
         if step == 20:
             cache.reserve(cache.capacity + 1)  # reallocated: the view must follow the new tensors
-        rows = torch.randn(LAYERS, count, KV, DIM)
-        for layer in range(LAYERS):
-            cache.write(layer, rows[layer], -rows[layer])
-        cache.commit(count)
-        compressor.committed(cache, length, count)
-        length += count
+        length = commit_random(cache, compressor, length, 1 + step % 3)
         if step % 4 == 3 or 10 <= step < 17:  # a step without the window: nothing reads the view
             continue
         compressor.prepare(cache)
