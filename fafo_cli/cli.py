@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -822,9 +823,11 @@ def entrypoint(argv: list[str] | None = None) -> int:
     unhandled_interrupts.clear()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where a caller set its own)
         signal.signal(signal.SIGINT, _interrupt)
-    # (`fafo serve` has uvicorn's own while it serves; it gives this one back after)
-    terminate = signal.signal(signal.SIGTERM, _terminate) if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL \
-        else None
+    # (`fafo serve` has uvicorn's own while it serves; it gives this one back after. Only the main thread may set
+    # one: an in-process caller's thread leaves SIGTERM as it is)
+    terminate = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        terminate = signal.signal(signal.SIGTERM, _terminate)
     if argv is None:  # the process's own streams: a character the locale cannot write is replaced, not a traceback
         for stream in (sys.stdout, sys.stderr):
             if stream is not None and "utf" not in (getattr(stream, "encoding", None) or "").lower():
