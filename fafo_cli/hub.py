@@ -844,7 +844,8 @@ def _broken_repos(cache) -> dict[Path, str]:
     root = Path(constants.HF_HUB_CACHE)
     read = {repo.repo_path.resolve() for repo in cache.repos} if cache else set()
     try:
-        folders = [p for p in root.iterdir() if p.name.startswith("models--") and p.is_dir() and p.resolve() not in read]
+        folders = [p for p in root.iterdir()
+                   if p.name.startswith("models--") and p.is_dir() and p.resolve() not in read]
     except OSError:  # (no cache yet, or one this user may not read)
         return {}
     return {folder: folder.name.removeprefix("models--").replace("--", "/") for folder in folders}
