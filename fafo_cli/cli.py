@@ -298,6 +298,8 @@ def run(
 
     if quiet and verbose:
         raise FafoError("--quiet and --verbose ask for opposite things: give one")
+    if quiet and as_json:  # (a flag that would change nothing)
+        raise FafoError("--json prints one JSON object and nothing else: --quiet has nothing to leave out")
     if prompt is None:  # a prompt piped in needs no flag (ollama's way)
         if sys.stdin is None or sys.stdin.isatty():
             raise FafoError("no prompt: give --prompt FILE, or pipe the text in (echo '...' | fafo run)")

@@ -212,6 +212,7 @@ def bad_inputs(tiny, prompt_file, tmp_path, small_context):
         (["run", small_context, "-p", tmp_path / "long.txt", "--no-chat-template"],
          "the prompt is 40 tokens; the model's context is 16 tokens"),
         (["run", tiny, "-p", prompt_file, "--frobnicate"], "No such option: --frobnicate"),
+        (["run", tiny, "-p", prompt_file, "--json", "-q"], "--quiet has nothing to leave out"),
         (["serve", "--cors"], "Option '--cors' requires an argument. (see `fafo serve --help`)"),
         (["run", tiny, "-p", prompt_file, "--compressor", "zip"], "'compressor' must be one of auto, none, stream, quest, snapkv, h2o"),
         (["run", tiny, "-p", prompt_file, "--budget", "8", "--sink", "8"], "'budget' (8) is too small for the stream compressor: it needs at least sink + 1 = 9"),
