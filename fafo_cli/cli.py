@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -123,6 +124,14 @@ def _version(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Show the version and exit.")] = False) -> None:
     """Lossless fast decoding for local LLMs (FAFO)."""
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _unescaped(text: str) -> str:
+    """A stop string as typed, its escapes read (a shell passes `\\n` as two characters; llama.cpp reads them too)."""
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m.group(1), m.group(0)), text)
 
 
 def _read_prompt(source: str) -> str:
@@ -292,6 +301,10 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answer: no panel, no footer.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr even when stdout is not "
                                           "a terminal; on CUDA, host-device syncs per step counted too.")] = False,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", "-r", metavar="TEXT", show_default=False,
+                                                      help="End the answer where this text first appears (not "
+                                                      "shown; repeatable; \\n, \\t, \\r and \\\\ are read "
+                                                      "as escapes).")] = None,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
     from .ui import StreamView, consoles, footer, method_label, on_terminal
@@ -305,12 +318,13 @@ def run(
             raise FafoError("no prompt: give --prompt FILE, or pipe the text in (echo '...' | fafo run)")
         prompt = "-"
     text = _read_prompt(prompt)
+    stop = [_unescaped(value) for value in stop or ()]
     settings = config_mod.resolve(config, **flags)
     out, err = consoles()
     engine = _load(settings, err, flags, quiet=quiet)
     engine.count_syncs = verbose
     if as_json:
-        result = engine.complete(text)
+        result = engine.complete(text, stop=stop)
         _print_json(result.to_dict())
         if verbose:  # the statistics' line on stderr too, as without --json
             print(footer(result.stats, method_label(engine.request_config()), result.finish_reason), file=sys.stderr)
@@ -320,7 +334,7 @@ def run(
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err, weights=engine.weights)
     with view:
-        view.consume(engine.stream(text, seed=request.seed, on_prefill=view.prefill))
+        view.consume(engine.stream(text, stop=stop, seed=request.seed, on_prefill=view.prefill))
 
 
 @app.command()

@@ -1096,3 +1096,26 @@ def test_an_in_process_command_leaves_the_collector_as_it_was():
 
     gc.unfreeze()
     assert entrypoint(["--version"]) == 0 and gc.get_freeze_count() == 0
+
+
+def test_run_stop_strings_end_the_answer(capsys, tiny, prompt_file):
+    common = ("run", tiny, "-p", prompt_file, "-n", "16", "--dtype", "float32", "--method", "vanilla")
+    code, out, err = run_cli(capsys, *common, "--json")
+    assert code == 0, err
+    text = json.loads(out)["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and stop in text
+    for flags in (("--json", "--stop", stop), ("--json", "--stop", "never there", "-r", stop)):
+        code, out, err = run_cli(capsys, *common, *flags)
+        data = json.loads(out)
+        assert code == 0 and data["text"] == text[:text.index(stop)] and data["finish_reason"] == "stop", err
+    code, out, err = run_cli(capsys, *common, "--stop", stop)  # streamed: the same text, the stop string not shown
+    assert code == 0 and out.rstrip("\n") == text[:text.index(stop)].rstrip("\n"), err
+    code, out, err = run_cli(capsys, *common, "--stop", "")
+    assert code == 1 and out == "" and err.strip().count("\n") == 0 and "stop string must not be empty" in err
+
+
+def test_stop_string_escapes():
+    from fafo_cli.cli import _unescaped
+    assert _unescaped(r"\n\nUser:") == "\n\nUser:" and _unescaped(r"a\tb\r") == "a\tb\r"
+    assert _unescaped(r"\\n") == "\\n" and _unescaped(r"\x") == r"\x" and _unescaped("é\\n") == "é\n"
