@@ -35,7 +35,11 @@ def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, 
     assert machine["device"] == "cpu" and machine["dtype"] == "float32"
     assert machine["cuda"]["available"] == torch.cuda.is_available()
     assert isinstance(machine["avx512_bf16"], bool) and isinstance(machine["amx"], bool)
-    assert report["exactness"] and all(check["equal"] and check["tokens"] == 64 for check in report["exactness"])
+    checks = report["exactness"]
+    assert len(checks) in (2, 4) and all(check["equal"] and check["tokens"] == 64 for check in checks)
+    # each prompt as configured (no window on a CPU unless a compressor is named) and with the window every step
+    assert [(check["fafo"], check["streams"]) for check in checks[:2]] == [
+        ("as configured", 0), ("window on every step (W=2, stream)", 2)]
     assert sorted(map(int, report["step_ms"])) == list(tune.ROWS)  # as --tune measures them on a CPU
     assert all(ms > 0 for ms in report["step_ms"].values())
     # a window's width eager: never below the CPU's W=2; none runs here unless a compressor is named
@@ -43,6 +47,15 @@ def test_doctor_json_reports_machine_exactness_costs_and_advice(tiny, isolated, 
     assert report["recommended"]["why"].startswith(("the widest window whose step costs at most 25% more",
                                                      "the least an eager window runs"))  # (dense eager steps here)
     assert "written" not in report and isolated.read_text() == "# my settings\nmax_tokens: 100\n"
+
+
+def test_doctor_says_when_no_check_prompt_fits(tiny, isolated, capsys, monkeypatch):
+    from fafo_cli.bench import doctor
+
+    monkeypatch.setattr(doctor, "prompts", lambda engine: [])  # (a model whose context holds neither prompt)
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--config", str(isolated)])
+    out = capsys.readouterr().out
+    assert code == 0 and "float32 exactness: not checked: neither check prompt fits this model's context" in out
 
 
 def test_the_advice_names_the_rule_that_chose_the_width(tiny, monkeypatch):
@@ -80,6 +93,11 @@ def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     assert isolated.read_text().startswith("# my settings\n")  # comments and other keys kept
     folder = next((isolated.parent / "cache" / "compiled").glob("*/step-costs.json")).parent
     assert sorted(read_step_costs(folder)["eager"]) == list(tune.ROWS)
+    isolated.write_text("max_tokens: 100\nstreams: 8\n")  # a width fixed, no window recommended: auto again
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
+    out = capsys.readouterr().out
+    assert code == 0 and f"Wrote streams=auto to {isolated}" in out.replace("\n", "")
+    assert isolated.read_text() == "max_tokens: 100\nstreams: auto\n"
     new = isolated.parent / "new.yaml"  # a --config file that does not exist yet: what it writes creates it
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(new)])
     assert code == 0 and new.is_file(), capsys.readouterr().err  # though no window is written on a CPU
@@ -238,7 +256,7 @@ def test_a_float32_near_tie_is_said_but_not_failed():
 
     from fafo_cli.bench import doctor
 
-    check = {"prompt": "chat · x", "tokens": 64, "equal": False, "fafo_steps": 30, "accepted": 20,
+    check = {"prompt": "chat · x", "fafo": "as configured", "tokens": 64, "equal": False, "fafo_steps": 30, "accepted": 20,
              "divergence": "token 7: 5 vs vanilla's 6, logit gap 1e-06 (near-tie)", "near_tie": True}
     assert not doctor.failed({"exactness": [check]})
     assert doctor.failed({"exactness": [{**check, "near_tie": False}]})

@@ -1,7 +1,8 @@
 """`fafo doctor [MODEL]`: what this machine gives fafo, whether FAFO is exact here, and the settings to use.
 
 Four parts, about a minute on the embedded model: the machine (device, dtype, what our kernels can use); FAFO
-against plain decoding in float32 on two prompts, which must agree token for token; one pass's cost against its
+against plain decoding in float32 on two prompts, as configured and with its window on every step, which must agree
+token for token; one pass's cost against its
 rows (`fafo bench --tune`'s measurement, to more rows); and the window width `streams: auto` derives from that cost,
 which `--write` writes where `--tune` writes (the config file, and the cost curve beside the model's compiled steps).
 `--gpu-report FILE` adds a 7B-shaped random-weight model's step costs against the bandwidth bound (gpu_report.py).
@@ -95,24 +96,40 @@ def prompts(engine) -> list[suites.Sample]:
 
 
 def exact(engine) -> list[dict]:
-    """FAFO's greedy answers against plain decoding's on `prompts`, in the engine's (float32) dtype."""
+    """FAFO's greedy answers against plain decoding's on `prompts`, in the engine's (float32) dtype: FAFO as
+    configured (on a CPU often its copies alone), and with its window and compressor on every step (`windowed`)."""
     checks = []
-    for sample in prompts(engine):
+    fits = prompts(engine)
+    if not fits:
+        return [{"skipped": f"neither check prompt fits this model's context of {engine.model.max_context} tokens "
+                            f"with {TOKENS} new ones"}]
+    for sample in fits:
         messages = list(sample.messages)
         engine.reset()
         plain = engine.complete(messages, method="vanilla", temperature=0.0, max_tokens=TOKENS)
-        engine.reset()
-        fafo = engine.complete(messages, method="fafo", temperature=0.0, max_tokens=TOKENS)
-        position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
-        check = {"prompt": f"{sample.suite} · {sample.id}", "tokens": len(plain.token_ids), "equal": position is None,
-                 "fafo_steps": fafo.stats.steps, "accepted": fafo.stats.accepted_tokens}
-        if position is not None:
-            divergence = exactness.judge_float32(engine, engine.encode(messages), plain.token_ids, fafo.token_ids,
-                                                 position)
-            check["divergence"], check["near_tie"] = divergence.describe(), divergence.near_tie
-        checks.append(check)
+        for label, settings in (("as configured", {}), windowed(engine.config)):
+            engine.reset()
+            fafo = engine.complete(messages, method="fafo", temperature=0.0, max_tokens=TOKENS, **settings)
+            position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
+            check = {"prompt": f"{sample.suite} · {sample.id}", "fafo": label, "tokens": len(plain.token_ids),
+                     "equal": position is None, "fafo_steps": fafo.stats.steps, "accepted": fafo.stats.accepted_tokens,
+                     "streams": fafo.stats.streams or 0}
+            if position is not None:
+                divergence = exactness.judge_float32(engine, engine.encode(messages), plain.token_ids,
+                                                     fafo.token_ids, position)
+                check["divergence"], check["near_tie"] = divergence.describe(), divergence.near_tie
+            checks.append(check)
     engine.reset()
     return checks
+
+
+def windowed(config) -> tuple[str, dict]:
+    """FAFO with its lookahead window and compressor running on every step (the planner off), the configured ones
+    or W=2 and `stream`: the paths a CPU's `streams: auto` leaves out, checked too."""
+    streams = config.streams if isinstance(config.streams, int) and config.streams > 0 else 2
+    compressor = "stream" if config.compressor == "auto" else config.compressor
+    return (f"window on every step (W={streams}, {compressor})",
+            {"streams": streams, "compressor": compressor, "planner": False})
 
 
 def recommend(engine, config, costs: dict[int, float]) -> dict:
@@ -132,16 +149,24 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
     return {"streams": width[True], "window": width[settings.compressor_named] > 0, "why": why}
 
 
-def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> None:
+def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> dict:
     """As `fafo bench --tune` writes: the window's width into the config file where `streams: auto` runs a window
-    (written as 0 it would keep a compressor named later from running one), the cost curve beside the model's
-    steps."""
+    (written as 0 it would keep a compressor named later from running one), `streams: auto` back where the file
+    fixes a window's width and none is recommended, the cost curve beside the model's steps. Returns what was written
+    where (`written` of the report)."""
     tune.keep_eager_costs(engine, costs)  # (first: a cache that cannot be written leaves the config as it was)
+    written = {"step_costs": str(engine.steps_folder)}
+    text, _ = tune.settings_file(path)
+    configured = config_mod.load_text(text, path).streams
+    fixed = configured != "auto" and configured > 0  # (0, no window, is what is recommended)
+    streams = recommended["streams"] if recommended["window"] else "auto" if fixed else None
     try:
-        if recommended["window"]:
-            tune.write_settings(path, {"streams": recommended["streams"]})
+        if streams is not None:
+            tune.write_settings(path, {"streams": streams})
+            written.update(config=str(path), streams=streams)
     except OSError as e:
         raise FafoError(f"cannot write {path}: {e.strerror}") from None
+    return written
 
 
 def run(config, load, *, write_to: Path | None = None, progress=lambda line: None):
@@ -186,10 +211,7 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
     if write_to is not None and report["disturbed"]:
         raise FafoError(f"{report['disturbed']}; nothing written")
     if write_to is not None:
-        write(engine, write_to, report["recommended"], costs)
-        # the config only where a window is recommended (its width is the setting written)
-        report["written"] = {"step_costs": str(engine.steps_folder),
-                             **({"config": str(write_to)} if report["recommended"]["window"] else {})}
+        report["written"] = write(engine, write_to, report["recommended"], costs)
     return report
 
 
@@ -233,8 +255,9 @@ def render(report: dict, console) -> None:
             continue
         verdict = ("[green]equal[/]" if check["equal"] else f"[yellow]parted at a near-tie[/], {check['divergence']}"
                    if check.get("near_tie") else f"[red]DIFFERENT[/] at {check['divergence']}")
-        console.print(f"float32 exactness, {check['prompt']}: FAFO vs plain decoding over {check['tokens']} tokens: "
-                      f"{verdict} ({check['fafo_steps']} FAFO steps, {check['accepted']} guessed tokens accepted)")
+        console.print(f"float32 exactness, {check['prompt']}: FAFO {check['fafo']} vs plain decoding over "
+                      f"{check['tokens']} tokens: {verdict} ({check['fafo_steps']} FAFO steps, {check['accepted']} "
+                      f"guessed tokens accepted)")
     costs = report["step_ms"]
     table = Table("rows per pass", "ms", "× one row", title="one pass against its rows", title_justify="left")
     for rows, ms in costs.items():
@@ -248,8 +271,9 @@ def render(report: dict, console) -> None:
     console.print(f"Recommended: {width}" if window else "Recommended: no window (`streams: auto` on a CPU, unless a "
                   f"compressor is named: its rows cost more than its guesses earn here); with one named, {width}")
     if "written" in report:
-        console.print((f"Wrote streams={streams} to {report['written']['config']} and the" if window else "Wrote the")
-                      + f" cost curve to {report['written']['step_costs']}.")
+        written = report["written"]
+        console.print((f"Wrote streams={written['streams']} to {written['config']} and the" if "config" in written
+                       else "Wrote the") + f" cost curve to {written['step_costs']}.")
 
 
 def _yes(value: bool) -> str:
