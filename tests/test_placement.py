@@ -30,6 +30,10 @@ def test_layers_fill_gpus_in_order_and_the_head_follows_the_last_layer():
         spread(sizes, [5, 100])
     assert device_map([0, 1], 1) == {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
                                      "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+    # the first layer beside the embedding would overflow GPU 0: the embedding stays where it was counted
+    first_apart = Sizes(embedding=10, layer=50, head=5, n_layers=2)
+    assert spread(first_apart, [55, 200]) == ([1, 1], 1)
+    assert device_map(*spread(first_apart, [55, 200]))["model.embed_tokens"] == 0
 
 
 def test_plan_counts_a_meta_models_parts_with_their_caches():

@@ -51,9 +51,9 @@ def spread(sizes: Sizes, budgets: list[int]) -> tuple[list[int], int]:
 
 
 def device_map(layers: list[int], head: int) -> dict[str, int]:
-    """accelerate's device_map of a Llama-family model (model.embed_tokens, model.layers.i, model.norm, lm_head)."""
-    first = layers[0] if layers else head
-    mapping = {"model.embed_tokens": first, "model.rotary_emb": first}
+    """accelerate's device_map of a Llama-family model (model.embed_tokens, model.layers.i, model.norm, lm_head): the
+    embedding on the first GPU, where `spread` counted it, even where the first layer did not fit beside it."""
+    mapping = {"model.embed_tokens": 0, "model.rotary_emb": 0}
     mapping.update({f"model.layers.{i}": gpu for i, gpu in enumerate(layers)})
     mapping.update({"model.norm": head, "lm_head": head})
     return mapping
@@ -88,7 +88,7 @@ def plan(hf_model, dtype_bytes: int, max_context: int, free_bytes: list[int]) ->
     sizes = sizes_of(hf_model, dtype_bytes, max_context)
     layers, head = spread(sizes, [int(free * HEADROOM) for free in free_bytes])
     if _tied(hf_model):
-        head = layers[0] if layers else 0
+        head = 0
     return device_map(layers, head)
 
 
