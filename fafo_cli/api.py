@@ -73,12 +73,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (oneDNN's check says yes on any AVX-512 CPU, Skylake's included: the
-    flags decide where they are listed)."""
+    """Whether this CPU computes bf16 natively, as its flags say; no where they are not listed (off Linux): oneDNN's
+    check says yes on any AVX-512 CPU, Skylake's included, where bf16 is emulated (slow, and not float32's tokens)."""
     from .compiled.kernels.loader import cpu_flags
 
-    flags = set(cpu_flags().split())
-    return bool(flags & NATIVE_BF16_FLAGS) if flags else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return bool(set(cpu_flags().split()) & NATIVE_BF16_FLAGS)
 
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86's, and Arm's (/proc/cpuinfo's names)

@@ -45,7 +45,7 @@ def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto"
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "cpu": _cpu_name(), "cpu_vector_level": torch.backends.cpu.get_cpu_capability(),
         "avx512_bf16": "avx512_bf16" in flags, "amx": loader.AMX_FLAGS <= flags,
-        "native_bf16": cpu_has_native_bf16(),  # (as `dtype: auto` decides)
+        "native_bf16": cpu_has_native_bf16(),  # (the CPU's, which `dtype: auto` reads on a CPU only)
         "compiler": compiler,
         "cuda": {"available": cuda, "torch_built_with": torch.version.cuda,
                  "devices": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else []},
