@@ -188,6 +188,17 @@ def test_suffix_history_rebuilds_over_no_more_answers_than_its_index_keeps(monke
     assert list(history.answers) == [[6, 6]]
 
 
+def test_suffix_history_holds_a_bounded_number_of_tokens_whatever_the_answers(monkeypatch):
+    from fafo_cli.decoders import suffix
+
+    monkeypatch.setattr(suffix, "HISTORY_TOKENS", 8)
+    history = History(keep=256, count_depth=32)  # (far more answers kept than 8 tokens hold)
+    for answer in range(20):
+        history.add([answer] * 5)
+        assert history.tokens == sum(len(kept) + 1 for kept in history.answers) <= 2 * 8
+    assert list(history.answers) == [[18] * 5, [19] * 5] and history.nbytes() > history.index.nbytes()
+
+
 def test_lookahead_keeps_its_own_pool_whatever_fafo_s_pool_per_key(tiny, monkeypatch):
     """FAFO's `pool_per_key` (a config file's, say) never reaches lookahead's pool: a peer's row of the bench stays
     the method it names."""

@@ -41,6 +41,20 @@ def test_peer_matches_transformers_greedy(tiny_models, variant, peer):
     assert accepted > 0  # guesses were accepted and their keys and values committed
 
 
+@pytest.mark.parametrize("peer", sorted(DRAFTED_BY_MODEL))
+def test_a_self_draft_drafts_no_token_past_the_answer_s_end(tiny, peer):
+    """A draft model's pass for a guess past max_tokens would be thrown away: none runs (two tokens: the prefill's
+    and one step's, which has no room for a guess; QuantSpec's passes, one a guess, are all verified)."""
+    engine = engine_for(tiny)
+    ids = engine.encode(SHORT)
+    for tokens in (2, 5, 9):
+        result = engine.complete(SHORT, max_tokens=tokens, **PEERS[peer])
+        assert result.token_ids == hf_greedy(tiny, ids, tokens)
+        stats = result.stats
+        assert stats.draft_passes == stats.drafted_tokens == 0 if tokens == 2 else stats.drafted_tokens > 0
+        assert peer != "quantspec" or stats.draft_passes == stats.drafted_tokens
+
+
 @pytest.fixture(scope="module")
 def draft_models(tmp_path_factory):
     """A draft model sharing the tiny models' tokenizer (the tests also use each target as its own draft)."""

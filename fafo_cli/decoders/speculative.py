@@ -83,8 +83,9 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
     yield step
     while not step.finish_reason:
         start = cache.length
-        # no path longer than the answer's tokens left: guesses past its end would never be emitted
-        draft = drafter.draft(text, room=model.max_context - start - 1).within(emitter.left - 1)
+        # no guess past the answer's tokens left (it would never be emitted; a self-draft's pass for it wasted), and
+        # no path longer than them in a tree
+        draft = drafter.draft(text, room=min(model.max_context - start - 1, emitter.left - 1)).within(emitter.left - 1)
         tree = draft.tree
         if drafter.runs_model:
             stats.draft_passes += draft.passes

@@ -16,6 +16,7 @@ too (the same seed gives the same sample whatever the session answered before).
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Iterator
 
@@ -31,9 +32,9 @@ HISTORY_TOKENS = 1 << 15  # earlier answers' tokens indexed: between this and tw
 
 class History:
     """The session's earlier answers in one index, each closed by a separator of its own (a negative id, which
-    no token has), so no match runs from one answer into the next. Past 2 × `keep` answers it is rebuilt over
-    the last `keep`, of which only the newest HISTORY_TOKENS tokens' worth are kept (the index itself keeps at
-    most 2 × HISTORY_TOKENS tokens: older ones would be indexed to be dropped)."""
+    no token has), so no match runs from one answer into the next. Past 2 × `keep` answers, or 2 × HISTORY_TOKENS
+    tokens of them, it is rebuilt over the last `keep`, of which only the newest HISTORY_TOKENS tokens' worth are
+    kept (the index itself keeps at most 2 × HISTORY_TOKENS tokens: older ones would be indexed to be dropped)."""
 
     def __init__(self, keep: int, count_depth: int):
         self.keep, self.count_depth = keep, count_depth
@@ -49,12 +50,14 @@ class History:
             if tokens > HISTORY_TOKENS and kept:
                 self.answers = deque(list(self.answers)[-kept:])
                 break
+        self.tokens = 0  # the kept answers' tokens, separators included
         for answer in self.answers:
             self._index(answer)
 
     def _index(self, answer: list[int]) -> None:
         self.index.extend(answer + [self._separator])
         self._separator -= 1
+        self.tokens += len(answer) + 1
 
     def configure(self, keep: int, count_depth: int) -> None:
         """This request's settings: deeper counts need a new index; fewer answers kept drop the oldest."""
@@ -69,12 +72,16 @@ class History:
         if not answer or not self.keep:
             return
         self.answers.append(list(answer))
-        if len(self.answers) > 2 * self.keep:
+        if len(self.answers) > 2 * self.keep or self.tokens + len(answer) + 1 > 2 * HISTORY_TOKENS:
             while len(self.answers) > self.keep:
                 self.answers.popleft()
             self._rebuild()
         else:
             self._index(self.answers[-1])
+
+    def nbytes(self) -> int:
+        """Approximate host memory: the index and the answers it is rebuilt from."""
+        return self.index.nbytes() + sum(sys.getsizeof(answer) for answer in self.answers)
 
 
 class Suffix:
@@ -114,7 +121,7 @@ class Suffix:
 
     def nbytes(self) -> int:
         # host memory, estimated: unlike an n-gram table's, the indexes' share of a long text is not small
-        return self.text.nbytes() + (self.history.index.nbytes() if self.history else 0)
+        return self.text.nbytes() + (self.history.nbytes() if self.history else 0)
 
 
 def count_depth(config) -> int:
