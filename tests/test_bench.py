@@ -775,7 +775,7 @@ def test_warmup_runs_every_row_first_and_verify_reruns_in_float32(tiny, monkeypa
     code = entrypoint(["bench", str(tiny), "--suites", "math", "--methods", "fafo", "--no-external", "--samples",
                        "1", "--repeats", "1", "--warmup", "1", "--tokens", "16", "--dtype", "bfloat16", "--verify"])
     err = capsys.readouterr().err
-    assert code == 0 and "verified in float32: math · math-apples" in err
+    assert code == 0 and "run in float32: math · math-apples" in err
     # 2 warm-up runs (repeat -1, short), 2 measured bf16 runs, then both rows again in float32
     assert [(r, d) for r, _, d in tokens] == [(-1, "torch.bfloat16")] * 2 + [(0, "torch.bfloat16")] * 2 + [
         (0, "torch.float32")] * 2
