@@ -129,6 +129,16 @@ def test_the_default_matrix_answers_quickly_and_full_runs_everything(tiny, tmp_p
     assert all(0 < r["ttft_ms"] < 60e3 for r in records), [r["ttft_ms"] for r in records]
 
 
+def test_ms_per_step_leaves_out_answers_without_a_timed_step():
+    from types import SimpleNamespace
+
+    from fafo_cli.bench.report import _median_step_ms
+
+    runs = [SimpleNamespace(step_ms=ms) for ms in (0.0, 0.0, 10.0, 12.0, 30.0)]  # two answers finished by one pass
+    assert _median_step_ms(runs) == 12.0
+    assert _median_step_ms(runs[:2]) is None and _median_step_ms(runs + [SimpleNamespace(step_ms=None)]) is None
+
+
 def test_transformers_rows_decode_plainly_whatever_the_models_generation_settings(tiny, tmp_path):
     """Qwen's generation_config.json sets a repetition penalty, which transformers applies even greedily: the
     reference rows must still be plain greedy decoding (exact in float32)."""
@@ -856,7 +866,7 @@ def test_bench_long_suite_runs_exactly_and_checks_context(tiny, tmp_path, capsys
     assert code == 0, capsys.readouterr().err
     records = json.loads(out.read_text())
     assert {(r["suite"], r["exact"]) for r in records if r["row"] != "vanilla"} == {("long", "3/3")}
-    assert records[0]["context"] == 2048
+    assert records[0]["context"] == [2048]
     capsys.readouterr()
     for flags, message in ((["--context", "100"], "--context 100: choose from 1024 to the model's context"),
                            (["--context", "4096"], "--context 4096: choose from 1024"),

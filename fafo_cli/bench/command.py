@@ -19,7 +19,7 @@ from ..errors import FafoError, interrupt_handled, is_out_of_memory
 from ..files import user_path, write_atomic
 from ..runtime.memory import release_dropped_models
 from ..ui import on_terminal
-from . import exactness, report, suites
+from . import exactness, long, report, suites
 from .runner import Failed, Progress, Run, measure, plan_rows, run_once
 
 
@@ -77,7 +77,9 @@ def _meta(engine, options: BenchOptions, config) -> dict:
 
     return {"model": engine.name, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "device": str(engine.model.device), "tokens": options.tokens, "repeats": options.repeats,
-            "samples": options.samples, "temperature": options.temperature, "context": options.context,
+            "samples": options.samples, "temperature": options.temperature,
+            "context": long.contexts(options.context, engine.model.max_context, options.tokens)
+            if "long" in options.suites else None,  # (the long suite's lengths: --context's, or the defaults that fit)
             # the config's settings, but those the bench sets per run (the method, tokens and sampling above)
             "settings": {k: v for k, v in config.to_dict().items() if k not in PER_RUN},
             "versions": {"fafo-cli": __version__, "torch": torch.__version__, "transformers": transformers.__version__,

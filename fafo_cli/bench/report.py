@@ -129,7 +129,7 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 statistics.median(ratios.values()) if ratios else None, ratios,
                 (sum(len(r.token_ids) for r in mine) / sum(r.steps for r in mine)) if any(r.steps for r in mine)
                 else None,
-                None if any(r.step_ms is None for r in mine) else statistics.median(r.step_ms for r in mine),
+                _median_step_ms(mine),
                 sum(r.accepted for r in mine), sum(r.drafted for r in mine),
                 max(r.peak_memory_mb for r in mine), max(r.draft_memory_mb for r in mine),
                 (len(compared) - len(found)) if greedy else None, len(compared), found, len(mine),
@@ -138,6 +138,13 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 1e3 * statistics.median(statistics.median(times) for times in
                                         _by_sample(mine, lambda run: run.ttft_s).values())))
     return results
+
+
+def _median_step_ms(runs: list[Run]) -> float | None:
+    """Median ms per step over the runs that timed a step (0: an answer that its first pass finished); None where a
+    row's steps are hidden (transformers' prompt lookup) or none was timed."""
+    timed = [run.step_ms for run in runs if run.step_ms]
+    return None if any(run.step_ms is None for run in runs) or not timed else statistics.median(timed)
 
 
 COLUMNS = ("suite", "method", "tokens/s", "speedup", "worst", "τ", "draft", "rows", "ms/step", "first token",
