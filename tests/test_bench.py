@@ -1080,3 +1080,19 @@ def test_a_python_without_its_library_sources_is_one_line_for_the_long_suite(mon
             long.standard_library()
     finally:
         long.standard_library.cache_clear()
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_curve_for_this_run_only(tiny, monkeypatch, capsys, tmp_path):
+    from fafo_cli.bench import tune
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # no curve kept yet: the bench measures one
+
+    def read_only(folder, costs):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(tune, "write_step_costs", read_only)
+    code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "fafo", "--no-external",
+                       "--samples", "1", "--repeats", "1", "--warmup", "0", "--tokens", "8", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert code == 0 and "fafo" in captured.out, captured.err
+    assert "the measured step costs are not kept for later runs: cannot write" in captured.err.replace("\n", " ")

@@ -272,7 +272,11 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
         if tune.curve_disturbed(costs):  # the planner's default curve this time
             err_console.print(f"[yellow]{tune.curve_disturbed(costs)}; not kept[/]")
         else:
-            tune.keep_eager_costs(engine, costs)
+            try:
+                tune.keep_eager_costs(engine, costs)
+            except OSError as e:  # (a read-only cache: the bench needs the curve for this run only)
+                err_console.print(f"[yellow]the measured step costs are not kept for later runs: cannot write "
+                                  f"{engine.steps_folder} ({e.strerror or e})[/]")
     greedy = options.temperature == 0
     settings = {"temperature": options.temperature, **SAMPLING_NEUTRAL, "seed": 0}
     runs: list[Run] = []

@@ -88,11 +88,12 @@ def _measured_costs(engine, context: int, row_counts: tuple[int, ...], repeats: 
 
 
 def keep_eager_costs(engine, costs: dict[int, float]) -> None:
-    """The eager cost curve for FAFO's planner: beside the model's packages for later runs, and in this session."""
-    claim_steps_folder(engine.steps_folder, engine.steps_serve)
+    """The eager cost curve for FAFO's planner: in this session, and beside the model's packages for later runs (an
+    OSError where that folder cannot be written: this session's curve is set all the same)."""
     mode = engine.model.eager_mode
-    write_step_costs(engine.steps_folder, {mode: costs})
     engine.session.step_costs = {**engine.session.step_costs, mode: costs}
+    claim_steps_folder(engine.steps_folder, engine.steps_serve)
+    write_step_costs(engine.steps_folder, {mode: costs})
 
 
 def candidates(accelerator: bool) -> tuple[tuple[int, int, int], ...]:
