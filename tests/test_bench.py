@@ -426,7 +426,7 @@ def test_rounding_noise_is_measured_in_bfloat16(smollm2):
             assert noise == 0.0
 
 
-def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
+def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys, tmp_path):
     from fafo_cli.bench import runner
 
     real, calls = runner.run_once, []
@@ -439,11 +439,15 @@ def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys):
 
     monkeypatch.setattr(runner, "run_once", interrupted)
     code = entrypoint(["bench", str(tiny), "--suites", "chat", "--methods", "prompt-lookup", "--no-external",
-                       "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32"])
+                       "--samples", "2", "--repeats", "2", "--warmup", "0", "--tokens", "16", "--dtype", "float32",
+                       "--json", str(tmp_path / "out.json")])
     captured = capsys.readouterr()
     assert code == 130 and "interrupted: reporting the 1 prompt that every row finished" in captured.err
     assert captured.err.count("interrupt") == 1, captured.err  # its own line alone
     assert "prompt-lookup" in captured.out and "chat-cooking" not in captured.out
+    assert "1 of 2 prompts (interrupted)" in " ".join(captured.out.split())  # the table says it is partial
+    record = json.loads((tmp_path / "out.json").read_text())[0]
+    assert (record["prompts"], record["planned_prompts"], record["interrupted"]) == (1, 2, True)
 
 
 def test_a_row_that_fails_is_left_out_and_the_others_are_reported(tiny, tmp_path, monkeypatch, capsys):

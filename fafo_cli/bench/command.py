@@ -333,9 +333,13 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
     results = report.aggregate(runs, rows, divergences, greedy)
     meta = {**_meta(engine, options, config), "tie_tolerance": tolerance,  # per mode: {"eager": ...}
             "steps": _steps_mode(config, engine.session.compiled_runs > compiled_before,
-                                 graphs=isinstance(engine.compiled, GraphSteps))}
+                                 graphs=isinstance(engine.compiled, GraphSteps)),
+            # (prompts every row finished, of those planned: fewer where Ctrl-C or plain decoding's failure stopped it)
+            "prompts": len(complete), "planned_prompts": len(samples), "interrupted": interrupted}
     title = (f"{meta['model']} · {meta['dtype']} · {meta['device']} · {meta['steps']} · {options.tokens} tokens · "
              f"median of {options.repeats} · {'greedy' if greedy else f'T={options.temperature:g}'}")
+    if len(complete) < len(samples):
+        title += f" · {len(complete)} of {len(samples)} prompts ({'interrupted' if interrupted else 'stopped'})"
     if tolerance and any(tolerance.values()):
         title += " · near-tie: logit gap ≤ " + ", ".join(f"{gap:.2f} {mode}" for mode, gap in tolerance.items())
     report.print_tables(results, console, title)
