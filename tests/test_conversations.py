@@ -220,6 +220,25 @@ def test_running_out_of_memory_while_a_kept_copy_loads_leaves_a_consistent_cache
     assert result.stats.cached_prompt_tokens >= len(engine.encode(first))  # the kept copy was not lost
 
 
+def test_no_room_to_copy_a_conversation_drops_the_kept_ones_and_answers(tiny, monkeypatch):
+    """A GPU's memory full: the copy of the conversation a request cuts cannot be made. Every later request would
+    run out the same way: the request is answered without keeping it, and the kept ones give their room back."""
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
+    engine.keep_conversations(4, 100)
+    session = engine.session
+    engine.complete("the first conversation, long enough to be kept", max_tokens=30)
+    engine.complete("a second conversation, long enough to be kept too", max_tokens=30)
+    assert len(session.kept) == 1
+
+    def no_memory(dtype):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(session.cache, "snapshot", no_memory)
+    prompt = "another one entirely"
+    result = engine.complete(prompt, max_tokens=6)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(prompt), 6) and len(session.kept) == 0
+
+
 def test_reset_forgets_kept_conversations(tiny):
     engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
     engine.keep_conversations(2, 100)

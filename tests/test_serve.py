@@ -312,6 +312,9 @@ def test_sampling_fields_without_a_temperature_sample_at_temperature_1(served, r
     nucleus = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=0,
                                              top_p=0.5)
     assert nucleus.choices[0].message.content == greedy
+    preset = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=0,
+                                            extra_body={"top_k": 40, "min_p": 0.05})  # (Open WebUI's, SillyTavern's)
+    assert preset.choices[0].message.content == greedy
 
 
 def test_top_p_zero_is_greedy(served, reference):
@@ -1006,10 +1009,17 @@ def test_out_of_memory_is_its_own_error(served, monkeypatch):
                            "tried to allocate 4294967296 bytes.")
         yield
 
-    monkeypatch.setattr(served.server.engine, "generate", exhausted)
+    engine = served.server.engine
+    for prompt in ("a conversation long enough to be kept for later, one", "and another, as long as the first one"):
+        served.client().completions.create(model=served.name, prompt=prompt, max_tokens=24)
+    assert len(engine.session.kept) >= 1
+    monkeypatch.setattr(engine, "generate", exhausted)
     with httpx.Client(base_url=served.url, timeout=30) as http:
-        error = _check_error(http.post("/completions", json={"prompt": TEXT, "max_tokens": 3}), 500)
+        response = http.post("/completions", json={"prompt": TEXT, "max_tokens": 3})
+        error = _check_error(response, 500)
     assert error["code"] == "out_of_memory"
+    assert response.headers["x-should-retry"] == "false"  # OpenAI's clients would send it twice more
+    assert len(engine.session.kept) == 0 and "kept for reuse were dropped" in error["message"]  # room given back
 
 
 def test_a_request_that_fails_inside_the_server_stops_its_answer(served, monkeypatch):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..errors import ModelOutputError
+from ..errors import ModelOutputError, is_out_of_memory
 from .cache import KVCache
 from .conversations import KeptConversation, KeptConversations, shared_prefix
 from .detok import CONTEXT_IDS, Detokenizer
@@ -117,9 +117,16 @@ class Session:
             self.kept.take(entry)  # before keep() below, which could drop it
         # (not copied where it could never be kept: a long context's copy is GBs, on the GPU where the model is)
         if len(self.ids) - live >= KEEP_AT_LEAST and self.kept.takes(self.cache.snapshot_bytes(self.model.dtype)):
-            keys, values = self.cache.snapshot(self.model.dtype)
-            self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
-            self.carry = {}
+            try:
+                keys, values = self.cache.snapshot(self.model.dtype)
+            except (MemoryError, RuntimeError) as e:  # (no room for the copy: a GPU's memory full)
+                if not is_out_of_memory(e):
+                    raise
+                self.kept.clear()  # this conversation is not kept, and the others give back their room: every
+                # later request would run out the same way copying it
+            else:
+                self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
+                self.carry = {}
         if entry is not None:
             try:
                 self.cache.load(entry.keys, entry.values)

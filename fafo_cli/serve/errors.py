@@ -15,7 +15,8 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
+        # OpenAI's clients retry any 5xx twice unless told not to: ours repeat (out of memory, a bug), but a 503's
+        self.headers = ({"x-should-retry": "false"} if status == 500 else {}) | (headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),

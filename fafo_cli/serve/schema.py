@@ -159,9 +159,11 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
     overrides["max_tokens"] = tokens if tokens is not None else \
         max_tokens or (engine.model.max_context if kind == "chat" else TEXT_MAX_TOKENS)
     # nothing a request asks for may go unheeded, but a seed while greedy: clients send one with temperature 0
-    # for repeatable answers, which greedy answers are; and top_p beside temperature 0, which OpenAI accepts and
-    # clients send from their presets (greedy decoding keeps to any nucleus: its token is the likeliest)
-    checked = PER_REQUEST & given.keys() - {"seed"} - ({"top_p"} if given.get("temperature") == 0 else set())
+    # for repeatable answers, which greedy answers are; and top_p, top_k and min_p beside temperature 0, which
+    # OpenAI (top_p) and vLLM accept and clients send from their presets (greedy decoding keeps to any of them: its
+    # token is the likeliest)
+    sampling_only = set(config_mod.SAMPLING_NEUTRAL) if given.get("temperature") == 0 else set()
+    checked = PER_REQUEST & given.keys() - {"seed"} - sampling_only
     if _top_p_zero(given):  # OpenAI's top_p goes down to 0, which keeps only the likeliest token: greedy decoding
         try:  # a temperature sent beside it is checked all the same
             engine.request_config(temperature=overrides.get("temperature", 0.0))

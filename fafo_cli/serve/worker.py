@@ -187,8 +187,13 @@ class Worker:
             return self._failed(ticket, ApiError(400, str(e), code="invalid_value"))
         except Exception as e:
             if is_out_of_memory(e):
-                return self._failed(ticket, ApiError(500, "out of memory: try a smaller max_tokens or prompt",
-                                                     code="out_of_memory"))
+                kept = engine.session.kept
+                dropped = bool(kept)
+                if dropped:  # their room for the next request (a GPU's memory, which ran out)
+                    kept.clear()
+                return self._failed(ticket, ApiError(500, "out of memory: try a shorter prompt or fewer tokens"
+                                                     + (" (the conversations kept for reuse were dropped)"
+                                                        if dropped else ""), code="out_of_memory"))
             # a bug: the client gets a 500 without the traceback, the log keeps it
             log.error("%s failed: %s: %s", ticket.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return self._failed(ticket, ApiError(500, f"internal error ({type(e).__name__}); the server's log has "
