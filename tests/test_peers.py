@@ -257,6 +257,20 @@ def test_peer_sampling_is_reproducible(tiny, peer):
     assert (a.token_ids == plain.token_ids) == (PEERS[peer]["method"] not in DRAFTED_BY_MODEL)
 
 
+@pytest.mark.parametrize("method", ["suffix", "fafo", "cacheback"])
+def test_a_later_chat_turn_samples_plain_samplings_tokens(tiny, method):
+    """What a method carries from turn to turn (SuffixDecoding's earlier answers, FAFO's pool and index, Cacheback's
+    table) changes its guesses only: a sampled second turn is plain sampling's with that seed, as a first is."""
+    engine, plain = load(str(tiny), dtype="float32", method=method), load(str(tiny), dtype="float32")
+    settings = dict(max_tokens=60, temperature=0.8, top_p=0.95)
+    messages = [{"role": "user", "content": COPY}]
+    first = engine.complete(messages, seed=5, **settings)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": COPY + " Again."}]
+    second = engine.complete(messages, seed=6, **settings)
+    assert second.stats.drafted_tokens > 0 and second.stats.cached_prompt_tokens > 0  # a turn that follows on
+    assert second.token_ids == plain.complete(messages, seed=6, method="vanilla", **settings).token_ids
+
+
 def test_second_caches_are_reported(tiny, draft_models):
     quantspec = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["quantspec"]).stats
     triforce = engine_for(tiny).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats

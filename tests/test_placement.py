@@ -85,6 +85,10 @@ def test_spread_cache_writes_commits_snapshots_and_loads_like_one_tensor():
     for a, b in zip(plain.snapshot(torch.float32), split.snapshot(torch.float32)):
         assert torch.equal(a, b)
     keys, values = plain.snapshot(torch.float32)
+    for layer in range(3):  # each step's rows 0, 2 and 3, in order, the rejected row 1 gone
+        kept = torch.cat([(torch.arange(4 * 2, dtype=torch.float32).view(4, 1, 2) + 100 * layer + 10 * step)[[0, 2, 3]]
+                          for step in range(3)])
+        assert torch.equal(keys[layer], kept) and torch.equal(values[layer], -kept)
     split.truncate(0)
     split.load(keys[:, :5], values[:, :5])
     assert split.length == 5 and torch.equal(split.keys[2, :5], keys[2, :5])

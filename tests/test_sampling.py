@@ -153,6 +153,22 @@ def test_min_p_matches_transformers():
     torch.testing.assert_close(target_probs(logits, Sampling(0.8, min_p=0.1)), expected)
 
 
+@pytest.mark.parametrize("top_p, top_k", [(0.8, 0), (0.3, 0), (1.0, 5), (0.9, 7)])
+def test_top_p_and_top_k_match_transformers(top_p, top_k):
+    """The nucleus and the k likeliest as transformers' warpers keep them (ties at the edge included), in its
+    order: temperature, top-k, top-p."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 50) * 3
+    logits[0, :6] = 2.0  # a tie across the edge of the nucleus and of the k kept
+    warped = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    torch.testing.assert_close(target_probs(logits, Sampling(0.7, top_p=top_p, top_k=top_k)), warped.softmax(-1))
+
+
 def _exact_first(engine, prompt_ids, sampling, length: int) -> dict[tuple[int, ...], float]:
     """The model's own distribution of the first `length` tokens, by enumeration over the allowed ones."""
     model = engine.hf_model  # transformers' own class: the oracle
