@@ -366,6 +366,8 @@ def test_on_without_builds_runs_eager_where_no_package_is_built(compiled_cache, 
 def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_models):
     import torch._inductor.config as inductor
 
+    from fafo_cli.compiled.build import CompileError
+
     folder = tiny_models["qwen2-bias"]  # no package of it is built elsewhere: inductor compiles its graph afresh
     notices: list[str] = []
     engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
@@ -376,6 +378,25 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_m
     failed = [n for n in notices if n.startswith("compilation failed, running eager")]
     assert len(failed) == 1 and all("\n" not in n for n in notices)
     assert not list(compiled_cache.glob("compiled/qwen2-bias-*/*.pt2")) and not list(compiled_cache.glob("**/*.partial*"))
+    # the next start does not spend minutes failing the same way: it says so and runs eager; `fafo compile` retries
+    (marker,) = compiled_cache.glob("compiled/qwen2-bias-*/rows1.failed")
+    notices.clear()
+    again = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    again.compiled.builder = pytest.fail  # (no build is tried)
+    assert again.complete(SHORT, max_tokens=8, method="vanilla").token_ids == result.token_ids[:8]
+    assert any(n.startswith("the 1-row step failed to compile here before (") and n.endswith(
+        "running eager (`fafo compile` tries again)") for n in notices), notices
+    retried = []
+
+    def fails_again(rows, package):
+        retried.append(rows)
+        raise CompileError("still no compiler")
+
+    again = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    again.compiled.builder, again.compiled.retry_failed = fails_again, True
+    again.complete(SHORT, max_tokens=4, method="vanilla")
+    assert retried == [1] and "still no compiler" in marker.read_text()
+    marker.unlink()  # (the other tests' compiled runs of this model build as usual)
 
 
 def test_steps_near_the_context_end(compiled_engine, tiny):

@@ -16,6 +16,7 @@ TOKENS = 8  # enough for every method's first steps, which load or build all its
 def build_ahead(engine, methods: list[str]) -> Iterator[tuple[str, list[int]]]:
     """For each method, the package sizes (rows) its steps run in, built now where missing."""
     compiled = engine.compiled
+    compiled.retry_failed = True  # (asked for: a build that failed here before is tried again)
     for method in methods:
         loaded, calls = set(compiled.built()), dict(compiled.calls_by_size)
         engine.reset()

@@ -110,6 +110,9 @@ class CompiledSteps(OnceNotices):
         # under "on", whether a missing package is built when a step first needs it; False: it runs eager (a server,
         # once its method's packages are built, must not stop every client for a build a request's settings need)
         self.builds = True
+        # whether a size whose build failed here before is tried again (`fafo compile`); else it runs eager, said, and
+        # no later start spends minutes failing the same way
+        self.retry_failed = False
         self._constants: dict | None | bool = False  # step_constants, once (False: not looked at yet)
         self._runners: dict[int, object | None] = {}
         self._timings: dict[int, float] | None = None  # the packages' side-by-side timings (step_costs), once read
@@ -272,6 +275,11 @@ class CompiledSteps(OnceNotices):
         built = self._built(package, record)
         if built is not REBUILD or self.mode != "on" or not self.builds:
             return None if built is REBUILD else built
+        failure = self._failure(rows)
+        if failure is not None and not self.retry_failed:
+            self.notify(f"the {rows}-row step failed to compile here before ({failure}); running eager (`fafo "
+                        "compile` tries again)")
+            return None
         try:
             self._claim_folder()
             # one build per package however many processes ask at once (a server and a `fafo run`): the others
@@ -295,7 +303,11 @@ class CompiledSteps(OnceNotices):
         except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
             reason = error if isinstance(error, CompileError) else first_line(error, named=True)
             self.notify(f"compilation failed, running eager: {reason}")
+            with contextlib.suppress(OSError):  # (a folder that takes nothing more: tried again next time)
+                write_atomic(self.folder / f"rows{rows}.failed", json.dumps({"reason": str(reason)}))
             return None
+        with contextlib.suppress(OSError):
+            (self.folder / f"rows{rows}.failed").unlink(missing_ok=True)
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
         # timed before this package was: the next step_costs times them all again
@@ -303,6 +315,14 @@ class CompiledSteps(OnceNotices):
         with contextlib.suppress(OSError):  # (a folder that takes no more is told when the timings are written)
             write_step_costs(self.folder, {"compiled": {}})
         return runner
+
+    def _failure(self, rows: int) -> str | None:
+        """Why the `rows`-row package failed to build in this folder before (its kernels, torch and fafo the same:
+        the folder's name says so); None where it did not."""
+        try:
+            return json.loads((self.folder / f"rows{rows}.failed").read_text(encoding="utf-8"))["reason"]
+        except (OSError, ValueError, KeyError, TypeError):  # (none, or unreadable: tried again)
+            return None
 
     def _built(self, package: Path, record: Path):
         """The package built before, loaded: None where it is not used (under "auto": it did not pay off, or it
