@@ -667,7 +667,7 @@ def compile_steps(
             config_mod.SPECS[key]) in (None, method)}, accelerator=accelerator)
     _, err = consoles()
     engine = _load(replace(settings, compile="on"), err)
-    for method, sizes in build_ahead(engine, chosen):
+    for method, sizes in build_ahead(engine, chosen, retry_failed=True):  # (asked for: failed ones again)
         listed = ", ".join(map(str, sizes)) if sizes else "none (it runs eager)"
         print(f"{method}: compiled steps of {listed} rows, in {engine.steps_folder}")
     failed = engine.compiled.failed()

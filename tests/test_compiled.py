@@ -366,6 +366,7 @@ def test_on_without_builds_runs_eager_where_no_package_is_built(compiled_cache, 
 def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_models):
     import torch._inductor.config as inductor
 
+    from fafo_cli.compiled.ahead import build_ahead
     from fafo_cli.compiled.build import CompileError
 
     folder = tiny_models["qwen2-bias"]  # no package of it is built elsewhere: inductor compiles its graph afresh
@@ -393,8 +394,11 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_m
         raise CompileError("still no compiler")
 
     again = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
-    again.compiled.builder, again.compiled.retry_failed = fails_again, True
-    again.complete(SHORT, max_tokens=4, method="vanilla")
+    again.compiled.builder = fails_again
+    assert list(build_ahead(again, ["vanilla"])) == [("vanilla", [])] and retried == []  # (a server's start)
+    again = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=notices.append)
+    again.compiled.builder = fails_again
+    assert list(build_ahead(again, ["vanilla"], retry_failed=True)) == [("vanilla", [])]  # `fafo compile`'s
     assert retried == [1] and "still no compiler" in marker.read_text()
     marker.unlink()  # (the other tests' compiled runs of this model build as usual)
 

@@ -39,6 +39,7 @@ def test_a_gguf_model_packs_its_projections_and_head(compiled_cache, smollm2, mo
     assert len(modules) == 7 * len(model.layers) + 1 and "lm_head" in modules
     assert len(packed.kernels(modules)) == 4 * len(model.layers) + 1  # q, k, v in one call; gate and up in one
     assert engine.compiled.runner(1) is None and built == [modules] and notices[-1].startswith("compilation failed")
+    assert list(engine.compiled.folder.glob("rows1.failed"))  # (removed after the test: compiled_cache)
     assert engine.packed_matrices == len(modules) and model.lm_head is modules["lm_head"]
     assert not any(isinstance(m, torch.nn.Linear) for m in model.hf.modules())
     assert engine.weights == "Q4_1 GGUF, read as stored"

@@ -13,10 +13,11 @@ PROMPT = "Name three colours of the sea, one per line."
 TOKENS = 8  # enough for every method's first steps, which load or build all its packages
 
 
-def build_ahead(engine, methods: list[str]) -> Iterator[tuple[str, list[int]]]:
-    """For each method, the package sizes (rows) its steps run in, built now where missing."""
+def build_ahead(engine, methods: list[str], retry_failed: bool = False) -> Iterator[tuple[str, list[int]]]:
+    """For each method, the package sizes (rows) its steps run in, built now where missing; with `retry_failed`,
+    those whose build failed here before too (`fafo compile`)."""
     compiled = engine.compiled
-    compiled.retry_failed = True  # (asked for: a build that failed here before is tried again)
+    compiled.retry_failed = retry_failed
     for method in methods:
         loaded, calls = set(compiled.built()), dict(compiled.calls_by_size)
         engine.reset()
