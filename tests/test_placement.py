@@ -95,6 +95,12 @@ def test_spread_cache_writes_commits_snapshots_and_loads_like_one_tensor():
     assert split.nbytes() == plain.nbytes() * split.capacity // plain.capacity
 
 
+def test_layers_all_on_a_device_apart_from_the_embedding_keep_their_cache_there():
+    """`spread` may put the embedding alone on GPU 0 and every layer on GPU 1: their keys and values go to GPU 1."""
+    cache = KVCache(3, 1, 2, max_slots=16, dtype=torch.float32, device=CPU, layer_devices=[OTHER] * 3)
+    assert not cache.spread and cache.device == OTHER
+
+
 @pytest.mark.parametrize("method", ["vanilla", "fafo", "prompt-lookup"])
 def test_decoding_through_a_spread_cache_equals_generate(tiny, method):
     """The model's layers named as on two devices (cpu, cpu:0): the cache is a LayerStack, the hidden state hops,

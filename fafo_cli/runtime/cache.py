@@ -65,9 +65,10 @@ class KVCache:
                  layer_devices: list[torch.device] | None = None):
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.max_slots = max_slots
-        self.dtype, self.device = dtype, device
         # consecutive layers per device: (device, number of layers); one group unless the model is spread
         devices = layer_devices or [device] * n_layers
+        # (every layer on one device other than the embedding's: the cache lives with the layers)
+        self.dtype, self.device = dtype, devices[0] if len(set(devices)) == 1 else device
         self.groups = [(d, sum(1 for _ in run)) for d, run in _runs(devices)]
         self.read_dtype = dtype  # what eager readers get (see `store_as`)
         self.length = 0  # committed positions

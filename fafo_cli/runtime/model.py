@@ -115,8 +115,9 @@ class Model:
         # a model spread over GPUs (runtime/placement.py): each layer's device, where its cache lives too; the hidden
         # state moves to the next layer's device between layers (one small copy per hop and step)
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
-        self.spread = len(set(self.layer_devices)) > 1
         self.devices = tuple(dict.fromkeys([self.device, *self.layer_devices, self.norm.weight.device]))
+        # (the embedding alone on the first GPU, every layer on the next, is spread too: the hidden state hops)
+        self.spread = len(self.devices) > 1
         # how a decoding step's rows go through the linear layers, where not as the modules compute them
         self.step_linear = _columns_linear if (self.device.type, self.dtype) == ("cpu", torch.float32) else None
         self.packed_matrices = 0  # matrices every step reads as a .gguf file's blocks (compiled/packed.py: install)
