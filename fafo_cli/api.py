@@ -413,7 +413,11 @@ class Engine:
 def _use_graphs(model: Model, config: config_mod.Config) -> bool:
     """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py) in place of compiled packages; `auto` on
     one CUDA GPU unless `compile: on` asks for packages, `on` refuses what it cannot do."""
-    usable = model.device.type == "cuda" and config.compile != "on" and not model.spread
+    from .compiled.build import STATIC_ROPE
+
+    # (transformers' dynamic rotary scalings compare the positions with what they cached, on the host: no capture)
+    rope = getattr(model.rotary, "rope_type", "default")
+    usable = model.device.type == "cuda" and config.compile != "on" and not model.spread and rope in STATIC_ROPE
     if config.cuda_graphs != "on":
         return usable and config.cuda_graphs == "auto"
     if model.device.type != "cuda":
@@ -422,6 +426,9 @@ def _use_graphs(model: Model, config: config_mod.Config) -> bool:
         raise FafoError("--cuda-graphs and --compile both replace eager steps; choose one")
     if model.spread:
         raise FafoError("--cuda-graphs captures one device's steps; not with --gpus")
+    if rope not in STATIC_ROPE:
+        raise FafoError(f"--cuda-graphs: this model's rotary scaling ({rope}) is recomputed from the text's length "
+                        "on the host at each step, which a CUDA graph cannot hold")
     return True
 
 

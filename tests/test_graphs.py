@@ -90,20 +90,23 @@ def test_graphs_are_used_only_where_they_can_run(tiny):
             load(str(tiny), chat_template=False, device="cuda", cuda_graphs="on", compile="on")
 
 
-@pytest.mark.parametrize("device,spread,compile,graphs,expected", [
-    ("cuda", False, "auto", "auto", True), ("cuda", False, "on", "auto", False), ("cuda", True, "auto", "auto", False),
-    ("cuda", False, "auto", "off", False), ("cpu", False, "auto", "auto", False), ("cuda", False, "auto", "on", True),
-    ("cpu", False, "auto", "on", "needs a CUDA device"), ("cuda", False, "on", "on", "choose one"),
-    ("cuda", True, "auto", "on", "not with --gpus")])
-def test_where_graphs_run(device, spread, compile, graphs, expected):
-    """auto: on one CUDA GPU unless compiled packages are asked for; on: there or a one-line refusal."""
+@pytest.mark.parametrize("device,spread,compile,graphs,expected,rope", [
+    ("cuda", False, "auto", "auto", True, "default"), ("cuda", False, "on", "auto", False, "default"),
+    ("cuda", True, "auto", "auto", False, "default"), ("cuda", False, "auto", "off", False, "default"),
+    ("cpu", False, "auto", "auto", False, "default"), ("cuda", False, "auto", "on", True, "llama3"),
+    ("cpu", False, "auto", "on", "needs a CUDA device", "default"), ("cuda", False, "on", "on", "choose one", "default"),
+    ("cuda", True, "auto", "on", "not with --gpus", "default"), ("cuda", False, "auto", "auto", False, "dynamic"),
+    ("cuda", False, "auto", "on", r"rotary scaling \(longrope\) is recomputed", "longrope")])
+def test_where_graphs_run(device, spread, compile, graphs, expected, rope):
+    """auto: on one CUDA GPU unless compiled packages are asked for, or the rotary factors are recomputed on the
+    host (dynamic scalings); on: there or a one-line refusal."""
     from types import SimpleNamespace
 
     from fafo_cli import api, config as config_mod
     from fafo_cli.errors import FafoError
 
-    model, config = SimpleNamespace(device=torch.device(device), spread=spread), config_mod.Config(
-        compile=compile, cuda_graphs=graphs)
+    model = SimpleNamespace(device=torch.device(device), spread=spread, rotary=SimpleNamespace(rope_type=rope))
+    config = config_mod.Config(compile=compile, cuda_graphs=graphs)
     if isinstance(expected, str):
         with pytest.raises(FafoError, match=expected):
             api._use_graphs(model, config)

@@ -26,11 +26,13 @@ class ObservationScores:
         self.scores: torch.Tensor | None = None
 
     def observe_prefill(self, layer: int, q: torch.Tensor, keys: torch.Tensor, first: int) -> None:
-        positions = torch.arange(first, first + q.shape[1], device=q.device)
-        rows = positions >= self.prompt_length - self.window
-        if not rows.any():
+        # the observed rows are the chunk's tail from the window's first position on: a slice, known on the host
+        # (no read of a device's tensor per layer and chunk)
+        start = max(0, self.prompt_length - self.window - first)
+        if start >= q.shape[1]:
             return
-        self.add(layer, attention_weights(q[:, rows], keys, self.scale, positions[rows]))
+        positions = torch.arange(first + start, first + q.shape[1], device=q.device)
+        self.add(layer, attention_weights(q[:, start:], keys, self.scale, positions))
 
     def _room(self, layers: int, length: int, device: torch.device) -> torch.Tensor:
         total = self.scores
