@@ -369,3 +369,25 @@ def test_grouped_attention_is_our_kernel_where_our_library_is_loaded(compiled_fo
         alone = grouped_attention(q[:, :, :first], k[:, :, :cached + first], v[:, :, :cached + first],
                                   mask[:first, :cached + first], 0.125)
         assert torch.equal(alone, stepped[:, :, :first])
+
+
+def test_one_stream_s_first_window_step_runs_no_window_rows(tiny, monkeypatch):
+    """With W=1 the window's first step after a prefill has no rows (its anchor alone predicts the next level):
+    that pass reads no C(kv) (no selection, no zero-row attention call), and the answer is plain decoding's."""
+    from fafo_cli.decoders.fafo import step as fafo_step
+
+    from .conftest import LONG, hf_greedy
+
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs.get("view_tokens"), kwargs.get("view") is not None))
+        return draft_step(*args, **kwargs)
+
+    monkeypatch.setattr(fafo_step, "draft_step", recorded)
+    engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", streams=1, compressor="stream",
+                  budget=32, planner=False)
+    result = engine.complete(LONG, max_tokens=24)
+    assert result.token_ids == hf_greedy(tiny, engine.encode(LONG), 24)
+    assert calls[0] == (None, False) and all(tokens is None or len(tokens) > 0 for tokens, _ in calls)
+    assert any(tokens and reads for tokens, reads in calls)  # (the window's later steps read the view)

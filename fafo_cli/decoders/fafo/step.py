@@ -325,13 +325,17 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                             firsts=guesses.firsts() + found, depth=emitter.left - 1)
         tree, shape = plan.tree, window.layout if plan.window else None
         view_tokens = window.tokens() if shape else None
-        if shape:  # (a step without the window reads no C(kv): its selection waits for the next one that does)
+        # (a step without window rows reads no C(kv): its selection waits for the next one that does; one stream's
+        # first step after a prefill has none, its anchor alone predicting the next level)
+        reads_view = bool(view_tokens)
+        if reads_view:
             compressor.prepare(cache)
         # the rows that run: a window warming up (its first k - 1 steps of a request) has fewer than the plan's
         ran = 1 + len(tree) + len(view_tokens or ())
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=planner.costs.size(ran),
-                          view_tokens=view_tokens, view_rows=shape.rows if shape else None,
-                          view=view if shape else None, compiled=compiled)
+                          view_tokens=view_tokens if reads_view else None,
+                          view_rows=shape.rows if reads_view else None, view=view if reads_view else None,
+                          compiled=compiled)
         cache.reserve(start + len(rows.ids))
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
         # every row's argmax: greedy acceptance and the window's predictions read it (a sampled step without the
@@ -340,7 +344,8 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         n_verify = rows.layout.verify_rows
         path, emitted = accept(tree, logits, sampling, draws, len(text), None if argmax is None else argmax[:n_verify])
         if shape:  # the window itself stays greedy: it only proposes guesses
-            stats.fumble_positions = compressor.view_size(cache)
+            if reads_view:
+                stats.fumble_positions = compressor.view_size(cache)
             predicted = [argmax[0 if r < 0 else n_verify + r] for r in shape.predictor_logits]
             for before, ngram in window.advance(anchor, predicted):
                 pool.add(before, ngram)
@@ -356,6 +361,6 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
         text.extend(step.token_ids)  # tokens past a stop or limit are no part of the text (the next turn's prompt)
         index.extend(step.token_ids)
         # (what emitting costs, plain decoding pays too)
-        planner.costs.observe(ran, plan.window, (emitting - began + time.perf_counter() - emitted_at) * 1e3)
+        planner.costs.observe(ran, reads_view, (emitting - began + time.perf_counter() - emitted_at) * 1e3)
         yield step
         anchor = emitted[-1]
