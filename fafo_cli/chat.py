@@ -28,6 +28,8 @@ def _closes(line: str) -> bool:
     return line.rstrip().endswith(QUOTES) and line.count(QUOTES) == 1
 
 
+PROBE = {"role": "user", "content": "?"}  # a message to try the chat template with
+
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
 OLLAMA_NAMES = {"num_predict": "max_tokens"}  # `/set parameter num_predict 64`, as ollama names it
 
@@ -73,6 +75,8 @@ class Repl:
         # prompts and line editing where a person types and reads (not for a script piped in, nor into a log)
         self.prompting = self.interactive and sys.stdin is not None and sys.stdin.isatty()
         self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
+        if engine.config.system:  # (--system, or the config's: a template that refuses it would refuse every message)
+            engine.encode([PROBE])
 
     def _warn(self, message: str) -> None:
         """One line on stderr, never wrapped (scripts and tests read it whole)."""
@@ -134,7 +138,7 @@ class Repl:
                     read[0].encode("utf-8")
             except KeyboardInterrupt:
                 interrupt_handled()
-                self.out.print("\n(use /exit or Ctrl-D to leave)")
+                self.err.print("\n(use /exit or Ctrl-D to leave)")  # (not into a transcript on stdout)
                 continue
             except UnicodeEncodeError:
                 self._error("that message is not UTF-8 text; it was not sent")
@@ -146,11 +150,17 @@ class Repl:
             text, block = read
             if not text.strip():
                 continue
-            if not block and text.strip().startswith("/"):
-                if self._command(text.strip()):
-                    return self._status()
-                continue
-            self._answer(text)
+            try:
+                if not block and text.strip().startswith("/"):
+                    if self._command(text.strip()):
+                        return self._status()
+                    continue
+                self._answer(text)
+            except KeyboardInterrupt:  # outside the answer's own (fitting a long chat, a command): that turn only
+                interrupt_handled()
+                if self.messages and self.messages[-1]["role"] == "user":  # (its answer never came)
+                    self.messages.pop()
+                self.err.print("[dim](stopped)[/]")
 
     def _status(self) -> int:
         return int(self.failed and not (sys.stdin is not None and sys.stdin.isatty()))  # (read from a file or pipe)
@@ -224,12 +234,14 @@ class Repl:
         if not text.strip():
             self._error("usage: /set system TEXT")
             return
+        system = {"role": "system", "content": text}
         try:
             self.engine.check_given(self.engine.request_config(system=text), {"system"})
-        except FafoError as e:
+            self.engine.encode([system, PROBE])  # a template that takes no system message refuses it now, not every
+        except FafoError as e:                   # later message
             self._error(str(e))
             return
-        self.messages[:] = [{"role": "system", "content": text}] + [m for m in self.messages if m["role"] != "system"]
+        self.messages[:] = [system] + [m for m in self.messages if m["role"] != "system"]
         self.out.print("system message set", markup=False)
 
     def _effective(self, config, key: str) -> bool:
@@ -294,8 +306,8 @@ class Repl:
         try:
             with view:
                 for step in stream:
+                    answer.append(step.text)  # (first: what is shown is in the conversation, however it stops)
                     view.show(step)
-                    answer.append(step.text)
         except KeyboardInterrupt:
             interrupt_handled()
             stream.close()
@@ -316,6 +328,9 @@ class Repl:
             return
         self.messages.append({"role": "assistant", "content": "".join(answer)})
         if view.last:
+            limit = {"length": "max_tokens", "context": "the model's context"}.get(view.last.finish_reason)
+            if limit and not self.interactive:  # (no footer says so where stdout is not a terminal)
+                self._warn(f"note: the answer stopped at {limit}")
             stats = view.last.stats
             t = self.totals
             t.turns += 1

@@ -588,6 +588,42 @@ def test_chat_stopped_before_its_first_word_keeps_no_empty_exchange(tiny):
     assert [m["role"] for m in repl.messages] == ["user", "assistant"] and repl.messages[1]["content"]
 
 
+def test_chat_stopped_outside_the_answer_drops_that_turn_only(tiny, monkeypatch):
+    """Ctrl-C while a long chat is fitted into the context (before the answer's stream): that question is dropped,
+    the session goes on (it ended the chat, its conversation lost); a stopped answer's shown text is all kept."""
+    import builtins
+    import io as io_mod
+
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    engine = load(str(tiny), dtype="float32")
+    out, err = io_mod.StringIO(), io_mod.StringIO()
+    repl = Repl(engine, Console(file=out), Console(file=err))
+    lines = iter(["first question", "second question", "/stats"])
+
+    def typed(prompt=""):
+        for line in lines:
+            return line
+        raise EOFError  # Ctrl-D
+
+    monkeypatch.setattr(builtins, "input", typed)
+    encode, calls = engine.encode, []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "encode", interrupted_once)
+    assert repl.run() == 0
+    assert [m["content"] for m in repl.messages if m["role"] == "user"] == ["second question"]
+    assert "(stopped)" in err.getvalue() and "1 turn" in out.getvalue()
+
+
 def test_chat_prompts_only_where_a_person_types(monkeypatch, tiny):
     """On a terminal the answers get the live panel; the `>>>` prompts and line editing only where standard input
     is a terminal too (not for `cat questions.txt | fafo chat` on a terminal, whose prompts nobody types at)."""
@@ -661,6 +697,8 @@ def test_chat_repl_script(tiny):
     assert "conversation cleared" in result.stdout
     assert "unknown command /bogus (try /help)" in result.stderr
     assert "Traceback" not in result.stderr
+    # each answer cut at -n 8: said on stderr, where no footer says it (stdout is not a terminal)
+    assert result.stderr.count("note: the answer stopped at max_tokens") == 3
 
 
 def test_chat_turns_reuse_the_cache(tiny):
@@ -819,12 +857,17 @@ def test_a_chat_beyond_the_context_drops_half_of_it_so_later_turns_reuse_the_cac
     assert len(drops) == 1 and 0 < drops[0] < 6, drops
 
 
-def test_a_chat_template_that_refuses_a_chats_messages_refuses_that_message_only(tmp_path):
+def test_a_chat_template_that_refuses_a_system_message_is_said_once(tmp_path):
+    """A template without a system role (Llama-2's, Gemma's): `--system` is refused at launch, and `/set system`
+    at once, not every message after it (no way back but to quit)."""
     folder = build_tiny_model(tmp_path / "nosystem", "llama-gqa", chat_template=NO_SYSTEM_TEMPLATE)
     result = _chat(folder, "hello\n/stats\n", "--system", "Be brief.")
+    assert result.returncode == 1 and "Traceback" not in result.stderr and result.stdout == "", result.stderr
+    assert result.stderr == "error: the model's chat template refused the messages: System role not supported\n"
+    result = _chat(folder, "/set system Be brief.\nhello\n/stats\n")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "error: the model's chat template refused the messages: System role not supported" in result.stderr
-    assert "0 turns" in result.stdout  # the session went on to /stats
+    assert result.stderr.count("System role not supported") == 1  # the /set, not the message after it
+    assert "1 turn" in result.stdout  # the message was answered
 
 
 # like Llama-2's and Mistral's templates: no system role
