@@ -400,9 +400,11 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached conversation (the next request prefills from scratch), the kept ones, and what decoders
-        learned from earlier answers. A stream not finished yet stops (see _generate)."""
-        self._answering = None
-        self.session.reset()
+        learned from earlier answers. A stream not finished yet stops (see _generate); one computing a step in
+        another thread finishes that step first (the cache is not emptied under it)."""
+        with self._computing:
+            self._answering = None
+            self.session.reset()
 
     def keep_conversations(self, count: int, max_mb: float) -> None:
         """Keep the caches of up to `count` earlier conversations besides the live one (at most `max_mb` MB of keys

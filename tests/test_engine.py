@@ -307,6 +307,34 @@ def test_an_answer_asked_from_another_thread_mid_step_is_refused(tiny):
     assert engine.complete("four five", max_tokens=4).token_ids  # once it is done, the other thread's turn
 
 
+def test_reset_from_another_thread_waits_for_the_step_computing(tiny):
+    """A GUI's "new chat" on its own thread while a worker computes a step: the cache is emptied after that step,
+    not under it; the worker's stream then stops with one FafoError, and the engine answers afresh."""
+    engine = load(str(tiny), dtype="float32", chat_template=False)
+    order: list[str] = []
+
+    def other_thread() -> None:
+        engine.reset()
+        order.append("reset")
+
+    thread = threading.Thread(target=other_thread)
+
+    def on_prefill(progress) -> None:  # inside the first step, holding the engine
+        if not order:
+            thread.start()
+            thread.join(0.5)  # it waits for the step
+            order.append("step")
+
+    stream = engine.stream("one two three " * 30, max_tokens=12, on_prefill=on_prefill)
+    next(stream)
+    thread.join()
+    assert order == ["step", "reset"]
+    with pytest.raises(FafoError, match="another answer started on this engine"):
+        next(stream)
+    expected = load(str(tiny), dtype="float32", chat_template=False).complete("four five", max_tokens=6).token_ids
+    assert engine.complete("four five", max_tokens=6).token_ids == expected
+
+
 def test_one_stop_string_is_not_split_into_characters(tiny):
     engine = load(str(tiny), dtype="float32", chat_template=False)
     text = engine.complete("one two three", max_tokens=24).text
