@@ -42,8 +42,8 @@ HELP = """Commands:
   /reset, /clear    forget the conversation (and the cached keys and values), but its system message
   /stats            totals for this session
   /exit, /bye       leave (Ctrl-D too)
-Input: end a line with \\ to continue it, or wrap several lines in \"\"\" ... \"\"\" (a line that ends with
-the closing quotes, and has no others, ends the message).
+Input: several lines pasted on a terminal are one message; else end a line with \\ to continue it, or wrap
+several lines in \"\"\" ... \"\"\" (a line that ends with the closing quotes, and has no others, ends the message).
 Ctrl-C stops the current answer; the conversation stays."""
 
 
@@ -128,7 +128,10 @@ class Repl:
         getattr(sys.stdin, "reconfigure", lambda **_: None)(errors="surrogateescape")
         if self.prompting:
             with contextlib.suppress(ImportError):  # input() then edits lines and recalls earlier ones (arrow keys)
-                import readline  # noqa: F401
+                import readline
+                if "libedit" not in (readline.__doc__ or ""):  # GNU readline: a pasted text is one message, as
+                    # ollama reads it, not a message a line (CPython turns bracketed paste off for its own REPL)
+                    readline.parse_and_bind("set enable-bracketed-paste on")
             label = method_label(self.engine.request_config())
             self.out.print(f"[bold]{escape(self.engine.name)}[/] · {label} · /help for commands, Ctrl-D to leave")
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -1162,3 +1163,40 @@ def test_stop_string_escapes():
     from fafo_cli.cli import _unescaped
     assert _unescaped(r"\n\nUser:") == "\n\nUser:" and _unescaped(r"a\tb\r") == "a\tb\r"
     assert _unescaped(r"\\n") == "\\n" and _unescaped(r"\x") == r"\x" and _unescaped("é\\n") == "é\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal and GNU readline")
+def test_chat_on_a_terminal_takes_a_pasted_text_as_one_message(tiny):
+    """Several lines pasted at the `>>>` prompt are one message (bracketed paste, as ollama reads a paste), not a
+    message a line: the terminal is asked to mark pastes, and the marked text arrives whole."""
+    import pty
+    import select
+    import time
+
+    def read_until(fd: int, marker: bytes, seconds: float) -> bytes:
+        out, end = b"", time.monotonic() + seconds
+        while marker not in out and time.monotonic() < end:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:  # (the child is gone)
+                    break
+        return out
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `fafo chat` on the terminal
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "fafo_cli", "chat", str(tiny), "--dtype", "float32", "-n",
+                                  "4"])
+    try:
+        started = read_until(fd, b">>> ", 120)
+        assert b">>> " in started and b"\x1b[?2004h" in started, started[-400:]  # bracketed paste asked for
+        os.write(fd, b"\x1b[200~first line\nsecond line\nthird line\x1b[201~\r")
+        read_until(fd, b">>> ", 60)
+        os.write(fd, b"/stats\r")
+        stats = read_until(fd, b">>> ", 30)
+        assert b"1 turn " in stats, stats[-400:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
