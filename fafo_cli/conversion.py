@@ -85,6 +85,35 @@ def _unsaid(error: Exception) -> bool:
     return not isinstance(error, (ValueError, OSError, NotImplementedError))
 
 
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rotary factors (Llama 3.1, 3.2, 3.3)
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope(config, factors, path: Path) -> dict:
+    """The rotary settings of a Llama 3.x model whose .gguf file holds them as llama.cpp writes them: a tensor of
+    one factor per frequency (which transformers' GGUF reading leaves out), each frequency divided by its factor. The
+    factors must be Llama 3's rule (transformers' `llama3` rotary, Meta's settings: the largest factor, low 1, high
+    4, 8,192 positions originally) to the file's float32 precision; any other is refused, not run as plain rotary."""
+    import numpy as np
+
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    settings = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factors.max()), **LLAMA3_ROPE}
+    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    original, low, high = (settings[key] for key in ("original_max_position_embeddings", "low_freq_factor",
+                                                      "high_freq_factor"))
+    smooth = (original / wavelength - low) / (high - low)
+    expected = np.where(wavelength < original / high, 1.0, np.where(
+        wavelength > original / low, settings["factor"], 1 / ((1 - smooth) / settings["factor"] + smooth)))
+    if getattr(config, "model_type", None) != "llama" or factors.shape != expected.shape or \
+            not np.allclose(factors, expected, rtol=1e-5):
+        raise FafoError(f"cannot convert {path}: its rotary frequency factors ({ROPE_FREQS}) are not Llama 3's "
+                        "scaling, the only one fafo reads from a .gguf file")
+    return settings
+
+
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     """Write the .gguf model at `path` (`header`: its read_header) into the folder `out`: config, generation
     settings, tokenizer, and its weights dequantized into float32 (gguf's own dequantizer, as transformers reads
@@ -121,9 +150,13 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
         except NotImplementedError as e:  # (a model type the gguf package has no tensor names for)
             raise FafoError(f"cannot convert {path}: {first_line(e)}") from None
     try:
-        wanted = [tensor for tensor in read_tensors(path, header) if tensor.name in names]
+        tensors = read_tensors(path, header)
     except ValueError as e:  # (a tensor type the gguf package does not know)
         raise FafoError(f"cannot convert {path}: {e}") from None
+    wanted = [tensor for tensor in tensors if tensor.name in names]
+    rope_freqs = next((tensor for tensor in tensors if tensor.name == ROPE_FREQS), None)
+    if rope_freqs is not None:  # (transformers' GGUF reading leaves it out: plain rotary, another model)
+        config.rope_parameters = llama3_rope(config, dequantize(rope_freqs.data, rope_freqs.tensor_type), path)
     # a parameter without its tensor would be filled with random numbers at load (transformers warns, quietly here)
     missing = set(skeleton.state_dict()) - {names[tensor.name] for tensor in wanted}
     if getattr(config, "tie_word_embeddings", False):

@@ -118,13 +118,14 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     converted before is found without reading the file at all (the embedded default's every run)."""
     key = _conversion_key(path)
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    # the same file converted under another name (the embedded default's, or its path's), or a copy of it at another
-    # path met before: one conversion, and one set of compiled steps, per file
-    same = _conversions_of(key)
-    if same:
-        return same[0]
+    # (or the same file converted under another name, the embedded default's or its path's, or a copy of it at
+    # another path met before: one conversion, and one set of compiled steps, per file)
+    found = target if (target / "config.json").is_file() else next(iter(_conversions_of(key)), None)
+    if found is not None and not _rotary_left_out(found, path):
+        return found
+    if found is not None:
+        with contextlib.suppress(OSError):  # (not ours to remove, a shared cache's: the new one is published beside)
+            _remove_with_steps(found)  # (its steps computed another model)
     header = gguf_header(path)
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "
@@ -135,7 +136,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
-        if _recorded_digest(converted, size) == digest:
+        if _recorded_digest(converted, size) == digest and not _rotary_left_out(converted, path):
             _record_also(converted, path, key)
             if (converted / "config.json").is_file():  # (not removed meanwhile by another process's clean-up)
                 return converted
@@ -162,6 +163,23 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         release_freed_memory()  # the dequantized tensors' heap: the model is loaded from the written files
     _remove_unreachable_conversions(keep=target)
     return target
+
+
+def _rotary_left_out(folder: Path, path: Path) -> bool:
+    """Whether the conversion in `folder` of the .gguf file at `path` left out Llama 3.x's rotary scaling, which
+    llama.cpp keeps as a tensor (conversion.ROPE_FREQS) and fafo before 2026-12-07 did not read: a Llama model of
+    more than 8,192 positions with plain rotary, whose file holds that tensor (its header read only then)."""
+    from .conversion import ROPE_FREQS
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        plain = (rope.get("rope_type") or rope.get("type") or "default") == "default"
+        if config.get("model_type") != "llama" or not plain or config.get("max_position_embeddings", 0) <= 8192:
+            return False
+        return any(tensor.name == ROPE_FREQS for tensor in read_header(path).tensors)
+    except (OSError, ValueError, AttributeError):  # (unreadable: used as it is, as before)
+        return False
 
 
 def _check_room(folder: Path, needed: int, what: str) -> None:

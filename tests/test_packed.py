@@ -7,6 +7,7 @@ dense weights)."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import numpy as np
@@ -226,12 +227,13 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
 
 
 def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None,
-                    leave_out: tuple[str, ...] = (), parts: int | None = None):
+                    leave_out: tuple[str, ...] = (), parts: int | None = None, context: int = 512,
+                    rope_freqs: np.ndarray | None = None):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
     embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of `types`
     (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases;
     llama.cpp stores its query and key rows reordered). `leave_out`: tensors not written; `parts`: the split.count
-    its header gives (llama.cpp's gguf-split)."""
+    its header gives (llama.cpp's gguf-split); `rope_freqs`: llama.cpp's rotary factors of a Llama 3.x model."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -241,7 +243,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
     tokens = list(bytes_to_unicode().values()) + ["th", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny-qwen2")
-    writer.add_context_length(512)
+    writer.add_context_length(context)
     writer.add_embedding_length(256)
     writer.add_feed_forward_length(512)
     types = types or TINY_TYPES
@@ -279,6 +281,8 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{name}.weight", 1 + rng.standard_normal(256).astype(np.float32) * 0.1)
     writer.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -362,6 +366,55 @@ def test_a_conversion_holds_what_transformers_reads_from_the_gguf_file(tmp_path,
     config = AutoConfig.from_pretrained(folder).to_dict()
     assert config["model_type"] == architecture and config["tie_word_embeddings"] == (head is None)
     assert config["architectures"] == [type(theirs).__name__] and "quantization_config" not in config
+
+
+def llama3_factors(factor: float, head_dim: int = 64, theta: float = 10000.0) -> np.ndarray:
+    """llama.cpp's rope_freqs of a Llama 3.x model (convert_hf_to_gguf.py's rule: low 1, high 4, 8,192 positions)."""
+    factors = []
+    for freq in 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)):
+        wavelength = 2 * math.pi / float(freq)
+        if wavelength < 8192 / 4:
+            factors.append(1.0)
+        elif wavelength > 8192 / 1:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelength - 1) / (4 - 1)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama3_gguf_keeps_its_rotary_scaling(tmp_path, monkeypatch):
+    """llama.cpp keeps Llama 3.1-3.3's rotary scaling as a tensor of per-frequency factors, which transformers'
+    GGUF reading leaves out: the converted model had plain rotary, another model (at position 1,000 some angles 32×
+    too large). It is read back into the `llama3` settings it came from (and the model then decodes as
+    transformers decodes those); factors of another rule are refused; a conversion made without them is made again."""
+    import json as json_mod
+
+    from fafo_cli import hub, load
+
+    from .conftest import hf_greedy
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    factors = llama3_factors(32.0)
+    assert 1.0 in factors and 32.0 in factors and ((1 < factors) & (factors < 32)).any()  # every branch of the rule
+    path = write_tiny_gguf(tmp_path / "tiny-llama3.gguf", architecture="llama", context=16384, rope_freqs=factors)
+    folder = hub.convert_gguf(path)
+    rope = json_mod.loads((folder / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    prompt = "the rotary angles of a long text " * 4
+    assert engine.complete(prompt, max_tokens=16).token_ids == hf_greedy(folder, engine.encode(prompt), 16)
+    config = json_mod.loads((folder / "config.json").read_text())  # as a fafo that left the tensor out wrote it
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json_mod.dumps(config))
+    again = hub.convert_gguf(path)
+    assert json_mod.loads((again / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    other = factors.copy()
+    other[len(other) // 2] *= 1.5  # not Llama 3's rule
+    odd = write_tiny_gguf(tmp_path / "tiny-odd.gguf", architecture="llama", context=16384, rope_freqs=other)
+    with pytest.raises(FafoError, match=r"rotary frequency factors \(rope_freqs.weight\) are not Llama 3's"):
+        hub.convert_gguf(odd)
 
 
 def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_path, monkeypatch):
