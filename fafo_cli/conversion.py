@@ -114,6 +114,38 @@ def llama3_rope(config, factors, path: Path) -> dict:
     return settings
 
 
+def _check_unread_settings(path: Path, header: GgufHeader, config) -> None:
+    """What a .gguf header says that transformers' GGUF reading leaves out, and that would make the converted model
+    another one: a rotary scaling (linear is read back into the config; yarn, longrope are refused), experts (a
+    mixture of experts under the llama architecture: Mixtral's files)."""
+    from .gguf_header import FieldsReader
+
+    try:
+        fields = FieldsReader(path).fields
+    except ValueError:  # (what our walk refuses, transformers' reading has read: nothing more to learn here)
+        return
+
+    def value(key: str):
+        field = fields.get(f"{header.architecture}.{key}")
+        if field is None:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode("utf-8", "replace") if isinstance(part, (bytes, bytearray)) else part[0]
+
+    if (value("expert_count") or 0) > 0:
+        raise FafoError(f"cannot convert {path}: it is a mixture of experts ({value('expert_count')} experts), which "
+                        "fafo does not run")
+    scaling = value("rope.scaling.type")
+    if scaling in (None, "", "none"):
+        return
+    factor = value("rope.scaling.factor")
+    if scaling != "linear" or not factor or factor <= 0:
+        raise FafoError(f"cannot convert {path}: its rotary scaling ({scaling}) is not one fafo reads from a .gguf "
+                        "file (linear, or Llama 3's factors); the model's safetensors folder from the hub runs")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    config.rope_parameters = {**rope, "rope_type": "linear", "factor": float(factor)}
+
+
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     """Write the .gguf model at `path` (`header`: its read_header) into the folder `out`: config, generation
     settings, tokenizer, and its weights dequantized into float32 (gguf's own dequantizer, as transformers reads
@@ -137,6 +169,7 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
         except (OSError, *GGUF_PARSE_ERRORS) as e:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e, named=_unsaid(e))}") from None
         check_architecture(config.to_dict(), str(path))
+        _check_unread_settings(path, header, config)
         try:  # (a tokenizer type transformers does not read, or metadata it trips on)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except GGUF_PARSE_ERRORS as e:

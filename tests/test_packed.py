@@ -228,12 +228,13 @@ TINY_SHAPES = dict(attn_q=(256, 256), attn_k=(128, 256), attn_v=(128, 256), attn
 
 def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: str = "qwen2", types=None,
                     leave_out: tuple[str, ...] = (), parts: int | None = None, context: int = 512,
-                    rope_freqs: np.ndarray | None = None):
+                    rope_freqs: np.ndarray | None = None, fields=lambda writer: None):
     """A Qwen2 model as a .gguf file (hidden 256, 2 layers, a byte-level vocabulary with one merge, a Q8_0
     embedding: tied, or with a vocabulary head of its own of type `head`), its matrices random blocks of `types`
     (default TINY_TYPES) with scales that keep activations moderate; or its Llama twin (no q, k, v biases;
     llama.cpp stores its query and key rows reordered). `leave_out`: tensors not written; `parts`: the split.count
-    its header gives (llama.cpp's gguf-split); `rope_freqs`: llama.cpp's rotary factors of a Llama 3.x model."""
+    its header gives (llama.cpp's gguf-split); `rope_freqs`: llama.cpp's rotary factors of a Llama 3.x model;
+    `fields(writer)` adds keys to the header."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -263,6 +264,7 @@ def write_tiny_gguf(path, seed: int = 0, head: str | None = None, architecture: 
     writer.add_chat_template(CHAT_TEMPLATE)
     if parts is not None:
         writer.add_uint16("split.count", parts)
+    fields(writer)
     add_tensor = writer.add_tensor
     writer.add_tensor = lambda name, *args, **kwargs: name in leave_out or add_tensor(name, *args, **kwargs)
 
@@ -415,6 +417,30 @@ def test_a_llama3_gguf_keeps_its_rotary_scaling(tmp_path, monkeypatch):
     odd = write_tiny_gguf(tmp_path / "tiny-odd.gguf", architecture="llama", context=16384, rope_freqs=other)
     with pytest.raises(FafoError, match=r"rotary frequency factors \(rope_freqs.weight\) are not Llama 3's"):
         hub.convert_gguf(odd)
+
+
+def test_what_a_gguf_header_says_beyond_transformers_reading_is_read_or_refused(tmp_path, monkeypatch):
+    """A linear rotary scaling in the header (which transformers' GGUF reading leaves out) is in the converted
+    config; yarn is refused, as is a mixture of experts under the llama architecture (Mixtral's files)."""
+    import gguf
+    import json as json_mod
+
+    from fafo_cli import hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+
+    def scaled(kind, factor=4.0):
+        return lambda writer: (writer.add_rope_scaling_type(kind), writer.add_rope_scaling_factor(factor))
+
+    linear = write_tiny_gguf(tmp_path / "linear.gguf", architecture="llama", fields=scaled(gguf.RopeScalingType.LINEAR))
+    rope = json_mod.loads((hub.convert_gguf(linear) / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == "linear" and rope["factor"] == 4.0 and rope["rope_theta"] == 10000.0
+    yarn = write_tiny_gguf(tmp_path / "yarn.gguf", architecture="llama", fields=scaled(gguf.RopeScalingType.YARN))
+    with pytest.raises(FafoError, match=r"its rotary scaling \(yarn\) is not one fafo reads from a .gguf file"):
+        hub.convert_gguf(yarn)
+    experts = write_tiny_gguf(tmp_path / "moe.gguf", architecture="llama", fields=lambda w: w.add_expert_count(8))
+    with pytest.raises(FafoError, match=r"it is a mixture of experts \(8 experts\)"):
+        hub.convert_gguf(experts)
 
 
 def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_path, monkeypatch):
