@@ -526,9 +526,13 @@ def transformers_model(weights: Path, config: config_mod.Config, dtype: torch.dt
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             weights, dtype=dtype, trust_remote_code=config.trust_remote_code,
-            use_safetensors=None if config.allow_pickle else True, device_map=device_map)
+            use_safetensors=None if config.allow_pickle else True, device_map=device_map, output_loading_info=True)
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # (transformers fills them with random numbers, and says so in a warning quieted above)
+        raise ValueError(f"its weights hold nothing for {len(missing)} of the model's parameters (such as "
+                         f"{missing[0]}): a file cut short, or a checkpoint of another model")
     if device_map is None:
         model.to(device)
     return model.eval()

@@ -421,3 +421,18 @@ def test_eager_steps_converting_a_compact_cache_let_the_compiled_steps_drop_thei
     assert forgotten == [torch.bfloat16] and session.cache.dtype == torch.float32  # once, before the conversion
     session.use_compiled(None)  # as the bench's eager rows set them aside: their views go too
     assert len(forgotten) == 2 and session.compiled is None
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path):
+    """A folder whose weights lack a parameter (a head not tied yet not saved, a file cut short): transformers'
+    loading fills it with random numbers and says so in a warning; fafo refuses it in one line instead."""
+    from safetensors.torch import load_file, save_file
+
+    from .conftest import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "no-head", "llama-gqa")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FafoError, match=r"holds? nothing for 1 of the model's parameters \(such as lm_head.weight\)"):
+        load(str(folder), dtype="float32")
