@@ -648,7 +648,8 @@ def reference_markdown() -> str:
         "setting; a setting of FAFO's lookahead window where none runs (`streams: 0`, or `auto` on a CPU without a "
         "compressor named) or of a compressor the window does not use; `top_p`, `top_k` or `min_p` other than 1, "
         "0, 0, or a `seed`, while decoding greedily (a server request may send a seed, or `top_p`, `top_k` or "
-        "`min_p` with temperature 0, as clients do for repeatable answers or from presets); `system` without a chat template. "
+        "`min_p` with temperature 0, as clients do for repeatable answers or from presets); `system` without a "
+        "chat template. "
         "`fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`, `chat_template`) and other "
         "methods' settings, which do not shape the steps it builds, and checks the rest as `fafo run` does.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",

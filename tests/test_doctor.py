@@ -256,8 +256,8 @@ def test_a_float32_near_tie_is_said_but_not_failed():
 
     from fafo_cli.bench import doctor
 
-    check = {"prompt": "chat · x", "fafo": "as configured", "tokens": 64, "equal": False, "fafo_steps": 30, "accepted": 20,
-             "divergence": "token 7: 5 vs vanilla's 6, logit gap 1e-06 (near-tie)", "near_tie": True}
+    check = {"prompt": "chat · x", "fafo": "as configured", "tokens": 64, "equal": False, "fafo_steps": 30,
+             "accepted": 20, "divergence": "token 7: 5 vs vanilla's 6, logit gap 1e-06 (near-tie)", "near_tie": True}
     assert not doctor.failed({"exactness": [check]})
     assert doctor.failed({"exactness": [{**check, "near_tie": False}]})
     console = Console(width=300, record=True)

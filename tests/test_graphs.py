@@ -94,7 +94,8 @@ def test_graphs_are_used_only_where_they_can_run(tiny):
     ("cuda", False, "auto", "auto", True, "default"), ("cuda", False, "on", "auto", False, "default"),
     ("cuda", True, "auto", "auto", False, "default"), ("cuda", False, "auto", "off", False, "default"),
     ("cpu", False, "auto", "auto", False, "default"), ("cuda", False, "auto", "on", True, "llama3"),
-    ("cpu", False, "auto", "on", "needs a CUDA device", "default"), ("cuda", False, "on", "on", "choose one", "default"),
+    ("cpu", False, "auto", "on", "needs a CUDA device", "default"),
+    ("cuda", False, "on", "on", "choose one", "default"),
     ("cuda", True, "auto", "on", "not with --gpus", "default"), ("cuda", False, "auto", "auto", False, "dynamic"),
     ("cuda", False, "auto", "on", r"rotary scaling \(longrope\) is recomputed", "longrope")])
 def test_where_graphs_run(device, spread, compile, graphs, expected, rope):
