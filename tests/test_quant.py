@@ -293,5 +293,7 @@ def test_a_model_quantspec_cannot_quantize_is_one_line(tmp_path, overrides, grou
 
     folder = build_tiny_model(tmp_path / "m", "llama-gqa", **overrides)
     engine = load(str(folder), dtype="float32", chat_template=False, method="quantspec", quantspec_group=group)
+    prefilled = []
     with pytest.raises(FafoError, match=said):
-        engine.complete("hello there", max_tokens=4)
+        engine.complete("hello there", max_tokens=4, on_prefill=prefilled.append)
+    assert bool(prefilled) == ("intermediate_size" in overrides)  # a group that cannot be is said before the prefill

@@ -35,11 +35,6 @@ class QuantSpec:
         self.model, self.cache = session.model, session.cache
         self.sampling, self.draws = request.sampling, draws and draws.below()
         model = self.model
-        try:  # (the values' channel groups: checked first, as it is the setting's fault, not the model's)
-            value_channel_group(self.group, model.head_dim)
-        except ValueError:
-            raise FafoError(f"quantspec_group ({self.group}) must be at least the model's head dimension "
-                            f"({model.head_dim}) or divide it") from None
         try:  # (a matrix of odd width, or an odd head dimension: two 4-bit codes a byte, groups of an even size)
             self.weights = int4_weights(model)
             self.quantized = QuantizedKV(len(model.layers), model.n_kv_heads, model.head_dim, self.group, model.device)
@@ -77,4 +72,10 @@ class QuantSpec:
 
 
 def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[Step]:
+    group, head_dim = request.config.quantspec_group, session.model.head_dim
+    try:  # (the values' channel groups: the setting's fault, said before the prompt is prefilled for nothing)
+        value_channel_group(group, head_dim)
+    except ValueError:
+        raise FafoError(f"quantspec_group ({group}) must be at least the model's head dimension ({head_dim}) or "
+                        "divide it") from None
     yield from speculative.generate(session, request, emitter, QuantSpec(request.config))
