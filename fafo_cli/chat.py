@@ -36,7 +36,8 @@ OLLAMA_NAMES = {"num_predict": "max_tokens"}  # `/set parameter num_predict 64`,
 HELP = """Commands:
   /help, /?         this help
   /set KEY VALUE    change a setting for the next answers: temperature, top_p, top_k, min_p, seed (random: a
-                    fresh one each answer), max_tokens (ollama's `/set parameter KEY VALUE` too)
+                    fresh one each answer), max_tokens (-1: up to the context; ollama's `/set parameter KEY
+                    VALUE` too)
   /set system TEXT  the system message of this conversation from here on
   /set              show the settings
   /reset, /clear    forget the conversation (and the cached keys and values), but its system message
@@ -209,6 +210,8 @@ class Repl:
             self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; or /set system TEXT")
             return
         key, raw = words
+        if key == "max_tokens" and raw in ("-1", "-2"):  # ollama's num_predict for no limit, and to fill the context
+            raw = str(self.engine.model.max_context)  # (an answer stops where the context ends)
         try:
             value = "" if key == "seed" and raw == "random" else yaml.safe_load(raw)  # ("": a fresh seed each answer)
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file

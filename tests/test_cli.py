@@ -727,6 +727,9 @@ def test_chat_takes_ollamas_commands(tiny):
         assert repl._command(command) is False
     assert "/reset, /clear" in out.getvalue() and "max_tokens = 3" in out.getvalue() and "seed = " in out.getvalue()
     assert repl.settings == {"max_tokens": 3, "temperature": 0.5, "seed": ""} and not repl.failed
+    repl._command("/set parameter num_predict -1")  # ollama's "no limit": the answer may fill the context
+    assert repl.settings["max_tokens"] == repl.engine.model.max_context and not repl.failed
+    repl._command("/set max_tokens 3")
     repl._command("/set system Answer in French.")
     repl._answer("hello")
     assert repl.messages[0] == {"role": "system", "content": "Answer in French."} and len(repl.messages) == 3
