@@ -1203,3 +1203,17 @@ def test_chat_on_a_terminal_takes_a_pasted_text_as_one_message(tiny):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("tokens", ["3", "400"])
+def test_run_into_a_pipe_closed_early_stops_quietly(tiny, prompt_file, tokens):
+    """`fafo run ... | head -c 1`: the reader goes away (before the answer, or after its first byte); what is written
+    then meets a closed pipe: no traceback, no "Exception ignored" (Rich's console ends the process with 1)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "fafo_cli", "run", str(tiny), "-p", str(prompt_file), "-n",
+                                tokens, "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    if tokens != "3":  # (a short answer: the reader is gone before it)
+        assert process.stdout.read(1)
+    process.stdout.close()  # (head's exit)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) in (0, 1) and "Traceback" not in err and "Exception ignored" not in err, err
