@@ -207,8 +207,12 @@ def publish_dir(target: Path, done: str) -> Iterator[Path]:
         for path in staging.rglob("*"):  # the umask's permissions: tools write some files 0600 (safetensors)
             if path.is_file() and not path.is_symlink():
                 os.chmod(path, _opened_up(path))
+                _flush(path)  # on disk before the rename publishes it (a power cut leaves no empty `done`)
+        for folder in [*(path for path in staging.rglob("*") if path.is_dir()), staging]:
+            _flush(folder)
         try:
             os.rename(staging, target)
+            _flush(target.parent)
         except OSError:
             if not (target / done).is_file():  # else a concurrent writer won the race: its copy is kept
                 _replace_damaged(staging, target, done)

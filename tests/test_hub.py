@@ -1001,6 +1001,24 @@ def test_a_published_folder_appears_whole_once(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["m", "o"]  # no staging folder left
 
 
+def test_a_published_folder_is_on_disk_before_it_is_named(tmp_path, monkeypatch):
+    """Each file and folder of it flushed before the rename that publishes it, the rename after: a power cut then
+    leaves no folder whose `done` file is there but empty (a file system that writes data late, as ext4 may)."""
+    from fafo_cli import files
+
+    events = []
+    monkeypatch.setattr(files, "_flush", lambda path: events.append(("flush", Path(path).name)))
+    rename = os.rename
+    monkeypatch.setattr(files.os, "rename", lambda a, b: events.append(("rename", Path(b).name)) or rename(a, b))
+    with files.publish_dir(tmp_path / "models" / "m", "config.json") as staging:
+        (staging / "sub").mkdir()
+        (staging / "sub" / "weights").write_text("w")
+        (staging / "config.json").write_text("c")
+    renamed = events.index(("rename", "m"))
+    flushed = {name for kind, name in events[:renamed] if kind == "flush"}
+    assert {"weights", "config.json", "sub"} <= flushed and ("flush", "models") in events[renamed:]
+
+
 def test_two_processes_repairing_one_damaged_folder_keep_a_whole_copy(tmp_path):
     """Both found the folder damaged; the other one replaced it first: this one's move aside finds a whole copy,
     which is put back (not removed for this one's), and this one's staging goes."""
