@@ -788,22 +788,22 @@ def cacheback_build_table(
     *, flags: dict,
 ) -> None:
     """Build a frozen Cacheback table from text files, for --cacheback-table."""
-    from .decoders.ngram_table import build_table, read_corpus, tokenizer_fingerprint
+    from .decoders.ngram_table import build_from_files, check_corpus, tokenizer_fingerprint
 
     settings = config_mod.resolve(config, model=model, **flags)
     _check_outputs({"--out": out}, {"a text file to learn from": list(files)}, binary=("--out",))
-    texts = read_corpus(files)  # every file checked before the tokenizer loads
+    paths = check_corpus(files)  # every file checked before the tokenizer loads
     # only its tokenizer is read: pickle weights, never loaded here, are no reason to refuse it
     folder = hub.resolve(settings.model, allow_pickle=True, trust_remote_code=settings.trust_remote_code)
     from .api import load_tokenizer
 
     tokenizer = load_tokenizer(folder, settings)
-    streams = [tokenizer(text)["input_ids"] for text in texts]
-    table = build_table(streams, settings.cacheback_leader, settings.cacheback_follower,
-                        settings.cacheback_followers, settings.cacheback_leaders)
+    table, tokens = build_from_files(paths, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                                     settings.cacheback_leader, settings.cacheback_follower,
+                                     settings.cacheback_followers, settings.cacheback_leaders)
     table.save(out, tokenizer_fingerprint(tokenizer))
-    print(f"{out}: {table.leaders:,} leaders, {table.entries:,} followers from {sum(map(len, streams)):,} tokens "
-          f"in {len(texts)} file(s)")
+    print(f"{out}: {table.leaders:,} leaders, {table.entries:,} followers from {tokens:,} tokens in {len(paths)} "
+          "file(s)")
 
 
 # what a path the user chose or set up can be that makes it unusable (anything else is ours to fix: a traceback)

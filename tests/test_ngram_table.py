@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fafo_cli.decoders.ngram_table import FollowerTable, FrozenTable, build_table, read_corpus, tokenizer_fingerprint
+from fafo_cli.decoders.ngram_table import (FollowerTable, FrozenTable, build_from_files, build_table, check_corpus,
+                                           tokenizer_fingerprint)
 from fafo_cli.errors import FafoError
 
 
@@ -380,28 +381,43 @@ def test_build_table_later_streams_are_more_recent():
     assert frozen.lookup((1,)) == [(2,), (3,)]
 
 
-def test_read_corpus(tmp_path):
-    (tmp_path / "a.txt").write_text("hello\n", encoding="utf-8")
-    (tmp_path / "b.txt").write_text("", encoding="utf-8")
-    (tmp_path / "c.txt").write_text("héllo ✓", encoding="utf-8")
-    paths = [tmp_path / "a.txt", str(tmp_path / "b.txt"), tmp_path / "c.txt"]  # Path or str
-    assert read_corpus(paths) == ["hello\n", "", "héllo ✓"]
+def test_a_corpus_is_read_and_tokenized_a_piece_at_a_time_as_if_whole(tmp_path, monkeypatch):
+    """Pieces end at a line's end and join into the file's text; the table built from them, windows across two
+    pieces included and none counted twice, is the table of each whole file's tokens (none across two files)."""
+    from fafo_cli.decoders import ngram_table
+
+    first = "".join(f"line {i} héllo ✓ and some more words\n" for i in range(40))
+    second = "another file, without a last newline"
+    (tmp_path / "a.txt").write_text(first, encoding="utf-8")
+    (tmp_path / "b.txt").write_text(second, encoding="utf-8")
+    pieces = list(ngram_table.text_pieces(tmp_path / "a.txt", size=100))
+    assert len(pieces) > 5 and "".join(pieces) == first and all(piece.endswith("\n") for piece in pieces)
+    monkeypatch.setattr(ngram_table, "PIECE_CHARACTERS", 37)  # (pieces far shorter than the file)
+    paths = check_corpus([tmp_path / "a.txt", str(tmp_path / "b.txt")])  # Path or str
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) % 50 for c in text]  # (few ids: windows recur, their order matters)
+
+    table, tokens = build_from_files(paths, encode, leader=2, follower=3, followers=3, max_leaders=10_000)
+    whole = build_table([encode(first), encode(second)], leader=2, follower=3, followers=3, max_leaders=10_000)
+    assert tokens == len(first) + len(second) and (table.leaders, table.entries) == (whole.leaders, whole.entries)
+    for leader in {tuple(encode(first)[i:i + 2]) for i in range(len(first) - 2)}:
+        assert table.lookup(leader) == whole.lookup(leader), leader
 
 
-def test_read_corpus_errors(tmp_path):
+def test_corpus_errors(tmp_path, monkeypatch):
     missing = tmp_path / "missing.txt"
     with pytest.raises(FafoError) as error:
-        read_corpus([missing])
+        check_corpus([missing])
     assert one_line(error) == f"corpus file not found: {missing}"
-
     with pytest.raises(FafoError) as error:
-        read_corpus([tmp_path])
+        check_corpus([tmp_path])
     assert one_line(error) == f"{tmp_path} is a folder; give the corpus as text files"
 
     binary = tmp_path / "binary.bin"
     binary.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(FafoError) as error:
-        read_corpus([binary])
+        build_from_files(check_corpus([binary]), list, 1, 1, 1, 10)
     assert one_line(error) == f"corpus file {binary} is not UTF-8 text"
 
     empty, blank = tmp_path / "empty.txt", tmp_path / "blank.txt"
@@ -409,18 +425,16 @@ def test_read_corpus_errors(tmp_path):
     blank.write_text(" \n\n")
     for paths in ([empty], [empty, blank], []):
         with pytest.raises(FafoError) as error:
-            read_corpus(paths)
+            build_from_files(paths, lambda text: [ord(c) for c in text], 1, 1, 1, 10)
         assert one_line(error) == "no text in the given files"
 
-
-def test_read_corpus_unreadable(tmp_path, monkeypatch):
     path = tmp_path / "locked.txt"
     path.write_text("text")
 
     def denied(self, *args, **kwargs):  # chmod does not stop root, so the denial is simulated
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(type(path), "read_text", denied)
+    monkeypatch.setattr(type(path), "open", denied)
     with pytest.raises(FafoError) as error:
-        read_corpus([path])
+        check_corpus([path])
     assert one_line(error) == f"cannot read corpus file {path}: Permission denied"

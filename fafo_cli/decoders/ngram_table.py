@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -65,6 +65,18 @@ class FollowerTable:
         insert = self._table.insert
         for i in range(ll, len(tokens) - fl + 1):
             insert(tokens[i - ll:i], tokens[i:i + fl])
+
+    def add_stream(self, pieces: Iterable[Sequence[int]]) -> int:
+        """Insert the windows of one text given in consecutive pieces (a large file tokenized a part at a time), as
+        `add_text` would insert the whole text's; returns its number of tokens."""
+        keep = self.leader_length + self.follower_length - 1  # the tokens a window reaches back past a piece
+        tail: tuple[int, ...] = ()
+        count = 0
+        for piece in pieces:
+            tokens = tail + tuple(piece)
+            self.add_text(tokens, new=len(piece))
+            tail, count = tokens[len(tokens) - keep:], count + len(piece)
+        return count
 
     def freeze(self) -> FrozenTable:
         """A read-only snapshot: same leaders, same followers in the same order."""
@@ -174,24 +186,56 @@ def build_table(token_streams: Iterable[Sequence[int]], leader: int, follower: i
     """A frozen table of every stream's windows; a window never spans two streams."""
     table = FollowerTable(leader, follower, followers, max_leaders)
     for tokens in token_streams:
-        table.add_text(tokens)
+        table.add_stream([tokens])
     return table.freeze()
 
 
-def read_corpus(paths: Sequence[str | Path]) -> list[str]:
-    """The UTF-8 text of each corpus file, in order."""
-    texts = []
+PIECE_CHARACTERS = 1 << 20  # a corpus file is read and tokenized this much at a time (to a line's end)
+
+
+def check_corpus(paths: Sequence[str | Path]) -> list[Path]:
+    """The corpus files, each checked to be a readable file (before a tokenizer loads: its text is read later,
+    a piece at a time, by `text_pieces`)."""
+    files = []
     for path in (user_path(p) for p in paths):
         if not path.exists():
             raise FafoError(f"corpus file not found: {path}")
         if path.is_dir():
             raise FafoError(f"{path} is a folder; give the corpus as text files")
         try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise FafoError(f"corpus file {path} is not UTF-8 text") from None
+            with path.open("rb") as file:
+                file.read(1)
         except OSError as e:
             raise FafoError(f"cannot read corpus file {path}: {e.strerror or e}") from None
-    if not any(text.strip() for text in texts):  # whitespace alone gives a table nothing to learn
+        files.append(path)
+    return files
+
+
+def text_pieces(path: Path, size: int = PIECE_CHARACTERS) -> Iterator[str]:
+    """The UTF-8 text of a corpus file in pieces of about `size` characters, each ending at a line's end (where a
+    tokenizer's pieces end anyway): a large corpus is never held, nor tokenized, whole."""
+    try:
+        with path.open(encoding="utf-8") as file:
+            while piece := file.read(size):
+                yield piece + file.readline()
+    except UnicodeDecodeError:
+        raise FafoError(f"corpus file {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise FafoError(f"cannot read corpus file {path}: {e.strerror or e}") from None
+
+
+def build_from_files(paths: Sequence[Path], encode: Callable[[str], list[int]], leader: int, follower: int,
+                     followers: int, max_leaders: int) -> tuple[FrozenTable, int]:
+    """A frozen table of the corpus files' windows (none across two files), each file read and `encode`d a piece
+    at a time; and the number of tokens read."""
+    table, tokens, text = FollowerTable(leader, follower, followers, max_leaders), 0, False
+    for path in paths:
+        def encoded() -> Iterator[list[int]]:
+            nonlocal text
+            for piece in text_pieces(path):
+                text = text or bool(piece.strip())
+                yield encode(piece)
+        tokens += table.add_stream(encoded())
+    if not text:  # whitespace alone gives a table nothing to learn
         raise FafoError("no text in the given files")
-    return texts
+    return table.freeze(), tokens
