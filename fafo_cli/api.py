@@ -208,7 +208,7 @@ class Engine:
             except ValueError:  # (a real-time signal has no name)
                 name = f"signal {number}"
             raise CompileError(f"the building process was killed ({name}"
-                               + (": out of memory?)" if number == signal.SIGKILL else ")"))
+                               + (": out of memory?)" if number == signal.SIGKILL else ")"), transient=True)
         if process.returncode != 0:
             lines = [line for line in said.splitlines() if line.strip()]
             raise CompileError(lines[-1] if lines else f"the building process ended with code {process.returncode}")

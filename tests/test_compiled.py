@@ -269,12 +269,88 @@ def test_fafo_stays_compiled_where_only_its_larger_packages_are_missing(compiled
     assert max(result.stats.step_rows) <= 6
 
 
+def test_auto_uses_no_package_whose_record_cannot_be_read(compiled_cache, compiled_engine, tiny):
+    """`compile: auto` runs the packages recorded as faster than eager; one whose record cannot be read is not
+    known to be (it ran all the same)."""
+    compiled_engine.complete(SHORT, max_tokens=4, method="vanilla")  # its 1-row package built or loaded
+    package, record = compiled_engine.compiled.paths(1)
+    kept = record.read_bytes()
+    try:
+        record.write_text("{not json")
+        engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
+        assert engine.compiled.runner(1) is None and package.is_file()
+    finally:
+        record.write_bytes(kept)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="auto", notify=lambda _: None)
+    assert engine.compiled.runner(1) is not None
+
+
+def test_a_build_failing_for_a_reason_of_the_moment_is_not_remembered(compiled_cache, tiny_models):
+    """A building process killed (memory running out) or out of memory is tried again at the next start; a failure
+    recorded by another process while this one waited for the lock is not repeated."""
+    from fafo_cli.compiled import steps as steps_mod
+    from fafo_cli.compiled.build import CompileError
+
+    folder = tiny_models["qwen2-bias"]
+    engine = load(str(folder), dtype="float32", chat_template=False, compile="on", notify=lambda _: None)
+    failures = [CompileError("the building process was killed (SIGKILL: out of memory?)", transient=True),
+                MemoryError()]
+    for failure in failures:
+        def fails(rows, package, failure=failure):
+            raise failure
+
+        engine.compiled.builder, engine.compiled._runners = fails, {}
+        assert engine.compiled.runner(1) is None
+        assert not list(engine.compiled.folder.glob("rows1.failed"))  # tried again next time
+
+    real, built = steps_mod.exclusive, []
+
+    def another_process_failed(path, waiting):  # it held the lock, failed, and recorded why
+        (engine.compiled.folder / "rows1.failed").write_text('{"reason": "no compiler"}')
+        return real(path, waiting)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(steps_mod, "exclusive", another_process_failed)
+        engine.compiled.builder, engine.compiled._runners = lambda rows, package: built.append(rows), {}
+        assert engine.compiled.runner(1) is None and built == []
+
+
+def test_a_torch_without_the_flat_loader_refuses_a_package_without_weights(monkeypatch, tmp_path):
+    """Where torch's package loader lacks the call that hands a package the model's own weights, such a package is
+    refused (the caller runs eager), not run on no weights."""
+    from fafo_cli.compiled import build
+    from fafo_cli.compiled.build import CompileError
+
+    class OlderLoader:  # (no boxed_run)
+        pass
+
+    monkeypatch.setattr(torch._C, "_aoti", type("Aoti", (), {"AOTIModelPackageLoader": OlderLoader}), raising=False)
+    with pytest.raises(CompileError, match="cannot load a package with the model's own weights"):
+        build.load_package(tmp_path / "rows1.pt2", constants={})
+
+
 def test_side_by_side_times_each_package(compiled_engine):
     from fafo_cli.compiled import timing
 
     steps = compiled_engine.compiled
     ms = timing.side_by_side(steps.model, {1: steps.runner(1), 6: steps.runner(6)}, repeats=2)
     assert set(ms) == {1, 6} and all(value > 0 for value in ms.values())
+
+
+def test_side_by_side_keeps_the_least_of_its_groups_medians(monkeypatch):
+    """A disturbance (another process's second of work) that lifts one group's medians is not kept for good."""
+    from types import SimpleNamespace
+
+    from fafo_cli.compiled import timing
+
+    groups = iter([{1: 9.0, 4: 15.0}, {1: 6.0, 4: 9.5}, {1: 6.2, 4: 9.0}])  # the first group disturbed
+    monkeypatch.setattr(timing, "median_ms", lambda runs, repeats, device: next(groups))
+    monkeypatch.setattr(timing, "_step_inputs", lambda model, rows, context: (None,) * 7)
+    model = SimpleNamespace(new_cache=lambda *args: SimpleNamespace(commit=lambda n: None, store_as=lambda d: None,
+                                                                    keys=torch.zeros(1, 1), values=torch.zeros(1, 1)),
+                            device=torch.device("cpu"), dtype=torch.float32)
+    monkeypatch.setattr(timing, "stored_dtype", lambda model: torch.float32)
+    assert timing.side_by_side(model, {1: None, 4: None}, groups=3) == {1: 6.0, 4: 9.0}
 
 
 def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path, monkeypatch):

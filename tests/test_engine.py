@@ -436,3 +436,14 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(FafoError, match=r"holds? nothing for 1 of the model's parameters \(such as lm_head.weight\)"):
         load(str(folder), dtype="float32")
+
+
+def test_compiled_steps_let_go_of_the_cache_before_any_prefill(tiny):
+    """Their views of the cache would keep its old storage alive through a prefill that grows it (a float32 model's
+    cache, whose dtype never changes, held twice at a long prompt's peak)."""
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    forgotten = []
+    engine.session.compiled = type("Steps", (), {"forget_cache": lambda self: forgotten.append(True)})()
+    assert engine.session.cache.dtype == engine.model.attention_dtype  # (no conversion asks for it)
+    engine.session._attend_eagerly()
+    assert forgotten == [True]

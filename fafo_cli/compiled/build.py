@@ -61,6 +61,8 @@ def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -
     holds pointers to them, so they are kept alive with it."""
     loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
     if loader is None or not hasattr(loader, "boxed_run"):  # another torch: its own load and call path
+        if constants is not None:  # (a package without weights of its own would run on none: garbage, no error)
+            raise CompileError("this torch cannot load a package with the model's own weights")
         package = torch._inductor.aoti_load_package(str(path))
         package.shared_constants = constants
         return package
@@ -106,7 +108,12 @@ def stored_dtype(model: Model) -> torch.dtype:
 
 
 class CompileError(RuntimeError):
-    """Compilation is impossible here (no compiler, an unsupported op, ...): the caller runs eager."""
+    """Compilation is impossible here (no compiler, an unsupported op, ...): the caller runs eager. `transient`: it
+    failed for a reason of the moment (the building process killed, memory running out), not to be remembered."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class _LayerCache:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import first_line
+from ..errors import first_line, is_out_of_memory
 from ..files import exclusive, write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
@@ -33,6 +33,7 @@ PACKED_FILE = "packed.safetensors"  # beside a model's packages: its packed modu
 PREPARE_S = 20  # building our kernel library, as it took on 2 cores (17 s) with the packing (3 s)
 ROW_BUCKETS = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128, 192, STEP_ROWS)  # larger steps run eager
 COST_ROUNDS = 12  # rounds of the packages' side-by-side timing (kept for good: more than a build's check takes)
+COST_GROUPS = 3  # of COST_ROUNDS each, the least median kept (a few seconds, once)
 
 
 REBUILD = object()  # CompiledSteps._built: no package to load
@@ -239,7 +240,7 @@ class CompiledSteps(OnceNotices):
         runners = {size: runner for size, runner in runners.items() if runner is not None}
         self.notify("timing the compiled steps side by side for the step planner, once (later runs read it)")
         try:
-            timed = side_by_side(self.model, runners, repeats=COST_ROUNDS)
+            timed = side_by_side(self.model, runners, repeats=COST_ROUNDS, groups=COST_GROUPS)
         except Exception as error:  # noqa: BLE001 - a package that fails to run: the planner's default curve
             self.notify_once(f"timing the compiled steps failed ({first_line(error, named=True)})")
             return None
@@ -288,6 +289,9 @@ class CompiledSteps(OnceNotices):
             with exclusive(self.folder / f"rows{rows}.lock", lambda: self.notify(waiting)):
                 if (built := self._built(package, record)) is not REBUILD:  # (built meanwhile: waited for, or not)
                     return built
+                if (failure := self._failure(rows)) is not None and not self.retry_failed:  # (failed meanwhile)
+                    self.notify(f"the {rows}-row step failed to compile just now ({failure}); running eager")
+                    return None
                 self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later "
                             "runs load it)")
                 started = time.perf_counter()
@@ -303,8 +307,9 @@ class CompiledSteps(OnceNotices):
         except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
             reason = error if isinstance(error, CompileError) else first_line(error, named=True)
             self.notify(f"compilation failed, running eager: {reason}")
-            with contextlib.suppress(OSError):  # (a folder that takes nothing more: tried again next time)
-                write_atomic(self.folder / f"rows{rows}.failed", json.dumps({"reason": str(reason)}))
+            if not (getattr(error, "transient", False) or is_out_of_memory(error)):  # (else tried again next time)
+                with contextlib.suppress(OSError):  # (a folder that takes nothing more: tried again next time too)
+                    write_atomic(self.folder / f"rows{rows}.failed", json.dumps({"reason": str(reason)}))
             return None
         with contextlib.suppress(OSError):
             (self.folder / f"rows{rows}.failed").unlink(missing_ok=True)
@@ -330,7 +335,7 @@ class CompiledSteps(OnceNotices):
         if not (package.exists() and record.exists()):
             return REBUILD
         timing = Timing.read(record)
-        if self.mode == "auto" and timing is not None and not timing.pays_off:
+        if self.mode == "auto" and (timing is None or not timing.pays_off):  # (unreadable: not known to pay off)
             return None
         try:
             load_kernels(self.model, self.folder.parent)

@@ -213,11 +213,12 @@ def check_corpus(paths: Sequence[str | Path]) -> list[Path]:
 
 def text_pieces(path: Path, size: int = PIECE_CHARACTERS) -> Iterator[str]:
     """The UTF-8 text of a corpus file in pieces of about `size` characters, each ending at a line's end (where a
-    tokenizer's pieces end anyway): a large corpus is never held, nor tokenized, whole."""
+    tokenizer's pieces end anyway; or at twice `size` within a longer line): a large corpus is never held, nor
+    tokenized, whole."""
     try:
         with path.open(encoding="utf-8") as file:
             while piece := file.read(size):
-                yield piece + file.readline()
+                yield piece + file.readline(size)  # (a line longer than that is cut: memory stays bounded)
     except UnicodeDecodeError:
         raise FafoError(f"corpus file {path} is not UTF-8 text") from None
     except OSError as e:

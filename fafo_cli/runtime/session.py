@@ -182,10 +182,11 @@ class Session:
         self.compiled = steps
 
     def _attend_eagerly(self) -> None:
-        """The cache as eager attention reads it (`KVCache.attend_in`). Where that converts a compiled step's compact
-        copy, the compiled steps let go of their views of it first: else both copies stay alive until the next
-        compiled step (a long prompt's prefill held the cache twice)."""
-        if self.compiled is not None and self.cache.dtype != self.model.attention_dtype:
+        """The cache as eager attention reads it (`KVCache.attend_in`). The compiled steps let go of their views of
+        it first (rebuilt by the next compiled step: cheap): where that converts their compact copy, or the prefill
+        grows the cache, both storages would stay alive until the next compiled step (a long prompt's prefill held
+        the cache twice)."""
+        if self.compiled is not None:
             self.compiled.forget_cache()
         self.cache.attend_in(self.model.attention_dtype)
 
