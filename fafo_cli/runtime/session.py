@@ -158,7 +158,10 @@ class Session:
         self.rollback(reused)
         self._attend_eagerly()
         self.cache.limit = min(self.model.max_context, len(prompt_ids) + reserve)  # (the cache grows up to it)
-        self.cache.reserve(min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD)))
+        room = min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD))
+        if self.compiled is not None and room > self.cache.capacity:  # (their views, or graphs, would keep the old
+            self.compiled.forget_cache()  # storage alive through the prefill, its memory's peak; stale after it)
+        self.cache.reserve(room)
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[start:start + PREFILL_CHUNK]
@@ -182,11 +185,10 @@ class Session:
         self.compiled = steps
 
     def _attend_eagerly(self) -> None:
-        """The cache as eager attention reads it (`KVCache.attend_in`). The compiled steps let go of their views of
-        it first (rebuilt by the next compiled step: cheap): where that converts their compact copy, or the prefill
-        grows the cache, both storages would stay alive until the next compiled step (a long prompt's prefill held
-        the cache twice)."""
-        if self.compiled is not None:
+        """The cache as eager attention reads it (`KVCache.attend_in`). Where that converts a compiled step's compact
+        copy, the compiled steps let go of their views of it first: else both copies stay alive until the next
+        compiled step (a long prompt's prefill held the cache twice)."""
+        if self.compiled is not None and self.cache.dtype != self.model.attention_dtype:
             self.compiled.forget_cache()
         self.cache.attend_in(self.model.attention_dtype)
 
