@@ -26,7 +26,8 @@ from typing import Iterable, Iterator
 
 from .conversion import write_gguf_as_hf
 from .errors import FafoError, first_line
-from .files import publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors, xdg_dir
+from .files import (exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors,
+                    xdg_dir)
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -118,14 +119,33 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     converted before is found without reading the file at all (the embedded default's every run)."""
     key = _conversion_key(path)
     target = cache_dir() / "models" / f"{name or path.stem}-{key}"
-    # (or the same file converted under another name, the embedded default's or its path's, or a copy of it at
-    # another path met before: one conversion, and one set of compiled steps, per file)
-    found = target if (target / "config.json").is_file() else next(iter(_conversions_of(key)), None)
-    if found is not None and not _rotary_left_out(found, path):
-        return found
+    found = _converted(target, key, path)
     if found is not None:
+        return found
+    # one conversion of a file however many processes ask at once (a server starting beside a `fafo run`): the
+    # others wait for it, then find it
+    locks = cache_dir() / "locks"  # (beside the models: a folder there is a model, whole or not at all)
+    locks.mkdir(parents=True, exist_ok=True)
+    waiting = f"note: waiting for another fafo process converting {path.name}"
+    with exclusive(locks / f"convert-{key}.lock", lambda: print(waiting, file=sys.stderr, flush=True)):
+        return _converted(target, key, path) or _convert(path, name, key, target)
+
+
+def _converted(target: Path, key: str, path: Path) -> Path | None:
+    """The conversion of the file version `key` names, where there is one to use: at `target`, or the same file
+    converted under another name (the embedded default's or its path's), or a copy of it at another path met before
+    (one conversion, and one set of compiled steps, per file). One that left out Llama 3's rotary scaling is
+    removed (its steps computed another model)."""
+    found = target if (target / "config.json").is_file() else next(iter(_conversions_of(key)), None)
+    if found is not None and _rotary_left_out(found, path):
         with contextlib.suppress(OSError):  # (not ours to remove, a shared cache's: the new one is published beside)
-            _remove_with_steps(found)  # (its steps computed another model)
+            _remove_with_steps(found)
+        return None
+    return found
+
+
+def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
+    """`convert_gguf`'s conversion, where none was found."""
     header = gguf_header(path)
     if header.architecture not in SUPPORTED:
         raise FafoError(f"{path} is a {header.architecture} model, which fafo does not run (supported GGUF "

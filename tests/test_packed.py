@@ -443,6 +443,34 @@ def test_what_a_gguf_header_says_beyond_transformers_reading_is_read_or_refused(
         hub.convert_gguf(experts)
 
 
+def test_two_processes_asking_for_one_conversion_make_it_once(tmp_path, monkeypatch, capsys):
+    """A server starting beside a `fafo run` (here two threads, each with a lock file of its own, as two processes
+    would hold): the second waits for the first's conversion and finds it, instead of converting the file again."""
+    import threading
+    import time
+
+    from fafo_cli import conversion, hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    write, written, second = conversion.write_gguf_as_hf, [], {}
+
+    def slow_write(*args):
+        written.append(args[0])
+        if len(written) == 1:  # the other one asks while this one converts
+            thread = threading.Thread(target=lambda: second.update(folder=hub.convert_gguf(path)))
+            thread.start()
+            time.sleep(0.5)
+            second["thread"] = thread
+        return write(*args)
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", slow_write)
+    first = hub.convert_gguf(path)
+    second["thread"].join(60)
+    assert second["folder"] == first and written == [path]  # converted once
+    assert "waiting for another fafo process converting tiny.gguf" in capsys.readouterr().err
+
+
 def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_path, monkeypatch):
     """A .gguf file that lacks some of the model's tensors (llama.cpp's first part of a split model, a converter's
     slip) is refused before anything is written: transformers would fill the missing parameters with random numbers."""
