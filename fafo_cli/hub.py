@@ -124,8 +124,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         return found
     # one conversion of a file however many processes ask at once (a server starting beside a `fafo run`): the
     # others wait for it, then find it
+    target.parent.mkdir(parents=True, exist_ok=True)  # (first: a cache that cannot hold models is said so)
     locks = cache_dir() / "locks"  # (beside the models: a folder there is a model, whole or not at all)
-    locks.mkdir(parents=True, exist_ok=True)
+    locks.mkdir(exist_ok=True)
     waiting = f"note: waiting for another fafo process converting {path.name}"
     with exclusive(locks / f"convert-{key}.lock", lambda: print(waiting, file=sys.stderr, flush=True)):
         return _converted(target, key, path) or _convert(path, name, key, target)
