@@ -403,24 +403,25 @@ def serve(
         from .ui import consoles
 
         with server.request_log(verbose):
-            # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
-            engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
-            if settings.cacheback_table:  # (and whether it was built with this model's tokenizer)
-                from .decoders.cacheback import load_frozen_table
+            with server.loading(sock):
+                # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
+                engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
+                if settings.cacheback_table:  # (and whether it was built with this model's tokenizer)
+                    from .decoders.cacheback import load_frozen_table
 
-                load_frozen_table(settings.cacheback_table, engine.tokenizer)
-            # the command line's settings are the requests' defaults; these two no request could use
-            engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
-            if settings.compile == "on" and engine.compiled is not None:
-                from .compiled.ahead import build_ahead
+                    load_frozen_table(settings.cacheback_table, engine.tokenizer)
+                # the command line's settings are the requests' defaults; these two no request could use
+                engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
+                if settings.compile == "on" and engine.compiled is not None:
+                    from .compiled.ahead import build_ahead
 
-                # built now, not by the first request that meets a step size: inside the engine's thread every
-                # client would wait minutes for it
-                for _ in build_ahead(engine, [settings.method]):
-                    pass
-                # and no later: a request whose settings (another method, a longer draft) meet a size not built
-                # runs that step eager rather than hold every client for a build in the engine's thread
-                engine.compiled.builds = False
+                    # built now, not by the first request that meets a step size: inside the engine's thread every
+                    # client would wait minutes for it
+                    for _ in build_ahead(engine, [settings.method]):
+                        pass
+                    # and no later: a request whose settings (another method, a longer draft) meet a size not built
+                    # runs that step eager rather than hold every client for a build in the engine's thread
+                    engine.compiled.builds = False
             server.serve(engine, sock, options)
     finally:
         sock.close()

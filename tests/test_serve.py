@@ -71,9 +71,9 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _start(engine, loopback: bool | None = None, **options) -> Live:
-    """A server on a free loopback port; `loopback=False`: as if it listened beyond loopback too (0.0.0.0)."""
-    sock = server_mod.bind("127.0.0.1", 0)
+def _start(engine, loopback: bool | None = None, sock: socket.socket | None = None, **options) -> Live:
+    """A server on a free loopback port (or `sock`); `loopback=False`: as if it listened beyond loopback too."""
+    sock = sock or server_mod.bind("127.0.0.1", 0)
     loopback = server_mod.is_loopback(sock) if loopback is None else loopback
     server = server_mod.create(engine, server_mod.Options(**options), loopback=loopback)
     thread = threading.Thread(target=server.serve_on, args=(sock,), daemon=True)
@@ -1142,6 +1142,50 @@ def test_warns_when_listening_beyond_loopback_without_a_key(tmp_path, capsys, mo
     monkeypatch.setenv("FAFO_API_KEY", KEY)
     assert entrypoint(["serve", missing, "--host", "0.0.0.0", "--port", "0"]) == 1
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_port_answers_503_while_the_model_loads_then_the_model_serves_on_it(tiny):
+    """A client that connects while the model loads is told so at once (a connection nobody accepted hung until the
+    load ended: minutes where compiled steps are built); a connection made as the load ends waits for the model."""
+    sock = server_mod.bind("127.0.0.1", 0)
+    url = server_mod.url(sock)
+    with server_mod.loading(sock):
+        health = httpx.get(url.removesuffix("/v1") + "/health", timeout=10)
+        answer = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                            timeout=10)
+        with pytest.raises(openai.InternalServerError) as refused:
+            openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=10).models.list()
+    early = socket.create_connection(sock.getsockname()[:2], timeout=10)  # before the model's server accepts
+    assert health.status_code == 503 and health.json() == {"status": "loading"}
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    assert answer.json()["error"] == {"message": "the model is loading; retry shortly", "type": "server_error",
+                                      "param": None, "code": "model_loading"}
+    assert refused.value.status_code == 503 and refused.value.code == "model_loading"
+    live = _start(load(str(tiny), dtype="float32"), sock=sock)
+    try:
+        with early:
+            early.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert early.recv(100).startswith(b"HTTP/1.1 200")
+        assert live.client().models.list().data[0].id == live.name
+    finally:
+        _stop(live)
+
+
+def test_the_command_answers_while_it_loads(tiny, monkeypatch):
+    from fafo_cli import cli
+
+    bound, seen = [], []
+    real_bind, real_load = server_mod.bind, cli._load
+    monkeypatch.setattr(server_mod, "bind", lambda host, port: bound.append(real_bind(host, port)) or bound[-1])
+
+    def load_while_asked(*args, **kwargs):
+        seen.append(httpx.get(server_mod.url(bound[0]).removesuffix("/v1") + "/health", timeout=10).status_code)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_load", load_while_asked)
+    monkeypatch.setattr(server_mod, "serve", lambda engine, sock, options: seen.append(engine.name))
+    assert entrypoint(["serve", str(tiny), "--dtype", "float32", "--port", "0"]) == 0
+    assert seen == [503, load(str(tiny), dtype="float32").name]
 
 
 def test_the_command_serves_and_stops_cleanly_on_a_signal(tiny):
