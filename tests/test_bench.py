@@ -949,6 +949,47 @@ def test_long_suite_from_the_users_files(tiny, tmp_path, capsys):
     assert long.paragraph_cuts(["x"] * 25) == list(range(1, 26))
 
 
+def test_long_suite_reads_the_users_files_as_python_does(tiny, tmp_path):
+    """A def inside a `try` above the first definition (cut away), a byte-order mark, form feeds; prose whose
+    paragraphs are single long lines; fewer files than --samples; a file without a function to ask about."""
+    from fafo_cli.bench import long
+
+    body = "".join(f"    value = value + {j}\n" for j in range(6))
+    functions = "".join(f'def helper_{i}(value):\n    """Step {i}."""\n{body}    return value * 2\n\n\x0c\n'
+                        for i in range(80))
+    source = tmp_path / "compat.py"
+    source.write_text("\ufefftry:\n    from functools import cache\nexcept ImportError:\n    def cache(f):\n"
+                      '        """A stand-in."""\n        return f\n\n\n' + functions, encoding="utf-8")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("".join(f"Line {i}: " + "the meeting moved again. " * 16 + "\n" for i in range(15)))
+    engine = load(str(tiny), dtype="float32")
+    said = []
+    settings = suites.LongSettings(engine.encode, engine.model.max_context, answer=64, context=1536,
+                                   documents=(str(source), str(notes)), notify=said.append)
+    samples = suites.long_suite(settings, documents=2)
+    assert [s.id for s in samples] == ["recall-1536", "summary-1536", "edit-1536"]  # one file each: no repeats
+    assert said == [f"the long suite's {task} prompts are built from 1 of --samples 2 documents: your files' text "
+                    "holds no more" for task in long.TASKS]
+    recall, summary, edit = (s.messages[0]["content"] for s in samples)
+    assert recall.startswith("```python\ndef helper_0(value):") and "named `helper_0`" in recall
+    assert len(engine.encode(summary)) > 0.5 * (1536 - 64)  # cut inside the one long paragraph, not after its title
+    asked = edit.split("Rewrite the function `")[1].split("`")[0]
+    number = asked.removeprefix("helper_")
+    assert f'def {asked}(value):\n    """Step {number}."""\n{body}    return value * 2\n' in edit  # whole
+    plain = tmp_path / "plain.py"
+    plain.write_text("X = 1\n" * 50)
+    with pytest.raises(FafoError, match="hold no function of 4 or more lines, for the long suite.s recall task"):
+        long.user_files([str(plain)])
+    plain.write_text("def f(x):\n    y = x\n    z = y\n    return z\n")
+    with pytest.raises(FafoError, match="no function of 8 to 80 lines, for the long suite's edit task"):
+        long.user_files([str(plain)])
+    with pytest.raises(FafoError, match="needs a context of 1024 tokens or more; the model's is 512"):
+        long.check_context(1024, 64, max_context=512)
+    lines = tmp_path / "lines.jsonl"  # a JSON string may hold U+2028 unescaped: not a line break of the file
+    lines.write_text(json.dumps({"prompt": "one\u2028two"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [s.messages[0]["content"] for s in suites.read_jsonl(lines, "custom")] == ["one\u2028two"]
+
+
 def test_a_cost_curve_cheaper_past_one_row_is_measured_again_then_refused(monkeypatch):
     from fafo_cli.bench import tune
 

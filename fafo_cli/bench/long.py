@@ -16,6 +16,7 @@ import ast
 import functools
 import importlib
 import inspect
+import io
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,8 @@ from ..files import user_path
 DEFAULT_CONTEXTS = (4096, 8192)  # FAFO's and QuantSpec's papers' shorter long contexts; SmolLM2's whole context
 MIN_CONTEXT = 1024
 MIN_PROMPT = 768  # --context minus --tokens must leave this much: room for a function far back and one in the middle
+RECALLED_LINES = 4  # the recall task's function is at least this long: a signature and a body to explain
+EDITED_LINES = (8, 80)  # the edit task's function: long enough to copy, short enough to be rewritten in an answer
 CHARS_PER_TOKEN = 5  # more than any tokenizer's, so that the material gathered always covers the target
 # Long pure-Python modules (one document per --samples index, the next ones appended while more text is needed),
 # those that hold both tasks' functions at short lengths (1K tokens) too first
@@ -53,6 +56,8 @@ class LongPrompt:
 def check_context(context: int, answer: int, max_context: int | None = None) -> None:
     """`--context` beside `--tokens` (one clear error); against the model's context where known (None: before
     the model loads)."""
+    if max_context is not None and max_context < MIN_CONTEXT:
+        raise FafoError(f"the long suite needs a context of {MIN_CONTEXT} tokens or more; the model's is {max_context}")
     if context < MIN_CONTEXT or max_context is not None and context > max_context:
         most = "the model's context" + (f", {max_context} tokens" if max_context is not None else "")
         raise FafoError(f"--context {context}: choose from {MIN_CONTEXT} to {most}")
@@ -87,6 +92,10 @@ class Material:
     code_from: str  # whose each kind is, in error messages: "the standard library's", "your files'"
     prose_from: str
 
+    def documents(self, task: str) -> int:
+        """How many different documents `task` can be built from (one per file or module)."""
+        return len(self.prose if task == "summary" else self.code)
+
 
 def _module_docs(name: str) -> str:
     """A module's docstring and its public functions' and classes' docstrings."""
@@ -117,11 +126,11 @@ def standard_library() -> Material:
 def user_files(paths: list[str]) -> Material:
     """The user's files: Python sources (.py) for the recall and edit tasks, any other text for the summary; a kind
     not given comes from the standard library."""
-    code, prose = [], []
+    code, prose, spans = [], [], []  # spans: the functions' lengths in lines
     for given in paths:
         path = user_path(given)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # (Python runs a file with a byte-order mark; ast not)
         except FileNotFoundError:
             raise FafoError(f"--documents: file not found: {given}") from None
         except (OSError, UnicodeDecodeError) as e:
@@ -130,7 +139,8 @@ def user_files(paths: list[str]) -> Material:
             raise FafoError(f"--documents: {given} has no text")
         if path.suffix == ".py":
             try:
-                ast.parse(text)
+                spans += [node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(text))
+                          if isinstance(node, ast.FunctionDef)]
             except SyntaxError as e:
                 raise FafoError(f"--documents: {given} is not valid Python (line {e.lineno})") from None
             except ValueError:  # a NUL byte (before Python 3.12, which says SyntaxError)
@@ -138,9 +148,19 @@ def user_files(paths: list[str]) -> Material:
             code.append((path.name, text))
         else:
             prose.append((path.name, text))
+    if code:  # (said before the model loads, not after)
+        for task, least, most in (("recall", RECALLED_LINES, None), ("edit", *EDITED_LINES)):
+            if not any(least <= span <= (most or span) for span in spans):
+                raise FafoError(f"--documents: your Python files hold no function of {least}"
+                                f"{f' to {most}' if most else ' or more'} lines, for the long suite's {task} task")
     fallback = standard_library()
     return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose,
                     USERS if code else STANDARD_LIBRARY, USERS if prose else STANDARD_LIBRARY)
+
+
+def _lines(text: str) -> list[str]:
+    """`text`'s lines as Python counts them (at \n, \r\n, \r: not at a form feed or U+2028, as splitlines does)."""
+    return io.StringIO(text, newline=None).readlines()
 
 
 def _sources(first: int, chars: int, material: Material) -> tuple[list[str], list[tuple[int, int, str]]]:
@@ -156,9 +176,10 @@ def _sources(first: int, chars: int, material: Material) -> tuple[list[str], lis
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
         top = min(tops, default=1)
         start = len(lines) + 1 - (top - 1)  # where the file's line 1 would be, after the file header line
-        lines += [f"# file: {name}\n", *source.splitlines(keepends=True)[top - 1:], "\n"]
+        lines += [f"# file: {name}\n", *_lines(source)[top - 1:], "\n"]
+        # the functions kept: not one inside an `if` or `try` above the first definition, which is cut away
         functions += sorted((start + node.lineno - 1, start + node.end_lineno - 1, node.name)
-                            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+                            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.lineno >= top)
         if sum(map(len, lines)) >= chars:
             break
     return lines, functions
@@ -182,10 +203,11 @@ def _recall_start(functions, material: Material) -> int:
     """Where the recall task's document starts: at the first function of four lines or more whose name is defined
     once, so that it is the document's very first lines, however long the document."""
     names = [f[2] for f in functions]
-    first = next((start for start, end, name in functions if end - start >= 3 and names.count(name) == 1), None)
+    first = next((start for start, end, name in functions
+                  if end - start + 1 >= RECALLED_LINES and names.count(name) == 1), None)
     if first is None:
-        raise FafoError(f"{material.code_from} Python sources hold no function of four lines or more with a name of "
-                        "its own, for the long suite's recall task")
+        raise FafoError(f"{material.code_from} Python sources hold no function of {RECALLED_LINES} lines or more with "
+                        "a name of its own, for the long suite's recall task")
     return first
 
 
@@ -199,9 +221,10 @@ def _recall(lines, first: tuple[int, int, str], kept: int) -> list[dict] | None:
 
 
 def _edit(lines, functions, kept: int) -> list[dict] | None:
-    """Rewrite the function of 8-80 lines, of a name defined once, that lies nearest the middle of the kept lines."""
+    """Rewrite the function of EDITED_LINES, of a name defined once, that lies nearest the middle of the kept lines."""
+    least, most = EDITED_LINES
     names = [f[2] for f in functions if f[1] < kept]
-    fitting = [f for f in functions if f[1] < kept and 8 <= f[1] - f[0] + 1 <= 80 and names.count(f[2]) == 1]
+    fitting = [f for f in functions if f[1] < kept and least <= f[1] - f[0] + 1 <= most and names.count(f[2]) == 1]
     if not fitting:
         return None
     _, _, name = min(fitting, key=lambda f: (abs((f[0] + f[1]) / 2 - kept / 2), f[0]))
@@ -233,22 +256,28 @@ def _longest(task: str, build: Callable[[int], list[dict] | None], cuts: list[in
             low = middle + 1  # too few lines to hold the task's function: more lines
         else:
             high = middle - 1
+    if best is None and task == "edit" and build(cuts[-1]) is None:  # no cut holds a function to edit
+        raise FafoError(f"{where} Python sources hold no function of {EDITED_LINES[0]} to {EDITED_LINES[1]} lines "
+                        "with a name of its own, for the long suite's edit task")
     if best is None:
         raise FafoError(f"cannot build the long suite's {task} prompt in {limit} tokens from {where} text: a "
                         "larger --context (or fewer --tokens) leaves it more room, as do longer documents")
+    if best[1] < limit // 2:  # the next place to end the text is past the limit: a line or paragraph too long
+        raise FafoError(f"{where} text has no place to end the long suite's {task} prompt between {best[1]} and "
+                        f"{limit} tokens: its lines or paragraphs are too long to cut")
     return best
 
 
-PARAGRAPH_LINES = 20  # the summary's text ends between paragraphs, or anywhere in one longer than this
+PARAGRAPH_LINES, PARAGRAPH_CHARS = 20, 2000  # the summary's text ends between paragraphs, or anywhere in a longer one
 
 
 def paragraph_cuts(lines: list[str]) -> list[int]:
     """Where a text of `lines` may end (line counts, increasing): after a blank line, and after any line of a
-    paragraph longer than PARAGRAPH_LINES (a text without blank lines: a log, a CSV file, prose with single line
-    breaks)."""
+    paragraph longer than PARAGRAPH_LINES or PARAGRAPH_CHARS (a text without blank lines: a log, a CSV file, prose
+    with single line breaks)."""
     cuts, start = [], 0
     for end in [i for i, line in enumerate(lines) if not line.strip()] + [len(lines)]:
-        if end - start > PARAGRAPH_LINES:
+        if end - start > PARAGRAPH_LINES or sum(map(len, lines[start:end])) > PARAGRAPH_CHARS:
             cuts += range(start + 1, end + 1)
         if end < len(lines):
             cuts.append(end + 1)

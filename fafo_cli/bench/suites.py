@@ -63,7 +63,8 @@ def _from_record(record: dict, suite: str, where: str) -> Sample:
 
 def read_jsonl(path: Path, suite: str) -> list[Sample]:
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # (a leading byte-order mark is no JSON)
+        # (a leading byte-order mark is no JSON; lines end at \n only: a string may hold U+2028 unescaped)
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
         raise FafoError(f"prompts file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -184,11 +185,18 @@ class LongSettings:
 
 
 def long_suite(settings: LongSettings, documents: int) -> list[Sample]:
-    """Each task at each length, from `documents` different documents."""
+    """Each task at each length, from `documents` different documents (as many as there are, where fewer)."""
     lengths = long.contexts(settings.context, settings.max_context, settings.answer, settings.notify)
     material = long.user_files(list(settings.documents)) if settings.documents else long.standard_library()
+    for task in long.TASKS:
+        if material.documents(task) < documents:
+            where = material.prose_from if task == "summary" else material.code_from
+            settings.notify(f"the long suite's {task} prompts are built from {material.documents(task)} of --samples "
+                            f"{documents} documents: {where} text holds no more")
     return [Sample("long", prompt.id, prompt.messages) for context in lengths for document in range(documents)
-            for prompt in long.build(context, document, settings.answer, settings.encode, material=material)]
+            for prompt in long.build(context, document, settings.answer, settings.encode,
+                                     tuple(task for task in long.TASKS if document < material.documents(task)),
+                                     material)]
 
 
 def load_suite(name: str) -> list[Sample]:
