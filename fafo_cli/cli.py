@@ -403,7 +403,7 @@ def serve(
         from .ui import consoles
 
         with server.request_log(verbose):
-            with server.loading(sock):
+            with server.loading(sock, options.cors):
                 # a request may ask for TriForce, which reads the draft model: loaded at start where one is configured
                 engine = _load(settings, consoles()[1], load_draft=settings.draft_model is not None)
                 if settings.cacheback_table:  # (and whether it was built with this model's tokenizer)

@@ -1149,8 +1149,11 @@ def test_the_port_answers_503_while_the_model_loads_then_the_model_serves_on_it(
     load ended: minutes where compiled steps are built); a connection made as the load ends waits for the model."""
     sock = server_mod.bind("127.0.0.1", 0)
     url = server_mod.url(sock)
-    with server_mod.loading(sock):
+    with server_mod.loading(sock, cors=(ORIGIN,)):
         health = httpx.get(url.removesuffix("/v1") + "/health", timeout=10)
+        preflight = httpx.options(url + "/chat/completions", timeout=10, headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-a"})
+        page = httpx.get(url.removesuffix("/v1") + "/health", headers={"Origin": ORIGIN}, timeout=10)
         answer = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                             timeout=10)
         with pytest.raises(openai.InternalServerError) as refused:
@@ -1161,6 +1164,8 @@ def test_the_port_answers_503_while_the_model_loads_then_the_model_serves_on_it(
     assert answer.json()["error"] == {"message": "the model is loading; retry shortly", "type": "server_error",
                                       "param": None, "code": "model_loading"}
     assert refused.value.status_code == 503 and refused.value.code == "model_loading"
+    # a web page the server lets in (--cors) reads the 503 too, rather than a browser's CORS failure
+    assert preflight.status_code == 200 and page.headers["access-control-allow-origin"] == ORIGIN
     live = _start(load(str(tiny), dtype="float32"), sock=sock)
     try:
         with early:

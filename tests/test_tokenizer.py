@@ -179,3 +179,23 @@ def test_unreadable_tokenizer_and_generation_files_are_one_line(tmp_path, broken
         with pytest.raises(FafoError, match=f"^cannot load the tokenizer in {folder}: ") as error:
             load(str(folder), device="cpu", compile="off")
         assert "\n" not in str(error.value)
+
+
+def test_a_text_prompt_that_opens_with_the_bos_gets_no_second_one(tmp_path):
+    """A raw-template completion prompt (`<s>[INST]...`, `<|begin_of_text|>...`) brings its own BOS; the tokenizer
+    adding one more changes the model's answer."""
+    from tokenizers import Tokenizer as Backend, processors
+
+    from fafo_cli import load
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa")
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    bos = backend.token_to_id("<|im_start|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[
+        ("<|im_start|>", bos)])  # a tokenizer that adds a BOS, as Llama's and Mistral's do
+    backend.save(str(folder / "tokenizer.json"))
+    engine = load(str(folder), dtype="float32", chat_template=False)
+    hello = engine.encode("hello")
+    assert hello[0] == bos and hello[1] != bos
+    assert engine.encode("<|im_start|>hello") == hello
+    assert engine.encode("<|im_start|><|im_start|>hello")[:3] == [bos, bos, hello[1]]  # what the prompt says

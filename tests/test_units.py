@@ -153,6 +153,29 @@ def test_a_continuation_keeps_the_space_a_sentencepiece_decoder_drops_at_the_sta
     assert "The capital is" + detok.text == backend.decode(prompt + [3, 2])
 
 
+def test_a_continuation_after_byte_fallback_tokens_keeps_its_characters():
+    """Llama-2's and Mistral's decoders turn a run of byte tokens that is not UTF-8 as a whole into U+FFFD, every
+    byte: a context of the prompt's last tokens that starts inside a character must not join the answer's run."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "C", "r", "a", "b", "s", ":", "▁is"):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])  # Llama-2's
+
+    class SentencePieceLike:
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    prompt, whole = backend.encode("Crabs: 🦀🦀").ids, backend.encode("Crabs: 🦀🦀🦀 is").ids
+    assert whole[:len(prompt)] == prompt and prompt[-5] == vocab["<0x80>"]  # the context starts inside a crab
+    detok = Detokenizer(SentencePieceLike(), prompt[-5:])
+    assert "".join(detok.add([i]) for i in whole[len(prompt):]) + detok.flush() == "🦀 is" == detok.text
+
+
 def test_stats_say_how_the_decoding_steps_ran():
     from fafo_cli.runtime.events import Stats
 

@@ -15,6 +15,10 @@ class Detokenizer:
     def __init__(self, tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.ids: list[int] = list(context)
+        # from a character's start: cut inside one (its last bytes as byte-fallback tokens), the context would join
+        # the answer's byte tokens in a run that a SentencePiece decoder turns into U+FFFD as a whole
+        while self.ids and self._decode(self.ids).startswith("\ufffd"):
+            del self.ids[0]
         self._context = len(self.ids)
         self._prefix = 0  # start of the window re-decoded for context (spacing depends on the left token)
         self._read = len(self.ids)  # ids up to here have been returned as text (or are the context)

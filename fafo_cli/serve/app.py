@@ -35,6 +35,7 @@ OPEN_PATHS = {"/health"}  # answered without the API key: a liveness probe tells
 # in the queue or prefills (a proxy drops a connection that stays silent: nginx after 60 s)
 STREAM_HOLD_S = 2.0
 KEEP_ALIVE_S = 5.0
+LOADING_RETRY_S = 5  # a client told "loading" may ask again after this long (OpenAI's clients wait it, twice)
 
 
 class ClientGone(Exception):
@@ -118,11 +119,31 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
               Route("/health", _answers_errors(health), methods=["GET"])]
     middleware = [Middleware(Guard, api_key=api_key, max_body=max_body, loopback=loopback)]
     if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
-        # any request header: the openai JS client adds its own (X-Stainless-*), and a refused one fails the call
-        middleware.insert(0, Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
-                                        allow_headers=["*"]))
+        middleware.insert(0, Middleware(Cors, **_cors_settings(cors)))
     handlers = {404: _http_error, 405: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+def create_loading_app(cors: tuple[str, ...] = ()):
+    """What answers while the model loads: /health 503 {"status": "loading"}, any other request 503 `model_loading`
+    (with Retry-After), to the web pages `cors` allows too."""
+    error = ApiError(503, "the model is loading; retry shortly", code="model_loading",
+                     headers={"Retry-After": str(LOADING_RETRY_S)})
+
+    async def loading(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            await JSONResponse({"status": "loading"}, status_code=503, headers=error.headers)(scope, receive, send)
+        else:
+            await error.response()(scope, receive, send)
+
+    return Cors(loading, **_cors_settings(cors)) if cors else loading
+
+
+def _cors_settings(origins: tuple[str, ...]) -> dict:
+    # any request header: the openai JS client adds its own (X-Stainless-*), and a refused one fails the call
+    return {"allow_origins": list(origins), "allow_methods": ["GET", "POST"], "allow_headers": ["*"]}
 
 
 class EventStream(StreamingResponse):

@@ -22,14 +22,12 @@ from dataclasses import dataclass, replace
 
 import uvicorn
 import uvicorn.logging
-from starlette.responses import JSONResponse
 
 from .. import config as config_mod
 from ..api import Engine
 from ..errors import FafoError
 from ..files import user_path
-from .app import create_app
-from .errors import ApiError
+from .app import create_app, create_loading_app
 from .worker import Worker
 
 log = logging.getLogger("fafo.serve")
@@ -37,7 +35,6 @@ log = logging.getLogger("fafo.serve")
 BODY_BASE = 64 * 1024  # the JSON around a prompt, and short prompts on small-context models
 BODY_PER_TOKEN = 32  # bytes of request body per token of context: text runs a few bytes a token, JSON escapes more
 GRACE_S = 10  # after a signal, the longest wait for answers in flight to close (they end within a step)
-LOADING_RETRY_S = 5  # a client told "loading" may ask again after this long (OpenAI's clients wait it, twice)
 
 
 @dataclass(frozen=True)
@@ -100,13 +97,14 @@ def url(sock: socket.socket) -> str:
 
 
 @contextlib.contextmanager
-def loading(sock: socket.socket):
+def loading(sock: socket.socket, cors: tuple[str, ...] = ()):
     """While the model loads (seconds; minutes where it is converted or its compiled steps are built), every request
-    to the bound address is answered at once, as llama.cpp's server does: /health 503 {"status": "loading"}, any
-    other path 503 `model_loading` (with Retry-After), rather than a connection nobody answers. The loading runs in
-    the caller's thread, where Ctrl-C interrupts it as in `fafo run`; these answers come from a thread of their own."""
-    server = uvicorn.Server(uvicorn.Config(_loading_app, log_config=None, log_level=None, access_log=True,
-                                           lifespan="off"))
+    to the bound address is answered at once, as llama.cpp's server does (`create_loading_app`), rather than left on
+    a connection nobody answers. The loading runs in the caller's thread, where Ctrl-C interrupts it as in `fafo
+    run`; these answers come from a thread of their own."""
+    # a client that stops reading its answers holds up the handover no longer than the grace
+    server = uvicorn.Server(uvicorn.Config(create_loading_app(cors), log_config=None, log_level=None,
+                                           access_log=True, lifespan="off", timeout_graceful_shutdown=1))
     # uvicorn closes the sockets it served on: the model's server takes over `sock` itself, and the connections
     # made between the two wait in its backlog
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock.dup()]}, name="fafo-loading", daemon=True)
@@ -117,17 +115,6 @@ def loading(sock: socket.socket):
     finally:
         server.should_exit = True
         thread.join()
-
-
-async def _loading_app(scope, receive, send) -> None:
-    if scope["type"] != "http":
-        return
-    error = ApiError(503, "the model is loading; retry shortly", code="model_loading",
-                     headers={"Retry-After": str(LOADING_RETRY_S)})
-    if scope["path"] == "/health":
-        await JSONResponse({"status": "loading"}, status_code=503, headers=error.headers)(scope, receive, send)
-    else:
-        await error.response()(scope, receive, send)
 
 
 def serve(engine: Engine, sock: socket.socket, options: Options) -> None:
