@@ -19,7 +19,7 @@ from fafo_cli.decoders.fafo import attention as fafo_attention
 from fafo_cli.runtime import model as runtime_model
 
 
-def torch_grouped(q, k, v, mask, scale):
+def torch_grouped(q, k, v, mask, scale, memo=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 

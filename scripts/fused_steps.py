@@ -8,7 +8,6 @@ the matrix products), each against the memory-bandwidth bound, as `fafo doctor -
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -17,15 +16,17 @@ from fafo_cli.bench import gpu_report
 from fafo_cli.compiled.timing import synchronize
 from fafo_cli.runtime.model import Model, causal_attention
 
+import common
+
 # Model.forward without its inference_mode: torch.compile cannot trace inference tensors (no grad is kept anyway)
 forward = Model.forward.__wrapped__
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="7b", choices=sorted(gpu_report.SHAPES))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--context", type=int, default=gpu_report.CONTEXT)
+    parser = common.parser(__doc__)
+    parser.add_argument("--shape", default="7b", choices=sorted(gpu_report.SHAPES), help="the model's shape")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="rows a step")
+    parser.add_argument("--context", type=int, default=gpu_report.CONTEXT, help="cached positions")
     parser.add_argument("--mode", default="default", help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
     args = parser.parse_args()
 

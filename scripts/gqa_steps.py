@@ -9,13 +9,13 @@ eager and as CUDA graphs, as `fafo doctor --gpu-report` measures steps.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 from fafo_cli.bench import gpu_report
 from fafo_cli.runtime.model import attention_kernels, folded_attention
+
+import common
 
 
 def enable_gqa_attention(mask: torch.Tensor, scaling: float):
@@ -33,10 +33,10 @@ def folded(mask: torch.Tensor, scaling: float):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="135m", choices=sorted(gpu_report.SHAPES))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--context", type=int, nargs="+", default=[512, 4096])
+    parser = common.parser(__doc__)
+    parser.add_argument("--shape", default="135m", choices=sorted(gpu_report.SHAPES), help="the model's shape")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="rows a step")
+    parser.add_argument("--context", type=int, nargs="+", default=[512, 4096], help="cached positions")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

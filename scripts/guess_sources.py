@@ -1,7 +1,8 @@
 """Where FAFO's accepted guesses come from: τ, the mean draft and the accepted tokens by source with both sources
 (copies from the text and the window's k-grams), with copies only (`streams: 0`: no window) and with the window
 only (`copies: 0`), per suite and setting. τ does not depend on timing, so this runs anywhere; `--compile` uses
-compiled steps (and `streams: auto`'s W for them).
+compiled steps. The default setting names W=1: on a CPU, `streams: auto` runs no window unless a compressor is
+named, and "window only" would be plain decoding.
 
     python scripts/guess_sources.py --suites chat,summarize,edit
 """
@@ -18,7 +19,7 @@ SOURCES = {"both": {}, "text only": dict(streams=0), "window only": dict(copies=
 
 def main() -> None:
     parser = common.parser(__doc__, "model", "dtype", "tokens", "suites", "samples", "prompts", "compile",
-                           "settings", suites="chat,summarize")
+                           "settings", suites="chat,summarize", settings=["W=1"])
     args = parser.parse_args()
     engine = common.load_engine(args)
     for spec in args.settings:

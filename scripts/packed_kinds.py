@@ -11,7 +11,6 @@ a step's do. Random blocks: random bytes with small float16 scales, rebuilt bit 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -42,13 +41,14 @@ def matrix(kind: str, rows: int, columns: int, seed: int = 0):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", type=int, nargs=2, default=[2048, 1536], metavar=("OUT", "IN"))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 6])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--kinds", nargs="+", choices=tuple(SCALES), default=list(SCALES))
+    parser = common.parser(__doc__)
+    parser.add_argument("--shape", type=int, nargs=2, default=[2048, 1536], metavar=("OUT", "IN"),
+                        help="each matrix's shape")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="rows a call")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds")
+    parser.add_argument("--kinds", nargs="+", choices=tuple(SCALES), default=list(SCALES), help="GGUF types")
     parser.add_argument("--base", help="git revision whose kernel to time as well")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out_features, in_features = args.shape
