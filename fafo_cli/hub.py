@@ -83,8 +83,18 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             raise FafoError(f"no such model file or folder: {spec}{tag}")
         else:
             # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows)
-            folder = cached_snapshot(spec) or newest_snapshot(spec) or pull(spec, allow_pickle=allow_pickle,
-                                                                             trust_remote_code=trust_remote_code)
+            folder = cached_snapshot(spec) or newest_snapshot(spec)
+            if folder is None:
+                try:
+                    folder = pull(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+                except HubUnreachable:
+                    # a pull of main's newer commit cut off, or begun by another tool sharing the HF cache: offline,
+                    # the whole copy from before serves rather than nothing
+                    folder = newest_snapshot(spec, main_too=True)
+                    if folder is None:
+                        raise
+                    print(f"note: the newest pull of {spec} is not whole and the hub cannot be asked now: running "
+                          f"the copy cached before (commit {folder.name[:12]})", file=sys.stderr)
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
 
@@ -580,7 +590,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
     if _offline():  # nothing to ask the hub: the cached copy, if whole
         folder = cached_snapshot(repo_id, revision)
         if folder is None:
-            raise FafoError(f"model '{repo_id}' is not in the local cache and {_offline()} is set; unset it to "
+            raise HubUnreachable(f"model '{repo_id}' is not in the local cache and {_offline()} is set; unset it to "
                             "download")
         return folder
     silence = quiet and not are_progress_bars_disabled()
@@ -607,7 +617,7 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
     except FafoError:
         raise
     except Exception as e:
-        raise FafoError(_hub_error(repo_id, e)) from None
+        raise (HubUnreachable if _unreachable(e) else FafoError)(_hub_error(repo_id, e)) from None
     finally:
         if silence:
             enable_progress_bars()
@@ -674,9 +684,7 @@ def _hub_error(repo_id: str, error: Exception) -> str:
                 "to download")
     if isinstance(error, errors.LocalEntryNotFoundError):
         return f"cannot reach the Hugging Face hub to download '{repo_id}', and it is not in the local cache"
-    # (httpx's: no connection made, a proxy that refused it, a proxy or URL scheme it does not speak)
-    if any(cls.__name__ in ("ConnectError", "ConnectTimeout", "ProxyError", "UnsupportedProtocol")
-           for cls in type(error).__mro__):
+    if _no_connection(error):
         return (f"cannot reach the Hugging Face hub to get '{repo_id}' ({first_line(error)}); a model on this "
                 "machine: give its folder or .gguf file, or a name `fafo list` shows")
     if _broken_off(error):
@@ -687,6 +695,22 @@ def _hub_error(repo_id: str, error: Exception) -> str:
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"
     return f"downloading {repo_id} failed: {first_line(error)}"
+
+
+class HubUnreachable(FafoError):
+    """The hub could not be asked (offline, or no connection): a copy cached before may serve instead."""
+
+
+def _unreachable(error: Exception) -> bool:
+    from huggingface_hub import errors
+
+    return isinstance(error, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError)) or _no_connection(error)
+
+
+def _no_connection(error: Exception) -> bool:
+    """httpx's: no connection made, a proxy that refused it, a proxy or URL scheme it does not speak."""
+    return any(cls.__name__ in ("ConnectError", "ConnectTimeout", "ProxyError", "UnsupportedProtocol")
+               for cls in type(error).__mro__)
 
 
 def _broken_off(error: Exception) -> bool:
@@ -903,13 +927,15 @@ def _hub_logger_quiet():
         hub_logger.setLevel(level)
 
 
-def newest_snapshot(repo_id: str) -> Path | None:
+def newest_snapshot(repo_id: str, main_too: bool = False) -> Path | None:
     """The newest snapshot of a hub model in the HF cache that holds a whole model, whatever its revision, where
-    `main` was never pulled (a `main` cut off mid-way is for the pull to finish, not to run an older copy)."""
+    `main` was never pulled (a `main` cut off mid-way is for the pull to finish, not to run an older copy), or
+    `main_too` (the hub cannot be asked to finish it)."""
     cache = _scanned_hub_cache()
     if cache is None:
         return None
-    return next((_newest_whole(repo) for repo in cache.repos if repo.repo_id == repo_id and "main" not in repo.refs),
+    return next((_newest_whole(repo) for repo in cache.repos
+                 if repo.repo_id == repo_id and repo.repo_type == "model" and (main_too or "main" not in repo.refs)),
                 None)
 
 

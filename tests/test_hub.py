@@ -414,6 +414,22 @@ def test_a_newer_commit_cut_off_is_listed_as_a_run_would_find_it(fake_hub, tiny)
     assert old.is_dir() and listed.path != old
 
 
+def test_offline_a_newer_pull_cut_off_leaves_the_whole_copy_from_before_running(fake_hub, tiny, monkeypatch, capsys):
+    """Online a run finishes main's pull; offline (or the hub unreachable) the model pulled before still runs."""
+    old = hub.pull("org/tiny")
+    repo = fake_hub.repos["org/tiny"]
+    fake_hub.add("org/tiny", {**repo.files, "model.safetensors": repo.files["model.safetensors"] + b" "})
+    fake_hub.cut("model.safetensors", sent=10)
+    with pytest.raises(FafoError, match="broke off"):
+        hub.pull("org/tiny")
+    capsys.readouterr()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub.resolve("org/tiny") == old
+    assert f"running the copy cached before (commit {old.name[:12]})" in capsys.readouterr().err
+    with pytest.raises(FafoError, match="not in the local cache and HF_HUB_OFFLINE is set"):
+        hub.resolve("org/other")  # nothing cached before: the same refusal as ever
+
+
 def test_a_download_cut_off_mid_file_leaves_no_partial_file(fake_hub, caches, tiny):
     weights = (tiny / "model.safetensors").read_bytes()
     fake_hub.cut("model.safetensors", sent=len(weights) // 2)
