@@ -114,16 +114,35 @@ def llama3_rope(config, factors, path: Path) -> dict:
     return settings
 
 
-def _check_unread_settings(path: Path, header: GgufHeader, config) -> None:
+def refuse_unconvertible(path: Path, header: GgufHeader) -> None:
+    """What the header alone says fafo cannot convert, refused before the file is hashed (seconds for gigabytes)
+    and its room checked: a tensor type the gguf package cannot dequantize, a mixture of experts under the llama
+    architecture (Mixtral's files), a rotary scaling other than linear (yarn, longrope)."""
+    from gguf.quants import GGMLQuantizationType, _type_traits
+
+    dense = {GGMLQuantizationType.F32.name, GGMLQuantizationType.F16.name}
+    unread = sorted(set(header.tensor_bytes) - dense - {kind.name for kind in _type_traits})
+    if unread:
+        raise FafoError(f"cannot convert {path}: it holds {unread[0]} tensors, which the gguf package cannot "
+                        "dequantize")
+    experts, scaling, factor = _unread_settings(path, header)
+    if (experts or 0) > 0:
+        raise FafoError(f"cannot convert {path}: it is a mixture of experts ({experts} experts), which fafo does not "
+                        "run")
+    if scaling not in (None, "", "none") and (scaling != "linear" or not factor or factor <= 0):
+        raise FafoError(f"cannot convert {path}: its rotary scaling ({scaling}) is not one fafo reads from a .gguf "
+                        "file (linear, or Llama 3's factors); the model's safetensors folder from the hub runs")
+
+
+def _unread_settings(path: Path, header: GgufHeader) -> tuple:
     """What a .gguf header says that transformers' GGUF reading leaves out, and that would make the converted model
-    another one: a rotary scaling (linear is read back into the config; yarn, longrope are refused), experts (a
-    mixture of experts under the llama architecture: Mixtral's files)."""
+    another one: (experts, rotary scaling type, its factor), each None where the header has none."""
     from .gguf_header import FieldsReader
 
     try:
         fields = FieldsReader(path).fields
     except ValueError:  # (what our walk refuses, transformers' reading has read: nothing more to learn here)
-        return
+        return None, None, None
 
     def value(key: str):
         field = fields.get(f"{header.architecture}.{key}")
@@ -132,18 +151,16 @@ def _check_unread_settings(path: Path, header: GgufHeader, config) -> None:
         part = field.parts[field.data[0]]
         return bytes(part).decode("utf-8", "replace") if isinstance(part, (bytes, bytearray)) else part[0]
 
-    if (value("expert_count") or 0) > 0:
-        raise FafoError(f"cannot convert {path}: it is a mixture of experts ({value('expert_count')} experts), which "
-                        "fafo does not run")
-    scaling = value("rope.scaling.type")
-    if scaling in (None, "", "none"):
-        return
-    factor = value("rope.scaling.factor")
-    if scaling != "linear" or not factor or factor <= 0:
-        raise FafoError(f"cannot convert {path}: its rotary scaling ({scaling}) is not one fafo reads from a .gguf "
-                        "file (linear, or Llama 3's factors); the model's safetensors folder from the hub runs")
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    config.rope_parameters = {**rope, "rope_type": "linear", "factor": float(factor)}
+    return value("expert_count"), value("rope.scaling.type"), value("rope.scaling.factor")
+
+
+def _read_back_linear_rotary(path: Path, header: GgufHeader, config) -> None:
+    """A linear rotary scaling (the one `refuse_unconvertible` lets through) into the config, which transformers'
+    GGUF reading leaves without it."""
+    _, scaling, factor = _unread_settings(path, header)
+    if scaling == "linear":
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        config.rope_parameters = {**rope, "rope_type": "linear", "factor": float(factor)}
 
 
 def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
@@ -169,7 +186,8 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
         except (OSError, *GGUF_PARSE_ERRORS) as e:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e, named=_unsaid(e))}") from None
         check_architecture(config.to_dict(), str(path))
-        _check_unread_settings(path, header, config)
+        refuse_unconvertible(path, header)  # (already, by convert_gguf: a caller of this function alone)
+        _read_back_linear_rotary(path, header, config)
         try:  # (a tokenizer type transformers does not read, or metadata it trips on)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except GGUF_PARSE_ERRORS as e:

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .conversion import write_gguf_as_hf
+from .conversion import refuse_unconvertible, write_gguf_as_hf
 from .errors import FafoError, first_line
 from .files import (exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors,
                     xdg_dir)
@@ -164,6 +164,7 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
     if header.parts > 1:  # (each part is a valid file holding some of the tensors)
         raise FafoError(f"{path} is one of the {header.parts} parts of a split GGUF model: merge them into one file "
                         "first (llama.cpp: llama-gguf-split --merge FIRST-PART MERGED.gguf)")
+    refuse_unconvertible(path, header)
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)

@@ -421,7 +421,8 @@ def test_a_llama3_gguf_keeps_its_rotary_scaling(tmp_path, monkeypatch):
 
 def test_what_a_gguf_header_says_beyond_transformers_reading_is_read_or_refused(tmp_path, monkeypatch):
     """A linear rotary scaling in the header (which transformers' GGUF reading leaves out) is in the converted
-    config; yarn is refused, as is a mixture of experts under the llama architecture (Mixtral's files)."""
+    config; yarn is refused, as is a mixture of experts under the llama architecture (Mixtral's files) or a tensor
+    type gguf cannot dequantize."""
     import gguf
     import json as json_mod
 
@@ -435,12 +436,17 @@ def test_what_a_gguf_header_says_beyond_transformers_reading_is_read_or_refused(
     linear = write_tiny_gguf(tmp_path / "linear.gguf", architecture="llama", fields=scaled(gguf.RopeScalingType.LINEAR))
     rope = json_mod.loads((hub.convert_gguf(linear) / "config.json").read_text())["rope_parameters"]
     assert rope["rope_type"] == "linear" and rope["factor"] == 4.0 and rope["rope_theta"] == 10000.0
+    # refused from the header, before the file is hashed (seconds for gigabytes) and its room checked
+    monkeypatch.setattr(hub, "_content_digest", lambda path: pytest.fail("hashed before it was refused"))
     yarn = write_tiny_gguf(tmp_path / "yarn.gguf", architecture="llama", fields=scaled(gguf.RopeScalingType.YARN))
     with pytest.raises(FafoError, match=r"its rotary scaling \(yarn\) is not one fafo reads from a .gguf file"):
         hub.convert_gguf(yarn)
     experts = write_tiny_gguf(tmp_path / "moe.gguf", architecture="llama", fields=lambda w: w.add_expert_count(8))
     with pytest.raises(FafoError, match=r"it is a mixture of experts \(8 experts\)"):
         hub.convert_gguf(experts)
+    doubles = write_tiny_gguf(tmp_path / "f64.gguf", fields=lambda w: w.add_tensor("extra.weight", np.ones(4)))
+    with pytest.raises(FafoError, match="it holds F64 tensors, which the gguf package cannot dequantize"):
+        hub.convert_gguf(doubles)
 
 
 def test_two_processes_asking_for_one_conversion_make_it_once(tmp_path, monkeypatch, capsys):
