@@ -834,6 +834,14 @@ def _after_interrupt() -> int:
     return 130
 
 
+def tolerant_streams() -> None:
+    """The process's own streams: a character the locale cannot write, or a file name's stray bytes (kept by Python as
+    lone surrogates, which not even UTF-8 writes), is replaced, not a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            getattr(stream, "reconfigure", lambda **_: None)(errors="replace")
+
+
 def entrypoint(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a non-zero exit code."""
     command = typer.main.get_command(app)
@@ -845,10 +853,8 @@ def entrypoint(argv: list[str] | None = None) -> int:
     terminate = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         terminate = signal.signal(signal.SIGTERM, _terminate)
-    if argv is None:  # the process's own streams: a character the locale cannot write is replaced, not a traceback
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None and "utf" not in (getattr(stream, "encoding", None) or "").lower():
-                getattr(stream, "reconfigure", lambda **_: None)(errors="replace")
+    if argv is None:
+        tolerant_streams()
     try:
         return _run(command, argv)
     except Terminated:

@@ -96,7 +96,7 @@ def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
     """A count the decoder may choose (W, copies): an integer in low..high (from a flag, as text) or "auto"."""
     # ASCII digits only: str.isdigit() takes "²", which int() refuses
     if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
-        value = int(value)
+        value = _integer(name, value)
     if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
         return value
     raise FafoError(f"config key '{name}' must be auto or an integer from {low} to {high} (got {_shown(value)})")
@@ -247,11 +247,18 @@ SPECS = {spec.name: spec for spec in fields(Config)}  # each config key's declar
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e-3, 2.5E4: numbers YAML 1.1 leaves as text
 
 
+def _integer(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # past Python's limit of digits for text
+        raise FafoError(f"config key '{name}' holds a number of thousands of digits") from None
+
+
 def _number(name: str, text: str, kind: type) -> int | float:
     """The number a command line gave as text, for a key that may also be emptied."""
     text = text.strip()
     if kind is int and re.fullmatch(r"[+-]?[0-9]+", text):
-        return int(text)
+        return _integer(name, text)
     if kind is float and re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", text):
         return float(text)
     raise FafoError(f"config key '{name}' must be {'an integer' if kind is int else 'a number'}, or empty for the "
@@ -271,7 +278,7 @@ def _check(name: str, value: Any, spec) -> Any:
         value = float(value)  # YAML 1.1 reads 1e-3 as text
     if name == "budget":
         if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):  # from a flag
-            value = int(value)
+            value = _integer(name, value)
         elif isinstance(value, str):
             with contextlib.suppress(ValueError):
                 value = float(value)
@@ -457,8 +464,14 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         raise FafoError(f"config file {path} is not valid YAML{_yaml_problem(e, text)}") from None
-    except ValueError:  # an integer past Python's limit of digits for text
-        raise FafoError(f"config file {path} holds a number of thousands of digits") from None
+    except RecursionError:
+        raise FafoError(f"config file {path} nests too deeply to be a config") from None
+    except (ValueError, LookupError, AttributeError, TypeError) as e:
+        if "digits" in str(e):  # an integer past Python's limit of digits for text
+            raise FafoError(f"config file {path} holds a number of thousands of digits") from None
+        # PyYAML's own readers of a tagged value they cannot read (`!!int abc`, `!!int ""`, `!!bool y`)
+        raise FafoError(f"config file {path} holds a tagged value YAML cannot read ({type(e).__name__}: "
+                        f"{str(e)[:80]})") from None
     if data is None:
         return base or Config()
     if not isinstance(data, dict):

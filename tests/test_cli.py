@@ -1217,3 +1217,18 @@ def test_run_into_a_pipe_closed_early_stops_quietly(tiny, prompt_file, tokens):
     process.stdout.close()  # (head's exit)
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) in (0, 1) and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--seed", "-W", "--budget", "--top-k"])
+def test_a_number_of_thousands_of_digits_is_one_line(capsys, tiny, prompt_file, flag):
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", flag, "9" * 5000)
+    assert code in (1, 2) and out == "" and "holds a number of thousands of digits" in err and err.count("\n") == 1
+
+
+def test_a_file_name_s_stray_bytes_are_written_not_a_traceback():
+    """A model converted from a file whose name is not UTF-8 keeps its bytes as lone surrogates, which not even a
+    UTF-8 stream writes (`fafo list`, `fafo rm`)."""
+    code = "from fafo_cli.cli import tolerant_streams; tolerant_streams(); print('caf\\udce9.gguf')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert result.returncode == 0 and result.stdout == b"caf?.gguf\n", result.stderr

@@ -83,6 +83,13 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("budget: many\n", "'budget' must be a number of tokens or a fraction"),
     ("temperature: 1" + "0" * 400 + "\n", "'temperature' must be a number \\(got 1000000000"),
     ("max_tokens: 1" + "0" * 5000 + "\n", "holds a number of thousands of digits"),
+    ('budget: "1' + '0' * 5000 + '"\n', "'budget' holds a number of thousands of digits"),  # (text in quotes)
+    ('streams: "1' + '0' * 5000 + '"\n', "'streams' holds a number of thousands of digits"),
+    ('seed: !!int ""\n', "holds a tagged value YAML cannot read \\(IndexError"),  # PyYAML's own readers fail
+    ("seed: !!int abc\n", "holds a tagged value YAML cannot read \\(ValueError"),
+    ("chat_template: !!bool y\n", "holds a tagged value YAML cannot read \\(KeyError"),
+    ("model: !!timestamp no\n", "holds a tagged value YAML cannot read \\(AttributeError"),
+    ("seed: " + "[" * 3000 + "]" * 3000 + "\n", "nests too deeply to be a config"),
     ("compressor: quest\nbudget: 20\n", "too small for the quest compressor: it needs at least page_size \\+ "
                                          "refresh = 32"),
     ("compressor: h2o\nrecent: 64\nbudget: 64\n", "it needs at least recent \\+ 1 = 65"),

@@ -35,6 +35,7 @@ log = logging.getLogger("fafo.serve")
 BODY_BASE = 64 * 1024  # the JSON around a prompt, and short prompts on small-context models
 BODY_PER_TOKEN = 32  # bytes of request body per token of context: text runs a few bytes a token, JSON escapes more
 GRACE_S = 10  # after a signal, the longest wait for answers in flight to close (they end within a step)
+LOADING_SAID_S = 1.0  # a load that takes longer says that the port answers 503 meanwhile
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,15 @@ def loading(sock: socket.socket, cors: tuple[str, ...] = ()):
     # uvicorn closes the sockets it served on: the model's server takes over `sock` itself, and the connections
     # made between the two wait in its backlog
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock.dup()]}, name="fafo-loading", daemon=True)
-    log.info("loading the model; until then %s answers 503", url(sock))
+    # said where the load takes a while (a conversion, a build), not before a quick one or a refusal's one line
+    said = threading.Timer(LOADING_SAID_S, log.info, ("loading the model; until then %s answers 503", url(sock)))
+    said.daemon = True
     thread.start()
+    said.start()
     try:
         yield
     finally:
+        said.cancel()
         server.should_exit = True
         thread.join()
 
