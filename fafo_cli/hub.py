@@ -186,6 +186,10 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
                       "sha256": digest}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
+            # a file replaced meanwhile (a download finishing) gave some of the tensors and maybe the hash: not
+            # published, or it would be found again, by its hash too, as that file's conversion
+            if _conversion_key(path) != key:
+                raise FafoError(f"{path} changed while it was being converted; run again to convert the new file")
     except (SafetensorError, OSError) as e:  # a full disk, a quota (safetensors' own type for its writes)
         if isinstance(e, OSError) and e.filename and not Path(str(e.filename)).is_relative_to(target.parent):
             raise  # it names a path of the user's: the CLI says "cannot use PATH" (not the staging folder's, gone)

@@ -625,6 +625,18 @@ def test_gguf_conversion_is_atomic(caches, monkeypatch, tmp_path):
     models = caches / "fafo" / "models"
     assert list(models.iterdir()) == []  # neither a half folder nor a staging leftover
 
+    def replaced_meanwhile(path, header, out):  # a download of a new version renamed over the file
+        build_tiny_model(out, "llama-gqa")
+        newer = path.with_name("newer.gguf")
+        newer.write_bytes(path.read_bytes() + b"\0" * 64)
+        newer.replace(path)
+
+    monkeypatch.setattr(hub, "write_gguf_as_hf", replaced_meanwhile)
+    with pytest.raises(FafoError, match="m.gguf changed while it was being converted; run again"):
+        hub.convert_gguf(gguf)
+    assert list(models.iterdir()) == []
+    gguf = _gguf_header(tmp_path / "m.gguf", "llama", **Q4_1_MODEL)
+
     calls = []
 
     def convert(path, header, out):
