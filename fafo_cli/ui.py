@@ -11,9 +11,11 @@ import sys
 from typing import Iterable
 
 from rich.console import Console, Group
+from rich.control import strip_control_codes
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -180,7 +182,7 @@ class StreamView:
             return
         lines = (self._pending + step.text).split("\n")
         for line in lines[:-1]:  # soft: the terminal wraps a long line, which so copies as one (code stays code)
-            self._live.console.print(Text(line), soft_wrap=True)
+            self._live.console.print(AnswerLine(line), soft_wrap=True)
         self._pending = lines[-1]
 
     def consume(self, steps: Iterable[Step]) -> Step | None:
@@ -192,7 +194,7 @@ class StreamView:
         if self._live:
             self._live.__exit__(*exc)
             if self._pending:
-                self.console.print(Text(self._pending), soft_wrap=True)
+                self.console.print(AnswerLine(self._pending), soft_wrap=True)
         elif not self._ends_line:  # (the text is written as decoded; a last line is ended, as a terminal's)
             self.console.file.write("\n")
             self.console.file.flush()
@@ -203,6 +205,18 @@ class StreamView:
                 self.stats_console.print(Text(line, style="dim"))
             else:
                 print(line, file=self.stats_console.file, flush=True)
+
+
+class AnswerLine:
+    """A line of the answer as written, tabs kept (rich's Text turns them into spaces: a Makefile or Go code copied
+    from the terminal would not be the answer); the controls that would move the cursor (\\r, \\b) left out."""
+
+    def __init__(self, line: str):
+        self.line = strip_control_codes(line)
+
+    def __rich_console__(self, console: Console, options) -> Iterable[Segment]:
+        yield Segment(self.line)
+        yield Segment.line()
 
 
 PIPED_WIDTH = 200  # a table written to a file or a pipe is read whole later: never cut to a terminal's 80 columns

@@ -1067,6 +1067,13 @@ def test_a_long_answer_line_is_not_broken_on_a_terminal():
         view.show(Step((1,), line + "\n", Stats()))
         view.show(Step((2,), line, Stats(), finish_reason="length"))
     assert buffer.getvalue().count(line) == 2  # the terminal wraps it; no newline is put inside
+    buffer = io.StringIO()  # tabs kept (a Makefile copied from the terminal), a carriage return left out
+    with StreamView(Console(file=buffer, force_terminal=True, width=40), method="fafo", live=True,
+                    show_footer=False) as view:
+        view.show(Step((1,), "all:\n\tcc -o app main.c\r\n", Stats()))
+        view.show(Step((2,), "\tstrip app", Stats(), finish_reason="length"))
+    shown = buffer.getvalue()
+    assert "all:\n" in shown and "\tcc -o app main.c\n" in shown and "\tstrip app\n" in shown and "c\r" not in shown
 
 
 def test_a_long_unfinished_line_leaves_its_end_and_the_panel_on_screen():
