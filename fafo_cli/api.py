@@ -255,10 +255,10 @@ class Engine:
             ids = list(encoded["input_ids"])
         else:  # plain continuation of the text (the caller says so to the user)
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
-            ids, own = tokenizer(text)["input_ids"], tokenizer(text, add_special_tokens=False)["input_ids"]
-            added = len(ids) - len(own)
-            if added > 0 and ids[added:] == own and own[:added] == ids[:added]:
-                ids = own  # a prompt that opens with the BOS the tokenizer adds (a raw template) gets no second one
+            ids = tokenizer(text)["input_ids"]
+            # a prompt that opens with the BOS the tokenizer adds (a raw template) gets no second one
+            if len(ids) > 1 and ids[0] == ids[1] and tokenizer(text, add_special_tokens=False)["input_ids"] == ids[1:]:
+                ids = ids[1:]
         if not ids:
             raise FafoError("the prompt is empty")
         return ids
