@@ -200,14 +200,18 @@ def pooled_chi_square(counts: dict, exact: dict, least: float = 5.0) -> tuple[fl
 
 
 def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
-    """Make the method's drafter offer, after each possible first token, the model's own likely second tokens,
-    so every sample goes through the acceptance rule with guesses it often accepts (and sometimes rejects)."""
+    """Make the method's drafter offer, after each token, two-token guesses of the model's own likely next tokens
+    (each one's likeliest follower second), so every sample goes through the acceptance rule at depth 1 and 2 with
+    guesses it often accepts (and sometimes rejects)."""
     from fafo_cli.decoders.cacheback import Cacheback
     from fafo_cli.decoders.prompt_lookup import PromptLookup
     from fafo_cli.decoders.suffix import Suffix
     from fafo_cli.decoders.speculative import Draft
     from fafo_cli.decoders.fafo.pool import NgramPool
     from fafo_cli.decoders.tree import DraftTree
+
+    def guesses(token: int) -> list[list[int]]:
+        return [[x, *likely.get(x, [])[:1]] for x in likely.get(token, [])]
 
     def tree(text, chains):
         tree = DraftTree()
@@ -217,13 +221,13 @@ def _offer(monkeypatch, method: str, likely: dict[int, list[int]]) -> None:
 
     if method in ("fafo", "lookahead"):  # candidates as separate chains
         monkeypatch.setattr(NgramPool, "lookup",
-                            lambda self, text, limit: [((x, x), 1) for x in likely.get(text[-1], [])][:limit])
+                            lambda self, text, limit: [(tuple(g), 1) for g in guesses(text[-1]) if len(g) == 2][:limit])
     elif method == "prompt-lookup":  # one chain
         monkeypatch.setattr(PromptLookup, "draft",
-                            lambda self, text, room: tree(text, [[x, x] for x in likely.get(text[-1], [])][:1]))
+                            lambda self, text, room: tree(text, guesses(text[-1])[:1]))
     elif method in ("cacheback", "suffix"):  # a tree: every likely token a child of the anchor, merged where equal
         monkeypatch.setattr(Cacheback if method == "cacheback" else Suffix, "draft",
-                            lambda self, text, room: tree(text, [[x, x] for x in likely.get(text[-1], [])]))
+                            lambda self, text, room: tree(text, guesses(text[-1])))
     # triforce and quantspec draft with the model itself (sampled drafts, speculative sampling)
 
 
@@ -237,7 +241,7 @@ PEER_SETTINGS = dict(streams=2, ngram=2, guesses=3, prefix=1, lookahead_streams=
 @pytest.mark.parametrize("method", ["vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix",
                                     "triforce", "triforce+draft", "quantspec", "quantspec+wrong-rule"])
 def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatch, tmp_path):
-    """The first three tokens' joint distribution against the model's own, enumerated: the second and third are
+    """The first four tokens' joint distribution against the model's own, enumerated: the second to fourth are
     guessed in one step (depth 1 and 2 of a draft, and the token after an accepted one), at a temperature other than
     1, so that a draft's distribution warped otherwise than the target's would show. A wrong acceptance rule must
     fail the same check."""
@@ -252,24 +256,25 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
     method = method.removesuffix("+draft").removesuffix("+wrong-rule")
     engine = load(str(tiny), dtype="float32", chat_template=False, method=method, draft_model=draft,
                   **PEER_SETTINGS)
-    engine.stop_ids = frozenset()  # every answer three tokens long, as the enumeration
+    engine.stop_ids = frozenset()  # every answer four tokens long, as the enumeration
     # TriForce's: longer than its retrieval budget, so that its middle level's q is not the target's p
     prompt = "The cat sat on the mat. " * (4 if method == "triforce" else 1)
-    settings = dict(temperature=0.7, top_k=3, max_tokens=3)
-    exact = _exact_first(engine, engine.encode(prompt), Sampling(0.7, top_k=3), 3)
+    settings = dict(temperature=0.7, top_k=3, max_tokens=4)
+    exact = _exact_first(engine, engine.encode(prompt), Sampling(0.7, top_k=3), 4)
     likely: dict[int, list[int]] = {}
-    for triple in exact:
-        for before, after in zip(triple, triple[1:]):
+    for tokens in exact:
+        for before, after in zip(tokens, tokens[1:]):
             if after not in likely.setdefault(before, []):
                 likely[before].append(after)
     _offer(monkeypatch, method, likely)
     counts = dict.fromkeys(exact, 0)
-    accepted = drafted = 0
+    accepted = drafted = deep = 0
     for seed in range(1500):
         result = engine.complete(prompt, seed=seed, **settings)
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.accepted_tokens
         drafted += result.stats.drafted_tokens
+        deep += result.stats.accepted_tokens >= 2  # (in four tokens: a guess accepted at depth 2)
         if seed < 100 and method not in ("vanilla", "triforce", "quantspec"):  # one-hot guesses: plain's tokens
             assert result.token_ids == engine.complete(prompt, seed=seed, method="vanilla", **settings).token_ids
     statistic, critical = pooled_chi_square(counts, exact)
@@ -279,3 +284,4 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
     assert statistic < critical, (statistic, critical)
     if method != "vanilla":
         assert accepted > 100 and drafted - accepted > 50  # guesses verified, often accepted and sometimes not
+        assert deep > 20, deep
