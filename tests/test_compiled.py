@@ -840,6 +840,28 @@ def test_bfloat16_package_matches_eager(compiled_cache, tiny):
     assert engine.session.cache.keys.dtype == stored_dtype(model)  # compact while compiled steps serve
 
 
+@pytest.mark.compiled
+def test_our_bf16_gemm_kernel_packs_a_product_of_activations_itself():
+    """A product of two activations (attention where our attention kernel does not serve, a head size not in whole
+    vectors) comes unpacked: inductor asks the micro-kernel to pack B itself, which ours did not (wrong products,
+    and the autotuner chose it for its speed)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fafo_cli.compiled.kernels import bf16_gemm, loader
+
+    if "avx512_bf16" not in loader.cpu_flags().split() or "amx_bf16" in loader.cpu_flags().split():
+        pytest.skip("our bf16 GEMM kernel serves CPUs with AVX512-BF16 and without AMX")
+    assert bf16_gemm.register()
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 37, 64, generator=gen).bfloat16(), torch.randn(3, 64, 96, generator=gen).bfloat16()
+    product = torch.compile(lambda a, b: torch.bmm(a, b).float(), options={
+        "max_autotune": True, "max_autotune_gemm_backends": "CPP", "autotune_num_choices_displayed": 0,
+        "fx_graph_cache": False, "autotune_local_cache": False})  # (a cached graph: not the kernel as it is now)
+    out, code = run_and_get_code(product, a, b)
+    assert any("_mm512_dpbf16_ps" in part for part in code)  # ours, not inductor's fp32 kernel
+    torch.testing.assert_close(out, torch.bmm(a.float(), b.float()), rtol=1e-5, atol=1e-4)
+
+
 COMPACT_READERS = {
     "vanilla": dict(method="vanilla"),
     **{f"fafo-{name}": dict(method="fafo", compressor=name, budget=48, sink=4, window=8, recent=16, page_size=8,

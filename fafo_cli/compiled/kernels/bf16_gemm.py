@@ -4,7 +4,8 @@ Inductor ships bf16 micro-kernels for AMX only; elsewhere it widens bf16 to fp32
 FMAs. One `vdpbf16ps` does the work of two FMAs (a pair of bf16 products summed into fp32), and a step
 carrying many rows (FAFO's verify and fumble rows) is compute-bound on a CPU, so it pays there (one row is
 bound by memory either way; docs/compiled-steps.md). Weights are packed in pairs
-along K (inductor's VNNI2 layout, done once when the graph is frozen). Registering it changes inductor's
+along K (inductor's VNNI2 layout, done once when the graph is frozen; a product of two activations packs each
+block of B as it goes, as inductor asks: `pack_vnni_B_locally`). Registering it changes inductor's
 choices for this whole process, which only ever gains a faster candidate.
 
 Results differ from the fp32-FMA kernel only in rounding (products are exact, each pair is summed once
@@ -75,23 +76,35 @@ _ENTRY = r"""
     {{kernel.assert_function}}(N % {{block_n}} == 0, "N dimension must be multiple of {{block_n}}");
     {{kernel.assert_function}}(K % 2 == 0, "K dimension must be even");
     const int64_t M_MAIN = M - M % {{block_m}};
-    for (int64_t m = 0; m < M_MAIN; m += {{block_m}}) {
-        for (int64_t n = 0; n < N; n += {{block_n}}) {
+{%- if pack_vnni_B_locally %}
+    // B is not packed (a product of two activations, which freezing does not see): each block of columns is
+    // packed in pairs here, as torch's AMX kernel does
+    {{template.codegen_allocate_weight_buffer("packed_B", input2_t, "K", block_n)}}
+    const int64_t ldb_packed = {{block_n}};
+{%- else %}
+    const int64_t ldb_packed = ldb;
+{%- endif %}
+    for (int64_t n = 0; n < N; n += {{block_n}}) {
+{%- if pack_vnni_B_locally %}
+        at::vec::pack_vnni2(B + n, packed_B, ldb, K, {{block_n}});
+        const {{input2_t}}* b = packed_B;
+{%- else %}
+        const {{input2_t}}* b = B + n * 2;
+{%- endif %}
+        for (int64_t m = 0; m < M_MAIN; m += {{block_m}}) {
             {{kernel_name}}_kernel<{{block_m}}, {{block_n}}, accum>(
-                A + m * lda, B + n * 2, C + m * ldc + n, K, lda, ldb, ldc);
+                A + m * lda, b, C + m * ldc + n, K, lda, ldb_packed, ldc);
         }
-    }
-    switch (M - M_MAIN) {
+        switch (M - M_MAIN) {
 {%- for tail in range(block_m - 1, 0, -1) %}
-        case {{tail}}:
-            for (int64_t n = 0; n < N; n += {{block_n}}) {
+            case {{tail}}:
                 {{kernel_name}}_kernel<{{tail}}, {{block_n}}, accum>(
-                    A + M_MAIN * lda, B + n * 2, C + M_MAIN * ldc + n, K, lda, ldb, ldc);
-            }
-            break;
+                    A + M_MAIN * lda, b, C + M_MAIN * ldc + n, K, lda, ldb_packed, ldc);
+                break;
 {%- endfor %}
-        default:
-            break;
+            default:
+                break;
+        }
     }
 }
 """
