@@ -106,6 +106,7 @@ class Engine:
         self.explicit: frozenset[str] = frozenset()
         self._answering: object | None = None  # the stream the session serves (see _generate)
         self._computing = threading.RLock()  # held while a step computes (see _one_at_a_time)
+        self._stepping = False  # a step computes (the thread holding _computing is inside it: a callback's)
         self.session = Session(model, tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = _stop_ids(model.hf.generation_config, tokenizer, gguf=hub.is_converted(folder))
@@ -315,8 +316,12 @@ class Engine:
                     raise FafoError("this engine is computing an answer in another thread; an engine runs one "
                                     "answer at a time (take turns, or load an engine per thread)")
                 try:
-                    suspended = False
-                    step = next(steps)
+                    self._refuse_inside_a_step()
+                    suspended, self._stepping = False, True
+                    try:
+                        step = next(steps)
+                    finally:
+                        self._stepping = False
                 except StopIteration:
                     return
                 finally:
@@ -327,6 +332,13 @@ class Engine:
             if suspended:
                 with self._computing:
                     steps.close()
+
+    def _refuse_inside_a_step(self) -> None:
+        """The lock is reentrant (a stream collected during another's step closes under it): a callback of a step
+        (on_prefill) that asks this engine for an answer or a reset is refused, not run inside the step."""
+        if self._stepping:
+            raise FafoError("an answer or a reset was asked of this engine from inside one of its own steps (an "
+                            "on_prefill callback); an engine runs one answer at a time")
 
     def _generate(self, ids: list[int], config: config_mod.Config, stop: Sequence[str],
                   on_prefill: Callable[[Prefill], None] | None) -> Iterator[Step]:
@@ -360,6 +372,8 @@ class Engine:
             steps = DECODERS[config.method](self.session, request, emitter)
             for step in counted(steps, self.model.device) if self.count_syncs else steps:
                 yield step
+                if step.finish_reason:  # delivered whole: what ran meanwhile (a next request) took nothing of it
+                    return
                 if self._answering is not owner:
                     raise FafoError("another answer started on this engine (or it was reset) before this stream "
                                     "was finished; an engine runs one answer at a time (finish or close a stream "
@@ -406,6 +420,7 @@ class Engine:
         learned from earlier answers. A stream not finished yet stops (see _generate); one computing a step in
         another thread finishes that step first (the cache is not emptied under it)."""
         with self._computing:
+            self._refuse_inside_a_step()
             self._answering = None
             self.session.reset()
 

@@ -262,3 +262,25 @@ def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token(tiny, m
     assert text.startswith("<|") and text not in decode(full, skip_special_tokens=True)
     result = engine.complete(LONG, max_tokens=256, stop=[text, "never"])
     assert result.token_ids == full[:at + 1] and result.finish_reason == "stop"
+
+
+def test_kept_conversations_make_room_before_a_copy_is_made(tiny, monkeypatch):
+    """The kept ones that keeping a conversation drops are dropped before its copy is made: the copies in memory
+    never pass the bound, not twice it while a client's conversation is switched for another's."""
+    engine = load(str(tiny), dtype="float32", method="vanilla", chat_template=False)
+    session = engine.session
+    engine.complete("the first conversation, long enough to be kept", max_tokens=30)
+    size = session.cache.snapshot_bytes(engine.model.dtype)
+    session.keep_conversations(4, 1.5 * size)  # room for one such copy
+    engine.complete("another one entirely, as long as the first", max_tokens=30)
+    assert len(session.kept) == 1
+    copy = session.cache.snapshot
+    held = []
+
+    def snapshot(dtype):
+        held.append(session.kept.nbytes)
+        return copy(dtype)
+
+    monkeypatch.setattr(session.cache, "snapshot", snapshot)
+    engine.complete("a third one, as long again as the others", max_tokens=30)
+    assert held == [0] and len(session.kept) == 1  # the first dropped before the second was copied

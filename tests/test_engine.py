@@ -261,6 +261,21 @@ def test_a_stream_overtaken_by_another_answer_stops_with_an_error(tiny):
     engine.reset()  # the cache it was answering from is gone
     with pytest.raises(FafoError, match="another answer started on this engine"):
         next(suspended)
+    # a callback of a step asking for an answer or a reset: refused, not run inside the step (the lock is reentrant)
+    for inside in (lambda: engine.complete(second, max_tokens=2), engine.reset):
+        def on_prefill(progress, inside=inside):
+            inside()
+
+        with pytest.raises(FafoError, match="from inside one of its own steps"):
+            engine.complete(first * 80, max_tokens=2, on_prefill=on_prefill)
+        assert engine.complete(first, max_tokens=12).token_ids == expected[first]
+    # a stream whose last step was delivered ends as any: a loop that asks again at that step is no error
+    steps = []
+    for step in engine.stream(first, max_tokens=12):
+        steps.append(step)
+        if step.finish_reason:
+            assert engine.complete(second, max_tokens=12).token_ids == expected[second]
+    assert [t for step in steps for t in step.token_ids] == expected[first]
 
 
 @pytest.mark.parametrize("prompt, stop, message", [

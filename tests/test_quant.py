@@ -257,6 +257,10 @@ def test_int4_weights_are_group_wise_and_their_product_matches(fused):
     expected = x @ layer.dequantized(torch.float32).t() + bias
     assert torch.allclose(layer(x), expected, rtol=2e-2, atol=0.2)  # bf16 activations in the fused kernel
     assert layer.nbytes() < weight.nbytes / 4  # 4 bits a weight, and a scale and zero per 64
+    narrow = Int4Linear(torch.randn(37, 80, generator=generator), None, fused=fused)  # groups of 16
+    assert narrow.group == 16 and not narrow.cpu  # the CPU kernel takes groups of 32 or more: dequantized per call
+    x = torch.randn(5, 80, generator=generator)
+    assert torch.allclose(narrow(x), x @ narrow.dequantized(torch.float32).t(), rtol=1e-5, atol=1e-4)
 
 
 def test_quantspec_drafts_from_int4_weights_and_keeps_g_to_2g_exact(tiny, monkeypatch):

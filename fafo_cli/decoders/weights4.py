@@ -23,6 +23,7 @@ LEVELS = 15
 OFFSET = 8  # torch's int4 kernel reads a weight as (code - 8) * scale + zero
 COMPUTE = torch.bfloat16  # the CPU int4 kernel is many times slower with float32 activations than with bfloat16
 ROWS = 16  # the CPU int4 kernel's outputs come in multiples of this: padded with zero rows
+FUSED_GROUPS = 32  # the CPU int4 kernel's least group: a matrix of smaller groups is dequantized per call
 
 
 def group_size(in_features: int) -> int:
@@ -38,7 +39,8 @@ class Int4Linear:
     """One linear layer's weight [out, in] as 4-bit codes with per-group scales and zeros."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool | None = None):
-        """`fused`: torch's CPU int4 kernel (default: on a CPU), else dequantize per call."""
+        """`fused`: torch's CPU int4 kernel (default: on a CPU, where the groups are large enough for it), else
+        dequantize per call."""
         out_features, in_features = weight.shape
         self.group = group_size(in_features)
         grouped = weight.detach().float().view(out_features, in_features // self.group, self.group)
@@ -47,7 +49,7 @@ class Int4Linear:
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0 gives low
         codes = ((grouped - low) / scale).round_().clamp_(0, LEVELS).to(torch.int32).view(out_features, in_features)
         zero = low + OFFSET * scale
-        self.cpu = weight.device.type == "cpu" if fused is None else fused
+        self.cpu = (weight.device.type == "cpu" if fused is None else fused) and self.group >= FUSED_GROUPS
         # [groups, out, 2]: scale and zero, as the int4 kernel takes them
         self.scales_and_zeros = torch.stack([scale[..., 0].t(), zero[..., 0].t()], dim=-1).contiguous()
         if self.cpu:

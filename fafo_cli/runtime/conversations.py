@@ -69,13 +69,18 @@ class KeptConversations:
         return self.count > 0 and nbytes <= self.max_bytes
 
     def keep(self, entry: KeptConversation) -> None:
-        """Keep a conversation as the most recent one. Kept conversations that are a prefix of it are dropped (it
-        serves whatever they would), then the least recently used until both bounds hold."""
+        """Keep a conversation as the most recent one (`make_room` first)."""
         if not self.takes(entry.nbytes):
             return
-        self.entries = [kept for kept in self.entries if shared_prefix(kept.ids, entry.ids) < len(kept.ids)]
+        self.make_room(entry.ids, entry.nbytes)
         self.entries.append(entry)
-        while len(self.entries) > self.count or self.nbytes > self.max_bytes:
+
+    def make_room(self, ids: list[int], nbytes: int) -> None:
+        """Drop what keeping a conversation of `ids` and `nbytes` drops: kept ones that are a prefix of it (it serves
+        whatever they would), then the least recently used until both bounds hold with it. Called before its copy is
+        made too, so that the bound holds while it is."""
+        self.entries = [kept for kept in self.entries if shared_prefix(kept.ids, ids) < len(kept.ids)]
+        while self.entries and (len(self.entries) >= self.count or self.nbytes + nbytes > self.max_bytes):
             self.entries.pop(0)
 
     def clear(self) -> None:

@@ -116,7 +116,9 @@ class Session:
         else:
             self.kept.take(entry)  # before keep() below, which could drop it
         # (not copied where it could never be kept: a long context's copy is GBs, on the GPU where the model is)
-        if len(self.ids) - live >= KEEP_AT_LEAST and self.kept.takes(self.cache.snapshot_bytes(self.model.dtype)):
+        copy = self.cache.snapshot_bytes(self.model.dtype)
+        if len(self.ids) - live >= KEEP_AT_LEAST and self.kept.takes(copy):
+            self.kept.make_room(self.ids, copy)  # (before the copy: the bound holds while it is made)
             try:
                 keys, values = self.cache.snapshot(self.model.dtype)
             except (MemoryError, RuntimeError) as e:  # (no room for the copy: a GPU's memory full)
@@ -128,6 +130,8 @@ class Session:
                 self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
                 self.carry = {}
         if entry is not None:
+            if self.compiled is not None and len(entry.ids) > self.cache.capacity:
+                self.compiled.forget_cache()  # (as before a prefill that grows the cache: no old storage held)
             try:
                 self.cache.load(entry.keys, entry.values)
             except BaseException:  # (out of memory as the cache grows for it): kept still, for a later request
