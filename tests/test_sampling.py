@@ -153,6 +153,13 @@ def test_min_p_matches_transformers():
     torch.testing.assert_close(target_probs(logits, Sampling(0.8, min_p=0.1)), expected)
 
 
+def test_a_temperature_near_zero_samples_the_likeliest():
+    """Past float32's range logits / T was inf, the probabilities NaN, and the token drawn a fixed wrong one."""
+    logits = torch.tensor([[1.0, 5.0, -3.0, 4.0], [2.0, 2.0, 0.0, -1.0]])
+    probs = target_probs(logits, Sampling(1e-40))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))  # a tie splits evenly
+
+
 @pytest.mark.parametrize("top_p, top_k", [(0.8, 0), (0.3, 0), (1.0, 5), (0.9, 7)])
 def test_top_p_and_top_k_match_transformers(top_p, top_k):
     """The nucleus and the k likeliest as transformers' warpers keep them (ties at the edge included), in its
