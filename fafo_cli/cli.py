@@ -579,8 +579,8 @@ def doctor(
                                                       "memory-bandwidth bound; write them to FILE (JSON). CUDA "
                                                       "only.")] = None,
     gpu_shape: Annotated[Optional[str], typer.Option("--gpu-shape", hidden=True, help="The report's model shape: "
-                                                     "7b (default), 135m (SmolLM2-135M's) or tiny (tests; runs on a "
-                                                     "CPU too).")] = None,
+                                                     "7b (default), 8b (Llama-3-8B's, grouped-query attention), 135m "
+                                                     "(SmolLM2-135M's) or tiny (tests; runs on a CPU too).")] = None,
 ) -> None:
     """Check this machine: device and kernels, FAFO's exactness in float32, one pass's cost, recommended settings."""
     from .api import pick_device

@@ -125,7 +125,7 @@ def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the 7B report would run")
     assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path / "r.json")]) == 1
-    assert capsys.readouterr().err.strip() == ("error: --gpu-report measures a 7B-shaped model on a CUDA GPU; the "
+    assert capsys.readouterr().err.strip() == ("error: --gpu-report's 7B-shaped model runs on a CUDA GPU only; the "
                                                "device here is cpu")
     assert entrypoint(["doctor", str(tiny), "--gpu-report", str(tmp_path)]) == 1
     assert "is a folder, not a file" in capsys.readouterr().err
@@ -137,7 +137,9 @@ def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     assert "--gpu-report " + str(config) + " is also an input (the config file)" in capsys.readouterr().err
     assert config.read_text() == "dtype: float32\n"
     assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "13b"]) == 1
-    assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, 135m, tiny (got '13b')"
+    assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, 8b, 135m, tiny (got '13b')"
+    assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "8b"]) == 1
+    assert "--gpu-report's 8B-shaped model runs on a CUDA GPU only" in capsys.readouterr().err
 
 
 def test_machine_facts_name_what_our_kernels_can_use():

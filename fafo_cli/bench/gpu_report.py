@@ -21,10 +21,13 @@ from ..errors import FafoError
 from ..runtime.model import Attention, Model, causal_attention
 from ..compiled.timing import synchronize
 
-# hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, SmolLM2-135M's, a tiny one (tests)
+# hidden_size, intermediate_size, layers, heads, kv heads, vocabulary: Llama-2-7B's, Llama-3-8B's (grouped-query
+# attention, as most 7-8B models now: a step's attention takes another path), SmolLM2-135M's, a tiny one (tests)
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, vocab_size=49152),  # SmolLM2-135M's: grouped-query attention
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -226,11 +229,13 @@ def run(device: torch.device, shape: str = "7b", rows: tuple[int, ...] = ROWS, c
 
 
 def check(device: torch.device, shape: str) -> None:
-    """The report's shape must be known, and the 7B shape needs a CUDA GPU (a CPU would take minutes a step)."""
+    """The report's shape must be known, and the 7B and 8B shapes need a CUDA GPU (a CPU would take minutes a
+    step)."""
     if shape not in SHAPES:
         raise FafoError(f"--gpu-shape must be one of {', '.join(SHAPES)} (got {shape!r})")
-    if shape == "7b" and device.type != "cuda":
-        raise FafoError(f"--gpu-report measures a 7B-shaped model on a CUDA GPU; the device here is {device.type}")
+    if shape in ("7b", "8b") and device.type != "cuda":
+        raise FafoError(f"--gpu-report's {shape.upper()}-shaped model runs on a CUDA GPU only; the device here is "
+                        f"{device.type}")
 
 
 def device_name(device: torch.device) -> str:
