@@ -578,7 +578,7 @@ def doctor(
                                                       "(rows 1-256, eager and CUDA graphs, bf16) against the "
                                                       "memory-bandwidth bound; write them to FILE (JSON). CUDA "
                                                       "only.")] = None,
-    gpu_shape: Annotated[Optional[str], typer.Option("--gpu-shape", hidden=True, help="The report's model shape: "
+    gpu_shape: Annotated[Optional[str], typer.Option("--gpu-shape", help="The report's model shape: "
                                                      "7b (default), 8b (Llama-3-8B's, grouped-query attention), 135m "
                                                      "(SmolLM2-135M's) or tiny (tests; runs on a CPU too).")] = None,
 ) -> None:
