@@ -836,9 +836,10 @@ def _after_interrupt() -> int:
 
 def tolerant_streams() -> None:
     """The process's own streams: a character the locale cannot write, or a file name's stray bytes (kept by Python as
-    lone surrogates, which not even UTF-8 writes), is replaced, not a traceback."""
+    lone surrogates, which not even UTF-8 writes), is replaced, not a traceback. A stream that writes those bytes
+    back as they were (surrogateescape: Python's own under the C locale or UTF-8 mode) is left so."""
     for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
+        if stream is not None and getattr(stream, "errors", "strict") == "strict":
             getattr(stream, "reconfigure", lambda **_: None)(errors="replace")
 
 

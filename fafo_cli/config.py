@@ -467,7 +467,7 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
     except RecursionError:
         raise FafoError(f"config file {path} nests too deeply to be a config") from None
     except (ValueError, LookupError, AttributeError, TypeError) as e:
-        if "digits" in str(e):  # an integer past Python's limit of digits for text
+        if "integer string conversion" in str(e):  # an integer past Python's limit of digits for text
             raise FafoError(f"config file {path} holds a number of thousands of digits") from None
         # PyYAML's own readers of a tagged value they cannot read (`!!int abc`, `!!int ""`, `!!bool y`)
         raise FafoError(f"config file {path} holds a tagged value YAML cannot read ({type(e).__name__}: "

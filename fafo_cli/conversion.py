@@ -121,7 +121,8 @@ def refuse_unconvertible(path: Path, header: GgufHeader) -> None:
     from gguf.quants import GGMLQuantizationType, _type_traits
 
     dense = {GGMLQuantizationType.F32.name, GGMLQuantizationType.F16.name}
-    unread = sorted(set(header.tensor_bytes) - dense - {kind.name for kind in _type_traits})
+    integers = {"I8", "I16", "I32", "I64"}  # never a model's weights (a converter's extras, which are not read)
+    unread = sorted(set(header.tensor_bytes) - dense - integers - {kind.name for kind in _type_traits})
     if unread:
         raise FafoError(f"cannot convert {path}: it holds {unread[0]} tensors, which the gguf package cannot "
                         "dequantize")

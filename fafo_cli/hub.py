@@ -707,9 +707,11 @@ class HubUnreachable(FafoError):
 
 
 def _unreachable(error: Exception) -> bool:
+    """Offline, no connection, or the hub or the connection failing (a server error, a connection lost)."""
     from huggingface_hub import errors
 
-    return isinstance(error, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError)) or _no_connection(error)
+    return isinstance(error, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError)) or \
+        _no_connection(error) or _broken_off(error)
 
 
 def _no_connection(error: Exception) -> bool:

@@ -978,11 +978,15 @@ def test_long_suite_reads_the_users_files_as_python_does(tiny, tmp_path):
     assert f'def {asked}(value):\n    """Step {number}."""\n{body}    return value * 2\n' in edit  # whole
     plain = tmp_path / "plain.py"
     plain.write_text("X = 1\n" * 50)
-    with pytest.raises(FafoError, match="hold no function of 4 or more lines, for the long suite.s recall task"):
+    with pytest.raises(FafoError, match="hold no function of 4 or more lines with a name of its own, for the long suite's recall"):
         long.user_files([str(plain)])
     plain.write_text("def f(x):\n    y = x\n    z = y\n    return z\n")
-    with pytest.raises(FafoError, match="no function of 8 to 80 lines, for the long suite's edit task"):
+    with pytest.raises(FafoError, match="no function of 8 to 80 lines with a name of its own, for the long suite's "
+                                        "edit task"):
         long.user_files([str(plain)])
+    plain.write_text(("def twice(x):\n" + "    x += 1\n" * 9 + "    return x\n\n") * 2)  # 11 lines each
+    with pytest.raises(FafoError, match="no function of 4 or more lines with a name of its own"):
+        long.user_files([str(plain)])  # two functions of one name: which one a question is about is unclear
     with pytest.raises(FafoError, match="needs a context of 1024 tokens or more; the model's is 512"):
         long.check_context(1024, 64, max_context=512)
     lines = tmp_path / "lines.jsonl"  # a JSON string may hold U+2028 unescaped: not a line break of the file

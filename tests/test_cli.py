@@ -1239,3 +1239,6 @@ def test_a_file_name_s_stray_bytes_are_written_not_a_traceback():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True,
                             env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert result.returncode == 0 and result.stdout == b"caf?.gguf\n", result.stderr
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,  # (the C locale's, UTF-8 mode's)
+                            env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"})
+    assert result.returncode == 0 and result.stdout == b"caf\xe9.gguf\n", result.stderr  # the name's own bytes

@@ -87,6 +87,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ('streams: "1' + '0' * 5000 + '"\n', "'streams' holds a number of thousands of digits"),
     ('seed: !!int ""\n', "holds a tagged value YAML cannot read \\(IndexError"),  # PyYAML's own readers fail
     ("seed: !!int abc\n", "holds a tagged value YAML cannot read \\(ValueError"),
+    ("seed: !!int digits\n", "holds a tagged value YAML cannot read \\(ValueError"),
     ("chat_template: !!bool y\n", "holds a tagged value YAML cannot read \\(KeyError"),
     ("model: !!timestamp no\n", "holds a tagged value YAML cannot read \\(AttributeError"),
     ("seed: " + "[" * 3000 + "]" * 3000 + "\n", "nests too deeply to be a config"),

@@ -126,7 +126,7 @@ def standard_library() -> Material:
 def user_files(paths: list[str]) -> Material:
     """The user's files: Python sources (.py) for the recall and edit tasks, any other text for the summary; a kind
     not given comes from the standard library."""
-    code, prose, spans = [], [], []  # spans: the functions' lengths in lines
+    code, prose, functions = [], [], []  # functions: (first line, last line, name) of each file's, as kept
     for given in paths:
         path = user_path(given)
         try:
@@ -139,8 +139,7 @@ def user_files(paths: list[str]) -> Material:
             raise FafoError(f"--documents: {given} has no text")
         if path.suffix == ".py":
             try:
-                spans += [node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(text))
-                          if isinstance(node, ast.FunctionDef)]
+                functions += _kept_functions(ast.parse(text))[1]
             except SyntaxError as e:
                 raise FafoError(f"--documents: {given} is not valid Python (line {e.lineno})") from None
             except ValueError:  # a NUL byte (before Python 3.12, which says SyntaxError)
@@ -150,9 +149,10 @@ def user_files(paths: list[str]) -> Material:
             prose.append((path.name, text))
     if code:  # (said before the model loads, not after)
         for task, least, most in (("recall", RECALLED_LINES, None), ("edit", *EDITED_LINES)):
-            if not any(least <= span <= (most or span) for span in spans):
+            if not _asked_about(functions, least, most):
                 raise FafoError(f"--documents: your Python files hold no function of {least}"
-                                f"{f' to {most}' if most else ' or more'} lines, for the long suite's {task} task")
+                                f"{f' to {most}' if most else ' or more'} lines with a name of its own, for the long "
+                                f"suite's {task} task")
     fallback = standard_library()
     return Material(tuple(code) or fallback.code, tuple(prose) or fallback.prose,
                     USERS if code else STANDARD_LIBRARY, USERS if prose else STANDARD_LIBRARY)
@@ -163,6 +163,23 @@ def _lines(text: str) -> list[str]:
     return io.StringIO(text, newline=None).readlines()
 
 
+def _kept_functions(tree: ast.Module) -> tuple[int, list[tuple[int, int, str]]]:
+    """Where a file's document starts (its first definition's line, 1-based: a docstring and imports would push the
+    recall task's function away from the document's beginning), and its functions from there on as (first line,
+    last line, name), 1-based, in order: not one inside an `if` or `try` above the first definition."""
+    tops = [min([node.lineno, *(d.lineno for d in node.decorator_list)]) for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    top = min(tops, default=1)
+    return top, sorted((node.lineno, node.end_lineno, node.name) for node in ast.walk(tree)
+                       if isinstance(node, ast.FunctionDef) and node.lineno >= top)
+
+
+def _asked_about(functions, least: int, most: int | None = None) -> list[tuple[int, int, str]]:
+    """The functions of `least` to `most` lines (None: no most) whose name is defined once among `functions`."""
+    names = [name for _, _, name in functions]
+    return [f for f in functions if least <= f[1] - f[0] + 1 <= (most or f[1] - f[0] + 1) and names.count(f[2]) == 1]
+
+
 def _sources(first: int, chars: int, material: Material) -> tuple[list[str], list[tuple[int, int, str]]]:
     """Lines of the sources from the `first`-th on (round the list), at least `chars` long, and their functions as
     (first line, last line, name), 0-based, in order. Each file from its first definition on: a docstring and
@@ -171,15 +188,10 @@ def _sources(first: int, chars: int, material: Material) -> tuple[list[str], lis
     functions: list[tuple[int, int, str]] = []
     for offset in range(len(material.code)):
         name, source = material.code[(first + offset) % len(material.code)]
-        tree = ast.parse(source)
-        tops = [min([node.lineno, *(d.lineno for d in node.decorator_list)]) for node in tree.body
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
-        top = min(tops, default=1)
+        top, kept = _kept_functions(ast.parse(source))
         start = len(lines) + 1 - (top - 1)  # where the file's line 1 would be, after the file header line
         lines += [f"# file: {name}\n", *_lines(source)[top - 1:], "\n"]
-        # the functions kept: not one inside an `if` or `try` above the first definition, which is cut away
-        functions += sorted((start + node.lineno - 1, start + node.end_lineno - 1, node.name)
-                            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.lineno >= top)
+        functions += [(start + first - 1, start + last - 1, function) for first, last, function in kept]
         if sum(map(len, lines)) >= chars:
             break
     return lines, functions
@@ -202,9 +214,7 @@ def _code(lines: list[str]) -> str:
 def _recall_start(functions, material: Material) -> int:
     """Where the recall task's document starts: at the first function of four lines or more whose name is defined
     once, so that it is the document's very first lines, however long the document."""
-    names = [f[2] for f in functions]
-    first = next((start for start, end, name in functions
-                  if end - start + 1 >= RECALLED_LINES and names.count(name) == 1), None)
+    first = next((start for start, _, _ in _asked_about(functions, RECALLED_LINES)), None)
     if first is None:
         raise FafoError(f"{material.code_from} Python sources hold no function of {RECALLED_LINES} lines or more with "
                         "a name of its own, for the long suite's recall task")
@@ -222,9 +232,7 @@ def _recall(lines, first: tuple[int, int, str], kept: int) -> list[dict] | None:
 
 def _edit(lines, functions, kept: int) -> list[dict] | None:
     """Rewrite the function of EDITED_LINES, of a name defined once, that lies nearest the middle of the kept lines."""
-    least, most = EDITED_LINES
-    names = [f[2] for f in functions if f[1] < kept]
-    fitting = [f for f in functions if f[1] < kept and least <= f[1] - f[0] + 1 <= most and names.count(f[2]) == 1]
+    fitting = _asked_about([f for f in functions if f[1] < kept], *EDITED_LINES)
     if not fitting:
         return None
     _, _, name = min(fitting, key=lambda f: (abs((f[0] + f[1]) / 2 - kept / 2), f[0]))

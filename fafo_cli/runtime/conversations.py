@@ -78,7 +78,8 @@ class KeptConversations:
     def make_room(self, ids: list[int], nbytes: int) -> None:
         """Drop what keeping a conversation of `ids` and `nbytes` drops: kept ones that are a prefix of it (it serves
         whatever they would), then the least recently used until both bounds hold with it. Called before its copy is
-        made too, so that the bound holds while it is."""
+        made too, so that the kept copies stay within the bound while it is (a conversation taken back to be the live
+        one is the live cache's, not counted)."""
         self.entries = [kept for kept in self.entries if shared_prefix(kept.ids, ids) < len(kept.ids)]
         while self.entries and (len(self.entries) >= self.count or self.nbytes + nbytes > self.max_bytes):
             self.entries.pop(0)
