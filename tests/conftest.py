@@ -268,6 +268,30 @@ def compiled_cache(compiled_folder, monkeypatch) -> Iterator[Path]:
         failed.unlink()
 
 
+@pytest.fixture
+def our_attention(compiled_folder) -> bool:
+    """Eager steps attend with our kernel, as a .gguf model's do (the embedded default's), where this machine can
+    build it (then loaded for the rest of the process, as in a run); else with torch's. Which one a file's tests use
+    must not depend on which tests ran before them in their worker. True where ours serves."""
+    from fafo_cli.compiled.kernels import loader
+    from fafo_cli.runtime import model
+
+    try:
+        loader.load(compiled_folder / "compiled")
+    except loader.BuildError:  # (no C++ compiler here: torch's, as a run would)
+        pass
+    return model._cpu_attention is not None
+
+
+@pytest.fixture
+def torch_attention(monkeypatch) -> None:
+    """Eager steps attend with torch's kernel, as a safetensors model's do in a run that loaded no .gguf model."""
+    from fafo_cli.runtime import model
+
+    monkeypatch.setattr(model, "_cpu_attention", None)
+    monkeypatch.setattr(model, "_cpu_attention_reads_bf16", False)
+
+
 @pytest.fixture(scope="session")
 def compiled_engine(compiled_folder, tiny):
     """The tiny model in float32 with compiled steps (packages built on first need), its notices in `.notices`."""

@@ -887,14 +887,21 @@ def test_eager_work_reads_a_compact_cache_exactly(tiny, compiled_folder, monkeyp
     cache = engine.session.cache
     expected = torch.float32 if attention == "torch" or not model._cpu_attention_reads_bf16 else torch.bfloat16
     assert engine.model.attention_dtype == expected
+    other = torch.bfloat16 if engine.model.attention_dtype == torch.float32 else torch.float32
     for name, settings in COMPACT_READERS.items():
-        engine.reset()
-        cache.store_as(engine.model.attention_dtype)
-        plain = engine.complete(LONG, max_tokens=40, **settings).token_ids
-        engine.reset()
-        cache.store_as(torch.bfloat16 if engine.model.attention_dtype == torch.float32 else torch.float32)
-        compact = engine.complete(LONG, max_tokens=40, **settings).token_ids
-        assert compact == plain and cache.keys.dtype == cache.read_dtype == engine.model.attention_dtype, name
+        answers = []
+        for compact in (False, True):
+            engine.reset()
+            cache.store_as(engine.model.attention_dtype)
+            first = engine.complete(LONG, max_tokens=24, **settings)
+            if compact:  # the conversation's cache as compiled steps leave it, then a turn that reuses it
+                cache.store_as(other)
+                assert cache.length > len(engine.encode(LONG)) and cache.keys.dtype == other
+            second = engine.complete(LONG + first.text + " Then?", max_tokens=16, **settings)
+            assert second.stats.cached_prompt_tokens >= len(engine.encode(LONG)), name  # (read from it)
+            answers.append((first.token_ids, second.token_ids))
+        assert answers[0] == answers[1], name
+        assert cache.keys.dtype == cache.read_dtype == engine.model.attention_dtype, name
 
 
 def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):

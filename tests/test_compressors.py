@@ -21,6 +21,9 @@ from fafo_cli.decoders.fafo.compressors.stream import StreamCompressor
 
 from .conftest import hf_greedy
 
+# eager steps attend with our kernel, as a .gguf model's do (torch's: test_fafo.py)
+pytestmark = pytest.mark.usefixtures("our_attention")
+
 LAYERS, KV, DIM, HEADS = 2, 2, 8, 4
 
 

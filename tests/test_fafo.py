@@ -11,7 +11,8 @@ from fafo_cli import load
 
 from .conftest import LONG, SHORT, TOKENS, VARIANTS, hf_greedy
 
-pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+# eager steps attend with our kernel, as the embedded default's do (torch's: test_fafo_over_torchs_attention_...)
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("our_attention")]  # run on --device (tests/conftest.py)
 
 SETTINGS = {
     "default": dict(streams=2, ngram=4, guesses=2, prefix=2, budget=64, sink=4),

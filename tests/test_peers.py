@@ -13,7 +13,8 @@ from fafo_cli.cli import entrypoint
 
 from .conftest import LONG, PEERS, SHORT, TOKENS, VARIANTS, build_tiny_model, hf_greedy
 
-pytestmark = pytest.mark.device  # run on --device (tests/conftest.py)
+# eager steps attend with torch's kernel, as a safetensors model's do (ours: test_fafo.py)
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("torch_attention")]  # run on --device (tests/conftest.py)
 
 DRAFTED_BY_MODEL = {"triforce", "quantspec"}
 COPY = "Repeat exactly: The quick brown fox jumps over the lazy dog, and the dog sleeps on by the river bank."
