@@ -415,15 +415,19 @@ def test_rounding_noise_is_measured_in_bfloat16(smollm2):
     native_bf16 = "avx512_bf16" in loader.cpu_flags().split()
 
     messages = [{"role": "user", "content": "Count from one to twenty in words."}]
+    checked = []
     for compile, noisy in (("off", True), ("auto", False)):
         engine = load(str(smollm2), dtype="bfloat16", compile=compile)
         engine.session.compiled = None  # eager steps
         generated = engine.complete(messages, max_tokens=16, method="vanilla", temperature=0.0).token_ids
         noise = rounding_noise(engine, engine.encode(messages), generated)
-        if noisy:
-            assert (0.05 if native_bf16 else -1) < noise < 3
-        elif engine.model.packed_matrices:
-            assert noise == 0.0
+        if noisy and native_bf16:
+            checked.append(0.05 < noise < 3)
+        elif not noisy and engine.model.packed_matrices:
+            checked.append(noise == 0.0)
+    if not checked:
+        pytest.skip("this CPU has neither native bf16 products nor our packed kernels: no noise to tell apart")
+    assert all(checked)
 
 
 def test_interrupt_reports_what_was_measured(tiny, monkeypatch, capsys, tmp_path):

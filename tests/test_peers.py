@@ -137,11 +137,17 @@ def test_triforce_draft_model_follows_the_chat(tiny, draft_models):
 
 @pytest.mark.parametrize("peer", list(PEERS))
 def test_peer_limits_cut_inside_accepted_runs(tiny, peer):
+    """A token limit that falls inside a step's accepted run cuts the step there: transformers' tokens, that many."""
+    from .test_fafo import _inside_runs
+
     engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS[peer])
-    full = engine.complete(LONG, max_tokens=120).token_ids
-    for limit in (1, 2, 7, 50):
-        limited = engine.complete(LONG, max_tokens=limit)
-        assert limited.token_ids == full[:limit] and limited.finish_reason == "length"
+    prompt = "abc abc abc abc abc abc abc abc"  # (the tiny model's answer to it repeats: every peer guesses runs)
+    full = hf_greedy(tiny, engine.encode(prompt), 120)
+    inside = _inside_runs(list(engine.stream(prompt, max_tokens=120)))
+    assert inside, "no step accepted two guesses or more: no limit falls inside a run"
+    for limit in (1, 2, 7, 50, inside[0] + 1, inside[len(inside) // 2] + 1):  # (a limit of n ends at position n - 1)
+        limited = engine.complete(prompt, max_tokens=limit)
+        assert limited.token_ids == full[:limit] and limited.finish_reason == "length", limit
 
 
 @pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "suffix"])
@@ -201,7 +207,7 @@ def test_the_prefill_time_leaves_out_the_drafters_set_up(tiny, monkeypatch):
     start = Suffix.start
     monkeypatch.setattr(Suffix, "start", lambda *args: (time.sleep(0.5), start(*args))[1])
     stats = load(str(tiny), dtype="float32", chat_template=False, method="suffix").complete(LONG, max_tokens=4).stats
-    assert stats.prefill_s < 0.5 <= stats.ttft_s
+    assert stats.ttft_s - stats.prefill_s >= 0.5  # the set-up's half second after the prefill, not in it
     # FAFO's compressor selects its view after the prefill too (it was counted in the prefill's speed)
     from fafo_cli.decoders.fafo.compressors import StreamCompressor
 
@@ -209,7 +215,7 @@ def test_the_prefill_time_leaves_out_the_drafters_set_up(tiny, monkeypatch):
     monkeypatch.setattr(StreamCompressor, "rebuild", lambda *args: (time.sleep(0.5), rebuild(*args))[1])
     engine = load(str(tiny), dtype="float32", chat_template=False, method="fafo", compressor="stream", streams=2)
     stats = engine.complete(LONG, max_tokens=4).stats
-    assert stats.prefill_s < 0.5 <= stats.ttft_s
+    assert stats.ttft_s - stats.prefill_s >= 0.5  # the set-up's half second after the prefill, not in it
 
 
 @pytest.mark.parametrize("settings", [dict(method="vanilla"), *PEERS.values()] + [
@@ -246,14 +252,13 @@ def test_peer_sampling_is_reproducible(tiny, peer):
     """The same seed, the same sample; a method that verifies one-hot guesses samples plain decoding's very tokens.
     A self-draft samples the same distribution (tests/test_sampling.py), with tokens of its own."""
     engine = load(str(tiny), dtype="float32", chat_template=False, **PEERS[peer])
-    settings = dict(max_tokens=100, temperature=0.8, top_p=0.95)
+    # (a 2-token leader seldom recurs in a random model's text sampled at 0.8: cooler, it does, and is drafted)
+    settings = dict(max_tokens=100, temperature=0.3 if peer == "cacheback-ll2" else 0.8, top_p=0.95)
     a = engine.complete(LONG, seed=3, **settings)
     b = engine.complete(LONG, seed=3, **settings)
     c = engine.complete(LONG, seed=4, **settings)
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
-    # its guesses were verified (one-hot ones would otherwise match trivially); a 2-token leader seldom recurs in a
-    # random model's sampled text
-    assert a.stats.drafted_tokens > 0 or peer == "cacheback-ll2"
+    assert a.stats.drafted_tokens > 0  # its guesses were verified (one-hot ones would otherwise match trivially)
     plain = engine.complete(LONG, seed=3, method="vanilla", **settings)
     assert (a.token_ids == plain.token_ids) == (PEERS[peer]["method"] not in DRAFTED_BY_MODEL)
 
