@@ -40,6 +40,8 @@ SUPPORT_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "*.
 # transformers' weight files, each as one file or as shards its index names (safetensors first, as it loads them)
 WEIGHT_FILES = (("model.safetensors", ".safetensors"), ("pytorch_model.bin", ".bin"))
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# a trainer's checkpoint files beside a model's weights: pickles of its state, never the weights
+TRAINER_FILES = re.compile(r"(training_args|optimizer|scheduler|scaler|rng_state[\w-]*)\.(bin|pt|pth)")
 # a snapshot fafo did not pull (another tool's) counts as whole with config, weights and one of these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
@@ -579,7 +581,13 @@ def _has_weights(folder: Path) -> bool:
         if index.is_file():
             shards = _index_shards(index)
             return shards is not None and all((folder / s).is_file() for s in shards)
-    return any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())  # named otherwise, without an index
+    return any(_named_otherwise(p.name, (".safetensors", ".bin")) for p in folder.iterdir())  # without an index
+
+
+def _named_otherwise(name: str, suffixes: str | tuple[str, ...]) -> bool:
+    """Whether a top-level file of `suffixes` is a model's weights named otherwise than model.safetensors (without an
+    index): not Mistral's `consolidated` copy (for its own runtime) nor a trainer's checkpoint file."""
+    return name.endswith(suffixes) and not name.startswith("consolidated") and not TRAINER_FILES.fullmatch(name)
 
 
 def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False,
@@ -637,9 +645,8 @@ def _support_files(files: list[str]) -> list[str]:
 
 def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_index) -> list[str]:
     """The files of one copy of the weights: the single file, or the shards its index names (`fetch_index(name)`:
-    the index's local path), or else every top-level file of that format but a `consolidated` one (Mistral's
-    second copy, for its own runtime). Safetensors where the repo has them; pickle files only with
-    `allow_pickle`."""
+    the index's local path), or else every top-level file of that format named otherwise (`_named_otherwise`).
+    Safetensors where the repo has them; pickle files only with `allow_pickle`."""
     top = [name for name in files if "/" not in name]
     for single, suffix in WEIGHT_FILES:
         if suffix == ".bin" and not allow_pickle:
@@ -652,12 +659,10 @@ def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_inde
             if shards is None:
                 raise FafoError(f"{repo_id}'s {index} is not a weight index")
             return [index, *sorted(shards)]
-        found = [name for name in top if name.endswith(PICKLE_SUFFIXES if suffix == ".bin" else suffix)
-                 and not name.startswith("consolidated")]
+        found = [name for name in top if _named_otherwise(name, PICKLE_SUFFIXES if suffix == ".bin" else suffix)]
         if found:
             return found
-    if not allow_pickle and any(name.endswith(PICKLE_SUFFIXES) and not name.startswith("consolidated")
-                                for name in top):
+    if not allow_pickle and any(_named_otherwise(name, PICKLE_SUFFIXES) for name in top):
         raise FafoError(f"{repo_id} has only pickle weights (.bin/.pt/.pth), which can run code when loaded; pass "
                         "--allow-pickle to download and load them anyway")
     raise FafoError(f"{repo_id} has no weights transformers loads (model.safetensors or its shards; a "

@@ -521,6 +521,15 @@ def test_a_snapshot_missing_a_shard_is_not_a_model(fake_hub, caches, tiny, tmp_p
     copy = shutil.copytree(folder, tmp_path / "copy")  # the hub cache's files are links to shared blobs
     (copy / "model.safetensors.index.json").write_text("{not json")
     assert not hub._has_model_files(copy)
+    # another tool's download cut off after a trainer's checkpoint files: no weights (nor a consolidated copy's)
+    for name in [*shards, "model.safetensors.index.json"]:
+        (copy / name).unlink()
+    (copy / "tokenizer.json").write_text("{}")
+    for name in ("training_args.bin", "optimizer.pt", "rng_state_0.pth", "consolidated.safetensors"):
+        (copy / name).write_bytes(b"\0")
+        assert not hub._has_model_files(copy), name
+    (copy / "weights.safetensors").write_bytes(b"\0")  # weights named otherwise, without an index
+    assert hub._has_model_files(copy)
 
 
 def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys):
@@ -556,6 +565,10 @@ def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys
     fake_hub.add("org/other-runtime", {"config.json": (tiny / "config.json").read_bytes(),
                                        "consolidated.00.pth": b"pickle"})
     assert entrypoint(["pull", "org/other-runtime", "-q", "--allow-pickle"]) == 1
+    assert "has no weights transformers loads" in capsys.readouterr().err
+    fake_hub.add("org/checkpoint", {"config.json": (tiny / "config.json").read_bytes(),  # a trainer's, not weights
+                                    "training_args.bin": b"pickle", "optimizer.pt": b"pickle"})
+    assert entrypoint(["pull", "org/checkpoint", "-q", "--allow-pickle"]) == 1
     assert "has no weights transformers loads" in capsys.readouterr().err
 
     fake_hub.add("org/tiny-GGUF", {"README.md": b"# quants", "tiny.Q4_K_M.gguf": b"GGUF"})
