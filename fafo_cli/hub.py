@@ -708,7 +708,8 @@ def _hub_error(repo_id: str, error: Exception) -> str:
 
 
 class HubUnreachable(FafoError):
-    """The hub could not be asked (offline, or no connection): a copy cached before may serve instead."""
+    """The hub could not be asked or failed (offline, no connection, a server error, a connection lost): a copy
+    cached before may serve instead."""
 
 
 def _unreachable(error: Exception) -> bool:
