@@ -269,13 +269,16 @@ def compiled_cache(compiled_folder, monkeypatch) -> Iterator[Path]:
 
 
 @pytest.fixture
-def our_attention(compiled_folder) -> bool:
+def our_attention(request, compiled_folder) -> bool:
     """Eager steps attend with our kernel, as a .gguf model's do (the embedded default's), where this machine can
     build it (then loaded for the rest of the process, as in a run); else with torch's. Which one a file's tests use
-    must not depend on which tests ran before them in their worker. True where ours serves."""
+    must not depend on which tests ran before them in their worker. True where ours serves. (Not built for a run on
+    --device cuda, whose engines attend on the GPU.)"""
     from fafo_cli.compiled.kernels import loader
     from fafo_cli.runtime import model
 
+    if request.config.getoption("--device") != "cpu":
+        return False
     try:
         loader.load(compiled_folder / "compiled")
     except loader.BuildError:  # (no C++ compiler here: torch's, as a run would)
