@@ -187,8 +187,7 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
         except (OSError, *GGUF_PARSE_ERRORS) as e:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e, named=_unsaid(e))}") from None
         check_architecture(config.to_dict(), str(path))
-        refuse_unconvertible(path, header)  # (convert_gguf did, before hashing: here for a caller of this alone)
-        _read_back_linear_rotary(path, header, config)
+        _read_back_linear_rotary(path, header, config)  # (what the header refuses, convert_gguf refused)
         try:  # (a tokenizer type transformers does not read, or metadata it trips on)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except GGUF_PARSE_ERRORS as e:

@@ -130,8 +130,7 @@ class Session:
                 self.kept.keep(KeptConversation(list(self.ids), keys, values, self.carry))
                 self.carry = {}
         if entry is not None:
-            if self.compiled is not None and len(entry.ids) > self.cache.capacity:
-                self.compiled.forget_cache()  # (as before a prefill that grows the cache: no old storage held)
+            self._before_growing(len(entry.ids))
             try:
                 self.cache.load(entry.keys, entry.values)
             except BaseException:  # (out of memory as the cache grows for it): kept still, for a later request
@@ -163,8 +162,7 @@ class Session:
         self._attend_eagerly()
         self.cache.limit = min(self.model.max_context, len(prompt_ids) + reserve)  # (the cache grows up to it)
         room = min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD))
-        if self.compiled is not None and room > self.cache.capacity:  # (their views, or graphs, would keep the old
-            self.compiled.forget_cache()  # storage alive through the prefill, its memory's peak; stale after it)
+        self._before_growing(room)
         self.cache.reserve(room)
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
@@ -187,6 +185,13 @@ class Session:
         if self.compiled is not None and steps is not self.compiled:
             self.compiled.forget_cache()
         self.compiled = steps
+
+    def _before_growing(self, slots: int) -> None:
+        """Before the cache grows to `slots` (a prefill, a kept conversation loaded back): compiled steps let go of
+        their views of it, or graphs, which would keep the old storage alive through the growth, its memory's peak
+        (and be stale after it). Not where it does not grow: a GPU's graphs would be captured again."""
+        if self.compiled is not None and slots > self.cache.capacity:
+            self.compiled.forget_cache()
 
     def _attend_eagerly(self) -> None:
         """The cache as eager attention reads it (`KVCache.attend_in`). Where that converts a compiled step's compact
