@@ -619,6 +619,7 @@ def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypat
     from fafo_cli import config as config_mod
     from fafo_cli.bench import tune
 
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # the measured curve: not the other tests'
     monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1), (2, 2, 0)))
     monkeypatch.setattr(tune, "TOKENS", 16)
     monkeypatch.setattr(tune, "DISTURBED", float("inf"))  # the tiny model's millisecond runs are all host jitter
@@ -694,6 +695,7 @@ def test_tune_writes_nothing_from_disturbed_timings(tiny, tmp_path, monkeypatch,
 
     from fafo_cli.bench import tune
 
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # the measured curve: not the other tests'
     monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1),))
     monkeypatch.setattr(tune, "TOKENS", 16)
     measured = tune.run_once
@@ -716,6 +718,7 @@ def test_tune_says_when_no_prompt_fits_and_runs_every_setting_after_a_first_run(
     not always the first of a prompt; with no prompt that fits the context, one line and nothing written."""
     from fafo_cli.bench import tune
 
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # the measured curve: not the other tests'
     monkeypatch.setattr(tune, "CANDIDATES", ((1, 2, 1), (2, 2, 0)))
     monkeypatch.setattr(tune, "TOKENS", 8)
     monkeypatch.setattr(tune, "DISTURBED", float("inf"))

@@ -135,20 +135,26 @@ def test_detokenizer_deltas_add_up_even_inside_multibyte_characters():
     assert detok.text == text
 
 
+class SentencePieceLike:
+    """A `tokenizers` backend decoding as the detokenizer calls a tokenizer (a Llama-2 or Mistral one's)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
 def test_a_continuation_keeps_the_space_a_sentencepiece_decoder_drops_at_the_start():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     backend = Tokenizer(models.WordLevel({"▁The": 0, "▁capital": 1, "▁is": 2, "▁Paris": 3, "[UNK]": 4}, "[UNK]"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()  # Llama-2, Mistral
 
-    class SentencePieceLike:
-        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
     prompt = backend.encode("The capital is").ids
-    alone = Detokenizer(SentencePieceLike())  # a message's answer: decoded alone, as transformers decodes it
+    alone = Detokenizer(SentencePieceLike(backend))  # a message's answer: decoded alone, as transformers decodes it
     assert alone.add([3]) == "Paris"
-    detok = Detokenizer(SentencePieceLike(), prompt[-2:])  # a continuation: after the prompt's last tokens
+    detok = Detokenizer(SentencePieceLike(backend), prompt[-2:])  # a continuation: after the prompt's last tokens
     assert detok.add([3]) + detok.add([2]) == " Paris is" and detok.text == " Paris is"
     assert "The capital is" + detok.text == backend.decode(prompt + [3, 2])
 
@@ -166,13 +172,9 @@ def test_a_continuation_after_byte_fallback_tokens_keeps_its_characters():
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])  # Llama-2's
 
-    class SentencePieceLike:
-        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
     prompt, whole = backend.encode("Crabs: 🦀🦀").ids, backend.encode("Crabs: 🦀🦀🦀 is").ids
     assert whole[:len(prompt)] == prompt and prompt[-5] == vocab["<0x80>"]  # the context starts inside a crab
-    detok = Detokenizer(SentencePieceLike(), prompt[-5:])
+    detok = Detokenizer(SentencePieceLike(backend), prompt[-5:])
     assert "".join(detok.add([i]) for i in whole[len(prompt):]) + detok.flush() == "🦀 is" == detok.text
 
 
