@@ -189,17 +189,27 @@ def test_peak_memory_counts_what_was_freed_between_samples():
     """A prefill chunk's temporaries are freed before the chunk returns, where the peak was sampled: the kernel's
     high-water mark, restarted per request, holds them (a process's earlier peak, say a conversion's, does not
     count)."""
+    import gc
+
     from fafo_cli.runtime.memory import PeakMemory, _rss_bytes
 
-    torch.empty(400 * 2**20, dtype=torch.uint8).fill_(1)  # an earlier peak, gone before the request
-    before = _rss_bytes() / 1e6  # (fafo's MB)
-    memory = PeakMemory([torch.device("cpu")])
-    assert memory.sample() < before + 100
-    # (the resident size just before: the worker's other memory may have shrunk since `before`, a suite run saw 40
-    # MB; and this kernel's resident counts are approximate, off by tens of MB in a suite run: a quarter's margin)
-    just_before = _rss_bytes() / 1e6
-    torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once (glibc returns blocks this large)
-    assert memory.sample() >= just_before + 200 * 2**20 / 1e6 * 0.75
+    # the worker's earlier tests' garbage (engines of hundreds of MB) freed now, not by a collection that an
+    # allocation below sets off: the resident size would shrink under the measurement (a suite run saw 120 MB)
+    gc.collect()
+    gc.disable()
+    try:
+        torch.empty(400 * 2**20, dtype=torch.uint8).fill_(1)  # an earlier peak, gone before the request
+        before = _rss_bytes() / 1e6  # (fafo's MB)
+        memory = PeakMemory([torch.device("cpu")])
+        assert memory.sample() < before + 100
+        # (the resident size just before: the worker's other memory may have shrunk since `before`, a suite run saw
+        # 40 MB; and this kernel's resident counts are approximate, off by tens of MB in a suite run: a quarter's
+        # margin)
+        just_before = _rss_bytes() / 1e6
+        torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once (glibc returns blocks this large)
+        assert memory.sample() >= just_before + 200 * 2**20 / 1e6 * 0.75
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
