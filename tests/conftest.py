@@ -203,6 +203,17 @@ def _fixed_step_costs(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_kept_cost_curves(request, monkeypatch):
+    """Engines load without the pass-cost curves kept beside a model's packages: the tests share one cache, and a
+    curve one test's bench measured for a tiny model (host jitter) steered a later test's plan (a steep one left the
+    sampling test no depth-2 guess). Tests marked `kept_costs` read what is kept, as a user's later run does."""
+    if not request.node.get_closest_marker("kept_costs"):
+        from fafo_cli import api
+
+        monkeypatch.setattr(api, "read_step_costs", lambda folder: {})
+
+
+@pytest.fixture(autouse=True)
 def _undisturbed_cost_curves(monkeypatch):
     """A tiny model's passes take a millisecond or so, their cost curve is host jitter: in tests it is never
     judged disturbed (test_bench checks that judgement on curves of its own)."""

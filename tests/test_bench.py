@@ -615,6 +615,7 @@ def test_bench_on_a_model_spread_over_gpus_refuses_rows_that_cannot_run_before_l
     assert code == 1 and "on a model spread over GPUs (--gpus) use --compressor none" in capsys.readouterr().err
 
 
+@pytest.mark.kept_costs
 def test_tune_writes_a_valid_config_and_keeps_comments(tiny, tmp_path, monkeypatch, capsys):
     from fafo_cli import config as config_mod
     from fafo_cli.bench import tune
@@ -742,6 +743,7 @@ def test_tune_says_when_no_prompt_fits_and_runs_every_setting_after_a_first_run(
         err.count("\n") == 1 and path.read_text() == tuned, err
 
 
+@pytest.mark.kept_costs
 def test_a_disturbed_cost_curve_is_never_kept(tiny, tmp_path, monkeypatch, capsys):
     """Each command that measures the pass-cost curve (bench, --tune, doctor --write) keeps and writes nothing from
     one that says a 2-row pass is cheaper than a 1-row one, however often it is measured again."""

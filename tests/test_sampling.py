@@ -256,7 +256,6 @@ def test_engine_sampling_matches_the_model_distribution(tiny, method, monkeypatc
 
     from .conftest import build_tiny_model
 
-    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))  # no cost curve another test measured: the default's
     wrong = method.endswith("+wrong-rule")
     if wrong:  # accepts x with p(x), whatever q(x) was
         monkeypatch.setattr(speculative, "accept_speculative", accept_one_hot)
