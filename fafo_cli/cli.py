@@ -531,7 +531,8 @@ def bench(
                         "window: set streams in the config file (or give another with --config)")
     outputs = {"--json": json_file, "--csv": csv_file, "--markdown": markdown_file, "--plot": plot_file}
     _check_outputs(outputs, {"--prompts": [prompts] if prompts else [], "--documents": list(documents or ()),
-                             "--config": [config] if config else []}, binary=("--plot",))  # before the run: hours
+                             "--config": [config] if config else [],
+                             "MODEL": [settings.model] if settings.model else []}, binary=("--plot",))  # (hours)
     if plot_file is not None:
         _check_plot_format(plot_file)
     if not tune:  # before the model loads
@@ -597,7 +598,8 @@ def doctor(
     if gpu_report is not None:  # refused before minutes of measuring
         if gpu_report == "-":
             raise FafoError("--gpu-report writes a file: name one (--json prints the rest of the report)")
-        _check_outputs({"--gpu-report": gpu_report}, {"the config file": [str(doctor_mod.default_config_path(config))]})
+        _check_outputs({"--gpu-report": gpu_report}, {"the config file": [str(doctor_mod.default_config_path(config))],
+                                                      "MODEL": [settings.model] if settings.model else []})
         report_path = user_path(gpu_report)
         gpu_mod.check(device, gpu_shape)
     if write:  # before a minute of measuring
@@ -610,10 +612,19 @@ def doctor(
                             write_to=doctor_mod.default_config_path(config) if write else None)
     if write:
         _create_config(config)
+    gpu = gpu_failed = None
     if report_path is not None:  # (the configured model released first: the 7B shape needs the memory)
         release_dropped_models()
         progress(f"measuring the {gpu_shape}-shaped model's steps (--gpu-report)")
-        gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
+        try:
+            gpu = gpu_mod.run(device, gpu_shape, notify=lambda line: print(f"note: {line}", file=sys.stderr))
+        except (FafoError, MemoryError, RuntimeError) as e:  # the report above stands: said, then this one line
+            if not isinstance(e, FafoError) and not is_out_of_memory(e):
+                raise
+            gpu_failed = str(e) if isinstance(e, FafoError) else (
+                f"--gpu-report: the {gpu_shape}-shaped model's steps ran out of this GPU's memory; nothing written")
+            report["gpu_report"] = {"error": gpu_failed}
+    if gpu is not None:
         write_atomic(report_path, json.dumps(gpu, indent=1) + "\n")
         report["gpu_report"] = {"file": str(report_path), "bound_share_one_row": gpu["rows"][1]["bound_share"],
                                 "vs_one_row_64": gpu["rows"][64]["vs_one_row"] if 64 in gpu["rows"] else None}
@@ -621,12 +632,14 @@ def doctor(
         _print_json(report)
     else:
         doctor_mod.render(report, out)
-        if report_path is not None:
+        if gpu is not None:
             out.print(f"GPU report ({gpu_shape} shape, {gpu['dtype']}, {gpu['device']}): a one-row step runs at "
                       f"{gpu['rows'][1]['bound_share']:.0%} of the bandwidth bound ({gpu['bound_ms']:.2f} ms); "
                       f"written to {report_path}")
     if doctor_mod.failed(report):
         raise FafoError("FAFO differed from plain decoding in float32 on this machine (see above): please report it")
+    if gpu_failed:
+        raise FafoError(gpu_failed)
 
 
 @app.command("compile")

@@ -158,6 +158,11 @@ def test_bench_outputs_are_checked_before_the_run(capsys, tiny, tmp_path):
         code, out, err = run_cli(capsys, "bench", tiny, "--dtype", "float32", "--samples", "1", "--tokens", "4",
                                  *flags)
         assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
+    model = tmp_path / "m.gguf"  # the model's own file
+    model.write_bytes(b"GGUF")
+    code, out, err = run_cli(capsys, "bench", model, "--json", model)
+    assert code == 1 and err == f"error: --json {model} is also an input (MODEL): give the output a file of its own\n"
+    assert model.read_bytes() == b"GGUF"
     assert prompts.read_text() == '{"prompt": "hi"}\n'
 
 

@@ -121,6 +121,40 @@ def test_gpu_report_tiny_shape_on_this_device(tiny, isolated, tmp_path, capsys):
     assert all(ratio > 0 for ratio in report["fafo_64_rows_vs_one_row"].values())
 
 
+def test_a_failed_gpu_report_keeps_the_doctor_report(tiny, isolated, tmp_path, capsys, monkeypatch):
+    """The GPU report runs last, after minutes of checks: where its steps run out of memory, the rest of the report
+    is shown all the same, then one line, and nothing is written for it."""
+    from fafo_cli.bench import gpu_report
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(gpu_report, "run", out_of_memory)
+    target = tmp_path / "gpu.json"
+    for extra in ([], ["--json"]):
+        code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--config", str(isolated), "--gpu-report",
+                           str(target), "--gpu-shape", "tiny", *extra])
+        out, err = capsys.readouterr()
+        assert code == 1 and not target.exists()
+        assert err.strip().splitlines()[-1] == ("error: --gpu-report: the tiny-shaped model's steps ran out of this "
+                                                "GPU's memory; nothing written")
+        if extra:
+            assert json.loads(out)["gpu_report"] == {"error": err.strip().splitlines()[-1][len("error: "):]}
+        else:
+            assert "float32 exactness" in out and "GPU report" not in out
+
+
+def test_doctor_on_a_model_with_a_short_context(tmp_path, isolated, capsys):
+    """Its pass costs are measured after as many cached tokens as fit with the most rows measured."""
+    from .conftest import build_tiny_model
+
+    short = build_tiny_model(tmp_path / "short", "llama-mha", max_positions=64)
+    code = entrypoint(["doctor", str(short), "--dtype", "float32", "--json", "--config", str(isolated)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert sorted(map(int, json.loads(out)["step_ms"])) == list(tune.ROWS)
+
+
 def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the 7B report would run")
@@ -136,6 +170,11 @@ def test_gpu_report_7b_needs_cuda_and_a_writable_file(tiny, tmp_path, capsys):
     assert entrypoint(["doctor", str(tiny), "-c", str(config), "--gpu-report", str(config)]) == 1
     assert "--gpu-report " + str(config) + " is also an input (the config file)" in capsys.readouterr().err
     assert config.read_text() == "dtype: float32\n"
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert entrypoint(["doctor", str(model), "--gpu-report", str(model)]) == 1
+    assert "--gpu-report " + str(model) + " is also an input (MODEL)" in capsys.readouterr().err
+    assert model.read_bytes() == b"GGUF"
     assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "13b"]) == 1
     assert capsys.readouterr().err.strip() == "error: --gpu-shape must be one of 7b, 8b, 135m, tiny (got '13b')"
     assert entrypoint(["doctor", str(tiny), "--gpu-report", "r.json", "--gpu-shape", "8b"]) == 1

@@ -119,8 +119,16 @@ def test_decoding_through_a_spread_cache_equals_generate(tiny, method):
 def test_spread_models_refuse_what_keeps_a_second_cache(tiny):
     from fafo_cli.errors import FafoError
 
+    from fafo_cli.bench import doctor
+    from fafo_cli.config import Config
+
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
     engine.model.spread = True
+    # its passes hop between GPUs: their cost curve is not the same model's on one GPU
+    assert engine.model.eager_mode == "eager-spread"
+    # `fafo doctor --gpus 2` checks the window every step without a compressor where none is configured
+    assert doctor.windowed(Config(), engine.model.spread)[1]["compressor"] == "none"
+    assert doctor.windowed(Config(compressor="quest"), engine.model.spread)[1]["compressor"] == "quest"
     with pytest.raises(FafoError, match="use --compressor none"):
         engine.complete("hi", method="fafo", compressor="stream", max_tokens=2)
     # the default (auto) runs the window without a compressor there: `fafo run --gpus 2` was refused as it is

@@ -107,7 +107,7 @@ def exact(engine) -> list[dict]:
         messages = list(sample.messages)
         engine.reset()
         plain = engine.complete(messages, method="vanilla", temperature=0.0, max_tokens=TOKENS)
-        for label, settings in (("as configured", {}), windowed(engine.config)):
+        for label, settings in (("as configured", {}), windowed(engine.config, engine.model.spread)):
             engine.reset()
             fafo = engine.complete(messages, method="fafo", temperature=0.0, max_tokens=TOKENS, **settings)
             position = exactness.first_divergence(fafo.token_ids, plain.token_ids)
@@ -123,11 +123,12 @@ def exact(engine) -> list[dict]:
     return checks
 
 
-def windowed(config) -> tuple[str, dict]:
+def windowed(config, spread: bool = False) -> tuple[str, dict]:
     """FAFO with its lookahead window and compressor running on every step (the planner off), the configured ones
-    or W=2 and `stream`: the paths a CPU's `streams: auto` leaves out, checked too."""
+    or W=2 and `stream` (`none` on a model `spread` over GPUs, where a compressor's view does not run): the paths a
+    CPU's `streams: auto` leaves out, checked too."""
     streams = config.streams if isinstance(config.streams, int) and config.streams > 0 else 2
-    compressor = "stream" if config.compressor == "auto" else config.compressor
+    compressor = ("none" if spread else "stream") if config.compressor == "auto" else config.compressor
     return (f"window on every step (W={streams}, {compressor})",
             {"streams": streams, "compressor": compressor, "planner": False})
 

@@ -72,6 +72,10 @@ def step_costs(engine, context: int = 300, row_counts: tuple[int, ...] | None = 
 def _measured_costs(engine, context: int, row_counts: tuple[int, ...], repeats: int) -> dict[int, float]:
     session, model = engine.session, engine.model
     engine.reset()
+    context = min(context, model.max_context - max(row_counts))  # (a model with a short context: what fits)
+    if context < 1:
+        raise FafoError(f"a {max(row_counts)}-row pass does not fit this model's context of {model.max_context} "
+                        "tokens: its step costs cannot be measured")
     ids = (engine.encode("Tell me a story about the sea.") * context)[:context]
     session.prefill(ids, reserve=max(row_counts))
     length = session.cache.length

@@ -125,8 +125,9 @@ class Model:
     @property
     def eager_mode(self) -> str:
         """The name its eager pass costs are kept under (compiled/timing.py's step costs): over packed blocks a row
-        costs another share of a pass than over dense weights, which the same model reads under `compile: off`."""
-        return "eager-packed" if self.packed_matrices else "eager"
+        costs another share of a pass than over dense weights, which the same model reads under `compile: off`;
+        spread over GPUs, a pass hops between them, which the same model on one GPU does not."""
+        return "eager-spread" if self.spread else "eager-packed" if self.packed_matrices else "eager"
 
     @property
     def attention_dtype(self) -> torch.dtype:
