@@ -182,26 +182,41 @@ class Engine:
     def build_elsewhere(self, rows: int, package: Path) -> None:
         """CompiledSteps' builder: the `rows`-row package built at `package` by a process of its own
         (build_process.py), which loads this model again; CompileError with that process's last line if it fails."""
+        import shutil
         import subprocess
+        import tempfile
 
         from .compiled.build import CompileError
+        from .files import _gone
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
                "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
                "trust_remote_code": self.config.trust_remote_code}
-        # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path
-        env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent),
+        # torch's compiler leaves its work in the system's temporary folder (the sources, a library holding the
+        # weights, the package unpacked to be checked: hundreds of MB a build, never removed): this build's go to a
+        # folder of its own beside the packages, removed after it (one a killed process left, by the next build)
+        for stale in package.parent.glob(".build-*-*"):
+            if stale.name.split("-")[1].isdigit() and _gone(int(stale.name.split("-")[1])):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch = tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=package.parent)
+        # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path (the
+        # current folder's modules not before it: -P's PYTHONSAFEPATH)
+        env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent), "PYTHONSAFEPATH": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
-                                                           os.environ.get("PYTHONPATH")]))}
-        process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True, errors="replace", env=env)
+                                                           os.environ.get("PYTHONPATH")])),
+               "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or scratch}
         try:
-            _, said = process.communicate()
-        finally:  # (Ctrl-C reaches it too; whatever else stopped this one, it must not go on alone)
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True, errors="replace", env=env)
+            try:
+                _, said = process.communicate()
+            finally:  # (Ctrl-C reaches it too; whatever else stopped this one, it must not go on alone)
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if process.returncode < 0:  # killed: by the kernel when memory ran out (it holds a second copy of the model)
             number = -process.returncode
             try:
@@ -255,7 +270,7 @@ class Engine:
                 raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])
         else:  # plain continuation of the text (the caller says so to the user)
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+            text = prompt if isinstance(prompt, str) else _continued(messages)
             ids = tokenizer(text)["input_ids"]
             # a prompt that opens with the BOS the tokenizer adds (a raw template) gets no second one
             if len(ids) > 1 and ids[0] == ids[1] and tokenizer(text, add_special_tokens=False)["input_ids"] == ids[1:]:
@@ -630,6 +645,14 @@ def _check_text(text, what: str) -> None:
 
 
 ROLES = ("system", "user", "assistant")  # what every supported chat template takes
+
+
+def _continued(messages: list[dict]) -> str:
+    """A conversation as plain text, for a model without a chat template: each message on a line of its own but an
+    assistant's, which goes on from the text before it as the model wrote it (a next turn's prompt then holds the
+    answer's tokens as they were, and the cache serves them)."""
+    return "".join(("" if i == 0 or m["role"] == "assistant" else "\n") + m["content"]
+                   for i, m in enumerate(messages))
 
 
 def _messages(prompt) -> list[dict]:

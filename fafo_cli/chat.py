@@ -7,6 +7,7 @@ its KV cache does not already hold (so a turn costs its own new tokens, not the 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -16,10 +17,12 @@ from rich.markup import escape
 
 from . import config as config_mod
 from .api import Engine
-from .errors import FafoError, first_line, interrupt_handled, is_out_of_memory
+from .errors import FafoError, first_line, interrupt_handled, is_out_of_memory, shortened
 from .ui import StreamView, method_label, on_terminal
 
 QUOTES = '"""'  # open and close a multi-line message
+SYSTEM_BLOCK = re.compile(r'\s*/set\s+system\s*"""')  # ollama's `/set system """`, the message on the lines after
+COMMANDS = ("/exit", "/quit", "/bye", "/help", "/?", "/reset", "/clear", "/stats", "/set")
 
 
 def _closes(line: str) -> bool:
@@ -38,7 +41,8 @@ HELP = """Commands:
   /set KEY VALUE    change a setting for the next answers: temperature, top_p, top_k, min_p, seed (random: a
                     fresh one each answer), max_tokens (-1: up to the context; ollama's `/set parameter KEY
                     VALUE` too)
-  /set system TEXT  the system message of this conversation from here on
+  /set system TEXT  the system message of this conversation from here on (/set system \"\"\" takes the lines
+                    up to the closing quotes)
   /set              show the settings
   /reset, /clear    forget the conversation (and the cached keys and values), but its system message
   /stats            totals for this session
@@ -77,7 +81,12 @@ class Repl:
         self.prompting = self.interactive and sys.stdin is not None and sys.stdin.isatty()
         self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
         if engine.config.system:  # (--system, or the config's: a template that refuses it would refuse every message)
-            engine.encode([PROBE])
+            self._check_system({"role": "system", "content": engine.config.system})
+
+    @property
+    def typed(self) -> bool:
+        """Whether a person types the input (a terminal), not a script (a file, a pipe)."""
+        return sys.stdin is not None and sys.stdin.isatty()
 
     def _warn(self, message: str) -> None:
         """One line on stderr, never wrapped (scripts and tests read it whole)."""
@@ -97,22 +106,12 @@ class Repl:
         except (OSError, RuntimeError) as e:  # stdin closed (`<&-`: "lost sys.stdin") or unreadable (`nohup`'s)
             self._error(f"cannot read standard input: {getattr(e, 'strerror', None) or e}")
             return None
-        if line.lstrip().startswith(QUOTES):  # a block, as ollama reads one: text may follow the opening quotes,
-            first = line.lstrip()[3:]         # and the line that ends with the closing ones is its last
-            if _closes(first):
-                return first.rstrip()[:-3], True
-            lines = [first] if first.strip() else []
-            while True:
-                try:
-                    more = input("... " if self.prompting else "")
-                except EOFError:
-                    self._error('the input ended inside a """ block; that message was not sent')
-                    return None
-                if _closes(more):
-                    last = more.rstrip()[:-3]
-                    lines += [last] if last.strip() else []
-                    return "\n".join(lines), True
-                lines.append(more)
+        if line.lstrip().startswith(QUOTES):  # a block, as ollama reads one
+            block = self._block(line.lstrip()[3:])
+            return None if block is None else (block, True)
+        if opened := SYSTEM_BLOCK.match(line):  # a system message as a block
+            block = self._block(line[opened.end():])
+            return None if block is None else ("/set system " + block, False)
         lines = [line]
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
@@ -121,6 +120,23 @@ class Repl:
             except EOFError:
                 break
         return "\n".join(lines), False
+
+    def _block(self, first: str) -> str | None:
+        """A \"\"\" block's text, `first` what follows the opening quotes on their line (the line that ends with the
+        closing ones is its last); None where the input ends inside it."""
+        if _closes(first):
+            return first.rstrip()[:-3]
+        lines = [first] if first.strip() else []
+        while True:
+            try:
+                more = input("... " if self.prompting else "")
+            except EOFError:
+                self._error('the input ended inside a """ block; that message was not sent')
+                return None
+            if _closes(more):
+                last = more.rstrip()[:-3]
+                return "\n".join(lines + ([last] if last.strip() else []))
+            lines.append(more)
 
     def run(self) -> int:
         """The session; its exit status: 1 where a script's input was refused somewhere, else 0."""
@@ -141,6 +157,8 @@ class Repl:
                 if read is not None:
                     read[0].encode("utf-8")
             except KeyboardInterrupt:
+                if not self.typed:  # a script's input: Ctrl-C stops the script, not one of its questions
+                    raise
                 interrupt_handled()
                 self.err.print("\n(use /exit or Ctrl-D to leave)")  # (not into a transcript on stdout)
                 continue
@@ -155,19 +173,27 @@ class Repl:
             if not text.strip():
                 continue
             try:
-                if not block and text.strip().startswith("/"):
+                if not block and self._is_command(text.strip()):
                     if self._command(text.strip()):
                         return self._status()
                     continue
                 self._answer(text)
             except KeyboardInterrupt:  # outside the answer's own (fitting a long chat, a command): that turn only
+                if not self.typed:
+                    raise
                 interrupt_handled()
                 if self.messages and self.messages[-1]["role"] == "user":  # (its answer never came)
                     self.messages.pop()
                 self.err.print("[dim](stopped)[/]")
 
     def _status(self) -> int:
-        return int(self.failed and not (sys.stdin is not None and sys.stdin.isatty()))  # (read from a file or pipe)
+        return int(self.failed and not self.typed)  # (read from a file or pipe)
+
+    @staticmethod
+    def _is_command(text: str) -> bool:
+        """A line that starts with / is a command; several lines (a paste) only where they open with one of ours: a
+        pasted path or `/* comment */` is a message."""
+        return text.startswith("/") and ("\n" not in text or text.split()[0].lower() in COMMANDS)
 
     def _command(self, line: str) -> bool:
         """Handle a /command; True means leave."""
@@ -185,7 +211,7 @@ class Repl:
         elif name == "/set":
             self._set(line.split(maxsplit=1)[1] if len(line.split()) > 1 else "")
         else:
-            self._error(f"unknown command {name} (try /help)")
+            self._error(f'unknown command {shortened(name, 40)} (try /help; to send it as text, wrap it in """)')
         return False
 
     def _set(self, args: str) -> None:
@@ -199,12 +225,7 @@ class Repl:
             self._set_system(args.split(maxsplit=1)[1] if len(words) > 1 else "")
             return
         if not words:
-            config = self.engine.request_config(**self.settings)
-            seed = config_mod.build(self.engine.config, **self.settings).seed  # (before request_config's draw)
-            if seed is None and config.temperature > 0:  # each sampled answer draws its own
-                seed = "random"
-            shown = {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
-            self.out.print("  ".join(f"{key}={value}" for key, value in shown.items()), markup=False)
+            self.out.print("  ".join(f"{key}={value}" for key, value in self._current().items()), markup=False)
             return
         if len(words) != 2 or words[0] not in SETTABLE:
             self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; or /set system TEXT")
@@ -220,8 +241,9 @@ class Repl:
         except FafoError as e:
             self._error(str(e))
             return
-        except (yaml.YAMLError, ValueError) as e:  # (ValueError: an integer past Python's limit of digits)
-            self._error(f"cannot read {raw[:40]!r} as a value ({first_line(e)})")
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # (ValueError: an integer past Python's limit of
+            # digits; RecursionError: brackets nested hundreds deep)
+            self._error(f"cannot read {raw[:40]!r} as a value ({first_line(e) or type(e).__name__})")
             return
         self.settings[key] = value
         # what an earlier /set asked for that this one leaves without effect (temperature 0 after a top_p): cleared,
@@ -232,7 +254,17 @@ class Repl:
         for other in idle:
             del self.settings[other]
         cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
-        self.out.print(f"{key} = {value}{cleared}", markup=False)
+        shown = (f"{self._current()[key]} (the default)" if value is None else
+                 "random (a fresh seed each answer)" if value == "" else value)
+        self.out.print(f"{key} = {shown}{cleared}", markup=False)
+
+    def _current(self) -> dict:
+        """The settings the next answer runs with, as `/set` shows them."""
+        config = self.engine.request_config(**self.settings)
+        seed = config_mod.build(self.engine.config, **self.settings).seed  # (before request_config's draw)
+        if seed is None and config.temperature > 0:  # each sampled answer draws its own
+            seed = "random"
+        return {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
 
     def _set_system(self, text: str) -> None:
         """The conversation's system message from here on (ollama's `/set system`): the first message, so that it
@@ -243,12 +275,21 @@ class Repl:
         system = {"role": "system", "content": text}
         try:
             self.engine.check_given(self.engine.request_config(system=text), {"system"})
-            self.engine.encode([system, PROBE])  # a template that takes no system message refuses it now, not every
-        except FafoError as e:                   # later message
+            self._check_system(system)
+        except FafoError as e:
             self._error(str(e))
             return
         self.messages[:] = [system] + [m for m in self.messages if m["role"] != "system"]
         self.out.print("system message set", markup=False)
+
+    def _check_system(self, system: dict) -> None:
+        """Refuses a system message now rather than every later message: one the chat template refuses, or one that
+        leaves no room in the model's context for a message and its answer (the room `_fit_context` keeps)."""
+        context = self.engine.model.max_context
+        room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
+        if len(self.engine.encode([system, PROBE])) > context - room:
+            raise FafoError(f"the system message leaves no room for a message and its answer in the model's context "
+                            f"({context} tokens)")
 
     def _effective(self, config, key: str) -> bool:
         try:
@@ -315,8 +356,10 @@ class Repl:
                     answer.append(step.text)  # (first: what is shown is in the conversation, however it stops)
                     view.show(step)
         except KeyboardInterrupt:
-            interrupt_handled()
             stream.close()
+            if not self.typed:  # a script's input: the whole script stops
+                raise
+            interrupt_handled()
             self.err.print("[dim](stopped)[/]")  # (not into the answer's text where stdout is a file)
             if not "".join(answer):  # stopped before a word: the exchange did not happen
                 self.messages.pop()

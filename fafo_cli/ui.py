@@ -7,11 +7,11 @@ panel are redrawn, at a bounded rate (never per token), so long answers stay che
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Iterable
 
 from rich.console import Console, Group
-from rich.control import strip_control_codes
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -132,10 +132,11 @@ class StreamView:
         """The unfinished line's end, as much as `rows` rows of the terminal show (the whole line is printed once it
         ends): a long paragraph would push the panel off the screen, and the newest text with it."""
         rows, width = max(1, rows), self.console.size.width
-        tail = self._pending[-rows * width:]  # (at least `rows` rows: a character takes a column or more)
+        pending = shown(self._pending)
+        tail = pending[-rows * width:]  # (at least `rows` rows: a character takes a column or more)
         lines = Text(tail).wrap(self.console, width)
-        if len(lines) <= rows and len(tail) == len(self._pending):
-            return Text(self._pending)
+        if len(lines) <= rows and len(tail) == len(pending):
+            return Text(pending)
         if rows == 1:
             return lines[-1]
         return Text("\n").join([Text("…", style="dim"), *lines[len(lines) - rows + 1:]])  # (a row: text left out)
@@ -207,12 +208,23 @@ class StreamView:
                 print(line, file=self.stats_console.file, flush=True)
 
 
+# what a terminal would act on rather than show (an escape sequence moves the cursor, clears the screen, sets the
+# window's title): a model that copies a log's colour codes must not redraw the live view
+CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """`text` as the live view shows it: tabs and line ends kept, the other control characters left out (the
+    answer itself, in the conversation and in --json, keeps them)."""
+    return CONTROLS.sub("", text)
+
+
 class AnswerLine:
     """A line of the answer as written, tabs kept (rich's Text turns them into spaces: a Makefile or Go code copied
-    from the terminal would not be the answer); the controls that would move the cursor (\\r, \\b) left out."""
+    from the terminal would not be the answer); control characters left out (`shown`)."""
 
     def __init__(self, line: str):
-        self.line = strip_control_codes(line)
+        self.line = shown(line)
 
     def __rich_console__(self, console: Console, options) -> Iterable[Segment]:
         yield Segment(self.line)

@@ -148,6 +148,9 @@ def _throwaway_cache() -> Path:
             except OSError:  # no links here: that item is made again where a test needs it
                 pass
     os.environ["FAFO_CACHE"] = str(cache)
+    # torch's compiler cache, shared by the session's builds (each build process otherwise gets one of its own,
+    # thrown away after it: the same tiny model's packages, built again by several tests, would compile anew)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     # nor the user's config file (`fafo config init`, `--tune` or `doctor --write` would change what tests run)
     (cache / "config").mkdir()
     os.environ["XDG_CONFIG_HOME"] = str(cache / "config")

@@ -402,6 +402,23 @@ def test_rounding_noise_is_zero_in_float32(tiny):
     assert rounding_noise(exact, list(range(40, 70)), generated) == 0.0  # float32: nothing is excused
 
 
+def test_judging_a_divergence_leaves_the_engine_answering(tiny):
+    """The noise a divergence is judged by is measured on the engine's own session (bf16, or any dtype on a GPU):
+    a cache it grew, the masks it made, serve the answers after it (made in inference mode, a later FAFO step's
+    in-place copy of accepted rows into them raised)."""
+    from fafo_cli import load
+    from fafo_cli.bench.exactness import classify, rounding_noise
+
+    engine = load(str(tiny), dtype="bfloat16", chat_template=False)
+    text = "abc abc abc abc abc abc"
+    prompt = engine.encode(text)
+    plain = engine.complete(text, method="vanilla", max_tokens=40, temperature=0.0).token_ids
+    assert rounding_noise(engine, prompt, plain) >= 0.0
+    classify(engine, prompt, plain, plain, len(plain) // 2, 0.5)
+    fafo = engine.complete(text * 8, method="fafo", max_tokens=200, temperature=0.0, streams=2)
+    assert fafo.stats.accepted_tokens > 0 and len(fafo.token_ids) == 200
+
+
 @pytest.mark.slow
 def test_rounding_noise_is_measured_in_bfloat16(smollm2):
     """Dense bf16 weights on a CPU with native bf16 products: torch's GEMM sums a 9-row pass in another order than

@@ -562,15 +562,18 @@ def test_chat_whose_standard_input_cannot_be_read_says_so_and_ends(monkeypatch, 
     assert err.getvalue().startswith("error: cannot read standard input: ") and err.getvalue().count("\n") == 1
 
 
-def test_chat_stopped_before_its_first_word_keeps_no_empty_exchange(tiny):
+def test_chat_stopped_before_its_first_word_keeps_no_empty_exchange(tiny, monkeypatch):
     """Ctrl-C before the answer's first token: the question is dropped too (an empty assistant turn would be sent
-    with every later message); stopped later, the partial answer stays, as ollama keeps it."""
+    with every later message); stopped later, the partial answer stays, as ollama keeps it. Where a script is the
+    input (not a terminal), Ctrl-C stops the whole chat, not one answer."""
     import io as io_mod
 
     from rich.console import Console
 
     from fafo_cli import load
     from fafo_cli.chat import Repl
+
+    monkeypatch.setattr(Repl, "typed", property(lambda self: True))
 
     engine = load(str(tiny), dtype="float32")
     repl = Repl(engine, Console(file=io_mod.StringIO()), Console(file=io_mod.StringIO()))
@@ -592,6 +595,9 @@ def test_chat_stopped_before_its_first_word_keeps_no_empty_exchange(tiny):
     engine.stream = stopped(after_text=True)
     repl._answer("Hello there")
     assert [m["role"] for m in repl.messages] == ["user", "assistant"] and repl.messages[1]["content"]
+    monkeypatch.setattr(Repl, "typed", property(lambda self: False))
+    with pytest.raises(KeyboardInterrupt):
+        repl._answer("Hello again")
 
 
 def test_chat_stopped_outside_the_answer_drops_that_turn_only(tiny, monkeypatch):
@@ -605,6 +611,7 @@ def test_chat_stopped_outside_the_answer_drops_that_turn_only(tiny, monkeypatch)
     from fafo_cli import load
     from fafo_cli.chat import Repl
 
+    monkeypatch.setattr(Repl, "typed", property(lambda self: True))
     engine = load(str(tiny), dtype="float32")
     out, err = io_mod.StringIO(), io_mod.StringIO()
     repl = Repl(engine, Console(file=out), Console(file=err))
@@ -695,13 +702,15 @@ def test_running_out_of_memory_in_a_chat_answer_keeps_the_conversation(tiny, mon
 
 
 def test_chat_repl_script(tiny):
-    script = '/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n/reset\n/stats\n'
+    script = ('/help\nhello there\n"""\nfirst line\nsecond line\n"""\ncontinued \\\nline\n/stats\n/bogus\n'
+              '/set system """\nYou are terse.\nVery.\n"""\n/reset\n/stats\n')
     result = _chat(tiny, script)
     assert result.returncode == 1, result.stderr  # /bogus, in a script
     assert "/reset" in result.stdout and "Ctrl-C stops the current answer" in result.stdout  # /help
     assert "3 turns · 24 tokens generated" in result.stdout  # hello, the """ block, the \ continuation
     assert "conversation cleared" in result.stdout
-    assert "unknown command /bogus (try /help)" in result.stderr
+    assert 'unknown command /bogus (try /help; to send it as text, wrap it in """)' in result.stderr
+    assert "system message set" in result.stdout  # ollama's `/set system """`: the lines up to the closing quotes
     assert "Traceback" not in result.stderr
     # each answer cut at -n 8: said on stderr, where no footer says it (stdout is not a terminal)
     assert result.stderr.count("note: the answer stopped at max_tokens") == 3
@@ -730,8 +739,13 @@ def test_chat_takes_ollamas_commands(tiny):
     repl = Repl(load(str(tiny), dtype="float32", max_tokens=8), Console(file=out), Console(file=io.StringIO()))
     for command in ("/?", "/set parameter num_predict 3", "/set temperature 0.5", "/set seed random"):
         assert repl._command(command) is False
-    assert "/reset, /clear" in out.getvalue() and "max_tokens = 3" in out.getvalue() and "seed = " in out.getvalue()
+    assert "/reset, /clear" in out.getvalue() and "max_tokens = 3" in out.getvalue()
+    assert "seed = random (a fresh seed each answer)" in out.getvalue()
     assert repl.settings == {"max_tokens": 3, "temperature": 0.5, "seed": ""} and not repl.failed
+    repl._command("/set temperature null")  # the launch value again, said as such
+    assert "temperature = 0.0 (the default)" in out.getvalue()
+    repl._command("/set temperature 0.5")
+    repl._command("/set seed random")
     repl._command("/set parameter num_predict -1")  # ollama's "no limit": the answer may fill the context
     assert repl.settings["max_tokens"] == repl.engine.model.max_context and not repl.failed
     repl._command("/set max_tokens 3")
@@ -744,6 +758,14 @@ def test_chat_takes_ollamas_commands(tiny):
     assert repl.messages[0] == {"role": "system", "content": "Answer in German."}
     repl._command("/set system   ")
     assert "usage: /set system TEXT" in repl.err.file.getvalue() and repl.failed
+    repl._command("/set system " + "Answer briefly. " * 1000)  # beyond the context: refused now, not every message
+    assert ("error: the system message leaves no room for a message and its answer in the model's context (2048 "
+            "tokens)") in repl.err.file.getvalue() and repl.messages[0]["content"] == "Answer in German."
+    repl._command("/set temperature " + "[" * 600)  # nested past the YAML reader's recursion
+    assert "error: cannot read '[[[" in repl.err.file.getvalue()
+    # a paste of several lines that opens with / is a message unless it opens with a command
+    assert not Repl._is_command("/etc/hosts:\nwhat is this file?") and Repl._is_command("/etc/hosts")
+    assert Repl._is_command("/set system Be\nbrief.") and Repl._is_command("/BYE\n")
     assert repl._command("/bye") is True
 
 
@@ -913,8 +935,10 @@ def test_model_without_chat_template_continues_plain_text_with_a_notice(capsys, 
     engine.check_given(engine.request_config(chat_template=False), {"chat_template"})
     # a config file's system prompt (a default) is left out of a chat's plain text, as of a string prompt's
     defaulted = load(str(folder), dtype="float32", system="Be brief.")
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
-    assert defaulted.encode(chat) == engine.encode(chat) == engine.tokenizer("hi\nyes")["input_ids"]
+    # each message on a line of its own, but an answer, which goes on from the text as the model wrote it
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " yes"},
+            {"role": "user", "content": "more"}]
+    assert defaulted.encode(chat) == engine.encode(chat) == engine.tokenizer("hi yes\nmore")["input_ids"]
     assert defaulted.encode("hi") == engine.encode("hi")
     for flags in (["--chat-template"], ["--system", "Be brief."]):  # a server's defaults that no request could use
         code, out, err = run_cli(capsys, "serve", folder, "--port", "0", "--dtype", "float32", *flags)
@@ -1079,6 +1103,13 @@ def test_a_long_answer_line_is_not_broken_on_a_terminal():
         view.show(Step((2,), "\tstrip app", Stats(), finish_reason="length"))
     shown = buffer.getvalue()
     assert "all:\n" in shown and "\tcc -o app main.c\n" in shown and "\tstrip app\n" in shown and "c\r" not in shown
+    buffer = io.StringIO()  # a log's escape sequences copied by the model: shown, not acted on (clear, set a title)
+    with StreamView(Console(file=buffer, force_terminal=True, width=40), method="fafo", live=True,
+                    show_footer=False) as view:
+        view.show(Step((1,), "\x1b[2Jcleared\n\x1b]0;title\x07", Stats()))
+        view.show(Step((2,), "\x1b[1;31mred", Stats(), finish_reason="length"))
+    shown = buffer.getvalue()
+    assert "[2Jcleared\n" in shown and "\x1b[2J" not in shown and "\x1b]0;" not in shown and "\x1b[1;31m" not in shown
 
 
 def test_a_long_unfinished_line_leaves_its_end_and_the_panel_on_screen():

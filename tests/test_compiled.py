@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +156,30 @@ def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny
     engine.__dict__["steps_folder"] = tmp_path / "elsewhere"  # not the folder that process finds for this model
     with pytest.raises(CompileError, match="^the model in .* loaded again is not the one whose steps are built$"):
         engine.build_elsewhere(1, tmp_path / "rows1.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_building_process_leaves_no_compiler_files_behind(tiny, tmp_path, monkeypatch):
+    """torch's compiler writes its sources, libraries and unpacked packages to the system's temporary folder and
+    never removes them: the building process's temporary folder and compiler cache are a folder beside the
+    packages, removed after the build (one a killed process left, by the next build)."""
+    import subprocess
+    import sys
+
+    from fafo_cli.compiled.build import CompileError
+
+    engine = load(str(tiny), dtype="float32", compile="on")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    stale = tmp_path / ".build-999999999-left"  # (no such process)
+    (stale / "torchinductor").mkdir(parents=True)
+    popen = subprocess.Popen
+    work = ("import os, sys, tempfile; open(os.path.join(tempfile.gettempdir(), 'aotinductor_x'), 'w').write('x'); "
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], tempfile.gettempdir(), file=sys.stderr); sys.exit(1)")
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kwargs: popen([sys.executable, "-c", work], **kwargs))
+    with pytest.raises(CompileError) as raised:
+        engine.build_elsewhere(1, tmp_path / "rows1.pt2")
+    cache, temporary = str(raised.value).split()
+    assert cache == temporary and Path(cache).parent == tmp_path and Path(cache).name.startswith(".build-")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -353,6 +378,31 @@ def test_side_by_side_keeps_the_least_of_its_groups_medians(monkeypatch):
     assert timing.side_by_side(model, {1: None, 4: None}, groups=3) == {1: 6.0, 4: 9.0}
 
 
+def test_a_compiled_step_out_of_memory_runs_eager_and_keeps_its_package(tiny, tmp_path):
+    """A step whose package runs out of memory runs eager (the caller's None), said once; the package serves the
+    next step (a moment's shortage on a long-running server is not a broken package)."""
+    from fafo_cli.compiled import steps as steps_mod
+    from fafo_cli.runtime.rows import plain_step
+
+    model = load(str(tiny), dtype="float32", chat_template=False, compile="off").model
+    notices: list[str] = []
+    steps = steps_mod.CompiledSteps(model, tmp_path, mode="auto", notify=notices.append)
+    calls = []
+
+    def short_of_memory(*args):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    steps._runners = {1: short_of_memory}
+    cache = model.new_cache(64, 64)
+    cache.commit(steps_mod.MIN_LENGTH)
+    step = plain_step(5, model.device)
+    ids, positions = torch.tensor([5]), torch.tensor([cache.length])
+    assert steps(step, ids, positions, cache) is None and steps(step, ids, positions, cache) is None
+    assert len(calls) == 2 and steps._runners[1] is short_of_memory
+    assert notices == ["a compiled step ran out of memory; that step ran eager"]
+
+
 def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path, monkeypatch):
     """The planner's package costs: timed together when first asked for (not each package's build record), kept
     beside the packages and read from there after; a size not kept yet re-times it with the kept ones whose
@@ -386,6 +436,12 @@ def test_package_costs_are_timed_side_by_side_once_and_kept(tiny, tmp_path, monk
     steps.paths(3)[0].unlink()  # a kept size whose package is gone is not timed again, and no longer kept
     assert set(steps.step_costs([1, 2])) == {1, 2} and set(calls) == {1, 2}
     assert set(read_step_costs(tmp_path)["compiled"]) == {1, 2}
+    steps.paths(3)[0].touch()  # a kept size this process has not loaded is not loaded to be timed (a dense model's
+    loaded, steps._runners = steps._runners, {1: package(1), 3: package(3)}  # packages each hold the weights)
+    calls.clear()
+    assert set(steps.step_costs([1, 3])) == {1, 3} and set(calls) == {1, 3} and 2 not in steps._runners
+    steps._runners = loaded
+    steps.paths(3)[0].unlink()
     calls.clear()
     assert steps.step_costs([1, 2], refresh=True) and set(calls) == {1, 2}
     assert steps.step_costs([1, 4]) is None and steps.step_costs([1, 1000]) is None  # no package serves 4, 1000

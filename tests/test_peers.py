@@ -369,6 +369,8 @@ def test_triforce_retrieval_cache_stays_its_size_and_is_rebuilt(tiny, monkeypatc
         # the budget and a round's rows (γ2 + γ1 + 1), never more
         assert drafter.retrieval.length <= 64 and drafter.retrieval.capacity == 64 + 4 + 2 + 1
     assert memory[0] == memory[1]  # bounded: ten times the answer, the same memory
+    engine.complete("Hi there", max_tokens=4, **settings)  # a prompt shorter than the budget: what it holds
+    assert made[-1].retrieval.capacity <= len(engine.encode("Hi there")) + 4 + 8 + 7 < 64 + 7
     assert drafter.rebuilds >= 400 // 8  # every 8 accepted tokens at least (after the prefill's first)
     # acceptance halving since the last rebuild rebuilds before the room is full; holding up does not
     for accepted, rebuilt in ((1, True), (7, False)):

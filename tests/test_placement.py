@@ -153,3 +153,13 @@ def test_gpus_needs_cuda_gpus(tiny, tmp_path, capsys):
     assert entrypoint(["run", str(tiny), "--gpus", "2", "--prompt", str(prompt)]) == 1
     assert capsys.readouterr().err.strip() == ("error: --gpus 2 spreads the model over CUDA GPUs; the device here "
                                                "is cpu")
+
+
+def test_a_mask_goes_to_a_later_gpu_once_a_pass():
+    """A spread model's later GPUs read the step's mask in each of their layers: copied there once a pass."""
+    from fafo_cli.runtime.model import on_device
+
+    mask, copies = torch.ones(3, 5, dtype=torch.bool), {}
+    moved = on_device(mask, OTHER, copies)
+    assert moved is not mask and torch.equal(moved, mask) and on_device(mask, OTHER, copies) is moved
+    assert on_device(mask, CPU, copies) is mask and on_device(None, OTHER, copies) is None and len(copies) == 1

@@ -152,6 +152,21 @@ def test_one_token_at_a_time_matches_one_shot_and_grows_geometrically():
             assert torch.equal(a, b)
 
 
+def test_the_4bit_copy_grows_a_quarter_at_a_time():
+    """As the exact cache grows: doubling held up to twice the positions the answer used (QuantSpec's draft memory
+    counted them), and three times while it copied."""
+    cache = _fake_cache(positions=512)
+    quant = QuantizedKV(2, 2, 16, group=16, device=CPU)
+    cache.commit(256)
+    quant.sync(cache.keys, cache.values, cache.length)
+    assert quant.length == quant.capacity == 256
+    cache.commit(20)  # one more whole group
+    quant.sync(cache.keys, cache.values, cache.length)
+    assert quant.length == 272 and quant.capacity == 256 + 64
+    for layer in range(2):
+        _assert_within_bound(quant, cache, layer, 0, 272)
+
+
 def test_sync_quantizes_a_layer_at_a_time(monkeypatch):
     """A long prompt's first sync held float copies of every layer's keys and values at once (several times the
     cache's own memory, out of memory right after a prefill that fit): one layer's at a time, same codes."""

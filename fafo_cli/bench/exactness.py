@@ -41,7 +41,7 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
     return None if same == len(ours) == len(reference) else same
 
 
-@torch.inference_mode()
+@torch.no_grad()  # (not inference mode: a cache it grows, the masks it makes, are used by later answers)
 def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, single=None, multi=None,
                    rows: int = CALIBRATION_ROWS) -> float:
     """How far a `rows`-row pass moves the gap between two near-top logits, against one-row passes, on this
@@ -81,7 +81,7 @@ def rounding_noise(engine, prompt_ids: list[int], generated: list[int], *, singl
 _AS_LOADED = object()  # classify's `steps` default: the compiled steps the session has
 
 
-@torch.inference_mode()
+@torch.no_grad()  # (not inference mode: a cache it grows, the masks it makes, are used by later answers)
 def classify(engine, prompt_ids: list[int], reference: list[int], ours: list[int], position: int,
              tolerance: float, steps=_AS_LOADED) -> Divergence:
     """Vanilla's logits at the divergence as plain decoding made them: the prompt prefilled from an empty cache,

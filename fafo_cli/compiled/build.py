@@ -48,8 +48,8 @@ MIN_LENGTH = 2  # export specialises sizes 0 and 1; a step after a one-token pro
 GRAPH_VERSION = 15
 # the Python a step's graph is traced from, besides transformers' own layers (by its version)
 TRACED_SOURCES = tuple(Path(__file__).parent.parent / name for name in (
-    "compiled/build.py", "compiled/packed.py", "compiled/kernels/bf16_gemm.py", "runtime/model.py", "runtime/llama.py",
-    "runtime/cache.py"))
+    "compiled/build.py", "compiled/packed.py", "compiled/kernels/bf16_gemm.py", "compiled/kernels/loader.py",
+    "runtime/model.py", "runtime/llama.py", "runtime/cache.py"))  # (loader: our ops' shapes as traced, which it serves)
 
 
 def load_package(path: Path, constants: dict[str, torch.Tensor] | None = None) -> Callable:
@@ -216,9 +216,12 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
             # the model's code does, as eager does. Without it SmolLM2's 1-row and 6-row packages gave a token
             # different logits, so compiled FAFO parted from compiled plain decoding at near-ties; with it each
             # row is bit for bit the eager step's with the same kernels, whatever the row count (no slower).
+            # No precompiled header: a build's compiler files are thrown away after it (Engine.build_elsewhere), and
+            # one made afresh for each build (150 MB) made it slower (docs/benchmarks.md).
             options = {"freezing": True, "autotune_num_choices_displayed": 0,
                        "max_autotune_report_choices_stats": False, "emulate_precision_casts": True,
-                       "aot_inductor.package_constants_in_so": not shared_constants}
+                       "aot_inductor.package_constants_in_so": not shared_constants,
+                       "aot_inductor.precompile_headers": False}
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest

@@ -225,8 +225,10 @@ class CompiledSteps(OnceNotices):
             if self._timing_failed and not refresh or any(self.runner(package) is None
                                                           for package in set(packages.values())):
                 return None
-            timed = self._time_side_by_side(set(packages.values()) | {size for size in self._timings
-                                                                      if self.paths(size)[0].exists()})
+            # with the kept sizes this process runs, whose packages are still there: the others are not loaded to
+            # be timed (a dense model's packages each hold the weights) and are timed again where a run needs them
+            timed = self._time_side_by_side(set(packages.values()) | {
+                size for size in self._timings if self._runners.get(size) and self.paths(size)[0].exists()})
             self._timing_failed = timed is None
             if timed is None:
                 return None
@@ -411,6 +413,9 @@ class CompiledSteps(OnceNotices):
         try:
             logits = runner(ids, positions, local, sees_cache, sees_view, view_mask, self._layer_views[1], self._layer_views[2])
         except Exception as error:  # noqa: BLE001 - e.g. a shape the package was not built for: run eager
+            if is_out_of_memory(error):  # a moment's shortage: this step eager, the package kept for the next
+                self.notify_once("a compiled step ran out of memory; that step ran eager")
+                return None
             self.notify(f"compiled step failed, running eager: {first_line(error, named=True)}")
             self._runners[size] = None
             return None

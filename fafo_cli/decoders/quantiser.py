@@ -131,8 +131,11 @@ class QuantizedKV:
         return self.key_codes.shape[1]
 
     def _reserve(self, slots: int) -> None:
+        """Room for `slots` positions: a quarter more at a time, as the exact cache grows (doubling held up to twice
+        what the answer used, and counted it as the draft's memory)."""
         if slots > self.capacity:
-            self._allocate(max(slots, 2 * self.capacity))  # both multiples of group
+            grown = self.capacity + max(self.group, self.capacity // 4 // self.group * self.group)
+            self._allocate(max(slots, grown))  # both multiples of group
 
     def sync(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Quantize the whole groups of the exact cache's first `length` positions not yet held

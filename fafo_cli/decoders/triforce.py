@@ -143,8 +143,10 @@ class TriForce:
         self.sampling, self.draws = request.sampling, draws and draws.below()  # the middle level's
         # slots are not positions here: the draft rows of a round may pass the model's context by a few slots
         slack = self.gamma2 + self.gamma1 + 1
-        # grown as filled: a budget beyond the context never holds more than the context (nor is allocated)
-        self.retrieval = self.model.new_cache(initial_slots=min(self.budget + slack, RETRIEVAL_SLOTS),
+        # grown as filled: allocated for what the first rebuild and its room hold (a budget beyond the context is
+        # never allocated, nor counted as the draft's memory)
+        filled = min(self.budget, self.main.length + self.room) + slack
+        self.retrieval = self.model.new_cache(initial_slots=min(filled, RETRIEVAL_SLOTS),
                                               max_slots=self.budget + slack)
         self._rebuild()
 

@@ -299,14 +299,24 @@ def _folded_mask(mask: torch.Tensor, group: int, dtype: torch.dtype, memo: dict 
     return memo[key]
 
 
+def on_device(mask: torch.Tensor | None, device: torch.device, copies: dict) -> torch.Tensor | None:
+    """`mask` on `device`: a spread model's later GPUs read it in each of their layers, copied there once a pass
+    (`copies`, the pass's own), not once a layer."""
+    if mask is None or mask.device == device:
+        return mask
+    if device not in copies:
+        copies[device] = mask.to(device)
+    return copies[device]
+
+
 def causal_attention(mask: torch.Tensor | None, scaling: float) -> Attention:
     """Plain attention: every row sees the cache plus `mask` (None: a single row that sees everything). Its layers
     share one `memo` (folded_attention's)."""
     memo: dict = {}
+    copies: dict = {}
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        here = mask if mask is None or mask.device == q.device else mask.to(q.device)  # a spread model's later GPUs
-        return grouped_attention(q, k, v, here, scaling, memo)
+        return grouped_attention(q, k, v, on_device(mask, q.device, copies), scaling, memo)
 
     return attend
 

@@ -15,7 +15,7 @@ import torch
 
 from ...runtime.cache import KVCache
 from ...runtime.masks import PrefixMasks
-from ...runtime.model import grouped_attention
+from ...runtime.model import grouped_attention, on_device
 from ...runtime.rows import RowLayout
 from ...runtime.syncs import upload
 
@@ -48,6 +48,7 @@ class FafoAttention:
         self.split = compressor.view(0) is not None
         # each mask folded for torch's kernel once a pass, not in every layer (folded_attention's memo: one per mask)
         self._memos: tuple[dict, dict] = ({}, {})
+        self._copies: dict = {}  # the mask on a spread model's later GPUs
         self.observe = getattr(compressor, "observe", None) if getattr(compressor, "needs_query", False) else None
         if self.split:
             self.view_size = compressor.view_size(cache)
@@ -70,9 +71,9 @@ class FafoAttention:
         n_verify, start = self.verify_rows, self.cache.length
         if self.observe is not None:  # query-aware compressors learn from the anchor row
             self.observe(layer, q[0, :, 0], self.cache.keys[layer, :start])
-        if not self.split:  # (the mask moves to a spread model's later GPUs)
-            mask = self.mask if self.mask.device == q.device else self.mask.to(q.device)
-            return grouped_attention(q, k, v, mask, self.scaling, self._memos[0])
+        if not self.split:
+            return grouped_attention(q, k, v, on_device(self.mask, q.device, self._copies), self.scaling,
+                                     self._memos[0])
         # The window rows see C(kv), then the anchor and themselves: place those rows' keys after the view.
         view_k, view_v = self.compressor.view(layer)
         n = self.view_size
