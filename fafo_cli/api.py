@@ -186,7 +186,7 @@ class Engine:
         import subprocess
         import tempfile
 
-        from .compiled.build import CompileError
+        from .compiled.build import CompileError, out_of_memory_said
         from .files import _gone
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
@@ -227,7 +227,8 @@ class Engine:
                                + (": out of memory?)" if number == signal.SIGKILL else ")"), transient=True)
         if process.returncode != 0:
             lines = [line for line in said.splitlines() if line.strip()]
-            raise CompileError(lines[-1] if lines else f"the building process ended with code {process.returncode}")
+            last = lines[-1] if lines else f"the building process ended with code {process.returncode}"
+            raise CompileError(last, transient=out_of_memory_said(last))
 
     @property
     def name(self) -> str:

@@ -571,8 +571,9 @@ def bench(
 def doctor(
     config: ConfigOpt = None,
     *, flags: dict,
-    write: Annotated[bool, typer.Option("--write", help="Write the recommended settings into the config (or the "
-                                        "--config file, created where missing), as `fafo bench --tune` does.")] = False,
+    write: Annotated[bool, typer.Option("--write", help="Keep the measured cost curve, from which `streams: auto` "
+                                        "derives the recommended width for this model and device, and set `streams: "
+                                        "auto` in the config (or the --config file, created where missing).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the report.")] = False,
     gpu_report: Annotated[Optional[str], typer.Option("--gpu-report", metavar="FILE", show_default=False,
                                                       help="Also measure a 7B-shaped random-weight Llama's steps "

@@ -159,6 +159,21 @@ def test_a_package_is_built_by_a_process_of_its_own_that_says_why_it_failed(tiny
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_build_says_the_compilers_error_and_whether_memory_ran_out():
+    """torch's first line of a C++ compiler's failure is only "C++ compile error": the compiler's first error line
+    says why; a compiler killed for memory is a failure of the moment (not recorded: tried again next time)."""
+    from fafo_cli.compiled.build import failure
+
+    missing = RuntimeError("C++ compile error\n\nCommand:\ng++ /tmp/x.cpp -o x.so\n\nOutput:\n/tmp/x.cpp:3:10: fatal "
+                           "error: Python.h: No such file or directory\ncompilation terminated.")
+    said = failure(missing)
+    assert str(said) == ("RuntimeError: C++ compile error: /tmp/x.cpp:3:10: fatal error: Python.h: No such file or "
+                         "directory") and not said.transient
+    killed = RuntimeError("C++ compile error\nOutput:\ng++: fatal error: Killed signal terminated program cc1plus")
+    assert failure(killed).transient and failure(MemoryError()).transient
+    assert not failure(RuntimeError("unsupported op: aten::foo")).transient
+
+
 def test_a_building_process_leaves_no_compiler_files_behind(tiny, tmp_path, monkeypatch):
     """torch's compiler writes its sources, libraries and unpacked packages to the system's temporary folder and
     never removes them: the building process's temporary folder and compiler cache are a folder beside the
@@ -180,7 +195,14 @@ def test_a_building_process_leaves_no_compiler_files_behind(tiny, tmp_path, monk
         engine.build_elsewhere(1, tmp_path / "rows1.pt2")
     cache, temporary = str(raised.value).split()
     assert cache == temporary and Path(cache).parent == tmp_path and Path(cache).name.startswith(".build-")
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and not raised.value.transient
+    # its compiler killed for memory, as that process says: a failure of the moment, tried again next time
+    said = "import sys; print('C++ compile error: g++: fatal error: Killed signal terminated program cc1plus', " \
+           "file=sys.stderr); sys.exit(1)"
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kwargs: popen([sys.executable, "-c", said], **kwargs))
+    with pytest.raises(CompileError, match="Killed signal") as raised:
+        engine.build_elsewhere(1, tmp_path / "rows1.pt2")
+    assert raised.value.transient
 
 
 @pytest.mark.parametrize("number, said", [(9, "SIGKILL: out of memory?"), (35, "signal 35")])

@@ -69,8 +69,9 @@ def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
         bounds = [brute_bound(queries[layer], cache.keys[layer, p * 8:min(100, (p + 1) * 8)]) for p in range(pages)]
         fast = page_bounds(queries[layer], quest.page_min[layer, :pages], quest.page_max[layer, :pages])
         assert torch.allclose(fast, torch.tensor(bounds), atol=1e-4)
-        # 4 pages kept: the budget less room for a refresh's tokens and a step's commit, (48 - 8 - 3) // 8
-        top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:3]) + [pages - 1]
+        # 5 pages kept: the budget less room for a refresh's tokens, (48 - 8) // 8 (a step's commit beyond the
+        # budget is the view's spare slots')
+        top = sorted(sorted(range(pages - 1), key=lambda p: -bounds[p])[:4]) + [pages - 1]
         expected = [pos for p in top for pos in range(p * 8, min(100, (p + 1) * 8))]
         assert quest.selected_positions(cache, layer) == expected
         view_keys = quest.view(layer)[0][:quest.view_size(cache)]
@@ -128,7 +129,8 @@ def test_snapkv_keeps_pooled_top_scores_plus_window():
                 logits = cache.keys[layer, :row + 1, h // 2] @ q[layer, h, row] * 0.5
                 scores[:row + 1] += logits.softmax(0)
         pooled = torch.tensor([scores[max(0, i - 1):i + 2].max() for i in range(112)])
-        expected = sorted(torch.topk(pooled, keep).indices.tolist()) + list(range(112, 120))
+        # (pooling repeats a value at neighbours: among equal ones the newest)
+        expected = sorted(sorted(range(112), key=lambda i: (-pooled[i], -i))[:keep]) + list(range(112, 120))
         assert snap.selected_positions(cache, layer) == expected
     # generated tokens go into a ring of budget // 4 slots after the prompt selection
     for start in range(120, 140):
@@ -139,6 +141,26 @@ def test_snapkv_keeps_pooled_top_scores_plus_window():
         snap.committed(cache, start, 1)
     assert snap.selected_positions(cache)[-16:] == list(range(124, 140))
     assert snap.view_size(cache) == 64
+
+
+def test_snapkv_keeps_the_newest_tokens_where_the_answer_outgrows_the_budget():
+    """A prompt within the budget selects nothing; once the answer outgrows it, the selection is made from scores
+    only the prompt has (its tokens none): the prompt, then the newest of the answer, not an arbitrary few."""
+    cache = filled_cache(10)
+    snap = SnapKVCompressor(budget=32, window=4, kernel=1, prompt_length=10, scale=0.5, tail_rows=4)
+    for layer in range(LAYERS):
+        snap.observe_prefill(layer, torch.randn(HEADS, 10, DIM), cache.keys[layer, :10], 0)
+    snap.rebuild(cache)
+    assert not snap.active
+    for start in range(10, 40):
+        row = torch.randn(LAYERS, 1, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, row[layer], -row[layer])
+        cache.commit(1)
+        snap.committed(cache, start, 1)
+    # selected at 33 positions, 32 - 8 (ring) - 4 (window) = 20 by score: the prompt's 10, then the newest 10
+    # before the window (19-28); the window 29-32, and the ring since (33-39)
+    assert snap.active and sorted(snap.selected_positions(cache, 0)) == [*range(10), *range(19, 40)]
 
 
 def test_h2o_keeps_heavy_hitters_plus_recent():
@@ -358,6 +380,48 @@ def test_block_sparse_path_equals_split_path(tiny_models, compressor):
     assert engine.session.cache.lead > 0  # the block layout really was used
     engine.complete(SHORT, attention="split", max_tokens=4)
     assert engine.session.cache.lead == 0  # and the split layout drops the leading region
+
+
+def test_the_block_layout_holds_its_view_before_the_prefill(tiny, monkeypatch):
+    """The leading region is as large as the view takes before the prompt is cached: asked for after it, the whole
+    cache was copied to make room (twice the cache in memory at a long context)."""
+    from fafo_cli.runtime.cache import KVCache
+
+    from fafo_cli.runtime.session import Session
+
+    engine = fafo_engine(tiny)
+    allocate, prefill, grown, prefilled = KVCache._allocate, Session.prefill, [], []
+
+    def watched(self, slots: int, lead: int) -> None:
+        if prefilled and lead != self.lead:
+            grown.append((self.length, self.lead, lead))
+        return allocate(self, slots, lead)
+
+    def marked(self, *args, **kwargs):
+        result = prefill(self, *args, **kwargs)
+        prefilled.append(1)
+        return result
+
+    monkeypatch.setattr(KVCache, "_allocate", watched)
+    monkeypatch.setattr(Session, "prefill", marked)
+    options = dict(OPTIONS, budget=200, compressor="stream", max_tokens=8, planner=False)
+    long = LONG * 8  # beyond the budget: the view is made
+    result = engine.complete(long, attention="block", **options)
+    assert result.stats.fumble_positions == 200 and engine.session.cache.lead >= 200 and grown == []
+
+
+@pytest.mark.parametrize("compressor", ["snapkv", "h2o"])
+def test_a_prompt_asked_again_is_observed_as_a_new_one(tiny, compressor):
+    """SnapKV and H2O learn from the prompt's last `window` queries: where the cache already holds the prompt (a
+    question asked again, a chat turn of a few tokens) those rows are computed again (they learned from one), so the
+    same request plans the same steps."""
+    engine = fafo_engine(tiny)
+    options = dict(OPTIONS, budget=48, window=8, recent=8, compressor=compressor, max_tokens=32, planner=False)
+    first = engine.complete(LONG, **options)
+    again = engine.complete(LONG, **options)
+    assert again.stats.cached_prompt_tokens == len(engine.encode(LONG)) - 8
+    assert (again.token_ids, again.stats.steps, again.stats.accepted_tokens) == (
+        first.token_ids, first.stats.steps, first.stats.accepted_tokens)
 
 
 def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):

@@ -74,8 +74,9 @@ def test_the_advice_names_the_rule_that_chose_the_width(tiny, monkeypatch):
     assert dense["streams"] == 2 and dense["why"].startswith("the least an eager window runs")
 
 
-def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
-    from fafo_cli import config as config_mod
+@pytest.mark.kept_costs
+def test_doctor_write_keeps_the_curve_that_streams_auto_reads(tiny, isolated, capsys):
+    from fafo_cli import config as config_mod, load
     from fafo_cli.compiled.timing import read_step_costs
 
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
@@ -84,16 +85,17 @@ def test_doctor_write_sets_streams_like_tune(tiny, isolated, capsys):
     assert config_mod.load_file(isolated).streams == "auto"
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated), "--json"])
     assert code == 0 and set(json.loads(capsys.readouterr().out)["written"]) == {"step_costs"}  # no config written
-    isolated.write_text(isolated.read_text() + "compressor: stream\n")
-    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
-    out = capsys.readouterr().out
-    assert code == 0
-    written = config_mod.load_file(isolated)
-    assert written.streams == int(out.split("Wrote streams=")[1].split()[0]) and written.max_tokens == 100
-    assert isolated.read_text().startswith("# my settings\n")  # comments and other keys kept
+    isolated.write_text(isolated.read_text() + "compressor: stream\n")  # a window recommended: `auto` derives its
+    before = isolated.read_text()  # width from the curve (a width written would hold for every model and device)
+    code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["recommended"]["window"] and set(report["written"]) == {"step_costs"}
+    assert isolated.read_text() == before
+    engine = load(str(tiny), dtype="float32", compressor="stream")
+    assert engine.complete("hi", max_tokens=2).stats.streams == report["recommended"]["streams"]
     folder = next((isolated.parent / "cache" / "compiled").glob("*/step-costs.json")).parent
     assert sorted(read_step_costs(folder)["eager"]) == list(tune.ROWS)
-    isolated.write_text("max_tokens: 100\nstreams: 8\n")  # a width fixed, no window recommended: auto again
+    isolated.write_text("max_tokens: 100\nstreams: 8\n")  # a width fixed: auto again
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)])
     out = capsys.readouterr().out
     assert code == 0 and f"Wrote streams=auto to {isolated}" in out.replace("\n", "")

@@ -453,6 +453,43 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path)
         load(str(folder), dtype="float32")
 
 
+@pytest.mark.parametrize("method", ["fafo", "prompt-lookup"])
+def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeypatch, method):
+    """A decoding step that grows the cache (an answer past the prefill's room): the compiled steps' hold on the old
+    storage goes first (a GPU's graphs kept it alive through the copy: old and new cache and every graph's memory)."""
+    from fafo_cli.runtime import cache as cache_mod, session as session_mod
+
+    monkeypatch.setattr(session_mod, "RESERVE_AHEAD", 8)  # the prefill's room: the answer grows the cache
+    monkeypatch.setattr(cache_mod, "GROW_SLOTS", 16)
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
+    engine.session.cache = engine.model.new_cache(initial_slots=16)
+    forgotten = []
+
+    class Steps:  # (runs no step: every step eager)
+        def forget_cache(self):
+            forgotten.append(engine.session.cache.capacity)
+
+        def serves(self, rows):
+            return False
+
+        def __call__(self, *args):
+            return None
+
+        def notify_once(self, message):
+            pass
+
+        def step_costs(self, sizes, refresh=False):
+            return None
+
+    engine.session.compiled = Steps()
+    capacities, before_decoding = [], None
+    for _ in engine.stream("one two three one two three", max_tokens=80, method=method):
+        before_decoding = len(forgotten) if before_decoding is None else before_decoding
+        capacities.append(engine.session.cache.capacity)
+    growths = sum(after > before for before, after in zip(capacities, capacities[1:]))
+    assert growths and len(forgotten) - before_decoding >= growths
+
+
 def test_compiled_steps_let_go_of_the_cache_before_a_prefill_grows_it(tiny):
     """Their views of the cache would keep its old storage alive through a prefill that grows it (a float32 model's
     cache, whose dtype never changes, held twice at a long prompt's peak); a prefill that fits keeps them (a GPU's

@@ -283,6 +283,8 @@ def test_second_caches_are_reported(tiny, draft_models):
     with_draft = engine_for(tiny, draft_models["other"]).complete(LONG, max_tokens=64, **PEERS["triforce"]).stats
     assert 0 < quantspec.draft_memory_mb and 0 < triforce.draft_memory_mb < with_draft.draft_memory_mb
     assert engine_for(tiny).complete(LONG, max_tokens=8, **PEERS["prompt-lookup"]).stats.draft_memory_mb == 0
+    # Lookahead drafts nothing from the text, and indexes none of it
+    assert engine_for(tiny).complete(LONG, max_tokens=8, **PEERS["lookahead"]).stats.draft_memory_mb == 0
 
 
 def test_draft_model_must_share_the_tokenizer(tmp_path, tiny, capsys):

@@ -135,7 +135,7 @@ def test_sync_quantizes_only_whole_groups_then_flushes_one_more():
     assert torch.equal(quant.dequantize(1, torch.float32)[0][32:48], expected)
 
 
-def test_one_token_at_a_time_matches_one_shot_and_grows_geometrically():
+def test_one_token_at_a_time_matches_one_shot_and_grows_by_groups():
     cache = _fake_cache(positions=200)
     step = QuantizedKV(2, 2, 16, group=16, device=CPU)
     capacities = []
@@ -144,7 +144,8 @@ def test_one_token_at_a_time_matches_one_shot_and_grows_geometrically():
         step.sync(cache.keys, cache.values, length)
         capacities.append(step.capacity)
     assert step.length == 192
-    assert sorted(set(capacities)) == [0, 16, 32, 64, 128, 256]  # nothing allocated before a whole group
+    # nothing allocated before a whole group; then a quarter more at a time, in whole groups
+    assert sorted(set(capacities)) == [0, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192]
     whole = QuantizedKV(2, 2, 16, group=16, device=CPU)
     whole.sync(cache.keys, cache.values, 200)
     for layer in range(2):

@@ -151,16 +151,15 @@ def recommend(engine, config, costs: dict[int, float]) -> dict:
 
 
 def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> dict:
-    """As `fafo bench --tune` writes: the window's width into the config file where `streams: auto` runs a window
-    (written as 0 it would keep a compressor named later from running one), `streams: auto` back where the file
-    fixes a window's width and none is recommended, the cost curve beside the model's steps. Returns what was written
-    where (`written` of the report)."""
+    """The recommended settings: the cost curve beside the model's steps, from which `streams: auto` derives the
+    recommended width for this model, dtype and device (and the curve measured for another, its own), and
+    `streams: auto` into the config file where it fixes a width or none (a width written there would hold for
+    every model and device, this one's measured or not). Returns what was written where (`written` of the report)."""
     tune.keep_eager_costs(engine, costs)  # (first: a cache that cannot be written leaves the config as it was)
     written = {"step_costs": str(engine.steps_folder)}
     text, _ = tune.settings_file(path)
     configured = config_mod.load_text(text, path).streams
-    fixed = configured != "auto" and configured > 0  # (0, no window, is what is recommended)
-    streams = recommended["streams"] if recommended["window"] else "auto" if fixed else None
+    streams = "auto" if configured != "auto" else None
     try:
         if streams is not None:
             tune.write_settings(path, {"streams": streams})

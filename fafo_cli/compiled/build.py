@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import first_line
+from ..errors import first_line, is_out_of_memory
 from ..files import atomic_path
 from ..runtime.model import Model, folded_attention
 from . import packed
@@ -227,7 +227,23 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
     except Exception as error:  # noqa: BLE001 - whatever failed, the answer is the same: run eager
-        raise CompileError(first_line(error, named=True)) from error
+        raise failure(error) from error
+
+
+def failure(error: BaseException) -> CompileError:
+    """What stopped a build, in one line: where the C++ compiler failed, its first error line (torch's own first
+    line says only "C++ compile error"); transient where memory ran out (the compiler killed, say)."""
+    line = first_line(error, named=True)
+    said = next((text.strip() for text in str(error).splitlines()[1:] if "error:" in text.lower()), None)
+    if said is not None:
+        line = f"{line}: {said}"[:300]
+    return CompileError(line, transient=is_out_of_memory(error) or out_of_memory_said(line))
+
+
+def out_of_memory_said(line: str) -> bool:
+    """Whether a build's failure (its line, as a building process says it) says memory ran out."""
+    return any(sign in line for sign in ("Killed signal", "out of memory", "Cannot allocate memory", "MemoryError",
+                                         "OutOfMemoryError"))
 
 
 def load_kernels(model: Model, folder: Path) -> None:

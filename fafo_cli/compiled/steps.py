@@ -343,7 +343,7 @@ class CompiledSteps(OnceNotices):
             load_kernels(self.model, self.folder.parent)
             return load_package(package, self.constants())
         except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuilt under "on"
-            if self.mode == "auto":
+            if self.mode == "auto" or is_out_of_memory(error):  # (not damaged: memory ran out loading it)
                 self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
                 return None
             return REBUILD

@@ -90,7 +90,7 @@ def generate(session: Session, request: Request, emitter: Emitter, drafter: Draf
         if drafter.runs_model:
             stats.draft_passes += draft.passes
         rows = draft_step(anchor, tree.tokens, tree.parents, model.device, size=1 + drafter.max_rows)
-        cache.reserve(start + len(rows.ids))
+        session.reserve(start + len(rows.ids))
         logits = session.run(rows)
         if draft.q is not None:  # a chain sampled from q (only when sampling): row j is the target at position j
             emitted = check_chain(logits, tree.tokens, draft.q, sampling, draws, len(text))

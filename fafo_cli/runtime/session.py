@@ -143,11 +143,13 @@ class Session:
         del self.ids[length:]
 
     def prefill(self, prompt_ids: list[int], reserve: int, observe=None, steps: int | None = None,
-                progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
+                progress: Callable[[int, int], None] | None = None, observed_rows: int = 1) -> tuple[torch.Tensor, int]:
         """Bring the cache to `prompt_ids` and return the last prompt token's logits; reserve slots beyond.
 
         `observe(layer, q [heads, rows, dim], keys [slots, kv_heads, dim], first_position)` sees each
-        prefilled chunk's queries (compressors that learn from the prompt use it). `steps`: the rows the
+        prefilled chunk's queries (compressors that learn from the prompt use it), the last `observed_rows` of the
+        prompt at least, recomputed where the cache holds them (a chat turn's few new tokens, a question asked
+        again: SnapKV's and H2O's selection learned from one query instead of their window's). `steps`: the rows the
         decoder's steps are padded to, where they run compiled; their package is loaded first, so that its load
         counts in the time to the first token, not in decoding speed (None: the decoder loads its own).
         `progress(done, total)` is told after each chunk. Chunks of PREFILL_CHUNK rows bound what a long prompt
@@ -158,12 +160,12 @@ class Session:
         if self.compiled is not None and steps is not None:
             self.compiled.serves(steps)
         reused = shared_prefix(self.ids, prompt_ids[:-1])
+        if observe is not None:
+            reused = min(reused, max(0, len(prompt_ids) - observed_rows))
         self.rollback(reused)
         self._attend_eagerly()
         self.cache.limit = min(self.model.max_context, len(prompt_ids) + reserve)  # (the cache grows up to it)
-        room = min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD))
-        self._before_growing(room)
-        self.cache.reserve(room)
+        self.reserve(min(self.model.max_context, len(prompt_ids) + min(reserve, RESERVE_AHEAD)))
         logits = None
         for start in range(reused, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[start:start + PREFILL_CHUNK]
@@ -186,10 +188,16 @@ class Session:
             self.compiled.forget_cache()
         self.compiled = steps
 
+    def reserve(self, slots: int) -> None:
+        """Room in the cache for `slots` positions (a prefill's, a decoding step's rows), the compiled steps' hold
+        on it let go first where it grows (`_before_growing`)."""
+        self._before_growing(slots)
+        self.cache.reserve(slots)
+
     def _before_growing(self, slots: int) -> None:
-        """Before the cache grows to `slots` (a prefill, a kept conversation loaded back): compiled steps let go of
-        their views of it, or graphs, which would keep the old storage alive through the growth, its memory's peak
-        (and be stale after it). Not where it does not grow: a GPU's graphs would be captured again."""
+        """Before the cache grows to `slots` (a prefill, a step, a kept conversation loaded back): compiled steps let
+        go of their views of it, or graphs, which would keep the old storage alive through the growth, its memory's
+        peak (and be stale after it). Not where it does not grow: a GPU's graphs would be captured again."""
         if self.compiled is not None and slots > self.cache.capacity:
             self.compiled.forget_cache()
 
@@ -221,7 +229,7 @@ class Session:
                 self.compiled_runs += 1
                 return (logits if layout.logit_rows is None else logits[layout.logit_rows]).float()
         self._attend_eagerly()  # (the step's attention, FAFO's included, finds it so)
-        self.cache.reserve(self.cache.length + len(step.ids))
+        self.reserve(self.cache.length + len(step.ids))
         attention = (step.view.attention(layout) if step.view is not None
                      else prefix_attention(self._masks, self.cache.length, layout, self.model.scaling))
         return self.model.forward(ids, positions, self.cache, attention, layout.logit_rows)

@@ -186,9 +186,21 @@ TREE_NODES = 8
 TREE_LEAST = 0.02
 
 
-def text_index() -> SuffixIndex:
-    """The index of the text FAFO drafts from, with the occurrence counts its frequency tree reads."""
-    return SuffixIndex(counts=True, count_depth=TREE_DEPTH + TREE_NODES)
+def text_index(copies: int = 1) -> "SuffixIndex | Unindexed":
+    """The index of the text FAFO drafts from, with the occurrence counts its frequency tree reads; none where no
+    copy is drafted (`copies` 0: Lookahead decoding)."""
+    return SuffixIndex(counts=True, count_depth=TREE_DEPTH + TREE_NODES) if copies else Unindexed()
+
+
+class Unindexed:
+    """The text where no copy is drafted from it: not indexed (it cost the prefill and every step host time, and
+    counted as the draft's memory, for guesses nobody read)."""
+
+    def extend(self, tokens) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
 
 
 def text_chains(index: SuffixIndex, copies: int, draft_tokens: int) -> list[Chain]:
@@ -243,7 +255,7 @@ class Conversation:
     a re-run or a branch starts afresh, so the same prompt and seed always meet the same guesses."""
 
     pool: NgramPool
-    index: SuffixIndex
+    index: SuffixIndex | Unindexed
     acceptance: Acceptance
     text: list[int]  # the tokens indexed: the conversation so far
     prompt_length: int  # of the request that left it
@@ -251,7 +263,7 @@ class Conversation:
     @classmethod
     def follow(cls, session: Session, settings: FafoSettings, prompt_ids: list[int], text: list[int],
                reused: int) -> "Conversation":
-        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key)
+        key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key, settings.copies > 0)
         carried: Conversation | None = session.carry.get(key)
         session.carry.clear()
         if carried is not None and reused >= carried.prompt_length:
@@ -259,11 +271,11 @@ class Conversation:
             if text[:len(carried.text)] == carried.text:
                 state.index.extend(text[len(carried.text):])
             else:  # the new prompt re-encodes the old answer differently: index it afresh
-                state.index = text_index()
+                state.index = text_index(settings.copies)
                 state.index.extend(text)
             state.text, state.prompt_length = text, len(prompt_ids)
         else:
-            index = text_index()
+            index = text_index(settings.copies)
             index.extend(text)
             state = cls(NgramPool(settings.ngram, settings.prefix, settings.pool_per_key), index, Acceptance(), text,
                         len(prompt_ids))
@@ -290,11 +302,15 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     model, cache = session.model, session.cache
     # auto is the split path everywhere: stock attention calls only, until a GPU measurement shows block faster
     block = settings.attention == "block"
-    cache.use_lead(KV_BLOCK if block else 0)  # block-sparse layout: C(kv) in the cache tensor's leading blocks
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
+    # block-sparse layout: C(kv) in the cache tensor's leading blocks, as many as its view takes (its slots, a
+    # commit's, the window's rows) before the prefill: asked for after it, the whole cache was copied to make room
+    view_slots = getattr(compressor, "budget", 0) + settings.draft_tokens + 1 + 1 + settings.window_rows
+    cache.use_lead(max(KV_BLOCK, view_slots) if block else 0)
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
                                      observe=getattr(compressor, "observe_prefill", None),
+                                     observed_rows=getattr(compressor, "observed_rows", 1),
                                      progress=emitter.prefilling)
     anchor = next_token(logits, sampling, draws, len(request.prompt_ids))
     emitter.prefilled(reused)  # after the first token's read: on a GPU the prefill has then run, not just launched
@@ -336,7 +352,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                           view_tokens=view_tokens if reads_view else None,
                           view_rows=shape.rows if reads_view else None, view=view if reads_view else None,
                           compiled=compiled)
-        cache.reserve(start + len(rows.ids))
+        session.reserve(start + len(rows.ids))
         logits = session.run(rows)  # the verify rows' logits, then the window's predictor rows'
         # every row's argmax: greedy acceptance and the window's predictions read it (a sampled step without the
         # window reads only the rows it samples)

@@ -33,6 +33,7 @@ class H2OCompressor(ViewCompressor):
         self.budget, self.recent, self.scale, self.tail_rows = budget, recent, scale, tail_rows
         self.heavy_slots = budget - recent
         self.mass = ObservationScores(window, prompt_length, scale)
+        self.observed_rows = window  # the prompt's last rows its prefill must see (Session.prefill)
         self.observe_prefill = self.mass.observe_prefill
         # [layers, budget − recent]: each layer's heavy hitters, slot by slot (None before the first selection)
         self.heavy: torch.Tensor | None = None

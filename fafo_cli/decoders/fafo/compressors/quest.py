@@ -32,8 +32,9 @@ class QuestCompressor(ViewCompressor):
 
     def __init__(self, *, budget: int, page_size: int, refresh: int, tail_rows: int, max_commit: int):
         self.budget, self.page_size, self.refresh = budget, page_size, refresh
-        # room for `refresh` tokens and a step's commit beside the selection: else it would be due again every step
-        self.pages_kept = max(1, (budget - refresh - max_commit) // page_size)
+        # room for `refresh` tokens beside the selection, else it would be due again every step (a step's commit
+        # past the budget goes to the view's spare slots, and the next window step selects anew)
+        self.pages_kept = max(1, (budget - refresh) // page_size)
         self.tail_rows, self.max_commit = tail_rows, max_commit
         self.page_min = self.page_max = None
         self.query: list[torch.Tensor | None] = []
@@ -99,7 +100,7 @@ class QuestCompressor(ViewCompressor):
     def prepare(self, cache: KVCache) -> None:
         if not self.active:  # (no selection yet: the whole cache fits in the budget)
             return
-        if cache.length - self.refreshed_at >= self.refresh or self.slots.size + self.max_commit > self.budget:
+        if cache.length - self.refreshed_at >= self.refresh or self.slots.size > self.budget:
             self._select(cache)
 
     def committed(self, cache: KVCache, start: int, count: int) -> None:

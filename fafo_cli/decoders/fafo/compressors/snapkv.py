@@ -73,6 +73,13 @@ class ObservationScores:
         return self._room(positions.shape[0], length, positions.device)[:positions.shape[0]].gather(1, positions)
 
 
+def _top_newest_first(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The positions of the `keep` highest `scores`, the newest first among equal ones: where the answer outgrew the
+    budget, its tokens have no observed mass (all 0), and topk's choice among ties is no order at all."""
+    newest_first = torch.argsort(scores.flip(0), descending=True, stable=True)[:keep]
+    return scores.numel() - 1 - newest_first
+
+
 class SnapKVCompressor(ViewCompressor):
     name = "snapkv"
 
@@ -80,6 +87,7 @@ class SnapKVCompressor(ViewCompressor):
         self.budget, self.window, self.kernel = budget, window, kernel
         self.ring = max(1, budget // 4)  # room for generated tokens
         self.observed = ObservationScores(window, prompt_length, scale)
+        self.observed_rows = window  # the prompt's last rows its prefill must see (Session.prefill)
         self.observe_prefill = self.observed.observe_prefill
         self.tail_rows = tail_rows
         self.prefix = 0  # slots holding the prompt selection
@@ -98,8 +106,8 @@ class SnapKVCompressor(ViewCompressor):
             scores = self.observed.layer(layer, length)[:length - window]
             if self.kernel > 1 and scores.numel():
                 scores = F.max_pool1d(scores[None, None], self.kernel, stride=1, padding=self.kernel // 2)[0, 0]
-            top = torch.topk(scores[:length - window], keep).indices if keep else torch.empty(0, dtype=torch.long)
-            chosen.append(torch.cat([top.sort().values, torch.arange(length - window, length)]))
+            chosen.append(torch.cat([_top_newest_first(scores[:length - window], keep).sort().values,
+                                     torch.arange(length - window, length)]))
         return torch.stack(chosen).to(cache.device)
 
     def rebuild(self, cache: KVCache) -> None:
