@@ -122,6 +122,7 @@ class Engine:
         (None: where the method is triforce: a command that runs one method; a server and `load` may run TriForce on
         any request, and load it wherever one is configured)."""
         device = pick_device(config.device)
+        check_compile(config, device)  # (before minutes of loading)
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
         engine = cls(Model(hf_model), tokenizer, folder, config)
@@ -446,9 +447,20 @@ class Engine:
         self.session.keep_conversations(count, int(max_mb * MB))
 
 
+def check_compile(config: config_mod.Config, device: torch.device) -> None:
+    """`compile: on` builds compiled steps for a CPU: on a GPU a dense model's packages would each hold a copy of its
+    weights (a 7B model's 13 GB, one per step size), and none has ever been built there; a GPU's decoding steps run
+    as CUDA graphs instead (`cuda_graphs: auto`)."""
+    if config.compile == "on" and device.type != "cpu":
+        graphs = ("its decoding steps run as CUDA graphs (cuda_graphs: auto)" if device.type == "cuda" else
+                  "it runs eager")
+        raise FafoError(f"--compile builds compiled steps for a CPU, not for {device.type}: {graphs}; leave compile "
+                        "at auto")
+
+
 def _use_graphs(model: Model, config: config_mod.Config) -> bool:
-    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py) in place of compiled packages; `auto` on
-    one CUDA GPU unless `compile: on` asks for packages, `on` refuses what it cannot do."""
+    """`cuda_graphs`: decoding steps as CUDA graphs (compiled/graphs.py); `auto` on one CUDA GPU, `on` refuses what
+    it cannot do (`compile: on`, CPU packages, is refused on a GPU before: check_compile)."""
     from .compiled.build import STATIC_ROPE
 
     # (transformers' dynamic rotary scalings compare the positions with what they cached, on the host: no capture)
@@ -458,8 +470,6 @@ def _use_graphs(model: Model, config: config_mod.Config) -> bool:
         return usable and config.cuda_graphs == "auto"
     if model.device.type != "cuda":
         raise FafoError(f"--cuda-graphs needs a CUDA device; the device here is {model.device.type}")
-    if config.compile == "on":
-        raise FafoError("--cuda-graphs and --compile both replace eager steps; choose one")
     if model.spread:
         raise FafoError("--cuda-graphs captures one device's steps; not with --gpus")
     if rope not in STATIC_ROPE:

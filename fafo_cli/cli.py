@@ -676,10 +676,13 @@ def compile_steps(
                         "--cuda-graphs")
     from .api import pick_device
 
-    accelerator = pick_device(settings.device).type != "cpu"
+    device = pick_device(settings.device)
+    if device.type != "cpu":  # (before the model loads)
+        raise FafoError(f"fafo compile builds compiled steps for a CPU, not for {device.type}"
+                        + (": a GPU's steps run as CUDA graphs, captured as they run" if device.type == "cuda" else ""))
     for method in chosen:  # each of its settings must change that method's steps, as `fafo run` checks them
         config_mod.check_given(replace(settings, method=method), {key for key in given if config_mod.method_of(
-            config_mod.SPECS[key]) in (None, method)}, accelerator=accelerator)
+            config_mod.SPECS[key]) in (None, method)}, accelerator=False)
     _, err = consoles()
     engine = _load(replace(settings, compile="on"), err)
     for method, sizes in build_ahead(engine, chosen, retry_failed=True):  # (asked for: failed ones again)

@@ -163,6 +163,21 @@ def test_snapkv_keeps_the_newest_tokens_where_the_answer_outgrows_the_budget():
     assert snap.active and sorted(snap.selected_positions(cache, 0)) == [*range(10), *range(19, 40)]
 
 
+def test_a_view_read_only_as_a_mask_holds_no_copy():
+    """Compiled steps read a view's mask alone: its copy of the keys and values is made when first read (a 7B
+    model's 80 MB at a 256-token budget were allocated, and counted as the draft's memory, for nothing)."""
+    from fafo_cli.decoders.fafo.compressors.view import SlotView
+
+    cache = filled_cache(100)
+    view = SlotView(cache, 32, 4)
+    view.fill(torch.arange(50, 82))
+    assert view.mask(100)[50:82].all() and not view.mask(100)[:50].any()
+    held = view.nbytes()
+    keys, values = view.layer(1)
+    assert torch.equal(keys[:32], cache.keys[1, 50:82]) and torch.equal(values[:32], cache.values[1, 50:82])
+    assert view.nbytes() == held + 2 * view.keys.nbytes
+
+
 def test_h2o_keeps_heavy_hitters_plus_recent():
     cache = filled_cache(90)
     h2o = H2OCompressor(budget=40, recent=10, window=4, prompt_length=90, scale=0.3, tail_rows=4)
@@ -422,6 +437,12 @@ def test_a_prompt_asked_again_is_observed_as_a_new_one(tiny, compressor):
     assert again.stats.cached_prompt_tokens == len(engine.encode(LONG)) - 8
     assert (again.token_ids, again.stats.steps, again.stats.accepted_tokens) == (
         first.token_ids, first.stats.steps, first.stats.accepted_tokens)
+    # a turn of fewer new tokens than the window still continues the conversation: what FAFO learned is kept
+    options.update(window=32, max_tokens=4)
+    turn = engine.complete(LONG, **options)
+    [learned] = engine.session.carry.values()
+    engine.complete(LONG + engine.tokenizer.decode(turn.token_ids) + " ok", **options)
+    assert list(engine.session.carry.values()) == [learned]
 
 
 def test_block_sparse_step_logits_equal_split_step_logits(tiny_models):

@@ -100,6 +100,9 @@ def test_doctor_write_keeps_the_curve_that_streams_auto_reads(tiny, isolated, ca
     out = capsys.readouterr().out
     assert code == 0 and f"Wrote streams=auto to {isolated}" in out.replace("\n", "")
     assert isolated.read_text() == "max_tokens: 100\nstreams: auto\n"
+    isolated.write_text("streams: 0\n")  # no window: the user's choice, kept
+    assert entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(isolated)]) == 0
+    assert isolated.read_text() == "streams: 0\n"
     new = isolated.parent / "new.yaml"  # a --config file that does not exist yet: what it writes creates it
     code = entrypoint(["doctor", str(tiny), "--dtype", "float32", "--write", "--config", str(new)])
     assert code == 0 and new.is_file(), capsys.readouterr().err  # though no window is written on a CPU

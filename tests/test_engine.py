@@ -453,7 +453,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path)
         load(str(folder), dtype="float32")
 
 
-@pytest.mark.parametrize("method", ["fafo", "prompt-lookup"])
+@pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "quantspec"])
 def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeypatch, method):
     """A decoding step that grows the cache (an answer past the prefill's room): the compiled steps' hold on the old
     storage goes first (a GPU's graphs kept it alive through the copy: old and new cache and every graph's memory)."""

@@ -86,8 +86,35 @@ def test_graphs_are_used_only_where_they_can_run(tiny):
     assert engine.config.cuda_graphs == "auto" and not isinstance(engine.session.compiled, GraphSteps)
     if torch.cuda.is_available():
         assert isinstance(load(str(tiny), chat_template=False, device="cuda").session.compiled, GraphSteps)
-        with pytest.raises(FafoError, match="choose one"):
+        with pytest.raises(FafoError, match="builds compiled steps for a CPU"):
             load(str(tiny), chat_template=False, device="cuda", cuda_graphs="on", compile="on")
+
+
+def test_fafo_compile_is_for_a_cpu(tiny, monkeypatch, capsys):
+    from fafo_cli import api
+    from fafo_cli.cli import entrypoint
+
+    monkeypatch.setattr(api, "pick_device", lambda device: torch.device("cuda"))
+    assert entrypoint(["compile", str(tiny)]) == 1
+    assert capsys.readouterr().err == ("error: fafo compile builds compiled steps for a CPU, not for cuda: a GPU's "
+                                       "steps run as CUDA graphs, captured as they run\n")
+
+
+def test_compile_on_is_refused_off_the_cpu():
+    """Compiled packages are CPU steps: on a GPU a dense model's would each hold a copy of the weights (a 7B
+    model's 13 GB a step size); a GPU runs CUDA graphs. Said before the model loads."""
+    from fafo_cli.api import check_compile
+    from fafo_cli.config import Config
+    from fafo_cli.errors import FafoError
+
+    with pytest.raises(FafoError, match=r"^--compile builds compiled steps for a CPU, not for cuda: its decoding steps "
+                                        r"run as CUDA graphs \(cuda_graphs: auto\); leave compile at auto$"):
+        check_compile(Config(compile="on"), torch.device("cuda"))
+    with pytest.raises(FafoError, match="not for mps: it runs eager"):
+        check_compile(Config(compile="on"), torch.device("mps"))
+    for compile in ("auto", "off"):
+        check_compile(Config(compile=compile), torch.device("cuda"))
+    check_compile(Config(compile="on"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("device,spread,compile,graphs,expected,rope", [
@@ -95,7 +122,7 @@ def test_graphs_are_used_only_where_they_can_run(tiny):
     ("cuda", True, "auto", "auto", False, "default"), ("cuda", False, "auto", "off", False, "default"),
     ("cpu", False, "auto", "auto", False, "default"), ("cuda", False, "auto", "on", True, "llama3"),
     ("cpu", False, "auto", "on", "needs a CUDA device", "default"),
-    ("cuda", False, "on", "on", "choose one", "default"),
+    ("cuda", False, "on", "on", True, "default"),  # (check_compile refuses compile: on there first)
     ("cuda", True, "auto", "on", "not with --gpus", "default"), ("cuda", False, "auto", "auto", False, "dynamic"),
     ("cuda", False, "auto", "on", r"rotary scaling \(longrope\) is recomputed", "longrope")])
 def test_where_graphs_run(device, spread, compile, graphs, expected, rope):

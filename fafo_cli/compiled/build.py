@@ -220,8 +220,9 @@ def build(model: Model, rows: int, path: Path, packed_modules: dict | None = Non
             # one made afresh for each build (150 MB) made it slower (docs/benchmarks.md).
             options = {"freezing": True, "autotune_num_choices_displayed": 0,
                        "max_autotune_report_choices_stats": False, "emulate_precision_casts": True,
-                       "aot_inductor.package_constants_in_so": not shared_constants,
-                       "aot_inductor.precompile_headers": False}
+                       "aot_inductor.package_constants_in_so": not shared_constants}
+            if hasattr(torch._inductor.config.aot_inductor, "precompile_headers"):  # (torch 2.8 on)
+                options["aot_inductor.precompile_headers"] = False
             if model.device.type == "cpu":  # GEMM kernels generated for the frozen weights
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
                 bf16_gemm.register()  # offered to the autotuner beside the others; it keeps the fastest
@@ -242,8 +243,8 @@ def failure(error: BaseException) -> CompileError:
 
 def out_of_memory_said(line: str) -> bool:
     """Whether a build's failure (its line, as a building process says it) says memory ran out."""
-    return any(sign in line for sign in ("Killed signal", "out of memory", "Cannot allocate memory", "MemoryError",
-                                         "OutOfMemoryError"))
+    return any(sign in line for sign in ("Killed signal", "out of memory", "not enough memory",
+                                         "Cannot allocate memory", "MemoryError", "OutOfMemoryError"))
 
 
 def load_kernels(model: Model, folder: Path) -> None:

@@ -32,7 +32,7 @@ class QuantSpec:
         self.max_rows = self.gamma
 
     def start(self, session: Session, request: Request, text: list[int], draws) -> None:
-        self.model, self.cache = session.model, session.cache
+        self.model, self.cache, self.session = session.model, session.cache, session
         self.sampling, self.draws = request.sampling, draws and draws.below()
         model = self.model
         try:  # (a matrix of odd width, or an odd head dimension: two 4-bit codes a byte, groups of an even size)
@@ -60,6 +60,7 @@ class QuantSpec:
         n = min(self.gamma, room)
         if n <= 0:
             return Draft()
+        self.session.reserve(self.cache.length + n)  # (the compiled steps' hold on the cache let go where it grows)
         tokens, drafts = draft_chain(self.model, self.cache, self.attend, text[-1], len(text) - 1, n, self.sampling,
                                      self.draws, linear=self.weights.linear)
         return Draft.chain(tokens, drafts, passes=n)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
 from ...config import MIN_BUDGET, runs_window, view_compressor
+from ...runtime.conversations import shared_prefix
 from ...runtime.events import Step
 from ...runtime.memory import MB
 from ...runtime.rows import draft_step
@@ -262,11 +263,11 @@ class Conversation:
 
     @classmethod
     def follow(cls, session: Session, settings: FafoSettings, prompt_ids: list[int], text: list[int],
-               reused: int) -> "Conversation":
+               continued: int) -> "Conversation":
         key = ("fafo", settings.ngram, settings.prefix, settings.pool_per_key, settings.copies > 0)
         carried: Conversation | None = session.carry.get(key)
         session.carry.clear()
-        if carried is not None and reused >= carried.prompt_length:
+        if carried is not None and continued >= carried.prompt_length:
             state = carried
             if text[:len(carried.text)] == carried.text:
                 state.index.extend(text[len(carried.text):])
@@ -305,9 +306,14 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
     compressor = make_compressor(settings, prompt_length=len(request.prompt_ids), scale=model.scaling,
                                  tail_rows=1 + settings.window_rows, max_commit=settings.draft_tokens + 1)
     # block-sparse layout: C(kv) in the cache tensor's leading blocks, as many as its view takes (its slots, a
-    # commit's, the window's rows) before the prefill: asked for after it, the whole cache was copied to make room
-    view_slots = getattr(compressor, "budget", 0) + settings.draft_tokens + 1 + 1 + settings.window_rows
-    cache.use_lead(max(KV_BLOCK, view_slots) if block else 0)
+    # commit's, the window's rows) where the context may outgrow the budget, before the prefill: asked for after
+    # it, the whole cache was copied to make room
+    budget = getattr(compressor, "budget", 0)
+    view_slots = budget + settings.draft_tokens + 1 + 1 + settings.window_rows
+    outgrows = budget < len(request.prompt_ids) + request.max_tokens
+    cache.use_lead(max(KV_BLOCK, view_slots if outgrows else 0) if block else 0)
+    # (whether this request continues the conversation the cache holds: however much of it the prefill recomputes)
+    continued = shared_prefix(session.ids, request.prompt_ids[:-1])
     logits, reused = session.prefill(request.prompt_ids, reserve=request.max_tokens + settings.max_rows,
                                      observe=getattr(compressor, "observe_prefill", None),
                                      observed_rows=getattr(compressor, "observed_rows", 1),
@@ -319,7 +325,7 @@ def generate(session: Session, request: Request, emitter: Emitter) -> Iterator[S
                           block_masks=BlockSparseMasks.for_device(model.device) if block else None,
                           flex=flex_attention_kernel(model.device) if block else None)
     text = list(request.prompt_ids) + [anchor]  # everything emitted so far, the anchor last
-    conversation = Conversation.follow(session, settings, request.prompt_ids, text, reused)
+    conversation = Conversation.follow(session, settings, request.prompt_ids, text, continued)
     pool, index = conversation.pool, conversation.index
     planner = Planner(conversation.acceptance, step_costs(session, settings, steps), settings.window_rows,
                       settings.draft_tokens, fixed=not settings.planner, burst=settings.ngram)

@@ -23,13 +23,11 @@ class SlotView:
     def __init__(self, cache: KVCache, slots: int, tail_rows: int):
         n_layers = cache.keys.shape[0]
         self.cache, self.total = cache, slots + tail_rows
+        # the copy's own buffers, made when first read: compiled steps read the mask alone, and never need them
         self._own_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._owns = not cache.lead
         if cache.lead:  # block-sparse layout: C(kv) lives in the cache tensor's leading region
             cache.use_lead(self.total)
-        else:
-            keys = torch.empty((n_layers, self.total, *cache.keys.shape[2:]), dtype=cache.read_dtype,
-                               device=cache.device)
-            self._own_buffers = keys, torch.empty_like(keys)
         self.positions = torch.full((n_layers, slots), -1, dtype=torch.long, device=cache.device)
         self.slots = slots
         self.size = 0
@@ -41,11 +39,21 @@ class SlotView:
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._own_buffers[0] if self._own_buffers else self.cache.lead_buffers(self.total)[0]
+        return self._buffers()[0]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._own_buffers[1] if self._own_buffers else self.cache.lead_buffers(self.total)[1]
+        return self._buffers()[1]
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._owns:
+            return self.cache.lead_buffers(self.total)
+        if self._own_buffers is None:
+            cache = self.cache
+            keys = torch.empty((cache.keys.shape[0], self.total, *cache.keys.shape[2:]), dtype=cache.read_dtype,
+                               device=cache.device)
+            self._own_buffers = keys, torch.empty_like(keys)
+        return self._own_buffers
 
     def fill(self, positions: torch.Tensor) -> None:
         """Select `positions` ([layers, n] or [n] for every layer), replacing the whole view."""
@@ -107,9 +115,10 @@ class SlotView:
         return sorted(self.positions[layer, :self.size].tolist())
 
     def nbytes(self) -> int:
-        """The copy of C(kv) (its own buffers, or the cache's leading region that holds it), positions and mask."""
-        keys = self.keys
-        return 2 * keys.nbytes + self.positions.nbytes + self._selected.nbytes
+        """The copy of C(kv) (its own buffers once made, or the cache's leading region that holds it), positions and
+        mask."""
+        copy = 0 if self._owns and self._own_buffers is None else 2 * self.keys.nbytes
+        return copy + self.positions.nbytes + self._selected.nbytes
 
 
 class ViewCompressor:
