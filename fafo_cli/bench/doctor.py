@@ -154,7 +154,8 @@ def write(engine, path: Path, recommended: dict, costs: dict[int, float]) -> dic
     """The recommended settings: the cost curve beside the model's steps, from which `streams: auto` derives the
     recommended width for this model, dtype and device (and the curve measured for another, its own), and
     `streams: auto` into the config file where it fixes a width (a width written there would hold for every model
-    and device, this one's measured or not; 0, no window, is the user's to keep). Returns what was written where (`written` of the report)."""
+    and device, this one's measured or not; 0, no window, is the user's to keep). Returns what was written where
+    (`written` of the report)."""
     tune.keep_eager_costs(engine, costs)  # (first: a cache that cannot be written leaves the config as it was)
     written = {"step_costs": str(engine.steps_folder)}
     text, _ = tune.settings_file(path)

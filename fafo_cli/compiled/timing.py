@@ -41,8 +41,8 @@ class Timing:
 
 
 # beside a model's packages: {mode: {rows: ms}}, mode "compiled" or Model.eager_mode's ("eager", "eager-packed"
-# over packed blocks, "eager-spread" over GPUs); eager from `fafo bench --tune` or `fafo doctor --write`, compiled also on the packages' first
-# use (CompiledSteps.step_costs)
+# over packed blocks, "eager-spread" over GPUs); eager from `fafo bench --tune` or `fafo doctor --write`, compiled
+# also on the packages' first use (CompiledSteps.step_costs)
 STEP_COSTS = "step-costs.json"
 
 
