@@ -192,7 +192,7 @@ class Engine:
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
                "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
-               "trust_remote_code": self.config.trust_remote_code}
+               "trust_remote_code": self.config.trust_remote_code, "parent": os.getpid()}
         # torch's compiler leaves its work in the system's temporary folder (the sources, a library holding the
         # weights, the package unpacked to be checked: hundreds of MB a build, never removed): this build's go to a
         # folder of its own beside the packages, removed after it (one a killed process left, by the next build)

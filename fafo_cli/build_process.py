@@ -6,8 +6,25 @@ a build failed."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
+
+
+def exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """Stop this process once `parent`, the one that asked for the build, is gone (killed: SIGKILL, the kernel's
+    out-of-memory killer): the lock on the package went with it, and a process started since may be building the
+    same package, with a copy of the model of its own. (Its pid from the job: gone before this process got here, it
+    would not be this one's parent any more.)"""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import FafoError, first_line
 
     job = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    exit_with_parent(job["parent"])
     try:
         # loaded as the asking process loaded it: its packed blocks installed, its dense matrices freed
         config = config_mod.build(model=job["model"], dtype=job["dtype"], device=job["device"], compile="on",

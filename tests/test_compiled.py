@@ -174,6 +174,36 @@ def test_a_failed_build_says_the_compilers_error_and_whether_memory_ran_out():
     assert not failure(RuntimeError("unsupported op: aten::foo")).transient
 
 
+def test_packages_unpack_beside_them_and_what_a_killed_process_left_goes(tiny, tmp_path, monkeypatch):
+    """torch's loader unpacks a package into $TMPDIR until the process lets go of it (a killed one never does):
+    here into a folder beside the packages, which the next load removes once its process is gone, and which a
+    failed load removes at once."""
+    import os
+
+    from fafo_cli.compiled import steps as steps_mod
+
+    model = load(str(tiny), dtype="float32", chat_template=False, compile="off").model
+    steps = steps_mod.CompiledSteps(model, tmp_path, mode="auto", notify=print)
+    stale = tmp_path / ".unpacked-999999999-left"  # (no such process)
+    (stale / "aotinductor_x").mkdir(parents=True)
+    before, seen = os.environ.get("TMPDIR"), []
+
+    def loading(package, constants):
+        seen.append(Path(os.environ["TMPDIR"]))
+        (seen[-1] / "aotinductor_y").mkdir()
+        if package.name == "damaged.pt2":
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+        return "runner"
+
+    monkeypatch.setattr(steps_mod, "load_package", loading)
+    assert steps._load_package(tmp_path / "rows1.pt2") == "runner"
+    assert seen[0].parent == tmp_path and seen[0].name.startswith(f".unpacked-{os.getpid()}-")
+    assert not stale.exists() and os.environ.get("TMPDIR") == before
+    with pytest.raises(RuntimeError):
+        steps._load_package(tmp_path / "damaged.pt2")
+    assert not seen[1].exists() and seen[0].exists() and os.environ.get("TMPDIR") == before
+
+
 def test_a_building_process_leaves_no_compiler_files_behind(tiny, tmp_path, monkeypatch):
     """torch's compiler writes its sources, libraries and unpacked packages to the system's temporary folder and
     never removes them: the building process's temporary folder and compiler cache are a folder beside the
@@ -400,6 +430,16 @@ def test_side_by_side_keeps_the_least_of_its_groups_medians(monkeypatch):
     assert timing.side_by_side(model, {1: None, 4: None}, groups=3) == {1: 6.0, 4: 9.0}
 
 
+def test_kept_step_costs_that_are_no_times_are_left_out(tmp_path):
+    """A step-costs file edited by hand or damaged (0 ms, negative, NaN) would have the planner divide by them:
+    that mode is left out (the default curve plans), the others read."""
+    from fafo_cli.compiled.timing import STEP_COSTS
+
+    (tmp_path / STEP_COSTS).write_text('{"eager": {"1": 0, "4": 2.0}, "compiled": {"1": 7.0, "4": 9.5}, '
+                                       '"eager-packed": {"1": NaN}, "eager-spread": {"1": -3}}')
+    assert read_step_costs(tmp_path) == {"compiled": {1: 7.0, 4: 9.5}}
+
+
 def test_a_compiled_step_out_of_memory_runs_eager_and_keeps_its_package(tiny, tmp_path):
     """A step whose package runs out of memory runs eager (the caller's None), said once; the package serves the
     next step (a moment's shortage on a long-running server is not a broken package)."""
@@ -532,7 +572,9 @@ def test_compiler_failure_falls_back_to_eager_in_one_line(compiled_cache, tiny_m
     assert result.token_ids == hf_greedy(folder, engine.encode(SHORT), 32)
     failed = [n for n in notices if n.startswith("compilation failed, running eager")]
     assert len(failed) == 1 and all("\n" not in n for n in notices)
-    assert not list(compiled_cache.glob("compiled/qwen2-bias-*/*.pt2")) and not list(compiled_cache.glob("**/*.partial*"))
+    # nothing half-written (a loaded package unpacks into a folder named as the file it was written as: not ours)
+    half = [path for path in compiled_cache.glob("**/*.partial*") if ".unpacked-" not in str(path)]
+    assert not list(compiled_cache.glob("compiled/qwen2-bias-*/*.pt2")) and not half
     # the next start does not spend minutes failing the same way: it says so and runs eager; `fafo compile` retries
     (marker,) = compiled_cache.glob("compiled/qwen2-bias-*/rows1.failed")
     notices.clear()
@@ -1135,3 +1177,35 @@ def test_packages_are_named_by_the_code_they_are_traced_from(monkeypatch, tmp_pa
     monkeypatch.setattr(metadata, "version", version)
     monkeypatch.setattr(build, "TRACED_SOURCES", sources)
     build.traced_code.cache_clear()  # (this process's other tests name their packages as before)
+
+
+def test_a_building_process_stops_when_the_asking_one_is_gone(tmp_path):
+    """The asking process killed (the out-of-memory killer, SIGKILL): its lock on the package is gone, so its
+    building process stops too rather than build beside the next one that asks."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    watching = tmp_path / "watching"  # the building process is up and watching: then its parent goes
+    child = ("import os, sys, time; from fafo_cli.build_process import exit_with_parent; "
+             f"exit_with_parent(int(sys.argv[1]), 0.05); open({str(watching)!r}, 'w').close(); time.sleep(60)")
+    parent = (f"import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}, "
+              "str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); "
+              f"deadline = time.monotonic() + 30\nwhile not os.path.exists({str(watching)!r}) and "
+              "time.monotonic() < deadline: time.sleep(0.05)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    pid = int(subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env,
+                             timeout=60).stdout)
+
+    def running() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        return "State:\tZ" not in state  # (a zombie has ended: whoever adopted it reaps it)
+
+    deadline = time.monotonic() + 20
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert watching.exists() and not running()

@@ -490,6 +490,29 @@ def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeyp
     assert growths and len(forgotten) - before_decoding >= growths
 
 
+def test_loading_a_compiled_step_is_no_part_of_the_prompts_time(tiny):
+    """The prefill loads the decoder's compiled step first (a second or more): the time to the first token counts
+    it, the prompt's speed does not."""
+    import time
+
+    engine = load(str(tiny), dtype="float32", chat_template=False, compile="off", method="vanilla")
+
+    class Steps:  # a package that takes 0.3 s to load, then serves no step
+        def serves(self, rows):
+            time.sleep(0.3)
+            return False
+
+        def __call__(self, *args):
+            return None
+
+        def forget_cache(self):
+            pass
+
+    engine.session.compiled = Steps()
+    stats = engine.complete("a short prompt", max_tokens=2).stats
+    assert stats.ttft_s >= 0.3 > stats.prefill_s
+
+
 def test_compiled_steps_let_go_of_the_cache_before_a_prefill_grows_it(tiny):
     """Their views of the cache would keep its old storage alive through a prefill that grows it (a float32 model's
     cache, whose dtype never changes, held twice at a long prompt's peak); a prefill that fits keeps them (a GPU's

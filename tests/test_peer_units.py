@@ -184,8 +184,12 @@ def test_suffix_history_rebuilds_over_no_more_answers_than_its_index_keeps(monke
     assert list(history.answers) == [[5] * 9]  # the newest alone is beyond 8 tokens: kept, the others not
     assert [history.index.find([t])[1] for t in (4, 5)] == [0, 1]
     history.add([6, 6])
-    history.configure(keep=2, count_depth=16)  # rebuilt for deeper counts: 3 + 10 tokens are beyond 8
-    assert list(history.answers) == [[6, 6]]
+    index = history.index
+    history.configure(keep=2, count_depth=16)  # shallower counts: the deeper index serves them (requests that take
+    assert history.index is index and history.count_depth == 32  # turns rebuilt it each time)
+    history.configure(keep=2, count_depth=64)  # rebuilt for deeper counts: 3 + 10 tokens are beyond 8
+    assert list(history.answers) == [[6, 6]] and history.count_depth == 64
+    assert history.index.likeliest(*history.index.match_state(4), limit=0, min_prob=0.0) == []
 
 
 def test_suffix_history_holds_a_bounded_number_of_tokens_whatever_the_answers(monkeypatch):

@@ -80,6 +80,16 @@ def test_a_likely_long_copy_is_verified_whole_when_rows_are_cheap():
     assert plan.rows == 13 and not plan.window and plan.expected > 8
 
 
+def test_near_the_contexts_end_a_window_that_cannot_run_leaves_the_copies_verified():
+    """Where the window's rows no longer fit the context, a step that would have had to run it (the fixed plan,
+    a burst) verifies the copies that fit instead of nothing."""
+    planner = Planner(Acceptance(), StepCosts({1: 1.0, 64: 1.0}), 6, 16, fixed=True)
+    for _ in range(30):
+        _outcome(planner.acceptance, Chain("text", 4, (1, 2, 3)), 3)
+    plan = planner.plan([Chain("text", 4, (1, 2, 3))], room=5)
+    assert plan.tree.tokens == [1, 2, 3] and not plan.window and plan.rows == 4
+
+
 def test_nothing_worth_its_rows_is_a_plain_step():
     planner = _planner(StepCosts({1: 1.0, 2: 2.0}))  # every row doubles the step
     for _ in range(30):

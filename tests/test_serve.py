@@ -895,6 +895,7 @@ BAD = [
     ("chat", {"messages": MESSAGES, "budget": 0}, 400, "budget"),
     ("chat", {"messages": MESSAGES, "dtype": "float16"}, 400, "dtype"),
     ("chat", {"messages": MESSAGES, "cacheback_table": "/etc/passwd"}, 400, "cacheback_table"),
+    ("chat", {"messages": MESSAGES, "suffix_outputs": 0}, 400, "suffix_outputs"),  # every client's answers
     ("chat", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
     ("chat", {"messages": MESSAGES, "seed": 2**64}, 400, "seed"),
     ("chat", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_completion_tokens"),

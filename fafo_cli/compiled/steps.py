@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import first_line, is_out_of_memory
-from ..files import exclusive, write_atomic
+from ..files import _gone, exclusive, write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
 from ..runtime.model import STEP_ROWS, Model
@@ -302,7 +303,7 @@ class CompiledSteps(OnceNotices):
                     self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
                 else:
                     self.build_here(rows, package)
-                runner = load_package(package, self.constants())
+                runner = self._load_package(package)
                 timing = measure(self.model, runner, rows)
                 timing.build_s = time.perf_counter() - started
                 timing.write(record)
@@ -341,12 +342,36 @@ class CompiledSteps(OnceNotices):
             return None
         try:
             load_kernels(self.model, self.folder.parent)
-            return load_package(package, self.constants())
+            return self._load_package(package)
         except Exception as error:  # noqa: BLE001 - a damaged or foreign package: rebuilt under "on"
             if self.mode == "auto" or is_out_of_memory(error):  # (not damaged: memory ran out loading it)
                 self.notify(f"compiled step unusable ({first_line(error, named=True)}); running eager")
                 return None
             return REBUILD
+
+    def _load_package(self, package: Path):
+        """load_package, unpacked beside the packages: torch's loader unpacks a package into the temporary folder and
+        removes it when the process lets go of it, so a process killed meanwhile (a server's second Ctrl-C, the
+        out-of-memory killer) left it there, hundreds of MB a package. Here, one a process left is removed by the
+        next load (the folder's pid gone), and one whose load failed at once."""
+        for stale in self.folder.glob(".unpacked-*-*"):
+            pid = stale.name.split("-")[1]
+            if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        into = Path(tempfile.mkdtemp(prefix=f".unpacked-{os.getpid()}-", dir=self.folder))
+        tempfile.gettempdir()  # (Python's own temporary folder chosen before, kept after)
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(into)  # (read by torch's C++ loader as it unpacks)
+        try:
+            return load_package(package, self.constants())
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
 
     def build_here(self, rows: int, package: Path) -> None:
         """The `rows`-row package built at `package` in this process (build.build); CompileError on failure."""

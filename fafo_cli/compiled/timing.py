@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -47,12 +48,15 @@ STEP_COSTS = "step-costs.json"
 
 
 def read_step_costs(folder: Path) -> dict[str, dict[int, float]]:
-    """The pass costs measured for this model (none yet: empty)."""
+    """The pass costs measured for this model (none yet: empty); a mode with a cost that is no time (0, negative,
+    NaN: a file edited or damaged) is left out, the planner's default curve then used (it divided by them)."""
     try:
         data = json.loads((folder / STEP_COSTS).read_text(encoding="utf-8"))
-        return {mode: {int(rows): float(ms) for rows, ms in costs.items()} for mode, costs in data.items()}
+        kept = {mode: {int(rows): float(ms) for rows, ms in costs.items()} for mode, costs in data.items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
+    return {mode: costs for mode, costs in kept.items()
+            if costs and all(rows > 0 and math.isfinite(ms) and ms > 0 for rows, ms in costs.items())}
 
 
 def write_step_costs(folder: Path, costs: dict[str, dict[int, float]]) -> None:

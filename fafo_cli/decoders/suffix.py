@@ -60,9 +60,10 @@ class History:
         self.tokens += len(answer) + 1
 
     def configure(self, keep: int, count_depth: int) -> None:
-        """This request's settings: deeper counts need a new index; fewer answers kept drop the oldest."""
-        if count_depth != self.count_depth or len(self.answers) > 2 * keep:
-            self.keep, self.count_depth = keep, count_depth
+        """This request's settings: deeper counts than the index keeps need a new one (a shallower request reads the
+        deeper one alike: requests that take turns rebuilt it each time); fewer answers kept drop the oldest."""
+        if count_depth > self.count_depth or len(self.answers) > 2 * keep:
+            self.keep, self.count_depth = keep, max(count_depth, self.count_depth)
             while len(self.answers) > keep:
                 self.answers.popleft()
             self._rebuild()

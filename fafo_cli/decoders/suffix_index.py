@@ -238,6 +238,8 @@ class SuffixIndex:
         `smoothing` in the denominator: one occurrence then says 1/2, not certainty); none below `min_prob`.
         Parents come before their children. Separators (negative ids) end a path."""
         nodes: list[Continuation] = []
+        if limit <= 0:  # (no match, or no room: nothing to scan the root's followers for)
+            return nodes
         heap: list = []  # (-probability, order, token, state, length, parent, given)
         order = itertools.count()  # ties: earlier offered first
 

@@ -85,6 +85,7 @@ class Session:
         self.draft_model: Model | None = None  # a small model sharing the tokenizer (TriForce's bottom level)
         self.compiled: CompiledStepRunner | None = None  # the model's compiled steps (`compile` on/auto)
         self.compiled_runs = 0  # decoding steps run compiled so far (Stats.compiled_steps counts a request's)
+        self.loading_s = 0.0  # of the last prefill, loading the decoder's compiled step (not the prompt's time)
         # one pass's measured ms against its rows (compiled/timing.STEP_COSTS): Model.eager_mode's here; compiled
         # packages' times are read through CompiledSteps.step_costs; for decoders that plan their steps
         self.step_costs: dict[str, dict[int, float]] = {}
@@ -157,8 +158,11 @@ class Session:
         prompt).
         Returns (logits of the last prompt token, number of prompt tokens reused from the cache).
         """
+        self.loading_s = 0.0
         if self.compiled is not None and steps is not None:
+            loading = time.perf_counter()
             self.compiled.serves(steps)
+            self.loading_s = time.perf_counter() - loading
         reused = shared_prefix(self.ids, prompt_ids[:-1])
         if observe is not None:
             reused = min(reused, max(0, len(prompt_ids) - observed_rows))
@@ -298,8 +302,10 @@ class Emitter:
             self.request.on_prefill(Prefill(done, total, time.perf_counter() - self.started))
 
     def prefilled(self, reused: int) -> None:
+        """The prompt is read: its time, without the compiled step's load (the time to the first token has it; a
+        package's second's load made a short prompt read at a twentieth of its speed)."""
         self.stats.cached_prompt_tokens = reused
-        self.stats.prefill_s = time.perf_counter() - self.started
+        self.stats.prefill_s = time.perf_counter() - self.started - self.session.loading_s
 
     def emit(self, tokens: list[int], *, drafted: int = 0, accepted: int = 0, rows: int | None = None,
              sources: list[str] | None = None) -> Step:

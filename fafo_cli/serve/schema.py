@@ -36,8 +36,9 @@ NEUTRAL = {**COMMON_NEUTRAL, "logprobs": False, "top_logprobs": 0, "tools": [], 
            "response_format": {"type": "text"}}
 # (a completion's logprobs is a count: 0 asks for the chosen tokens' log probabilities, so only null is neutral)
 TEXT_NEUTRAL = {**COMMON_NEUTRAL, "echo": False, "best_of": 1}
-# Config keys a client may not set: they name files on the server's disk
-SERVER_ONLY = {"cacheback_table"}
+# Config keys a client may not set: a file on the server's disk; how many of every client's earlier answers
+# SuffixDecoding drafts from (one client's request would drop the others')
+SERVER_ONLY = {"cacheback_table", "suffix_outputs"}
 PER_REQUEST = {spec.name for spec in fields(config_mod.Config)} - LOAD_KEYS - SERVER_ONLY
 ROLES = {**{role: role for role in API_ROLES}, "developer": "system"}  # OpenAI: developer
 # messages are what system messages were
@@ -134,6 +135,9 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
                            param=key, code="unsupported_value")
         elif key in LOAD_KEYS - {"model"}:
             raise ApiError(400, f"'{key}' is fixed when the server loads the model (a `fafo serve` option)",
+                           param=key, code="unsupported_parameter")
+        elif key in SERVER_ONLY:
+            raise ApiError(400, f"'{key}' is the server's to set (a `fafo serve` option), not a request's",
                            param=key, code="unsupported_parameter")
         elif key not in openai and key not in PER_REQUEST:
             raise ApiError(400, f"unsupported field '{key}'", param=key, code="unsupported_parameter")

@@ -345,7 +345,10 @@ class Planner:
         that pays for no guess's rows the step is plain without the candidates being built (most steps of free
         prose, whose host work would otherwise cost more than its guesses earn)."""
         window_value = self.acceptance.window_value()
-        idle = self.window_rows > 0 and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
+        # near the context's end the window's rows may not fit: no step runs it then, forced or not (a step forced
+        # to run it verified nothing, the copies that fit included)
+        window_fits = 0 < self.window_rows < room
+        idle = window_fits and not self.fixed and self.burst_left == 0 and self.idle >= self.explore_every
         if idle:  # a burst because the window has been idle: back off while bursts earn nothing
             if self.bursts:  # tried as often as before only while its tokens paid for its steps
                 paid = self.window_earned > 0 and self.window_earned >= self.window_price
@@ -353,7 +356,7 @@ class Planner:
             self.bursts += 1
             self.window_earned, self.window_price = 0, 0.0
         forced = self.fixed or idle or self.burst_left > 0
-        options = (False,) if self.window_rows == 0 else (True,) if forced else (False, True)
+        options = (False,) if not window_fits else (True,) if forced else (False, True)
         if firsts is not None and not forced and self.unverified < EXPLORE_EVERY:
             top = max((chances[0] for chances in map(self.acceptance.chances, firsts) if chances), default=0.0)
             bound = [top * n for n in range(self.max_nodes + 1)]
