@@ -175,9 +175,9 @@ def test_a_failed_build_says_the_compilers_error_and_whether_memory_ran_out():
 
 
 def test_packages_unpack_beside_them_and_what_a_killed_process_left_goes(tiny, tmp_path, monkeypatch):
-    """torch's loader unpacks a package into $TMPDIR until the process lets go of it (a killed one never does):
-    here into a folder beside the packages, which the next load removes once its process is gone, and which a
-    failed load removes at once."""
+    """torch's loader unpacks a package into $TMPDIR until the process lets go of it, which none did before it
+    ended: here into a folder beside the packages, removed as the process ends, by a failed load at once, and by
+    the next load where a killed process left it."""
     import os
 
     from fafo_cli.compiled import steps as steps_mod
@@ -196,12 +196,15 @@ def test_packages_unpack_beside_them_and_what_a_killed_process_left_goes(tiny, t
         return "runner"
 
     monkeypatch.setattr(steps_mod, "load_package", loading)
+    monkeypatch.setattr(steps_mod, "UNPACKED", [])  # (not the folders of the packages other tests hold)
     assert steps._load_package(tmp_path / "rows1.pt2") == "runner"
     assert seen[0].parent == tmp_path and seen[0].name.startswith(f".unpacked-{os.getpid()}-")
     assert not stale.exists() and os.environ.get("TMPDIR") == before
     with pytest.raises(RuntimeError):
         steps._load_package(tmp_path / "damaged.pt2")
     assert not seen[1].exists() and seen[0].exists() and os.environ.get("TMPDIR") == before
+    steps_mod.remove_unpacked()  # as the process ends (torch's loader never removed them: every run left its own)
+    assert not seen[0].exists()
 
 
 def test_a_building_process_leaves_no_compiler_files_behind(tiny, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ dispatch of a decoding step to the package that serves it (padding rows up to it
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import json
@@ -88,6 +89,17 @@ class OnceNotices:
         if message not in self._said:
             self._said.add(message)
             self.notify(message)
+
+
+# the folders this process unpacked packages into (CompiledSteps._load_package)
+UNPACKED: list[Path] = []
+
+
+@atexit.register
+def remove_unpacked() -> None:
+    """As the process ends (its packages' libraries stay mapped till then, whatever their files)."""
+    while UNPACKED:
+        shutil.rmtree(UNPACKED.pop(), ignore_errors=True)
 
 
 class CompiledSteps(OnceNotices):
@@ -351,9 +363,10 @@ class CompiledSteps(OnceNotices):
 
     def _load_package(self, package: Path):
         """load_package, unpacked beside the packages: torch's loader unpacks a package into the temporary folder and
-        removes it when the process lets go of it, so a process killed meanwhile (a server's second Ctrl-C, the
-        out-of-memory killer) left it there, hundreds of MB a package. Here, one a process left is removed by the
-        next load (the folder's pid gone), and one whose load failed at once."""
+        removes it only when the process lets go of the package, which a process never did before it ended (every
+        run left each package it loaded in /tmp, hundreds of MB for a dense model's). Here they go as the process
+        ends (UNPACKED), one whose load failed at once, and what a killed process left with the next load (the
+        folder's pid gone)."""
         for stale in self.folder.glob(".unpacked-*-*"):
             pid = stale.name.split("-")[1]
             if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
@@ -363,7 +376,7 @@ class CompiledSteps(OnceNotices):
         before = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = str(into)  # (read by torch's C++ loader as it unpacks)
         try:
-            return load_package(package, self.constants())
+            runner = load_package(package, self.constants())
         except BaseException:
             shutil.rmtree(into, ignore_errors=True)
             raise
@@ -372,6 +385,8 @@ class CompiledSteps(OnceNotices):
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = before
+        UNPACKED.append(into)
+        return runner
 
     def build_here(self, rows: int, package: Path) -> None:
         """The `rows`-row package built at `package` in this process (build.build); CompileError on failure."""
