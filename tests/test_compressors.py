@@ -113,6 +113,16 @@ def test_quest_waits_for_its_refresh_and_prepares_nothing_before_it_is_active():
     assert selections == [108, 116]
 
 
+def commit_one_by_one(cache: KVCache, compressor, count: int) -> None:
+    """`count` generated tokens of random keys (values their negation), committed and told one at a time."""
+    for _ in range(count):
+        row = torch.randn(LAYERS, 1, KV, DIM)
+        for layer in range(LAYERS):
+            cache.write(layer, row[layer], -row[layer])
+        cache.commit(1)
+        compressor.committed(cache, cache.length - 1, 1)
+
+
 def test_snapkv_keeps_pooled_top_scores_plus_window():
     cache = filled_cache(120)
     snap = SnapKVCompressor(budget=64, window=8, kernel=3, prompt_length=120, scale=0.5, tail_rows=4)
@@ -133,12 +143,7 @@ def test_snapkv_keeps_pooled_top_scores_plus_window():
         expected = sorted(sorted(range(112), key=lambda i: (-pooled[i], -i))[:keep]) + list(range(112, 120))
         assert snap.selected_positions(cache, layer) == expected
     # generated tokens go into a ring of budget // 4 slots after the prompt selection
-    for start in range(120, 140):
-        row = torch.randn(LAYERS, 1, KV, DIM)
-        for layer in range(LAYERS):
-            cache.write(layer, row[layer], -row[layer])
-        cache.commit(1)
-        snap.committed(cache, start, 1)
+    commit_one_by_one(cache, snap, 20)
     assert snap.selected_positions(cache)[-16:] == list(range(124, 140))
     assert snap.view_size(cache) == 64
 
@@ -152,12 +157,7 @@ def test_snapkv_keeps_the_newest_tokens_where_the_answer_outgrows_the_budget():
         snap.observe_prefill(layer, torch.randn(HEADS, 10, DIM), cache.keys[layer, :10], 0)
     snap.rebuild(cache)
     assert not snap.active
-    for start in range(10, 40):
-        row = torch.randn(LAYERS, 1, KV, DIM)
-        for layer in range(LAYERS):
-            cache.write(layer, row[layer], -row[layer])
-        cache.commit(1)
-        snap.committed(cache, start, 1)
+    commit_one_by_one(cache, snap, 30)
     # selected at 33 positions, 32 - 8 (ring) - 4 (window) = 20 by score: the prompt's 10, then the newest 10
     # before the window (19-28); the window 29-32, and the ring since (33-39)
     assert snap.active and sorted(snap.selected_positions(cache, 0)) == [*range(10), *range(19, 40)]

@@ -4,6 +4,7 @@ bookkeeping: prefix reuse across requests, chunked prefill, stop tokens, limits,
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -453,6 +454,30 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path)
         load(str(folder), dtype="float32")
 
 
+class EagerSteps:
+    """Compiled steps that serve no step (every step runs eager): each time they are told to let go of the cache,
+    its capacity then; a package load that takes `load_s`."""
+
+    def __init__(self, session, load_s: float = 0.0):
+        self.session, self.load_s, self.forgotten = session, load_s, []
+
+    def forget_cache(self):
+        self.forgotten.append(self.session.cache.capacity)
+
+    def serves(self, rows):
+        time.sleep(self.load_s)
+        return False
+
+    def __call__(self, *args):
+        return None
+
+    def notify_once(self, message):
+        pass
+
+    def step_costs(self, sizes, refresh=False):
+        return None
+
+
 @pytest.mark.parametrize("method", ["fafo", "prompt-lookup", "quantspec"])
 def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeypatch, method):
     """A decoding step that grows the cache (an answer past the prefill's room): the compiled steps' hold on the old
@@ -463,25 +488,8 @@ def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeyp
     monkeypatch.setattr(cache_mod, "GROW_SLOTS", 16)
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="off")
     engine.session.cache = engine.model.new_cache(initial_slots=16)
-    forgotten = []
-
-    class Steps:  # (runs no step: every step eager)
-        def forget_cache(self):
-            forgotten.append(engine.session.cache.capacity)
-
-        def serves(self, rows):
-            return False
-
-        def __call__(self, *args):
-            return None
-
-        def notify_once(self, message):
-            pass
-
-        def step_costs(self, sizes, refresh=False):
-            return None
-
-    engine.session.compiled = Steps()
+    engine.session.compiled = steps = EagerSteps(engine.session)
+    forgotten = steps.forgotten
     capacities, before_decoding = [], None
     for _ in engine.stream("one two three one two three", max_tokens=80, method=method):
         before_decoding = len(forgotten) if before_decoding is None else before_decoding
@@ -493,22 +501,8 @@ def test_compiled_steps_let_go_of_the_cache_before_a_step_grows_it(tiny, monkeyp
 def test_loading_a_compiled_step_is_no_part_of_the_prompts_time(tiny):
     """The prefill loads the decoder's compiled step first (a second or more): the time to the first token counts
     it, the prompt's speed does not."""
-    import time
-
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="off", method="vanilla")
-
-    class Steps:  # a package that takes 0.3 s to load, then serves no step
-        def serves(self, rows):
-            time.sleep(0.3)
-            return False
-
-        def __call__(self, *args):
-            return None
-
-        def forget_cache(self):
-            pass
-
-    engine.session.compiled = Steps()
+    engine.session.compiled = EagerSteps(engine.session, load_s=0.3)  # a package that takes 0.3 s to load
     stats = engine.complete("a short prompt", max_tokens=2).stats
     assert stats.ttft_s >= 0.3 > stats.prefill_s
 
@@ -518,19 +512,8 @@ def test_compiled_steps_let_go_of_the_cache_before_a_prefill_grows_it(tiny):
     cache, whose dtype never changes, held twice at a long prompt's peak); a prefill that fits keeps them (a GPU's
     captured graphs are dear to capture again)."""
     engine = load(str(tiny), dtype="float32", chat_template=False, compile="off", method="vanilla")
-    forgotten = []
-
-    class Steps:  # (runs no step: every step eager)
-        def forget_cache(self):
-            forgotten.append(engine.session.cache.capacity)
-
-        def serves(self, rows):
-            return False
-
-        def __call__(self, *args):
-            return None
-
-    engine.session.compiled = Steps()
+    engine.session.compiled = steps = EagerSteps(engine.session)
+    forgotten = steps.forgotten
     engine.complete("short", max_tokens=2)
     assert forgotten == []  # (the cache's first allocation holds it)
     engine.complete("a prompt longer than the cache's first allocation " * 12, max_tokens=2)
