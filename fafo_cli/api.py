@@ -188,7 +188,7 @@ class Engine:
         import tempfile
 
         from .compiled.build import CompileError, out_of_memory_said
-        from .files import _gone
+        from .files import remove_abandoned
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
                "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
@@ -196,9 +196,7 @@ class Engine:
         # torch's compiler leaves its work in the system's temporary folder (the sources, a library holding the
         # weights, the package unpacked to be checked: hundreds of MB a build, never removed): this build's go to a
         # folder of its own beside the packages, removed after it (one a killed process left, by the next build)
-        for stale in package.parent.glob(".build-*-*"):
-            if stale.name.split("-")[1].isdigit() and _gone(int(stale.name.split("-")[1])):
-                shutil.rmtree(stale, ignore_errors=True)
+        remove_abandoned(package.parent, ".build")
         scratch = tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=package.parent)
         # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path (the
         # current folder's modules not before it: -P's PYTHONSAFEPATH)

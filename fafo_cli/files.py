@@ -68,6 +68,15 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def remove_abandoned(folder: Path, prefix: str) -> None:
+    """Remove the folders `prefix-PID-...` in `folder` whose process PID is gone: what a killed process left (a
+    build's scratch, unpacked packages, a test session's cache)."""
+    for stale in folder.glob(f"{prefix}-*-*"):
+        pid = stale.name[len(prefix) + 1:].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def _sweep(folder: Path, pattern: re.Pattern) -> None:
     """Remove the entries of `folder` whose names match `pattern` and whose writer (the pattern's group "pid")
     is gone, or, without one, that are older than UNOWNED_AGE_S."""

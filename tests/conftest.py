@@ -127,16 +127,12 @@ def _throwaway_cache() -> Path:
     built kernels are linked in, so the embedded model is not converted again; a test's clean-up cannot remove
     them (a link is not removed as a folder). A killed session's folder is removed by the next session. The user's
     config file is not read either: the folder holds an empty config home."""
-    import shutil
     import tempfile
 
     from fafo_cli import hub
-    from fafo_cli.files import _gone
+    from fafo_cli.files import remove_abandoned
 
-    for stale in Path(tempfile.gettempdir()).glob("fafo-tests-*-*"):
-        pid = stale.name.split("-")[2]
-        if pid.isdigit() and _gone(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_abandoned(Path(tempfile.gettempdir()), "fafo-tests")
     # (xdist's workers inherit the first process's FAFO_CACHE: they read the user's cache from here)
     user = Path(os.environ.setdefault("FAFO_TESTS_USER_CACHE", str(hub.cache_dir())))
     cache = Path(tempfile.mkdtemp(prefix=f"fafo-tests-{os.getpid()}-"))

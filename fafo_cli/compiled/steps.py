@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from ..errors import first_line, is_out_of_memory
-from ..files import _gone, exclusive, write_atomic
+from ..files import exclusive, remove_abandoned, write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
 from ..runtime.model import STEP_ROWS, Model
@@ -367,10 +367,7 @@ class CompiledSteps(OnceNotices):
         run left each package it loaded in /tmp, hundreds of MB for a dense model's). Here they go as the process
         ends (UNPACKED), one whose load failed at once, and what a killed process left with the next load (the
         folder's pid gone)."""
-        for stale in self.folder.glob(".unpacked-*-*"):
-            pid = stale.name.split("-")[1]
-            if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
+        remove_abandoned(self.folder, ".unpacked")
         into = Path(tempfile.mkdtemp(prefix=f".unpacked-{os.getpid()}-", dir=self.folder))
         tempfile.gettempdir()  # (Python's own temporary folder chosen before, kept after)
         before = os.environ.get("TMPDIR")
