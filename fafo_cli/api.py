@@ -36,7 +36,7 @@ from .runtime.model import Model, quiet_transformers
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
 from .runtime.syncs import counted
-from .errors import FafoError, first_line
+from .errors import FafoError, first_line, says_out_of_memory
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
@@ -187,7 +187,7 @@ class Engine:
         import subprocess
         import tempfile
 
-        from .compiled.build import CompileError, out_of_memory_said
+        from .compiled.build import CompileError
         from .files import remove_abandoned
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
@@ -227,7 +227,7 @@ class Engine:
         if process.returncode != 0:
             lines = [line for line in said.splitlines() if line.strip()]
             last = lines[-1] if lines else f"the building process ended with code {process.returncode}"
-            raise CompileError(last, transient=out_of_memory_said(last))
+            raise CompileError(last, transient=says_out_of_memory(last))
 
     @property
     def name(self) -> str:

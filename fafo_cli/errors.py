@@ -28,9 +28,16 @@ def is_out_of_memory(error: BaseException) -> bool:
     the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate ...")."""
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         return True
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in message
-                                                or ("alloc" in message and "memory" in message))
+    return isinstance(error, RuntimeError) and says_out_of_memory(str(error))
+
+
+def says_out_of_memory(text: str) -> bool:
+    """Whether an error's text says memory ran out: torch's allocators ("out of memory", "not enough memory: you
+    tried to allocate"), the system's ("Cannot allocate memory"), a compiler the kernel killed ("Killed signal"), or
+    a MemoryError named in another process's last line (a building process's)."""
+    text = text.lower()
+    return ("out of memory" in text or ("alloc" in text and "memory" in text) or "killed signal" in text
+            or "memoryerror" in text)
 
 
 def first_line(what: BaseException | str, *, named: bool = False) -> str:

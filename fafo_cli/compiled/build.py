@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import first_line, is_out_of_memory
+from ..errors import first_line, is_out_of_memory, says_out_of_memory
 from ..files import atomic_path
 from ..runtime.model import Model, folded_attention
 from . import packed
@@ -238,13 +238,7 @@ def failure(error: BaseException) -> CompileError:
     said = next((text.strip() for text in str(error).splitlines()[1:] if "error:" in text.lower()), None)
     if said is not None:
         line = f"{line}: {said}"[:300]
-    return CompileError(line, transient=is_out_of_memory(error) or out_of_memory_said(line))
-
-
-def out_of_memory_said(line: str) -> bool:
-    """Whether a build's failure (its line, as a building process says it) says memory ran out."""
-    return any(sign in line for sign in ("Killed signal", "out of memory", "not enough memory",
-                                         "Cannot allocate memory", "MemoryError", "OutOfMemoryError"))
+    return CompileError(line, transient=is_out_of_memory(error) or says_out_of_memory(line))
 
 
 def load_kernels(model: Model, folder: Path) -> None:
