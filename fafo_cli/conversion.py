@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,12 +81,23 @@ def _read_with_our_header_walk(read, gguf, path) -> dict:
     return read(path, return_tensors=False)
 
 
+@contextmanager
+def _alone(path: Path) -> Iterator[tuple[str, str]]:
+    """(folder, file name) of a folder of its own holding only a link to the .gguf file at `path`: transformers
+    reads the tokenizer of a tokenizer.json beside a .gguf file in place of the file's own (llama.cpp's converter
+    writes its .gguf file into the model's folder, beside the original's)."""
+    with tempfile.TemporaryDirectory(prefix="fafo-gguf-") as folder:
+        (Path(folder) / path.name).symlink_to(path.resolve())
+        yield folder, path.name
+
+
 def _unsaid(error: Exception) -> bool:
     """Whether an error's message means little without its type's name (a KeyError's is the key alone)."""
     return not isinstance(error, (ValueError, OSError, NotImplementedError))
 
 
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rotary factors (Llama 3.1, 3.2, 3.3)
+MODEL_TENSORS = ("blk.", "output", "token_embd")  # llama.cpp's names of the layers', the head's, the embedding's
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -126,7 +138,7 @@ def refuse_unconvertible(path: Path, header: GgufHeader) -> None:
     if unread:
         raise FafoError(f"cannot convert {path}: it holds {unread[0]} tensors, which the gguf package cannot "
                         "dequantize")
-    experts, scaling, factor = _unread_settings(path, header)
+    experts, scaling, factor = unread_settings(path, header)
     if (experts or 0) > 0:
         raise FafoError(f"cannot convert {path}: it is a mixture of experts ({experts} experts), which fafo does not "
                         "run")
@@ -135,7 +147,7 @@ def refuse_unconvertible(path: Path, header: GgufHeader) -> None:
                         "file (linear, or Llama 3's factors); the model's safetensors folder from the hub runs")
 
 
-def _unread_settings(path: Path, header: GgufHeader) -> tuple:
+def unread_settings(path: Path, header: GgufHeader) -> tuple:
     """What a .gguf header says that transformers' GGUF reading leaves out, and that would make the converted model
     another one: (experts, rotary scaling type, its factor), each None where the header has none."""
     from .gguf_header import FieldsReader
@@ -152,13 +164,19 @@ def _unread_settings(path: Path, header: GgufHeader) -> tuple:
         part = field.parts[field.data[0]]
         return bytes(part).decode("utf-8", "replace") if isinstance(part, (bytes, bytearray)) else part[0]
 
-    return value("expert_count"), value("rope.scaling.type"), value("rope.scaling.factor")
+    factor = value("rope.scaling.factor")
+    if factor is None:  # (the older key, which llama.cpp reads where the newer one is not given)
+        factor = value("rope.scale_linear")
+    scaling = value("rope.scaling.type")
+    if scaling is None and factor and factor != 1.0:  # a factor alone: llama.cpp scales linearly by it
+        scaling = "linear"
+    return value("expert_count"), scaling, factor
 
 
 def _read_back_linear_rotary(path: Path, header: GgufHeader, config) -> None:
     """A linear rotary scaling (the one `refuse_unconvertible` lets through) into the config, which transformers'
     GGUF reading leaves without it."""
-    _, scaling, factor = _unread_settings(path, header)
+    _, scaling, factor = unread_settings(path, header)
     if scaling == "linear":
         rope = dict(getattr(config, "rope_parameters", None) or {})
         config.rope_parameters = {**rope, "rope_type": "linear", "factor": float(factor)}
@@ -181,15 +199,15 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     from .runtime.model import quiet_transformers
 
     # (convert_gguf read the header first, so the gguf package is known to be there)
-    with quiet_transformers(), _read_once():
+    with quiet_transformers(), _read_once(), _alone(path) as (folder, file_name):
         try:
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            config = AutoConfig.from_pretrained(folder, gguf_file=file_name)
         except (OSError, *GGUF_PARSE_ERRORS) as e:
             raise FafoError(f"cannot read {path} as a GGUF model: {first_line(e, named=_unsaid(e))}") from None
         check_architecture(config.to_dict(), str(path))
         _read_back_linear_rotary(path, header, config)  # (what the header refuses, convert_gguf refused)
         try:  # (a tokenizer type transformers does not read, or metadata it trips on)
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
         except GGUF_PARSE_ERRORS as e:
             raise FafoError(f"cannot convert {path}: {first_line(e, named=_unsaid(e))}") from None
         with init_empty_weights():  # the model's parameter names, on no memory
@@ -205,6 +223,13 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     except ValueError as e:  # (a tensor type the gguf package does not know)
         raise FafoError(f"cannot convert {path}: {e}") from None
     wanted = [tensor for tensor in tensors if tensor.name in names]
+    # a tensor of the model's layers or head that transformers' class has no parameter for (a llama file's attention
+    # biases, which llama.cpp runs and transformers' GGUF reading gives the model no room for) would be dropped
+    unread = sorted(tensor.name for tensor in tensors if tensor.name not in names and tensor.name != ROPE_FREQS
+                    and tensor.name.startswith(MODEL_TENSORS))
+    if unread:
+        raise FafoError(f"cannot convert {path}: transformers' {type(skeleton).__name__} has no parameter for "
+                        f"{len(unread)} of its tensors (such as {unread[0]}), which a conversion would drop")
     rope_freqs = next((tensor for tensor in tensors if tensor.name == ROPE_FREQS), None)
     if rope_freqs is not None:  # (transformers' GGUF reading leaves it out: plain rotary, another model)
         config.rope_parameters = llama3_rope(config, dequantize(rope_freqs.data, rope_freqs.tensor_type), path)

@@ -45,7 +45,8 @@ TRAINER_FILES = re.compile(r"(training_args|optimizer|scheduler|scaler|rng_state
 # a snapshot fafo did not pull (another tool's) counts as whole with config, weights and one of these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
-# "sha256" of its bytes, "also": [{"gguf", "key"}] copies met at other paths}
+# "sha256" of its bytes, "converter": CONVERTER, "also": [{"gguf", "key"}] copies met at other paths}
+CONVERTER = 2  # conversion.py's version, where a fix changes what a conversion holds (hub._outdated)
 # the hub's own rule besides the characters: no "--" or "..", no "." or "-" at the end
 _REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])$")
 
@@ -150,7 +151,7 @@ def _converted(target: Path, key: str, path: Path) -> Path | None:
     (one conversion, and one set of compiled steps, per file). One that left out Llama 3's rotary scaling is
     removed (its steps computed another model)."""
     found = target if (target / "config.json").is_file() else next(iter(_conversions_of(key)), None)
-    if found is not None and _rotary_left_out(found, path):
+    if found is not None and _outdated(found, path):
         with contextlib.suppress(OSError):  # (not ours to remove, a shared cache's: the new one is published beside)
             _remove_with_steps(found)
         return None
@@ -170,7 +171,7 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
     digest = _content_digest(path)  # seconds for a large file, where a conversion takes minutes
     size = path.stat().st_size
     for converted in _converted_folders():  # the same bytes at another path (a copy, another environment's package)
-        if _recorded_digest(converted, size) == digest and not _rotary_left_out(converted, path):
+        if _recorded_digest(converted, size) == digest and not _outdated(converted, path):
             _record_also(converted, path, key)
             if (converted / "config.json").is_file():  # (not removed meanwhile by another process's clean-up)
                 return converted
@@ -186,7 +187,7 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
                   f"dequantized into {target.parent}; later runs load that", file=sys.stderr, flush=True)
             write_gguf_as_hf(path, header, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
-                      "sha256": digest}
+                      "sha256": digest, "converter": CONVERTER}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
             # a file replaced meanwhile (a download finishing) gave some of the tensors and maybe the hash: not
             # published, or it would be found again, by its hash too, as that file's conversion
@@ -203,21 +204,32 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
     return target
 
 
-def _rotary_left_out(folder: Path, path: Path) -> bool:
-    """Whether the conversion in `folder` of the .gguf file at `path` left out Llama 3.x's rotary scaling, which
-    llama.cpp keeps as a tensor (conversion.ROPE_FREQS) and fafo before 2026-12-07 did not read: a Llama model of
-    more than 8,192 positions with plain rotary, whose file holds that tensor (its header read only then)."""
-    from .conversion import ROPE_FREQS
-
+def _outdated(folder: Path, path: Path) -> bool:
+    """Whether the conversion in `folder` of the .gguf file at `path`, recorded by a fafo before CONVERTER, left out
+    what this one reads: Llama 3.x's rotary scaling, which llama.cpp keeps as a tensor (conversion.ROPE_FREQS; read
+    since 2026-12-07), a linear rotary scaling given by its factor alone, or the file's own tokenizer where a
+    tokenizer.json lay beside the file it was converted from (transformers read that one instead; both since
+    2026-12-08). A conversion found whole is recorded as this version's: checked once."""
+    record = source_record(folder)
+    if not record or record.get("converter", 1) >= CONVERTER:  # (no record: not ours to judge, used as it is)
+        return False
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        plain = (rope.get("rope_type") or rope.get("type") or "default") == "default"
-        if config.get("model_type") != "llama" or not plain or config.get("max_position_embeddings", 0) <= 8192:
-            return False
-        return any(tensor.name == ROPE_FREQS for tensor in read_header(path).tensors)
+        if (rope.get("rope_type") or rope.get("type") or "default") == "default":
+            from .conversion import ROPE_FREQS, unread_settings
+
+            header = read_header(path)
+            scaling = unread_settings(path, header)[1]
+            if any(tensor.name == ROPE_FREQS for tensor in header.tensors) or scaling not in (None, "", "none"):
+                return True
+        converted_from = Path(record.get("gguf") or path)
+        if (converted_from.parent / "tokenizer.json").exists():
+            return True
     except (OSError, ValueError, AttributeError):  # (unreadable: used as it is, as before)
         return False
+    _rewrite_record(folder, {**record, "converter": CONVERTER})
+    return False
 
 
 def _check_room(folder: Path, needed: int, what: str) -> None:

@@ -110,6 +110,52 @@ def test_config_forms_read_as_transformers_reads_them(tmp_path, changes):
     assert torch.equal(llama.inverse_frequencies(ours), LlamaRotaryEmbedding(theirs).inv_freq)
 
 
+@pytest.mark.parametrize("changes, context", [
+    (dict(sliding_window=16), 4096),  # Llama's layers do not read the key
+    (dict(model_type="mistral", sliding_window=16), 16),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), 16),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2), 4096),  # no layer
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=16), 4096),
+])
+def test_a_sliding_window_bounds_the_context_where_transformers_slides(tmp_path, changes, context):
+    """Within its sliding window a layer attends to what full attention does: the context is bounded by the window
+    where transformers runs some layer over it (and only there: a key no layer reads cost a Llama model its context)."""
+    from transformers import AutoConfig
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=4096)  # (2 layers)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **changes}))
+    assert max_context(llama.read_config(folder)) == max_context(AutoConfig.from_pretrained(folder)) == context
+
+
+def test_longrope_runs_within_its_original_context(tmp_path):
+    """transformers picks longrope's short or long factors for a whole call by its last position: within the
+    original context every call of ours (a chunk of a prefill, a step with guessed rows) picks the short ones, as
+    transformers' own decoding does."""
+    from transformers import AutoConfig
+
+    half = 8  # (the tiny model's head size is 16)
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", max_positions=4096, rope_parameters=dict(
+        rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=1024, short_factor=[1.0] * half,
+        long_factor=[4.0] * half))
+    assert llama.read_config(folder) is None  # (transformers' own modules run it)
+    assert max_context(AutoConfig.from_pretrained(folder)) == 1024
+
+
+def test_a_linear_layer_of_its_own_kind_computes_its_own_product():
+    """A step's rows go through a float32 linear layer as W @ xᵀ (model._columns_linear), but a subclass's own
+    product (a quantized checkpoint's layers, which transformers builds) is its own: not the plain product of its
+    weight."""
+    from fafo_cli.runtime.model import _columns_linear
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    x = torch.randn(3, 8)
+    for module in (torch.nn.Linear(8, 4), Scaled(8, 4)):
+        assert torch.allclose(_columns_linear(module, x), module(x), atol=1e-6)
+
+
 def test_checkpoints_the_modules_do_not_cover_load_through_transformers(tmp_path, tiny):
     from fafo_cli import load
 

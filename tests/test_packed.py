@@ -410,6 +410,8 @@ def test_a_llama3_gguf_keeps_its_rotary_scaling(tmp_path, monkeypatch):
     config = json_mod.loads((folder / "config.json").read_text())  # as a fafo that left the tensor out wrote it
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     (folder / "config.json").write_text(json_mod.dumps(config))
+    record = json_mod.loads((folder / hub.SOURCE_MARKER).read_text())
+    (folder / hub.SOURCE_MARKER).write_text(json_mod.dumps({k: v for k, v in record.items() if k != "converter"}))
     again = hub.convert_gguf(path)
     assert json_mod.loads((again / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
     other = factors.copy()
@@ -447,6 +449,64 @@ def test_what_a_gguf_header_says_beyond_transformers_reading_is_read_or_refused(
     doubles = write_tiny_gguf(tmp_path / "f64.gguf", fields=lambda w: w.add_tensor("extra.weight", np.ones(4)))
     with pytest.raises(FafoError, match="it holds F64 tensors, which the gguf package cannot dequantize"):
         hub.convert_gguf(doubles)
+
+
+def test_a_rotary_factor_without_its_type_scales_linearly_as_in_llama_cpp(tmp_path, monkeypatch):
+    """llama.cpp scales linearly by a factor given without a scaling type, under the current key or the older
+    `rope.scale_linear` (SuperHOT-style files): converted with plain rotary it was another model. A conversion an
+    older fafo made of such a file is made again; one that left nothing out is kept, and so recorded."""
+    import json as json_mod
+
+    from fafo_cli import hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    for key in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):
+        path = write_tiny_gguf(tmp_path / f"{key}.gguf", architecture="llama",
+                               fields=lambda writer: writer.add_float32(key, 4.0))
+        folder = hub.convert_gguf(path)
+        rope = json_mod.loads((folder / "config.json").read_text())["rope_parameters"]
+        assert rope["rope_type"] == "linear" and rope["factor"] == 4.0, key
+    config, record = (json_mod.loads((folder / name).read_text()) for name in ("config.json", hub.SOURCE_MARKER))
+    assert record.pop("converter") == hub.CONVERTER
+    (folder / hub.SOURCE_MARKER).write_text(json_mod.dumps(record))  # as an older fafo converted it
+    (folder / "config.json").write_text(json_mod.dumps({**config, "rope_parameters": {"rope_type": "default",
+                                                                                      "rope_theta": 10000.0}}))
+    again = hub.convert_gguf(path)
+    assert json_mod.loads((again / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", architecture="llama")
+    folder = hub.convert_gguf(plain)
+    record = json_mod.loads((folder / hub.SOURCE_MARKER).read_text())
+    del record["converter"]
+    (folder / hub.SOURCE_MARKER).write_text(json_mod.dumps(record))
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda *args: pytest.fail("converted again"))
+    assert hub.convert_gguf(plain) == folder
+    assert json_mod.loads((folder / hub.SOURCE_MARKER).read_text())["converter"] == hub.CONVERTER
+
+
+def test_a_tokenizer_beside_a_gguf_file_does_not_replace_its_own(tmp_path, monkeypatch):
+    """transformers reads a tokenizer.json beside a .gguf file in place of the file's own vocabulary, chat template
+    and special tokens (llama.cpp's converter writes its .gguf file into the original model's folder; any
+    tokenizer.json in a downloads folder would do): the file's own is converted. A conversion an older fafo made so
+    is made again."""
+    import json as json_mod
+
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer
+
+    from fafo_cli import hub
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", architecture="llama")  # (Qwen2's tokenizer class reads its own)
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    folder = hub.convert_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == 260 and tokenizer.chat_template and tokenizer.tokenize("th") == ["th"]
+    record = json_mod.loads((folder / hub.SOURCE_MARKER).read_text())
+    del record["converter"]  # as an older fafo converted it, beside that tokenizer.json
+    (folder / hub.SOURCE_MARKER).write_text(json_mod.dumps(record))
+    converted, write = [], hub.write_gguf_as_hf
+    monkeypatch.setattr(hub, "write_gguf_as_hf", lambda *args: converted.append(args[0]) or write(*args))
+    assert len(AutoTokenizer.from_pretrained(hub.convert_gguf(path))) == 260 and converted == [path]
 
 
 def test_two_processes_asking_for_one_conversion_make_it_once(tmp_path, monkeypatch, capsys):
@@ -490,6 +550,11 @@ def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_pat
     with pytest.raises(FafoError, match=r"holds no tensor for 2 of the model's parameters \(such as "
                                         r"model\.layers\.1\.mlp\.down_proj\.weight\): cut short"):
         hub.convert_gguf(cut)
+    biased = write_tiny_gguf(tmp_path / "llama-biased.gguf", architecture="llama",  # (a "llamafied" Qwen's)
+                             fields=lambda writer: writer.add_tensor("blk.0.attn_q.bias", np.ones(256, np.float32)))
+    with pytest.raises(FafoError, match=r"transformers' LlamaForCausalLM has no parameter for 1 of its "
+                                        r"tensors \(such as blk\.0\.attn_q\.bias\), which a conversion would drop"):
+        hub.convert_gguf(biased)
     assert not list((tmp_path / "cache").glob("models/*"))  # nothing half-written
 
 

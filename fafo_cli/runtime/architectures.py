@@ -24,12 +24,18 @@ def check_architecture(config: dict, where: str) -> None:
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise FafoError(f"{where}: the config's architectures must be a list of class names "
                         f"(got {json.dumps(architectures)[:60]})")
+    kind = config.get("model_type")
     if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        return
-    if not architectures:  # GGUF metadata names only the model type
-        if config.get("model_type") in SUPPORTED:
+        # (transformers builds the model its model_type names: another one, e.g. Granite's scaled residuals, would
+        # run through our supported architectures' steps)
+        if kind is None or kind in SUPPORTED:
             return
-        raise FafoError(f"{where} does not name a model architecture (model_type {config.get('model_type')!r})")
+        raise FafoError(f"{where} is a {kind} model (model_type {kind!r}), which fafo does not run (supported: "
+                        f"{', '.join(SUPPORTED)})")
+    if not architectures:  # GGUF metadata names only the model type
+        if kind in SUPPORTED:
+            return
+        raise FafoError(f"{where} does not name a model architecture (model_type {kind!r})")
     if not str(architectures[0]).endswith(("ForCausalLM", "LMHeadModel")):
         raise FafoError(f"{where} is not a causal language model ({architectures[0]})")
     raise FafoError(f"unsupported architecture {architectures[0]} in {where} "

@@ -50,12 +50,34 @@ def quiet_transformers():
 
 
 def max_context(config) -> int:
-    """Longest sequence the model handles exactly; a sliding window, where one is active, bounds it."""
+    """Longest sequence the model handles exactly (transformers' `config`): a sliding window, where transformers
+    runs some layer over one, bounds it (within the window a layer sees what full attention sees), as longrope's
+    original context does."""
     limit = int(getattr(config, "max_position_embeddings", 0) or 2048)
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
+    if window and _slides(config):
         limit = min(limit, int(window))
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings"):
+        # transformers rotates a whole call by longrope's long factors once its last position is past the original
+        # context: our calls (a prefill in chunks, a step's guessed rows ahead of the text) would switch elsewhere
+        limit = min(limit, int(rope["original_max_position_embeddings"]))
     return limit
+
+
+def _slides(config) -> bool:
+    """Whether transformers runs a layer of this model over its sliding window: those its `layer_types` mark so,
+    which Qwen2's and Qwen3's configs make from use_sliding_window and max_window_layers (our own config,
+    llama.read_config, leaves them to this rule); every layer of a Mistral model; a Llama model's never (its layers
+    do not read a `sliding_window` key)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return "sliding_attention" in kinds
+    kind = getattr(config, "model_type", None)
+    if kind in ("qwen2", "qwen3"):
+        return bool(getattr(config, "use_sliding_window", False)) and \
+            getattr(config, "max_window_layers", 28) < config.num_hidden_layers
+    return kind == "mistral"
 
 
 # the most rows a decoding step runs (compiled.steps' largest bucket); a prefill chunk has more
@@ -81,7 +103,8 @@ def _columns_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     dozen) runs far below the speed of the one-row product on some CPUs, so that verifying a guess or two cost
     half a plain step more; W @ xᵀ reads W at about the one-row speed (docs/benchmarks.md). One row stays the
     module's own product: bit for bit what plain decoding in transformers computes."""
-    if x.numel() == x.shape[-1] or not isinstance(module, torch.nn.Linear):  # our packed kernels' modules: theirs
+    # (our packed kernels' modules, and a subclass's own product, a quantized checkpoint's: theirs)
+    if x.numel() == x.shape[-1] or type(module) is not torch.nn.Linear:
         return module(x)
     flat = x.reshape(-1, x.shape[-1])
     y = (module.weight @ flat.T).T
