@@ -452,8 +452,8 @@ def check_compile(config: config_mod.Config, device: torch.device) -> None:
     if config.compile == "on" and device.type != "cpu":
         graphs = ("its decoding steps run as CUDA graphs (cuda_graphs: auto)" if device.type == "cuda" else
                   "it runs eager")
-        raise FafoError(f"--compile builds compiled steps for a CPU, not for {device.type}: {graphs}; leave compile "
-                        "at auto")
+        raise FafoError(f"compile: on builds compiled steps for a CPU, not for {device.type}: {graphs}; give "
+                        "--no-compile, or leave compile at auto in the config file")
 
 
 def _use_graphs(model: Model, config: config_mod.Config) -> bool:

@@ -320,6 +320,10 @@ def run(
     text = _read_prompt(prompt)
     stop = [_unescaped(value) for value in stop or ()]
     settings = config_mod.resolve(config, **flags)
+    session_only = sorted(_given(flags) & config_mod.SESSION_KEYS)
+    if session_only:
+        raise FafoError(f"'{session_only[0]}' sets what a session's later answers draft from (fafo chat, fafo serve); "
+                        "fafo run makes one answer")
     out, err = consoles()
     engine = _load(settings, err, flags, quiet=quiet)
     engine.count_syncs = verbose
@@ -467,8 +471,9 @@ def bench(
     prompts: Annotated[Optional[str], typer.Option(help="Your own prompts, as one more suite "
                                                    "(`custom`): a JSONL file, {\"prompt\": ...} or "
                                                    "{\"messages\": [...]} per line.", show_default=False)] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy (exactness checked); above 0 samples.",
-                                               min=0.0, max=100.0, callback=_finite)] = 0.0,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (exactness checked; the default); "
+                                                         "above 0 samples.", min=0.0, max=100.0, callback=_finite,
+                                                         show_default=False)] = None,
     *, flags: dict,
     external: Annotated[Optional[bool], typer.Option("--external/--no-external", help="Time transformers' "
                                                      "generate and its prompt lookup too (default: with --full).",
@@ -499,11 +504,12 @@ def bench(
             ("--suites", suites), ("--context", context), ("--documents", documents), ("--methods", methods),
             ("--compressors", compressors), ("--tokens", tokens is not None), ("--repeats", repeats),
             ("--warmup", warmup is not None), ("--samples", samples), ("--prompts", prompts),
-            ("--temperature", temperature),
+            ("--temperature", temperature is not None),
             ("--external/--no-external", external is not None), ("--full", full), ("--verify", verify),
             ("--json", json_file), ("--csv", csv_file), ("--markdown", markdown_file), ("--plot", plot_file)) if given]
         if ignored:
             raise FafoError(f"--tune measures with its own prompts and settings: drop {', '.join(ignored)}")
+    temperature = temperature or 0.0
     if verify and temperature > 0:
         raise FafoError("--verify checks greedy rows for identical tokens: drop it, or use --temperature 0")
     settings = config_mod.resolve(config, written=tune, **flags)
@@ -663,7 +669,7 @@ def compile_steps(
     given = _given(flags)
     if methods is not None and "method" in given:
         raise FafoError("--methods names the methods to build for: drop --method")
-    unused = sorted(given & set(ANSWER_ONLY))  # the packages' shapes do not depend on these
+    unused = sorted(given & (set(ANSWER_ONLY) | config_mod.GUESS_ONLY_KEYS))  # the packages' shapes do not use these
     unused += sorted(given & ({"draft_model"} | config_mod.DRAFT_MODEL_KEYS))  # (TriForce's draft model runs eager)
     unused += sorted(key for key in given if config_mod.method_of(config_mod.SPECS[key]) not in (None, *chosen))
     if unused:

@@ -300,7 +300,7 @@ def _check(name: str, value: Any, spec) -> Any:
     elif not isinstance(value, str):
         read_as = {bool: "true or false", datetime.date: "a date", datetime.datetime: "a date"}.get(type(value))
         hint = f", which YAML reads as {read_as}: put it in quotes" if read_as else ""
-        raise FafoError(f"config key '{name}' must be text (got {value!s}{hint})")
+        raise FafoError(f"config key '{name}' must be text (got {_shown(value) if read_as is None else value}{hint})")
     if meta["choices"] and value not in meta["choices"]:
         raise FafoError(f"config key '{name}' must be one of {', '.join(meta['choices'])} (got {_shown(value)})")
     low, high = meta["low"], meta["high"]
@@ -313,8 +313,9 @@ def _check(name: str, value: Any, spec) -> Any:
     return value
 
 
-def build(base: Config | None = None, /, **changes: Any) -> Config:
-    """A validated Config; keys with value None in `changes` are left as they are (flag not given)."""
+def build(base: Config | None = None, together: bool = True, /, **changes: Any) -> Config:
+    """A validated Config; keys with value None in `changes` are left as they are (flag not given). `together`:
+    the keys that must fit one another checked too (not for a file whose flags are still to come)."""
     unknown = sorted(set(changes) - set(SPECS))
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), SPECS, n=1)
@@ -322,7 +323,8 @@ def build(base: Config | None = None, /, **changes: Any) -> Config:
         raise FafoError(f"unknown config key '{unknown[0]}' ({hint}`fafo config show` lists every key)")
     given = {k: _check(k, v, SPECS[k]) for k, v in changes.items() if v is not None}
     config = replace(base or Config(), **given)
-    _check_together(config)
+    if together:
+        _check_together(config)
     return config
 
 
@@ -353,6 +355,13 @@ WINDOW_KEYS = frozenset({"ngram", "guesses", "prefix", "pool_per_key", "compress
 
 
 DRAFT_MODEL_KEYS = frozenset({"triforce_gamma1", "triforce_draft_cache"})  # read by TriForce's bottom level only
+
+# methods' settings of what their guesses are made from, not of the rows a step runs (the compiled packages' sizes:
+# `fafo compile` refuses them)
+GUESS_ONLY_KEYS = frozenset({"prefix", "pool_per_key", "copies", "lookup_ngram", "cacheback_leader",
+                             "cacheback_follower", "cacheback_followers", "cacheback_leaders", "cacheback_table",
+                             "suffix_depth", "suffix_factor", "suffix_min_prob", "suffix_outputs"})
+SESSION_KEYS = frozenset({"suffix_outputs"})  # read by the answers after a session's first (chat, serve)
 
 
 def runs_window(streams: int | str, compressor_named: bool, accelerator: bool) -> bool:
@@ -432,7 +441,7 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_file(path: Path, base: Config | None = None) -> Config:
+def load_file(path: Path, base: Config | None = None, together: bool = True) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -444,7 +453,7 @@ def load_file(path: Path, base: Config | None = None) -> Config:
         raise FafoError(f"config file not found: {path}{hint}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FafoError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
-    return load_text(text, path, base)
+    return load_text(text, path, base, together)
 
 
 def _yaml_problem(error: yaml.YAMLError, text: str) -> str:
@@ -458,8 +467,8 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> str:
     return (f" (line {mark.line + 1})" if mark else "") + (f": {problem}" if problem else "")
 
 
-def load_text(text: str, path: Path, base: Config | None = None) -> Config:
-    """`load_file` for the text of the file `path` (named in the errors)."""
+def load_text(text: str, path: Path, base: Config | None = None, together: bool = True) -> Config:
+    """`load_file` for the text of the file `path` (named in the errors); `together`: as `build`'s."""
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
@@ -479,7 +488,7 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
     # In a file an explicit null is a value (e.g. `seed:` to clear it), not "not given".
     explicit_nulls = {k for k, v in data.items() if v is None}
     try:
-        config = build(base, **{str(k): v for k, v in data.items()})
+        config = build(base, together, **{str(k): v for k, v in data.items()})
     except FafoError as e:
         raise FafoError(f"{path}: {e}") from None
     for key in explicit_nulls:
@@ -492,16 +501,23 @@ def load_text(text: str, path: Path, base: Config | None = None) -> Config:
 def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> Config:
     """The effective config: defaults, then the user's file (or `config_file`), then the flags. `written`: the
     command writes settings into `config_file`, which it creates where there is none yet."""
-    config = Config()
+    config, source = Config(), None
     if config_file is not None and not config_file.strip():
         raise FafoError("--config needs a file name")
     if config_file is not None:
         path = user_path(config_file)
         if not (written and not path.exists() and not path.is_symlink()):  # (a link to nothing: its error)
-            config = load_file(path, config)
+            source = path
     elif user_config_path().exists() or user_config_path().is_symlink():  # (a folder, a link to nothing: errors)
-        config = load_file(user_config_path(), config)
-    return build(config, **flags)
+        source = user_config_path()
+    if source is not None:  # (the keys that must fit one another are checked once the flags are in)
+        config = load_file(source, config, together=False)
+    try:
+        return build(config, **flags)
+    except FafoError as e:
+        if source is None or any(value is not None for value in flags.values()):
+            raise
+        raise FafoError(f"{source}: {e}") from None  # (the file's keys alone)
 
 
 def describe(spec) -> str:

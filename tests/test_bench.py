@@ -205,6 +205,7 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
                            (["--tune", "--suites", "math", "--json", "t.json"], "its own prompts and settings: drop --suites,"),
                            # a value equal to the default is given all the same
                            (["--tune", "--tokens", "512"], "its own prompts and settings: drop --tokens"),
+                           (["--tune", "--temperature", "0"], "--samples, --temperature\n"),
                            (["--verify", "--temperature", "0.5"], "--verify checks greedy rows"),
                            (["--methods", "suffix", "--compressors", "stream"], "add fafo to --methods"),
                            (["--plot", str(tmp_path / "chart.txt")], "a chart is written as one of")):

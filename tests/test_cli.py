@@ -129,6 +129,8 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch, tiny, 
     (["--compressor", "quest", "--sink", "2"], "'sink' is a setting of the stream compressor, which the window "
                                                "does not use here (compressor: quest)"),
     (["--compressor", "none", "--budget", "64"], "'budget' is a setting of the stream/quest/snapkv/h2o compressor"),
+    (["--method", "suffix", "--suffix-outputs", "0"], "'suffix_outputs' sets what a session's later answers draft "
+                                                      "from (fafo chat, fafo serve); fafo run makes one answer"),
 ])
 def test_a_flag_that_would_change_nothing_is_refused(capsys, tiny, prompt_file, flags, message):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", *flags)
@@ -1010,6 +1012,10 @@ def test_compile_fails_when_nothing_could_be_built(capsys, monkeypatch, tiny, pr
 @pytest.mark.parametrize("flags, message", [
     (["--methods", "vanilla", "--temperature", "0.7"], "'temperature' does not change them"),
     (["--methods", "vanilla", "--lookup-ngram", "4"], "'lookup_ngram' does not change them"),
+    # what a method's guesses are made from, not its steps' rows
+    (["--methods", "prompt-lookup", "--lookup-ngram", "4"], "'lookup_ngram' does not change them"),
+    (["--method", "fafo", "--pool-per-key", "4", "-W", "2"], "'pool_per_key' does not change them"),
+    (["--methods", "suffix", "--suffix-depth", "8"], "'suffix_depth' does not change them"),
     (["--methods", "vanilla", "--method", "suffix"], "drop --method"),
     (["--gpus", "2"], "a model spread over GPUs runs eager steps"),
     (["--method", "fafo", "-W", "0", "-k", "4"], "'ngram' sets FAFO's lookahead window, which does not run here"),

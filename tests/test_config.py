@@ -50,6 +50,17 @@ def test_file_then_flags(tmp_path):
     assert (config.trust_remote_code, config.allow_pickle) == (False, False)
 
 
+def test_keys_that_must_fit_one_another_are_checked_once_the_flags_are_in(tmp_path):
+    """A file's value that fits only beside a flag's (a larger budget) is not refused before the flag is read; a
+    file whose keys do not fit one another is still named."""
+    path = write(tmp_path, "triforce_chunk: 128\n")
+    assert config_mod.resolve(str(path), triforce_budget=1024).triforce_budget == 1024
+    with pytest.raises(FafoError, match=r"c.yaml: config key 'triforce_budget' \(256\) must hold two chunks"):
+        config_mod.resolve(str(path))
+    with pytest.raises(FafoError, match=r"^config key 'triforce_budget' \(280\) must hold two chunks"):
+        config_mod.resolve(str(path), triforce_budget=280)
+
+
 def test_user_config_file_is_read(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     (tmp_path / "fafo").mkdir()
@@ -113,6 +124,7 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("a: b: c\n", "not valid YAML \\(line 1\\): mapping values are not allowed here"),
     ("device: on\n", "'device' must be text \\(got True, which YAML reads as true or false: put it in quotes\\)"),
     ("model: 2024-01-01\n", "'model' must be text \\(got 2024-01-01, which YAML reads as a date"),
+    ("system: [" + "a, " * 500 + "b]\n", "'system' must be text \\(got \\['a', 'a', .{1,30}\\)$"),  # shortened
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):

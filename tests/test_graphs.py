@@ -107,8 +107,9 @@ def test_compile_on_is_refused_off_the_cpu():
     from fafo_cli.config import Config
     from fafo_cli.errors import FafoError
 
-    with pytest.raises(FafoError, match=r"^--compile builds compiled steps for a CPU, not for cuda: its decoding steps "
-                                        r"run as CUDA graphs \(cuda_graphs: auto\); leave compile at auto$"):
+    with pytest.raises(FafoError, match=r"^compile: on builds compiled steps for a CPU, not for cuda: its decoding "
+                                        r"steps run as CUDA graphs \(cuda_graphs: auto\); give --no-compile, or "
+                                        r"leave compile at auto in the config file$"):
         check_compile(Config(compile="on"), torch.device("cuda"))
     with pytest.raises(FafoError, match="not for mps: it runs eager"):
         check_compile(Config(compile="on"), torch.device("mps"))
