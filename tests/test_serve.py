@@ -944,6 +944,15 @@ def test_bad_input_gets_an_openai_error(served, endpoint, body, status, where):
             assert where in (error["param"], error["code"]), error
 
 
+def test_a_body_that_begins_with_a_byte_order_mark_is_read(served):
+    """A file saved on Windows and posted as it is (curl --data-binary @body.json): RFC 8259 lets a reader skip the
+    mark, as llama.cpp's server does."""
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        body = "\ufeff".encode() + json.dumps({"prompt": TEXT, "max_tokens": 2}).encode()
+        response = http.post("/completions", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
+
+
 def test_a_body_that_is_not_sent_as_json_is_a_415(served):
     """Form and text posts (what a web page may send another origin without asking first) are refused."""
     with httpx.Client(base_url=served.url, timeout=30) as http:
@@ -964,7 +973,10 @@ def test_a_loopback_server_answers_only_requests_addressed_to_this_machine(serve
     """DNS rebinding: a web page whose domain resolves to 127.0.0.1 sends its own name as Host."""
     with httpx.Client(base_url=served.url, timeout=30) as http:
         port = served.url.split(":")[2].split("/")[0]
-        for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        # (and names no public domain has, which a rebound page cannot send: Docker Desktop's name of the host, the
+        # machine's mDNS and own names, as ollama answers them)
+        for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}",
+                     f"host.docker.internal:{port}", f"mybox.local:{port}", f"{socket.gethostname().upper()}:{port}"):
             assert http.get("/models", headers={"Host": host}).status_code == 200, host
         for path in ("/models", "/completions"):
             error = _check_error(http.request("POST" if "compl" in path else "GET", path, headers={
@@ -1075,14 +1087,17 @@ def test_wrong_routes_and_oversized_bodies(served):
     with httpx.Client(base_url=served.url, timeout=30) as http:
         _check_error(http.get("/chat/completions"), 405)
         _check_error(http.post("/nothing/here", json={}), 404)
+        # (what a prompt beyond the context gets: a client that shortens its prompt on that code does so here too)
         huge = json.dumps({"prompt": "x" * 300_000}).encode()
-        assert _check_error(http.post("/completions", content=huge), 413)["code"] == "request_too_large"
+        error = _check_error(http.post("/completions", content=huge), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt"), error
 
         def chunked():  # no Content-Length: counted as it arrives
             for _ in range(40):
                 yield b" " * 10_000
 
-        _check_error(http.post("/completions", content=chunked()), 413)
+        error = _check_error(http.post("/chat/completions", content=chunked()), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
         # the server keeps serving
         assert http.post("/completions", json={"prompt": "still there?", "max_tokens": 2}).status_code == 200
 

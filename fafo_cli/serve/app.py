@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import socket
 import time
 from typing import AsyncIterator, Awaitable
 
@@ -282,7 +283,7 @@ class Guard:
             message = await receive()
             read += len(message.get("body", b""))
             if read > self.max_body:
-                raise self._too_large()
+                raise self._too_large(scope["path"])
             return message
 
         await self.app(scope, bounded, send)
@@ -306,21 +307,30 @@ class Guard:
                 return ApiError(401, "incorrect API key", code="invalid_api_key")  # never echoed, never logged
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return self._too_large() if length.isdigit() else ApiError(400, "invalid Content-Length")
+            return self._too_large(scope["path"]) if length.isdigit() else ApiError(400, "invalid Content-Length")
         return None
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
-                             "this model's context takes", code="request_too_large")
+    def _too_large(self, path: str) -> ApiError:
+        # (what a prompt beyond the context gets, so that a client that shortens its prompt then does so here too)
+        return ApiError(400, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
+                             "this model's context takes", param=PROMPT_FIELDS.get(path.rstrip("/")),
+                        code="context_length_exceeded")
+
+
+PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # where a path's prompt is
+# names no public domain can have, which a web page's DNS rebinding therefore cannot send (ollama's list):
+# Docker Desktop's host.docker.internal (Open WebUI in a container), a machine's mDNS name
+LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 
 
 def _foreign_host(headers: Headers) -> str | None:
-    """On a server that listens on loopback, the Host a request names when that is neither localhost nor an IP
-    address: a web page whose domain was rebound to 127.0.0.1 (DNS rebinding) counts as same-origin in the browser
-    and sends its own name (ollama refuses those too). None where the request may go on."""
+    """On a server that listens on loopback, the Host a request names when that is neither localhost, this machine's
+    name, a name of a local-only domain (LOCAL_SUFFIXES) nor an IP address: a web page whose domain was rebound to
+    127.0.0.1 (DNS rebinding) counts as same-origin in the browser and sends its own name (ollama refuses those
+    too). None where the request may go on."""
     host = headers.get("host", "").strip().lower()
     name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
-    if not name or name == "localhost" or name.endswith(".localhost"):
+    if not name or name in ("localhost", socket.gethostname().lower()) or name.endswith(LOCAL_SUFFIXES):
         return None
     try:
         ipaddress.ip_address(name)

@@ -102,7 +102,8 @@ class Prompts:
 
 def read_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw.decode("utf-8"))  # JSON on the wire is UTF-8 (RFC 8259)
+        # JSON on the wire is UTF-8 (RFC 8259), which lets a reader skip a byte order mark (a file saved on Windows)
+        body = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text") from None
     except ValueError as e:
