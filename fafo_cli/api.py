@@ -16,8 +16,10 @@ import secrets
 import signal
 import sys
 import threading
+import weakref
 from dataclasses import replace
 from functools import cached_property
+from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -36,7 +38,7 @@ from .runtime.model import Model, quiet_transformers
 from .runtime.sampling import Sampling
 from .runtime.session import Emitter, Request, Session
 from .runtime.syncs import counted
-from .errors import FafoError, first_line, says_out_of_memory
+from .errors import FafoError, first_line, print_notice, says_out_of_memory
 
 Prompt = str | Sequence[dict]
 # Settings that shape the loaded model; the others may change per request.
@@ -83,16 +85,22 @@ def cpu_has_native_bf16() -> bool:
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86's, and Arm's (/proc/cpuinfo's names)
 
 
-def load(model: str | None = None, *, notify: Callable[[str], None] | None = None, **settings) -> "Engine":
+def load(model: str | os.PathLike | None = None, *, notify: Callable[[str], None] | None = None,
+         **settings) -> "Engine":
     """Load a model (hub id, folder, .gguf; None: the embedded default) with config settings as keywords.
     `notify` receives one-line notices (compilation progress, fallbacks); default: standard error."""
-    config = config_mod.build(model=model, **settings)
+    if notify is not None and not callable(notify):
+        raise FafoError(f"notify must be a function of one notice (got {notify!r})")
+    config = config_mod.build(model=None if model is None else os.fspath(model), **settings)
     # every call may name its method: the draft model TriForce reads is loaded wherever one is configured
     return Engine.from_config(config, notify=notify, load_draft=config.draft_model is not None)
 
 
-def _print_notice(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr, flush=True)
+def _weakly(method: Callable) -> Callable:
+    """A bound method that does not keep its object alive: the engine's compiled steps keep their builder, which
+    held the engine in a cycle (its model stayed in memory after `del engine` until a garbage collection)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: ref()(*args, **kwargs)
 
 
 class Engine:
@@ -121,28 +129,29 @@ class Engine:
         """The engine `config` describes. `load_draft`: whether to load `config.draft_model`, which TriForce alone reads
         (None: where the method is triforce: a command that runs one method; a server and `load` may run TriForce on
         any request, and load it wherever one is configured)."""
+        notify = notify or print_notice
         device = pick_device(config.device)
         check_compile(config, device)  # (before minutes of loading)
         dtype = pick_dtype(config.dtype, device)
-        tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype)
+        tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype, notify)
         engine = cls(Model(hf_model), tokenizer, folder, config)
         if (penalty := _unapplied_penalty(hf_model.generation_config)) is not None:
-            (notify or _print_notice)(f"{engine.name}'s generation_config.json sets repetition_penalty {penalty:g}, "
-                                      "which fafo does not apply (transformers' generate() would)")
+            notify(f"{engine.name}'s generation_config.json sets repetition_penalty {penalty:g}, which fafo does "
+                   "not apply (transformers' generate() would)")
         engine.session.step_costs = read_step_costs(engine.steps_folder)
         if _use_graphs(engine.model, config):
             from .compiled.graphs import GraphSteps
 
-            engine.compiled = engine.session.compiled = GraphSteps(engine.model, notify or _print_notice)
+            engine.compiled = engine.session.compiled = GraphSteps(engine.model, notify)
         elif config.compile != "off" and not engine.model.spread:  # compiled steps trace one device's graph
             engine.compiled = CompiledSteps(engine.model, engine.steps_folder, mode=config.compile,
-                                            notify=notify or _print_notice, gguf=engine.gguf,
+                                            notify=notify, gguf=engine.gguf,
                                             serves=engine.steps_serve,
-                                            builder=engine.build_elsewhere if device.type == "cpu" else None)
+                                            builder=_weakly(engine.build_elsewhere) if device.type == "cpu" else None)
             engine.session.compiled = engine.compiled
             engine.compiled.install_packed()
         if config.draft_model is not None and (config.method == "triforce" if load_draft is None else load_draft):
-            draft_tokenizer, draft, _ = _load_model(config.draft_model, config, device, dtype)
+            draft_tokenizer, draft, _ = _load_model(config.draft_model, config, device, dtype, notify)
             if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise FafoError(f"the draft model {config.draft_model} does not share the tokenizer of "
                                 f"{engine.name} (their vocabularies differ)")
@@ -365,6 +374,9 @@ class Engine:
         if len(ids) >= context:
             raise FafoError(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens, and an answer "
                             "needs at least one more")
+        # (ids from elsewhere: beyond the embedding an index error on a CPU, a device-side assert on a GPU)
+        if not all(isinstance(i, Integral) and not isinstance(i, bool) and 0 <= i < self.model.vocab_size for i in ids):
+            raise FafoError(f"prompt token ids must be integers from 0 to {self.model.vocab_size - 1}")
         stop = (stop,) if isinstance(stop, str) else stop  # one string is one stop string, not its characters
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
             raise FafoError(f"stop must be a string or a list of strings (got {stop!r})")
@@ -515,15 +527,17 @@ def _spread_map(config: config_mod.Config, weights: Path, device: torch.device, 
         raise FafoError(f"--gpus {config.gpus}: {e}") from None
 
 
-def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype):
+def _load_model(name: str | None, config: config_mod.Config, device: torch.device, dtype: torch.dtype,
+                notify: Callable[[str], None]):
     """(tokenizer, transformers model on `device` or spread over `gpus` GPUs, folder) for a hub id, folder or .gguf
-    (None: the embedded one)."""
+    (None: the embedded one); `notify`: the notices of its conversion or download."""
     from safetensors import SafetensorError
 
     from .runtime import llama
 
-    folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code)
-    weights = hub.weights_in(folder, str(dtype).removeprefix("torch."))
+    folder = hub.resolve(name, allow_pickle=config.allow_pickle, trust_remote_code=config.trust_remote_code,
+                         notify=notify)
+    weights = hub.weights_in(folder, str(dtype).removeprefix("torch."), notify)
     device_map = _spread_map(config, weights, device, dtype)
     try:
         # our own modules where they compute the checkpoint exactly: transformers' model classes cost seconds

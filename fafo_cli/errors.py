@@ -2,6 +2,13 @@
 exceptions mean memory ran out (torch-free: `fafo list` and `--help` never load torch)."""
 
 
+def print_notice(message: str) -> None:
+    """A one-line notice on standard error: what a caller of the Python API may take instead (`notify`)."""
+    import sys
+
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
 class FafoError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 

@@ -18,14 +18,13 @@ import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from .conversion import refuse_unconvertible, write_gguf_as_hf
-from .errors import FafoError, first_line
+from .errors import FafoError, first_line, print_notice
 from .files import (exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors,
                     xdg_dir)
 from .gguf_header import GgufHeader, read_header
@@ -63,13 +62,15 @@ def looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or "\\" in spec
 
 
-def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
-    """The local HF folder for a model argument, downloading or converting it first when needed."""
+def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+            notify: Callable[[str], None] = print_notice) -> Path:
+    """The local HF folder for a model argument, downloading or converting it first when needed (`notify`: the
+    one-line notices on the way)."""
     # the embedded default by name too (unless a file or folder of that name is here): this install's file, not the
     # newest conversion of that name (another virtual environment's copy)
     if spec is None or spec == EMBEDDED_NAME and not user_path(spec).exists() \
             and importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
-        folder = convert_gguf(embedded_gguf(), name=EMBEDDED_NAME)
+        folder = convert_gguf(embedded_gguf(), name=EMBEDDED_NAME, notify=notify)
     else:
         path = user_path(spec)
         if path.is_dir():
@@ -77,7 +78,7 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
         elif path.is_file():
             if path.suffix != ".gguf":
                 raise FafoError(f"{spec} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
-            folder = convert_gguf(path)
+            folder = convert_gguf(path, notify=notify)
         elif not looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
         elif looks_like_path(spec) or not _REPO_ID.match(spec):
@@ -96,8 +97,8 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
                     folder = newest_snapshot(spec, main_too=True)
                     if folder is None:
                         raise
-                    print(f"note: the newest pull of {spec} is not whole and the hub cannot be asked now: running "
-                          f"the copy cached before (commit {folder.name[:12]})", file=sys.stderr)
+                    notify(f"the newest pull of {spec} is not whole and the hub cannot be asked now: running the "
+                           f"copy cached before (commit {folder.name[:12]})")
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
 
@@ -126,7 +127,7 @@ def gguf_header(path: Path) -> GgufHeader:
     return header
 
 
-def convert_gguf(path: Path, name: str | None = None) -> Path:
+def convert_gguf(path: Path, name: str | None = None, notify: Callable[[str], None] = print_notice) -> Path:
     """Dequantize a .gguf model once into a float32 safetensors folder in fafo's cache; return the folder. Before
     a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
     converted before is found without reading the file at all (the embedded default's every run)."""
@@ -140,9 +141,9 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)  # (first: a cache that cannot hold models is said so)
     locks = cache_dir() / "locks"  # (beside the models: a folder there is a model, whole or not at all)
     locks.mkdir(exist_ok=True)
-    waiting = f"note: waiting for another fafo process converting {path.name}"
-    with exclusive(locks / f"convert-{key}.lock", lambda: print(waiting, file=sys.stderr, flush=True)):
-        return _converted(target, key, path) or _convert(path, name, key, target)
+    waiting = f"waiting for another fafo process converting {path.name}"
+    with exclusive(locks / f"convert-{key}.lock", lambda: notify(waiting)):
+        return _converted(target, key, path) or _convert(path, name, key, target, notify)
 
 
 def _converted(target: Path, key: str, path: Path) -> Path | None:
@@ -158,7 +159,7 @@ def _converted(target: Path, key: str, path: Path) -> Path | None:
     return found
 
 
-def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
+def _convert(path: Path, name: str | None, key: str, target: Path, notify: Callable[[str], None]) -> Path:
     """`convert_gguf`'s conversion, where none was found."""
     header = gguf_header(path)
     if header.architecture not in SUPPORTED:
@@ -183,8 +184,8 @@ def _convert(path: Path, name: str | None, key: str, target: Path) -> Path:
     try:
         with publish_dir(target, "config.json") as staging:
             # seconds to minutes, once: said before it starts (the dequantizing bar shows on a terminal only)
-            print(f"note: converting {path.name} ({path.stat().st_size / MB:,.0f} MB) once: its tensors "
-                  f"dequantized into {target.parent}; later runs load that", file=sys.stderr, flush=True)
+            notify(f"converting {path.name} ({path.stat().st_size / MB:,.0f} MB) once: its tensors dequantized "
+                   f"into {target.parent}; later runs load that")
             write_gguf_as_hf(path, header, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
                       "sha256": digest, "converter": CONVERTER}
@@ -401,7 +402,7 @@ def _remove_with_steps(folder: Path) -> None:
             remove_dir(path)
 
 
-def weights_in(folder: Path, dtype: str) -> Path:
+def weights_in(folder: Path, dtype: str, notify: Callable[[str], None] = print_notice) -> Path:
     """The folder to load `folder`'s model from in `dtype` ("bfloat16", ...): itself, or for a converted .gguf model
     (float32 weights) run in half precision, a copy of its weights in that dtype, made once beside them
     (`<folder>/<dtype>/`, atomically). After the first run (whose copy holds both), loading reads half the bytes
@@ -431,8 +432,7 @@ def weights_in(folder: Path, dtype: str) -> Path:
                                   weights.metadata())
     except (FafoError, OSError, SafetensorError) as e:  # a full disk, a quota, another user's read-only cache
         reason = e if isinstance(e, FafoError) else getattr(e, "strerror", None) or first_line(e)
-        print(f"note: no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded "
-              "instead", file=sys.stderr)
+        notify(f"no {dtype} copy of the weights kept ({reason}); the float32 weights are read and rounded instead")
         return folder
     return target
 

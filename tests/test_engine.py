@@ -106,6 +106,10 @@ def test_context_limit_stops_generation(tmp_path, method):
         engine.complete("x" * 45)
     with pytest.raises(FafoError, match="^the prompt is empty$"):  # ids given directly: the cache kept
         list(engine.generate([], engine.request_config(max_tokens=4)))
+    vocab = engine.model.vocab_size  # (beyond the embedding: an index error on a CPU, a device-side assert on a GPU)
+    for ids in ([1, vocab], [-1, 2], [1, 2.0], [True]):
+        with pytest.raises(FafoError, match=f"^prompt token ids must be integers from 0 to {vocab - 1}$"):
+            list(engine.generate(ids, engine.request_config(max_tokens=4)))
     assert engine.session.cache.length > 0
 
 
@@ -518,3 +522,33 @@ def test_compiled_steps_let_go_of_the_cache_before_a_prefill_grows_it(tiny):
     assert forgotten == []  # (the cache's first allocation holds it)
     engine.complete("a prompt longer than the cache's first allocation " * 12, max_tokens=2)
     assert len(forgotten) == 1
+
+
+def test_load_takes_a_path_and_checks_its_notify(tiny):
+    from pathlib import Path
+
+    from fafo_cli import load
+
+    assert load(Path(tiny), dtype="float32").complete("hi", max_tokens=2).token_ids
+    with pytest.raises(FafoError, match="^notify must be a function of one notice"):
+        load(str(tiny), notify="log")
+
+
+def test_a_dropped_engine_frees_its_model_without_a_collection(tiny):
+    """A notebook that loads one model after another: the engine's compiled steps (compile: auto, on a CPU) held
+    it in a reference cycle, so `del engine` kept its model in memory until a garbage collection."""
+    import gc
+    import weakref
+
+    from fafo_cli import load
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine = load(str(tiny), dtype="float32", compile="auto")
+        assert engine.compiled is not None
+        model = weakref.ref(engine.model.hf)
+        del engine
+        assert model() is None
+    finally:
+        gc.enable()

@@ -509,6 +509,17 @@ def test_a_tokenizer_beside_a_gguf_file_does_not_replace_its_own(tmp_path, monke
     assert len(AutoTokenizer.from_pretrained(hub.convert_gguf(path))) == 260 and converted == [path]
 
 
+def test_a_conversion_s_notices_go_to_the_api_s_notify(tmp_path, monkeypatch, capsys):
+    """`load(notify=...)` receives every notice of a load, its conversion's too (they went to standard error)."""
+    from fafo_cli import load
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path / "cache"))
+    notes = []
+    load(str(write_tiny_gguf(tmp_path / "tiny.gguf")), notify=notes.append, dtype="float32", compile="off")
+    assert any(note.startswith("converting tiny.gguf") for note in notes), notes
+    assert capsys.readouterr().err == ""
+
+
 def test_two_processes_asking_for_one_conversion_make_it_once(tmp_path, monkeypatch, capsys):
     """A server starting beside a `fafo run` (here two threads, each with a lock file of its own, as two processes
     would hold): the second waits for the first's conversion and finds it, instead of converting the file again."""
