@@ -200,23 +200,25 @@ class Engine:
         from .files import remove_abandoned
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
-               "package": str(package), "folder": str(self.steps_folder), "allow_pickle": self.config.allow_pickle,
-               "trust_remote_code": self.config.trust_remote_code, "parent": os.getpid()}
+               "package": str(package.absolute()), "folder": str(self.steps_folder.absolute()),
+               "allow_pickle": self.config.allow_pickle, "trust_remote_code": self.config.trust_remote_code,
+               "parent": os.getpid()}
         # torch's compiler leaves its work in the system's temporary folder (the sources, a library holding the
         # weights, the package unpacked to be checked: hundreds of MB a build, never removed): this build's go to a
         # folder of its own beside the packages, removed after it (one a killed process left, by the next build)
         remove_abandoned(package.parent, ".build")
         scratch = tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=package.parent)
         # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path (the
-        # current folder's modules not before it: -P's PYTHONSAFEPATH)
-        env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent), "PYTHONSAFEPATH": "1",
+        # current folder's modules not before it: -P's PYTHONSAFEPATH, and on Python 3.10, which has none, a current
+        # folder of its own)
+        env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent.absolute()), "PYTHONSAFEPATH": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
                                                            os.environ.get("PYTHONPATH")])),
                "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or scratch}
         try:
             process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       text=True, errors="replace", env=env)
+                                       text=True, errors="replace", env=env, cwd=scratch)
             try:
                 _, said = process.communicate()
             finally:  # (Ctrl-C reaches it too; whatever else stopped this one, it must not go on alone)

@@ -52,8 +52,8 @@ _REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])
 
 def cache_dir() -> Path:
     """fafo's own cache (converted models): $FAFO_CACHE, else $XDG_CACHE_HOME/fafo, else ~/.cache/fafo."""
-    if os.environ.get("FAFO_CACHE"):
-        return user_path(os.environ["FAFO_CACHE"])  # (an env file's `~/...` is not expanded by a shell)
+    if os.environ.get("FAFO_CACHE"):  # (an env file's `~/...` is not expanded by a shell; a relative one is taken
+        return user_path(os.environ["FAFO_CACHE"]).absolute()  # from the folder a command starts in, once)
     return xdg_dir("XDG_CACHE_HOME", ".cache") / "fafo"
 
 

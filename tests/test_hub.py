@@ -1472,3 +1472,10 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(caches, m
                     r".*, which has 0.0 GB free; .*\); the float32 weights are read and rounded instead$",
                     capsys.readouterr().err)
     assert list((caches / "fafo" / "models").iterdir()) == [small] and not (small / "bfloat16").exists()
+
+
+def test_a_relative_fafo_cache_is_taken_from_the_folder_a_command_starts_in(tmp_path, monkeypatch):
+    """Not from whatever folder a later step runs in (a building process runs in a folder of its own)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FAFO_CACHE", "cache")
+    assert hub.cache_dir() == tmp_path / "cache"
