@@ -1038,6 +1038,38 @@ def test_kernel_build_failure_is_one_line(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_mac_without_its_command_line_tools_never_runs_the_compiler_stub(tmp_path, monkeypatch):
+    """macOS's /usr/bin/g++ without the Command Line Tools opens a dialog asking to install them: every start
+    asked the compiler for its macros (a steps folder is named by the toolchain). xcode-select says first."""
+    import subprocess
+    import sys
+
+    from fafo_cli.compiled.kernels import loader
+
+    ran = []
+    run = subprocess.run
+
+    def fake(command, **kwargs):
+        ran.append(command[0])
+        if command[0] == "xcode-select":
+            return subprocess.CompletedProcess(command, 2, b"", b"error: no developer tools were found")
+        return run(command, **kwargs)
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(subprocess, "run", fake)
+    caches = (loader.developer_tools, loader._macros)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        assert loader._macros(("g++",), ()) is None and loader.compiler_path() is None
+        with pytest.raises(loader.BuildError, match=r"Command Line Tools are not installed \(xcode-select --install\)"):
+            loader.compile_library(tmp_path / "ops.so")
+        assert ran == ["xcode-select"] and not list(tmp_path.iterdir())
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matrices_that_read_one_input_share_one_call(compiled_cache, with_bias):
     """A layer's q, k and v (gate and up) are stacked into one packed matrix: each part gives bit for bit what its

@@ -399,11 +399,19 @@ def test_logits_that_are_not_numbers_are_one_line_naming_the_dtype_to_use(tiny, 
     from fafo_cli.runtime.model import Model
 
     forward = Model.forward
-    monkeypatch.setattr(Model, "forward", lambda self, *a, **k: forward(self, *a, **k) * float("nan"))
+
+    def overflowing(self, *args, **kwargs):
+        logits = forward(self, *args, **kwargs)
+        engine.session.cache.keys.fill_(float("nan"))  # (what it wrote is no numbers either)
+        return logits * float("nan")
+
+    monkeypatch.setattr(Model, "forward", overflowing)
     engine = load(str(tiny), dtype="float32", chat_template=False)
     with pytest.raises(ModelOutputError, match="try --dtype float32"):
         engine.complete("Hello", max_tokens=4)
     assert engine.session.cache.length == 0 and not engine.session.ids  # no cache a later request could reuse
+    # nor rows a later answer's steps read under a mask (CUDA graphs read the whole capacity: a masked NaN is NaN)
+    assert not engine.session.cache.keys[:, :len(engine.encode("Hello"))].isnan().any()
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Hello")
     assert entrypoint(["run", str(tiny), "--dtype", "float32", "-p", str(prompt), "-n", "4"]) == 1

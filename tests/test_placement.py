@@ -89,6 +89,10 @@ def test_spread_cache_writes_commits_snapshots_and_loads_like_one_tensor():
         kept = torch.cat([(torch.arange(4 * 2, dtype=torch.float32).view(4, 1, 2) + 100 * layer + 10 * step)[[0, 2, 3]]
                           for step in range(3)])
         assert torch.equal(keys[layer], kept) and torch.equal(values[layer], -kept)
+    for cache in (plain, split):  # rows dropped as no numbers: zeroed on every device
+        cache.forget(4)
+        assert cache.length == 4 and not any(cache.keys[layer, 4:9].any() for layer in range(3))
+        assert torch.equal(cache.values[1, :4], values[1, :4])
     split.truncate(0)
     split.load(keys[:, :5], values[:, :5])
     assert split.length == 5 and torch.equal(split.keys[2, :5], keys[2, :5])

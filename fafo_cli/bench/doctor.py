@@ -11,7 +11,6 @@ which `--write` writes where `--tune` writes (the config file, and the cost curv
 from __future__ import annotations
 
 import platform
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,7 +38,7 @@ def machine(device: torch.device, dtype: torch.dtype, compile_mode: str = "auto"
     """The device and dtype decoding uses here, and what our kernels and compiled steps can use under `compile_mode`
     (the config's `compile`); `kernels_failed`: why our kernels did not build or load here (`build_kernels`)."""
     flags = set(loader.cpu_flags().split())
-    compiler = shutil.which(loader.compiler())
+    compiler = loader.compiler_path()
     cuda = torch.cuda.is_available()
     facts = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
@@ -219,7 +218,7 @@ def run(config, load, *, write_to: Path | None = None, progress=lambda line: Non
 def build_kernels(engine, compile_mode: str) -> str | None:
     """Build (once per machine: seconds) and load our kernels where a CPU engine would use them; why they failed, or
     None. A compiler on the PATH that cannot build them (a broken toolchain) is said, not taken for a working one."""
-    if engine.model.device.type != "cpu" or compile_mode == "off" or not shutil.which(loader.compiler()):
+    if engine.model.device.type != "cpu" or compile_mode == "off" or not loader.compiler_path():
         return None
     try:
         loader.load(engine.steps_folder.parent)

@@ -51,8 +51,6 @@ def worth_preparing(model: Model) -> bool:
     """Whether packing this model's blocks could pay before our library is built to ask it (`supported`): a bf16
     model on a CPU with the features of one of the kernel's bf16 fast paths, or a float32 one with its AVX2 path's,
     and a compiler to build the kernel with."""
-    import shutil
-
     from .kernels import loader
 
     flags = set(loader.cpu_flags().split())
@@ -60,7 +58,7 @@ def worth_preparing(model: Model) -> bool:
         fast_path = AVX512_PATH_FLAGS <= flags or loader.AMX_FLAGS <= flags
     else:
         fast_path = model.dtype == torch.float32 and AVX2_PATH_FLAGS <= flags
-    return model.device.type == "cpu" and fast_path and shutil.which(loader.compiler()) is not None
+    return model.device.type == "cpu" and fast_path and loader.compiler_path() is not None
 
 
 # Past this many rows (a prefill chunk) a matrix is rebuilt in the rows' dtype and multiplied densely: packed_linear

@@ -187,6 +187,15 @@ class KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def forget(self, length: int) -> None:
+        """`truncate`, the rows it drops zeroed: rows that hold no numbers (a prefill that overflowed float16) would
+        reach later answers' steps that read whole blocks or the whole capacity under a mask (the block-sparse path,
+        CUDA graphs), where a masked NaN is still NaN."""
+        end, self.length = self.length, min(self.length, length)
+        for stack in (self.keys, self.values):
+            for part in stack.columns(slice(self.length, end)) if self.spread else [stack[:, self.length:end]]:
+                part.zero_()
+
     def snapshot_bytes(self, dtype: torch.dtype) -> int:
         """What `snapshot` would take."""
         n_layers, n_kv, dim = self.shape

@@ -181,7 +181,8 @@ class Session:
             if progress is not None:
                 progress(self.cache.length, len(prompt_ids))
         if not bool(torch.isfinite(logits[-1]).all()):  # (the first token reads these logits anyway: no extra wait)
-            self.rollback(reused)  # a later request must not reuse keys and values that are no numbers either
+            self.cache.forget(reused)  # a later request must not read keys and values that are no numbers either
+            self.rollback(reused)
             raise ModelOutputError(non_finite(self.model.dtype))
         return logits[-1], reused
 

@@ -160,14 +160,19 @@ inline vf exp_nonpositive(vf x) {
 }
 
 // tile[r][l] <- tile[l][r] for a kLanes x kLanes tile: log2(kLanes) rounds, each swapping blocks of `span` lanes
-// between rows r and r + span (__builtin_shufflevector: GCC from 12, Clang)
+// between rows r and r + span
 #define FAFO_LANES(...) __VA_ARGS__
-#define FAFO_TRANSPOSE_ROUND(span, low, high)                          \
-  for (int r = 0; r < kLanes; ++r) {                                  \
-    if (r & span) continue;                                           \
-    const vf x = tile[r], y = tile[r + span];                         \
-    tile[r] = __builtin_shufflevector(x, y, FAFO_LANES low);          \
-    tile[r + span] = __builtin_shufflevector(x, y, FAFO_LANES high);  \
+#if defined(__clang__) || __GNUC__ >= 12
+#define FAFO_SHUFFLE(x, y, lanes) __builtin_shufflevector(x, y, FAFO_LANES lanes)
+#else  // GCC before 12 (Ubuntu 22.04's 11, RHEL 8's and 9's): its own builtin, the lanes as a vector
+#define FAFO_SHUFFLE(x, y, lanes) __builtin_shuffle(x, y, vi{FAFO_LANES lanes})
+#endif
+#define FAFO_TRANSPOSE_ROUND(span, low, high)     \
+  for (int r = 0; r < kLanes; ++r) {             \
+    if (r & span) continue;                      \
+    const vf x = tile[r], y = tile[r + span];    \
+    tile[r] = FAFO_SHUFFLE(x, y, low);           \
+    tile[r + span] = FAFO_SHUFFLE(x, y, high);   \
   }
 
 inline void transpose(vf* tile) {

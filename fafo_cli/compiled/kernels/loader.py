@@ -10,7 +10,9 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -87,12 +89,27 @@ def _predefined_macros(*flags: str) -> frozenset[str] | None:
 
 @functools.cache  # (cpu_features and toolchain both read the plain set: the compiler runs once for both)
 def _macros(command: tuple[str, ...], flags: tuple[str, ...]) -> frozenset[str] | None:
+    if not developer_tools():
+        return None
     try:
         done = subprocess.run([*command, *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
                               text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     return frozenset(done.stdout.splitlines()) if done.returncode == 0 else None
+
+
+@functools.cache
+def developer_tools() -> bool:
+    """Whether a compiler may be run at all: on macOS, /usr/bin's g++ and clang++ without the Command Line Tools
+    are stubs that open a dialog asking to install them, at every fafo start (a model's steps folder is named by
+    the toolchain, on every device): xcode-select, which opens none, says whether they are there."""
+    if sys.platform != "darwin":
+        return True
+    try:
+        return subprocess.run(["xcode-select", "-p"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 @functools.cache
@@ -118,6 +135,11 @@ def compiler() -> str:
     return compiler_command()[0]
 
 
+def compiler_path() -> str | None:
+    """Where the compiler is, where there is one that can run (not macOS's stub without its tools)."""
+    return shutil.which(compiler()) if developer_tools() else None
+
+
 def version() -> str:
     """Names a build of our kernels: their sources, torch's version, the CPU's features (the code is built for
     this CPU) and the toolchain. Compiled packages carry it too: they hold weights packed for packed_linear's
@@ -137,6 +159,8 @@ def compile_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
+    if not developer_tools():
+        raise BuildError(f"cannot run {cxx}: macOS's Command Line Tools are not installed (xcode-select --install)")
     try:
         with atomic_path(path) as partial:
             command = [*compiler_command(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
