@@ -86,6 +86,26 @@ def test_quest_selects_the_brute_force_top_pages_and_appends_new_tokens():
     assert torch.allclose(quest.page_max[0, 12], cache.keys[0, 96:103].amax(0))
 
 
+def test_quest_keeps_page_bounds_for_the_cache_s_room_not_twice_the_prompt():
+    """A long prompt's first new page doubled the bounds (twice the context's, at 32K tokens a gigabyte more):
+    they cover the cache's room, which grows by a quarter."""
+    torch.manual_seed(0)
+    cache = KVCache(LAYERS, KV, DIM, max_slots=512, dtype=torch.float32, device=torch.device("cpu"), initial_slots=128)
+    length = commit_random(cache, _NoCompressor(), 0, 120)
+    quest = QuestCompressor(budget=48, page_size=8, refresh=8, tail_rows=4, max_commit=9)
+    for layer in range(LAYERS):
+        quest.observe(layer, torch.randn(HEADS, DIM), cache.keys[layer, :length])
+    quest.rebuild(cache)
+    commit_random(cache, quest, length, 8)  # a new page
+    assert quest.page_min.shape[1] * 8 == cache.capacity == 128
+    assert torch.equal(quest.page_max[:, 15], cache.keys[:, 120:128].amax(1))
+
+
+class _NoCompressor:
+    def committed(self, cache, length, count):
+        pass
+
+
 def test_quest_waits_for_its_refresh_and_prepares_nothing_before_it_is_active():
     """Within its budget Quest selects nothing (a prompt shorter than `refresh` crashed the step); once active it
     selects again after `refresh` tokens, not on every step (its selection leaves room for them and a commit)."""

@@ -121,16 +121,19 @@ class KVCache:
 
     def reserve(self, slots: int) -> None:
         """Make room for `slots` positions. A full cache grows by a quarter (at least GROW_SLOTS positions), never
-        past `limit` (what the request can use: the prefill sets it) unless `slots` asks: doubling held three times
-        the cache while it copied, and left up to half of it unused at the answer's end (at a long context, the
-        difference between fitting and running out of memory mid-answer)."""
+        past `limit` (what the request can use: the prefill sets it) unless `slots` asks, and to the limit at once
+        where less than a quarter more would be left: doubling held three times the cache while it copied, and left
+        up to half of it unused at the answer's end (at a long context, the difference between fitting and running
+        out of memory mid-answer)."""
         if slots > self.max_slots:
             raise ValueError(f"{slots} positions exceed the cache limit of {self.max_slots}")
         if slots > self.capacity:
             # (past the limit, a padded step's few slots: grown as usual, not reallocated step by step)
             limit = self.limit if slots <= self.limit else self.max_slots
-            grown = min(self.max_slots, limit, self.capacity + max(GROW_SLOTS, self.capacity // 4))
-            self._allocate(max(slots, grown), self.lead)
+            grown = max(slots, min(self.max_slots, limit, self.capacity + max(GROW_SLOTS, self.capacity // 4)))
+            if limit - grown < grown // 4:  # a last growth would copy all of it for less than a quarter more
+                grown = limit
+            self._allocate(grown, self.lead)
 
     def use_lead(self, slots: int) -> None:
         """Keep a leading region of at least `slots` per layer (the block-sparse layout); 0 removes it.

@@ -103,8 +103,8 @@ def _columns_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     dozen) runs far below the speed of the one-row product on some CPUs, so that verifying a guess or two cost
     half a plain step more; W @ xᵀ reads W at about the one-row speed (docs/benchmarks.md). One row stays the
     module's own product: bit for bit what plain decoding in transformers computes."""
-    # (our packed kernels' modules, and a subclass's own product, a quantized checkpoint's: theirs)
-    if x.numel() == x.shape[-1] or type(module) is not torch.nn.Linear:
+    # (our packed kernels' modules, and a layer with a product of its own, a quantized checkpoint's: theirs)
+    if x.numel() == x.shape[-1] or getattr(type(module), "forward", None) is not torch.nn.Linear.forward:
         return module(x)
     flat = x.reshape(-1, x.shape[-1])
     y = (module.weight @ flat.T).T

@@ -44,7 +44,9 @@ class QuestCompressor(ViewCompressor):
         ps = self.page_size
         pages = math.ceil(end / ps)
         if self.page_min is None or self.page_min.shape[1] < pages:
-            grow = max(pages, 2 * (0 if self.page_min is None else self.page_min.shape[1]))
+            # the cache's pages (it grows by a quarter, the answer's room reserved): doubling the prompt's pages
+            # held bounds for twice the context at a long prompt's first new page
+            grow = max(pages, -(-cache.capacity // ps))
             shape = (cache.keys.shape[0], grow, *cache.keys.shape[2:])
             page_min = torch.empty(shape, dtype=cache.dtype, device=cache.device)
             page_max = torch.empty_like(page_min)
