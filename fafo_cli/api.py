@@ -100,7 +100,16 @@ def _weakly(method: Callable) -> Callable:
     """A bound method that does not keep its object alive: the engine's compiled steps keep their builder, which
     held the engine in a cycle (its model stayed in memory after `del engine` until a garbage collection)."""
     ref = weakref.WeakMethod(method)
-    return lambda *args, **kwargs: ref()(*args, **kwargs)
+
+    def call(*args, **kwargs):
+        from .compiled.build import CompileError
+
+        bound = ref()
+        if bound is None:  # (steps kept after their engine: nothing to build for, not a failure to record)
+            raise CompileError("the engine these steps were built for is gone", transient=True)
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class Engine:
@@ -122,6 +131,7 @@ class Engine:
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
         self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
+        self.notify: Callable[[str], None] = print_notice  # (from_config's)
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None,
@@ -135,6 +145,7 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype, notify)
         engine = cls(Model(hf_model), tokenizer, folder, config)
+        engine.notify = notify
         if (penalty := _unapplied_penalty(hf_model.generation_config)) is not None:
             notify(f"{engine.name}'s generation_config.json sets repetition_penalty {penalty:g}, which fafo does "
                    "not apply (transformers' generate() would)")
@@ -170,7 +181,7 @@ class Engine:
 
         if isinstance(self.model.hf, PreTrainedModel):
             return self.model.hf
-        weights = hub.weights_in(self.folder, str(self.model.dtype).removeprefix("torch."))
+        weights = hub.weights_in(self.folder, str(self.model.dtype).removeprefix("torch."), self.notify)
         return transformers_model(weights, self.config, self.model.dtype, self.model.device)
 
     @cached_property
@@ -212,9 +223,10 @@ class Engine:
         # current folder's modules not before it: -P's PYTHONSAFEPATH, and on Python 3.10, which has none, a current
         # folder of its own)
         env = {**os.environ, "FAFO_CACHE": str(self.steps_folder.parent.parent.absolute()), "PYTHONSAFEPATH": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
-                                                           os.environ.get("PYTHONPATH")])),
-               "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or scratch}
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *(
+                   os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry)]),
+               "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                                                                            or scratch)}  # (it runs in `scratch`)
         try:
             process = subprocess.Popen([sys.executable, "-m", "fafo_cli.build_process", json.dumps(job)],
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -551,6 +551,10 @@ def bench(
             long.check_context(context, options.tokens)  # (against the model's context once it loads)
         if documents:
             long.user_files(list(documents))
+        if "cacheback" in options.methods and settings.cacheback_table:  # (read by that row, after others ran)
+            from .decoders.ngram_table import table_file
+
+            table_file(settings.cacheback_table)
         if settings.gpus > 1:  # a model spread over GPUs runs only some rows (api.check_spread says which)
             from .api import check_spread
             from .bench.runner import plan_rows

@@ -329,20 +329,27 @@ def build(base: Config | None = None, together: bool = True, /, **changes: Any) 
 
 
 def _check_together(config: Config) -> None:
-    """The chosen compressor's parts must fit in its budget (checked here when the budget is in tokens)."""
+    problem = _together_problem(config)
+    if problem is not None:
+        raise FafoError(problem)
+
+
+def _together_problem(config: Config) -> str | None:
+    """What keeps the keys from fitting one another, or None: the chosen compressor's parts must fit in its budget
+    (checked here when the budget is in tokens), TriForce's chunks in its, SnapKV's kernel be odd."""
     if config.kernel % 2 == 0:
-        raise FafoError(f"config key 'kernel' must be odd (got {config.kernel})")
+        return f"config key 'kernel' must be odd (got {config.kernel})"
     if config.triforce_budget < 2 * config.triforce_chunk + config.triforce_recent:
-        raise FafoError(f"config key 'triforce_budget' ({config.triforce_budget}) must hold two chunks and the recent "
-                        f"tokens (2 × triforce_chunk + triforce_recent = "
-                        f"{2 * config.triforce_chunk + config.triforce_recent})")
+        return (f"config key 'triforce_budget' ({config.triforce_budget}) must hold two chunks and the recent tokens "
+                f"(2 × triforce_chunk + triforce_recent = {2 * config.triforce_chunk + config.triforce_recent})")
     compressor = view_compressor(config.compressor)
     if not isinstance(config.budget, int) or compressor not in MIN_BUDGET:
-        return
+        return None
     what, least = MIN_BUDGET[compressor](config)
     if config.budget < least:
-        raise FafoError(f"config key 'budget' ({config.budget}) is too small for the {compressor} "
-                        f"compressor: it needs at least {what} = {least}")
+        return (f"config key 'budget' ({config.budget}) is too small for the {compressor} compressor: it needs at "
+                f"least {what} = {least}")
+    return None
 
 
 # Sampling settings at the values that change nothing
@@ -512,12 +519,11 @@ def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> 
         source = user_config_path()
     if source is not None:  # (the keys that must fit one another are checked once the flags are in)
         config = load_file(source, config, together=False)
-    try:
-        return build(config, **flags)
-    except FafoError as e:
-        if source is None or any(value is not None for value in flags.values()):
-            raise
-        raise FafoError(f"{source}: {e}") from None  # (the file's keys alone)
+    resolved = build(config, False, **flags)
+    problem = _together_problem(resolved)
+    if problem is not None:  # (named by the file where its keys alone say the same)
+        raise FafoError(f"{source}: {problem}" if source and _together_problem(config) == problem else problem)
+    return resolved
 
 
 def describe(spec) -> str:

@@ -212,7 +212,8 @@ def _outdated(folder: Path, path: Path) -> bool:
     tokenizer.json lay beside the file it was converted from (transformers read that one instead; both since
     2026-12-08). A conversion found whole is recorded as this version's: checked once."""
     record = source_record(folder)
-    if not record or record.get("converter", 1) >= CONVERTER:  # (no record: not ours to judge, used as it is)
+    # (no record: not ours to judge; a cache this process cannot write, another user's: used as it is)
+    if not record or record.get("converter", 1) >= CONVERTER or not os.access(folder, os.W_OK):
         return False
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -224,8 +225,8 @@ def _outdated(folder: Path, path: Path) -> bool:
             scaling = unread_settings(path, header)[1]
             if any(tensor.name == ROPE_FREQS for tensor in header.tensors) or scaling not in (None, "", "none"):
                 return True
-        converted_from = Path(record.get("gguf") or path)
-        if (converted_from.parent / "tokenizer.json").exists():
+        # (the file as it was named, a link in a hub snapshot, or where it leads: both folders' neighbours)
+        if any((Path(where).parent / "tokenizer.json").exists() for where in (path, record.get("gguf") or path)):
             return True
     except (OSError, ValueError, AttributeError):  # (unreadable: used as it is, as before)
         return False

@@ -197,7 +197,10 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
         code = entrypoint(["bench", str(tiny), "--prompts", str(prompts), *FAST])
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1 and message in err, err
+    missing_table = tmp_path / "table.yaml"  # (cacheback's row reads it after the rows before it ran)
+    missing_table.write_text(f"cacheback_table: {tmp_path / 'none.bin'}\n")
     for flags, message in ((["--suites", "poetry"], "unknown suite 'poetry'"),
+                           (["--methods", "cacheback", "--config", str(missing_table)], "cacheback table not found"),
                            (["--methods", "magic"], "unknown value 'magic'"),
                            (["--compressors", "zip"], "unknown value 'zip'"),
                            (["--prompts", str(tmp_path / "none.jsonl")], "prompts file not found"),

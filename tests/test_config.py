@@ -55,10 +55,20 @@ def test_keys_that_must_fit_one_another_are_checked_once_the_flags_are_in(tmp_pa
     file whose keys do not fit one another is still named."""
     path = write(tmp_path, "triforce_chunk: 128\n")
     assert config_mod.resolve(str(path), triforce_budget=1024).triforce_budget == 1024
-    with pytest.raises(FafoError, match=r"c.yaml: config key 'triforce_budget' \(256\) must hold two chunks"):
-        config_mod.resolve(str(path))
+    for flags in ({}, {"model": "m", "top_k": None}):  # (a command's other flags do not unname it)
+        with pytest.raises(FafoError, match=r"c.yaml: config key 'triforce_budget' \(256\) must hold two chunks"):
+            config_mod.resolve(str(path), **flags)
     with pytest.raises(FafoError, match=r"^config key 'triforce_budget' \(280\) must hold two chunks"):
         config_mod.resolve(str(path), triforce_budget=280)
+
+
+def test_the_server_reads_a_file_s_max_tokens_that_fits_only_beside_a_flag(tmp_path):
+    """`fafo serve -c FILE --triforce-budget 1024`: the file's max_tokens read again (every request's limit)."""
+    from fafo_cli.serve.server import default_max_tokens
+
+    path = write(tmp_path, "triforce_chunk: 128\nmax_tokens: 99\n")
+    config = config_mod.resolve(str(path), triforce_budget=1024)
+    assert default_max_tokens(config, str(path), {"triforce_budget": 1024}) == 99
 
 
 def test_user_config_file_is_read(tmp_path, monkeypatch):

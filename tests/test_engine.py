@@ -555,8 +555,13 @@ def test_a_dropped_engine_frees_its_model_without_a_collection(tiny):
     try:
         engine = load(str(tiny), dtype="float32", compile="auto")
         assert engine.compiled is not None
-        model = weakref.ref(engine.model.hf)
+        model, builder = weakref.ref(engine.model.hf), engine.compiled.builder
         del engine
         assert model() is None
     finally:
         gc.enable()
+    from fafo_cli.compiled.build import CompileError
+
+    with pytest.raises(CompileError, match="the engine these steps were built for is gone") as raised:
+        builder(1, tiny / "rows1.pt2")  # (steps kept after their engine: nothing recorded as failed)
+    assert raised.value.transient

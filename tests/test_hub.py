@@ -105,6 +105,7 @@ def _folder(tmp_path, config: dict, files=("model.safetensors",)) -> Path:
     ({"architectures": ["LlamaForCausalLM"], "model_type": "granite"}, r"is a granite model \(model_type "
                                                                         r"'granite'\), which fafo does not run"),
     ({"architectures": "LlamaForCausalLM"}, "the config's architectures must be a list of class names"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": ["llama"]}, "the config's model_type must be a name"),
     ([], "not a JSON object of settings"),
 ])
 def test_folders_that_are_refused(tmp_path, config, message):

@@ -113,6 +113,8 @@ def test_config_forms_read_as_transformers_reads_them(tmp_path, changes):
 @pytest.mark.parametrize("changes, context", [
     (dict(sliding_window=16), 4096),  # Llama's layers do not read the key
     (dict(model_type="mistral", sliding_window=16), 16),
+    # (transformers reads a Mistral config with layer_types as Ministral's, whose layers follow them)
+    (dict(model_type="mistral", sliding_window=16, layer_types=["full_attention"] * 2), 4096),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), 16),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2), 4096),  # no layer
     (dict(model_type="qwen2", use_sliding_window=False, sliding_window=16), 4096),

@@ -1083,6 +1083,17 @@ def test_a_model_without_a_chat_template_refuses_what_needs_one(tmp_path):
         _stop(live)
 
 
+def test_the_api_answers_without_its_v1_too(served):
+    """As llama.cpp's server: a client given the bare address (http://127.0.0.1:8000) reaches the same endpoints."""
+    assert served.url.endswith("/v1")
+    with httpx.Client(base_url=served.url.removesuffix("/v1"), timeout=30) as http:
+        assert http.get("/models").json()["data"][0]["id"] == served.name
+        answer = http.post("/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2, answer.text
+        error = _check_error(http.post("/chat/completions", content=b" " * 400_000), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+
+
 def test_wrong_routes_and_oversized_bodies(served):
     with httpx.Client(base_url=served.url, timeout=30) as http:
         _check_error(http.get("/chat/completions"), 405)

@@ -99,6 +99,8 @@ def test_a_full_cache_grows_by_a_quarter_up_to_what_the_request_can_use():
     near.limit = 21_000
     near.reserve(16_001)  # (a long prompt's room: 20,000 and then 21,000 held 41,000 slots while the last copied)
     assert near.capacity == 21_000  # the limit at once, where a quarter more would leave less than a quarter
+    near.reserve(21_010)  # a padded step past the limit: a quarter more, not the whole of max_slots
+    assert near.capacity == 26_250
     small = KVCache(1, 1, 4, max_slots=100_000, dtype=torch.float32, device=torch.device("cpu"), initial_slots=8)
     small.reserve(9)
     assert small.capacity == 8 + GROW_SLOTS  # (small caches: at least GROW_SLOTS at once)

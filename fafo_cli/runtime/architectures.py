@@ -25,6 +25,8 @@ def check_architecture(config: dict, where: str) -> None:
         raise FafoError(f"{where}: the config's architectures must be a list of class names "
                         f"(got {json.dumps(architectures)[:60]})")
     kind = config.get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise FafoError(f"{where}: the config's model_type must be a name (got {json.dumps(kind)[:60]})")
     if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         # (transformers builds the model its model_type names: another one, e.g. Granite's scaled residuals, would
         # run through our supported architectures' steps)

@@ -131,8 +131,8 @@ class KVCache:
             # (past the limit, a padded step's few slots: grown as usual, not reallocated step by step)
             limit = self.limit if slots <= self.limit else self.max_slots
             grown = max(slots, min(self.max_slots, limit, self.capacity + max(GROW_SLOTS, self.capacity // 4)))
-            if limit - grown < grown // 4:  # a last growth would copy all of it for less than a quarter more
-                grown = limit
+            if slots <= self.limit and limit - grown < grown // 4:  # a last growth would copy all of it for less
+                grown = limit  # than a quarter more (not past the limit: a padded step's slots grow as usual)
             self._allocate(grown, self.lead)
 
     def use_lead(self, slots: int) -> None:

@@ -71,7 +71,7 @@ def _slides(config) -> bool:
     llama.read_config, leaves them to this rule); every layer of a Mistral model; a Llama model's never (its layers
     do not read a `sliding_window` key)."""
     kinds = getattr(config, "layer_types", None)
-    if kinds is not None:
+    if kinds is not None:  # (a Mistral config that gives them is read by transformers as Ministral's, which obeys)
         return "sliding_attention" in kinds
     kind = getattr(config, "model_type", None)
     if kind in ("qwen2", "qwen3"):

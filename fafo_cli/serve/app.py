@@ -113,11 +113,12 @@ def create_app(engine: Engine, worker: Worker, *, api_key: str | None = None, co
             return JSONResponse({"status": "unavailable", **named}, status_code=503)
         return JSONResponse({"status": "ok", **named, **worker.load})
 
-    routes = [Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
-              Route("/v1/completions", _answers_errors(text), methods=["POST"]),
-              Route("/v1/models", _answers_errors(models), methods=["GET"]),
-              Route("/v1/models/{name:path}", _answers_errors(model), methods=["GET"]),
-              Route("/health", _answers_errors(health), methods=["GET"])]
+    # each API path without its /v1 too, as llama.cpp's server answers them (a client given the bare address)
+    api = [("/chat/completions", chat, "POST"), ("/completions", text, "POST"), ("/models", models, "GET"),
+           ("/models/{name:path}", model, "GET")]
+    routes = [Route(prefix + path, _answers_errors(handler), methods=[method])
+              for prefix in ("/v1", "") for path, handler, method in api]
+    routes.append(Route("/health", _answers_errors(health), methods=["GET"]))
     middleware = [Middleware(Guard, api_key=api_key, max_body=max_body, loopback=loopback)]
     if cors:  # outermost: it answers browsers' preflight requests, which carry no API key
         middleware.insert(0, Middleware(Cors, **_cors_settings(cors)))
@@ -313,11 +314,11 @@ class Guard:
     def _too_large(self, path: str) -> ApiError:
         # (what a prompt beyond the context gets, so that a client that shortens its prompt then does so here too)
         return ApiError(400, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
-                             "this model's context takes", param=PROMPT_FIELDS.get(path.rstrip("/")),
+                             "this model's context takes", param=PROMPT_FIELDS.get(path.rstrip("/").removeprefix("/v1")),
                         code="context_length_exceeded")
 
 
-PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # where a path's prompt is
+PROMPT_FIELDS = {"/chat/completions": "messages", "/completions": "prompt"}  # where a path's prompt is
 # names no public domain can have, which a web page's DNS rebinding therefore cannot send (ollama's list):
 # Docker Desktop's host.docker.internal (Open WebUI in a container), a machine's mDNS name
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")

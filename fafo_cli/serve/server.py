@@ -58,7 +58,8 @@ def default_max_tokens(config: config_mod.Config, config_file: str | None, flags
     if not path.exists():
         return None
     unset = replace(config_mod.Config(), max_tokens=None)  # (read again: the file was checked when resolved)
-    return config.max_tokens if config_mod.load_file(path, unset).max_tokens is not None else None
+    given = config_mod.load_file(path, unset, together=False).max_tokens  # (what fits together: `resolve` said)
+    return config.max_tokens if given is not None else None
 
 
 def bind(host: str, port: int) -> socket.socket:
