@@ -18,7 +18,7 @@ from rich.markup import escape
 from . import config as config_mod
 from .api import Engine
 from .errors import FafoError, first_line, interrupt_handled, is_out_of_memory, shortened
-from .ui import StreamView, method_label, on_terminal
+from .ui import StreamView, live_display, method_label, on_terminal
 
 QUOTES = '"""'  # open and close a multi-line message
 SYSTEM_BLOCK = re.compile(r'\s*/set\s+system\s*"""')  # ollama's `/set system """`, the message on the lines after
@@ -76,9 +76,9 @@ class Repl:
         self.messages: list[dict] = []
         self.settings: dict = {}  # /set overrides for the next answers
         self.totals = Totals()
-        self.interactive = on_terminal(out)  # the live panel and its footer
+        self.interactive = live_display(out)  # the live panel and its footer
         # prompts and line editing where a person types and reads (not for a script piped in, nor into a log)
-        self.prompting = self.interactive and sys.stdin is not None and sys.stdin.isatty()
+        self.prompting = on_terminal(out) and sys.stdin is not None and sys.stdin.isatty()
         self.failed = False  # an input was refused: a script fed to `fafo chat` exits 1
         if engine.config.system:  # (--system, or the config's: a template that refuses it would refuse every message)
             self._check_system({"role": "system", "content": engine.config.system})

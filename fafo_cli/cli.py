@@ -307,7 +307,7 @@ def run(
                                                       "as escapes).")] = None,
 ) -> None:
     """Generate one answer, streamed, with live statistics."""
-    from .ui import StreamView, consoles, footer, method_label, on_terminal
+    from .ui import StreamView, consoles, footer, live_display, method_label
 
     if quiet and verbose:
         raise FafoError("--quiet and --verbose ask for opposite things: give one")
@@ -334,7 +334,7 @@ def run(
             print(footer(result.stats, method_label(engine.request_config()), result.finish_reason), file=sys.stderr)
         return
     request = engine.request_config()  # the model's sampling defaults filled in, a fresh seed drawn
-    live = on_terminal(out) and not quiet
+    live = live_display(out) and not quiet
     view = StreamView(out, method=method_label(request), live=live, show_footer=not quiet and (live or verbose),
                       stats_console=out if live else err, weights=engine.weights)
     with view:

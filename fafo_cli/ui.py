@@ -127,6 +127,9 @@ class StreamView:
         self._prefill: Prefill | None = None  # a long prefill's progress, shown until the first token
         self._live: Live | None = None
         self._ends_line = True  # the text written so far (without a live view) ends with a newline, or is none
+        # (written as it is to a file or a pipe; on a terminal without the live view, `-q`, as the live view shows
+        # it: an escape sequence the model wrote must not clear the screen or set the window's title)
+        self._terminal = on_terminal(console)
 
     def _unfinished_line(self, rows: int) -> Text:
         """The unfinished line's end, as much as `rows` rows of the terminal show (the whole line is printed once it
@@ -178,7 +181,7 @@ class StreamView:
             return
         if not self._live:
             self._ends_line = step.text.endswith("\n")
-            self.console.file.write(step.text)
+            self.console.file.write(shown(step.text) if self._terminal else step.text)
             self.console.file.flush()
             return
         lines = (self._pending + step.text).split("\n")
@@ -235,13 +238,19 @@ PIPED_WIDTH = 200  # a table written to a file or a pipe is read whole later: ne
 
 
 def on_terminal(console: Console) -> bool:
-    """Whether `console` writes to a terminal itself: live displays (the panel, progress bars, the chat's prompts)
-    only there. rich's is_terminal says yes under FORCE_COLOR or TTY_COMPATIBLE=1 too, which ask for colours in a
-    log or a pipe: a live display's redrawn frames would fill it."""
+    """Whether `console` writes to a terminal itself (the chat's prompts only there). rich's is_terminal says yes
+    under FORCE_COLOR or TTY_COMPATIBLE=1 too, which ask for colours in a log or a pipe."""
     try:
         return console.is_terminal and bool(getattr(console.file, "isatty", lambda: False)())
     except ValueError:  # (a closed file)
         return False
+
+
+def live_display(console: Console) -> bool:
+    """Whether a live display (the panel, progress bars, spinners) may redraw on `console`: a terminal's that can
+    move its cursor (not TERM=dumb's, Emacs' shell, where rich draws no frame, and the answer's unfinished line would
+    not show until its end); in a log or a pipe its redrawn frames would fill it."""
+    return on_terminal(console) and not console.is_dumb_terminal
 
 
 def consoles() -> tuple[Console, Console]:

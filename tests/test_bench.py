@@ -183,6 +183,11 @@ def test_own_prompts_file_and_its_errors(tiny, tmp_path, capsys):
                        "--no-external", *FAST[2:], "--json", str(out)])
     assert code == 0 and [r["suite"] for r in json.loads(out.read_text())] == ["custom"]  # yours alone
     capsys.readouterr()
+    bracketed = tmp_path / "bracketed.jsonl"  # names shown as written, not read as rich's markup (which raised)
+    bracketed.write_text('{"prompt": "Say hi.", "id": "q[/hard]", "suite": "mine [/b] [red]"}\n')
+    assert entrypoint(["bench", str(tiny), "--prompts", str(bracketed), "--suites", "custom", "--methods",
+                       "vanilla", "--no-external", *FAST[2:]]) == 0
+    assert "mine [/b] [red]" in capsys.readouterr().out
     assert entrypoint(["bench", str(tiny), "--suites", "custom", *FAST]) == 1
     assert "--suites custom is the --prompts file's suite: give --prompts FILE" in capsys.readouterr().err
     for bad, message in (('{"prompt": ""}', "needs a non-empty 'prompt'"), ("not json", "not valid JSON"),

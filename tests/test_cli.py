@@ -1284,3 +1284,26 @@ def test_a_file_name_s_stray_bytes_are_written_not_a_traceback():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True,  # (the C locale's, UTF-8 mode's)
                             env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"})
     assert result.returncode == 0 and result.stdout == b"caf\xe9.gguf\n", result.stderr  # the name's own bytes
+
+
+def test_a_terminal_without_cursor_moves_gets_no_live_view_and_no_escape_sequences(monkeypatch):
+    """TERM=dumb (Emacs' shell) draws no live frame, so an answer's unfinished line would not show until its end:
+    the text is written as it comes. On a terminal the model's escape sequences are left out (`-q` too: one that
+    clears the screen or sets the window's title must not act); to a file or a pipe the text is kept whole."""
+    from rich.console import Console
+
+    from fafo_cli.runtime.events import Stats, Step
+    from fafo_cli.ui import StreamView, live_display
+
+    def terminal(term: str) -> Console:
+        screen = io.StringIO()
+        screen.isatty = lambda: True
+        monkeypatch.setenv("TERM", term)
+        return Console(file=screen, force_terminal=True, width=60)
+
+    assert live_display(terminal("xterm-256color")) and not live_display(terminal("dumb"))
+    text = "title\x1b]0;owned\x07 and\x1b[2J done\n"
+    for console, written in ((terminal("dumb"), "title]0;owned and[2J done\n"), (Console(file=io.StringIO()), text)):
+        with StreamView(console, method="fafo", live=False, show_footer=False) as view:
+            view.show(Step((1,), text, Stats(), finish_reason="stop"))
+        assert console.file.getvalue() == written

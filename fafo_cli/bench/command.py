@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -18,7 +19,7 @@ from ..config import METHODS, SAMPLING_NEUTRAL
 from ..errors import FafoError, interrupt_handled, is_out_of_memory
 from ..files import user_path, write_atomic
 from ..runtime.memory import release_dropped_models
-from ..ui import on_terminal
+from ..ui import live_display
 from . import exactness, long, report, suites
 from .runner import Failed, Progress, Run, measure, plan_rows, run_once
 
@@ -226,7 +227,7 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
     runs = []
     for sample in samples:
         runs += [run_once(engine, row, sample, 0, tokens, {"temperature": 0.0}) for row in rows]
-        console.print(f"[dim]run in float32: {sample.suite} · {sample.id}[/]")
+        console.print(f"run in float32: {sample.suite} · {sample.id}", style="dim", markup=False)
     found, _ = divergences_from_reference(engine, runs)
     cpu = engine.model.device.type == "cpu"
     failures = []
@@ -234,7 +235,7 @@ def verify_float32(engine_config, rows, samples, tokens: int, console) -> list[s
         if divergence is None:
             continue
         if divergence.near_tie and not cpu:
-            console.print(f"[yellow]{name} on {sample_id}: float32 {divergence.describe()}[/]")
+            console.print(f"{name} on {sample_id}: float32 {divergence.describe()}", style="yellow", markup=False)
         else:
             failures.append(f"{name} on {sample_id}: differs from vanilla at token {divergence.position} in float32")
     return failures
@@ -253,7 +254,7 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
     engine = load()
 
     def skipped(line: str) -> None:
-        err_console.print(f"[yellow]{line}[/]")
+        err_console.print(line, style="yellow", markup=False)
 
     long_settings = suites.LongSettings(engine.encode, engine.model.max_context, options.tokens, options.context,
                                         options.documents, skipped)
@@ -284,7 +285,7 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
     interrupted = False
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
               TextColumn("left"), TimeRemainingColumn(),
-              console=err_console, transient=True, disable=not on_terminal(err_console))
+              console=err_console, transient=True, disable=not live_display(err_console))
     with bar:
         task = bar.add_task("bench", total=None)
         try:
@@ -292,10 +293,10 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
                                  warmup=options.warmup, settings=settings):
                 if isinstance(event, Progress):
                     bar.update(task, completed=event.done, total=event.total, description=event.label)
-                    if not on_terminal(err_console) and event.first_row:  # logs: a line a round
+                    if not live_display(err_console) and event.first_row:  # logs: a line a round
                         left = bar.tasks[task].time_remaining
                         eta = f" (about {_minutes(left)} left)" if left else ""
-                        err_console.print(f"bench {event.done:.0f}/{event.total:.0f}{eta}: {event.label}")
+                        err_console.print(f"bench {event.done:.0f}/{event.total:.0f}{eta}: {event.label}", markup=False)
                 elif isinstance(event, Failed):
                     failed[event.row.name] = event
                 else:
@@ -304,8 +305,9 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
             interrupt_handled()
             interrupted = True
     for name, failure in failed.items():
-        err_console.print(f"[bold red]{name} failed on {failure.sample.id}: {failure.message}; "
-                          f"{'measuring stopped there' if name == 'vanilla' else 'its row is left out'}[/]")
+        err_console.print(f"{name} failed on {failure.sample.id}: {failure.message}; "
+                          f"{'measuring stopped there' if name == 'vanilla' else 'its row is left out'}",
+                          style="bold red", markup=False)
     rows = [row for row in rows if row.name not in failed or row.name == "vanilla"]  # (the reference stays)
     runs = [run for run in runs if run.row.name not in failed or run.row.name == "vanilla"]
     # only samples every row finished count: a partial sample would compare rows on different prompts
@@ -320,7 +322,8 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
         return 130 if interrupted else 1
     if greedy:
         try:
-            with err_console.status("checking where rows diverge from vanilla (near-ties or not)"):
+            checking = "checking where rows diverge from vanilla (near-ties or not)"  # (a spinner: not into a log)
+            with err_console.status(checking) if live_display(err_console) else contextlib.nullcontext():
                 divergences, tolerance = divergences_from_reference(engine, runs)
         except KeyboardInterrupt:  # the measurements stand: their exactness without the near-tie check
             interrupt_handled()
@@ -374,7 +377,7 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
                 raise
             failures = ["--verify: the model in float32 does not fit in this device's memory: not verified"]
         for failure in failures:
-            err_console.print(f"[bold red]{failure}[/]")
+            err_console.print(failure, style="bold red", markup=False)
     bugs = [b for r in results for b in r.bugs]
     if interrupted:
         return 130

@@ -172,24 +172,23 @@ def _number(value: float | None, digits: int = 2) -> str:
 
 def print_tables(results: list[Result], console, title: str) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     for suite in dict.fromkeys(r.suite for r in results):
-        table = Table(title=f"{suite} · {title}", title_justify="left", header_style="bold")
+        # (a prompts file's suite and ids, the model's path: shown as written, never read as rich's markup)
+        table = Table(title=Text(f"{suite} · {title}"), title_justify="left", header_style="bold")
         names = [r.row.name for r in results if r.suite == suite]
         table.add_column(COLUMNS[1], no_wrap=True, min_width=max(map(len, names)))  # method names stay whole
         for column in COLUMNS[2:]:
             table.add_column(column)
         for result in (r for r in results if r.suite == suite):
-            cells = _cells(result)[1:]
-            if result.bugs:
-                cells[-1] = f"[bold red]{cells[-1]}[/]"
-            elif result.divergences:
-                cells[-1] = f"[yellow]{cells[-1]}[/]"
+            cells = [Text(cell) for cell in _cells(result)[1:]]
+            cells[-1].stylize("bold red" if result.bugs else "yellow" if result.divergences else "")
             table.add_row(*cells)
         console.print(table)
         for result in (r for r in results if r.suite == suite):
             for note, bad in _notes(result):
-                console.print(f"  [{'bold red' if bad else 'yellow'}]{note}[/]")
+                console.print(f"  {note}", style="bold red" if bad else "yellow", markup=False)
 
 
 def _notes(result: Result) -> list[tuple[str, bool]]:
