@@ -233,8 +233,16 @@ def write_gguf_as_hf(path: Path, header: GgufHeader, out: Path) -> None:
     rope_freqs = next((tensor for tensor in tensors if tensor.name == ROPE_FREQS), None)
     if rope_freqs is not None:  # (transformers' GGUF reading leaves it out: plain rotary, another model)
         config.rope_parameters = llama3_rope(config, dequantize(rope_freqs.data, rope_freqs.tensor_type), path)
+    # a tensor of another shape than the model's parameter (a setting of the header that transformers' GGUF reading
+    # leaves out: a Qwen3 file's attention.key_length) would make a conversion no load can use
+    shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.state_dict().items()}
+    for tensor in wanted:
+        shape = tuple(int(size) for size in reversed(tensor.shape))
+        if shapes.get(names[tensor.name], shape) != shape:
+            raise FafoError(f"cannot convert {path}: its tensor {tensor.name} is {list(shape)}, where the model "
+                            f"transformers reads from its header has {list(shapes[names[tensor.name]])}")
     # a parameter without its tensor would be filled with random numbers at load (transformers warns, quietly here)
-    missing = set(skeleton.state_dict()) - {names[tensor.name] for tensor in wanted}
+    missing = set(shapes) - {names[tensor.name] for tensor in wanted}
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:

@@ -561,6 +561,12 @@ def test_a_gguf_missing_tensors_or_split_in_parts_is_refused_in_one_line(tmp_pat
     with pytest.raises(FafoError, match=r"holds no tensor for 2 of the model's parameters \(such as "
                                         r"model\.layers\.1\.mlp\.down_proj\.weight\): cut short"):
         hub.convert_gguf(cut)
+    with pytest.MonkeyPatch.context() as patch:  # a header setting transformers does not read (a key length)
+        patch.setitem(TINY_SHAPES, "attn_k", (64, 256))
+        narrow = write_tiny_gguf(tmp_path / "narrow-keys.gguf")
+    with pytest.raises(FafoError, match=r"its tensor blk\.0\.attn_k\.weight is \[64, 256\], where the model "
+                                        r"transformers reads from its header has \[128, 256\]$"):
+        hub.convert_gguf(narrow)
     biased = write_tiny_gguf(tmp_path / "llama-biased.gguf", architecture="llama",  # (a "llamafied" Qwen's)
                              fields=lambda writer: writer.add_tensor("blk.0.attn_q.bias", np.ones(256, np.float32)))
     with pytest.raises(FafoError, match=r"transformers' LlamaForCausalLM has no parameter for 1 of its "
