@@ -205,10 +205,9 @@ class Engine:
         (build_process.py), which loads this model again; CompileError with that process's last line if it fails."""
         import shutil
         import subprocess
-        import tempfile
 
         from .compiled.build import CompileError
-        from .files import remove_abandoned
+        from .files import remove_abandoned, scratch_dir
 
         job = {**self.steps_serve, "dtype": str(self.model.dtype).removeprefix("torch."), "rows": rows,
                "package": str(package.absolute()), "folder": str(self.steps_folder.absolute()),
@@ -218,7 +217,7 @@ class Engine:
         # weights, the package unpacked to be checked: hundreds of MB a build, never removed): this build's go to a
         # folder of its own beside the packages, removed after it (one a killed process left, by the next build)
         remove_abandoned(package.parent, ".build")
-        scratch = tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=package.parent)
+        scratch = str(scratch_dir(package.parent, ".build"))
         # the cache this engine was loaded with (whatever it is now), and this very fafo_cli on the import path (the
         # current folder's modules not before it: -P's PYTHONSAFEPATH, and on Python 3.10, which has none, a current
         # folder of its own)

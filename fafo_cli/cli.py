@@ -929,18 +929,25 @@ def _run(command, argv: list[str] | None) -> int:
         return 2
     except KeyboardInterrupt:
         return _after_interrupt()
-    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
+    except (MemoryError, RuntimeError, OSError) as e:  # torch's out-of-memory errors are RuntimeErrors; ENOMEM
         if not is_out_of_memory(e):
+            if isinstance(e, OSError):
+                return _unusable(e)
             raise
         print("error: out of memory; try fewer tokens, a shorter prompt, --dtype bfloat16 or a smaller model",
               file=sys.stderr)
         return 1
-    except OSError as e:  # a path we were given or pointed at (a cache, the config's folder, an output) is unusable
-        path = e.filename2 or e.filename  # a rename's target, not its temporary source
-        if e.errno in (errno.ENOSPC, errno.EDQUOT) and not path:  # a write whose file the error does not name
-            print(f"error: {e.strerror} (a cache, a conversion or an output could not be written)", file=sys.stderr)
-            return 1
-        if e.errno not in UNUSABLE_PATH or not path:
-            raise
-        print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)
+
+
+def _unusable(e: OSError) -> int:
+    """A path we were given or pointed at (a cache, the config's folder, an output) is unusable: one line (any
+    other OSError is raised again)."""
+    path = e.filename2 or e.filename  # a rename's target, not its temporary source
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) and not path:  # a write whose file the error does not name
+        print(f"error: {e.strerror} (a cache, a conversion or an output could not be written)", file=sys.stderr)
         return 1
+    if e.errno not in UNUSABLE_PATH or not path:
+        raise e
+    print(f"error: cannot use {path}: {e.strerror}", file=sys.stderr)
+    return 1
+

@@ -1,11 +1,12 @@
 """The one exception type users see: its message is printed as a single line, never a traceback. Also which other
 exceptions mean memory ran out (torch-free: `fafo list` and `--help` never load torch)."""
 
+import errno
+import sys
+
 
 def print_notice(message: str) -> None:
     """A one-line notice on standard error: what a caller of the Python API may take instead (`notify`)."""
-    import sys
-
     print(f"note: {message}", file=sys.stderr, flush=True)
 
 
@@ -31,10 +32,14 @@ def interrupt_handled() -> None:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` means memory ran out: MemoryError; torch.OutOfMemoryError (CUDA, MPS), matched by name; or
-    the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate ...")."""
+    """Whether `error` means memory ran out: MemoryError; torch.OutOfMemoryError (CUDA, MPS), matched by name; the
+    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate ...") or of
+    cuBLAS on a full GPU (CUBLAS_STATUS_ALLOC_FAILED, as a worker thread makes its handle); the system's ENOMEM (a
+    process that could not start, a file that could not be mapped)."""
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         return True
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOMEM
     return isinstance(error, RuntimeError) and says_out_of_memory(str(error))
 
 
@@ -44,7 +49,7 @@ def says_out_of_memory(text: str) -> bool:
     a MemoryError named in another process's last line (a building process's)."""
     text = text.lower()
     return ("out of memory" in text or ("alloc" in text and "memory" in text) or "killed signal" in text
-            or "memoryerror" in text)
+            or "memoryerror" in text or "status_alloc_failed" in text)
 
 
 def first_line(what: BaseException | str, *, named: bool = False) -> str:

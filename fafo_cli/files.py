@@ -68,13 +68,21 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def scratch_dir(folder: Path, prefix: str) -> Path:
+    """A new folder `prefix-WRITER-...` in `folder` for this process's own work (a build's scratch, unpacked
+    packages, a test session's cache), which `remove_abandoned` leaves to it."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-{_writer()}-", dir=folder))
+    _made.add(os.path.abspath(path))
+    return path
+
+
 def remove_abandoned(folder: Path, prefix: str) -> None:
-    """Remove the folders `prefix-PID-...` in `folder` whose process PID is gone: what a killed process left (a
-    build's scratch, unpacked packages, a test session's cache)."""
-    for stale in folder.glob(f"{prefix}-*-*"):
-        pid = stale.name[len(prefix) + 1:].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    """Remove the folders `prefix-WRITER-...` in `folder` (`scratch_dir`'s) whose writer is gone, judged as a
+    partial's (`_sweep`): what a killed process left. Another machine's or container's, sharing the folder, is
+    left a day: its process ids mean nothing here."""
+    _sweep(folder, re.compile(rf"{re.escape(prefix)}-{WRITER}-.+"))
 
 
 def _sweep(folder: Path, pattern: re.Pattern) -> None:

@@ -25,8 +25,8 @@ from typing import Callable, Iterable, Iterator
 
 from .conversion import refuse_unconvertible, write_gguf_as_hf
 from .errors import FafoError, first_line, print_notice
-from .files import (exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic, write_safetensors,
-                    xdg_dir)
+from .files import (NAMESPACE, exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic,
+                    write_safetensors, xdg_dir)
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -44,7 +44,8 @@ TRAINER_FILES = re.compile(r"(training_args|optimizer|scheduler|scaler|rng_state
 # a snapshot fafo did not pull (another tool's) counts as whole with config, weights and one of these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 SOURCE_MARKER = "fafo_source.json"  # in a converted .gguf model's folder: {"gguf": its file, "name", "quantization",
-# "sha256" of its bytes, "converter": CONVERTER, "also": [{"gguf", "key"}] copies met at other paths}
+# "sha256" of its bytes, "converter": CONVERTER, "namespace": the machine's (files.NAMESPACE), "also": [{"gguf",
+# "key"}] copies met at other paths}
 CONVERTER = 2  # conversion.py's version, where a fix changes what a conversion holds (hub._outdated)
 # the hub's own rule besides the characters: no "--" or "..", no "." or "-" at the end
 _REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]*(/[\w.-]+)?(?<![.-])$")
@@ -188,7 +189,7 @@ def _convert(path: Path, name: str | None, key: str, target: Path, notify: Calla
                    f"into {target.parent}; later runs load that")
             write_gguf_as_hf(path, header, staging)
             record = {"gguf": str(path.resolve()), "name": name or path.stem, "quantization": header.quantization,
-                      "sha256": digest, "converter": CONVERTER}
+                      "sha256": digest, "converter": CONVERTER, "namespace": NAMESPACE}
             (staging / SOURCE_MARKER).write_text(json.dumps(record))
             # a file replaced meanwhile (a download finishing) gave some of the tensors and maybe the hash: not
             # published, or it would be found again, by its hash too, as that file's conversion
@@ -337,19 +338,23 @@ def _rewrite_record(folder: Path, record: dict) -> None:
 
 def _remove_unreachable_conversions(keep: Path) -> None:
     """Remove the conversions no file leads to any more, with their compiled steps: where their .gguf file changed
-    (a new version at its path: the old one's conversion is never run again), or, for the embedded default, is
-    gone (a deleted virtual environment: each install would otherwise leave its own 0.9 GB behind). A file of
-    yours that is gone leaves its conversion, which still runs by the name `fafo list` shows, until `fafo rm`. A
-    conversion whose record cannot be read is left alone."""
+    (a new version at its path, other bytes: the old one's conversion is never run again), or, for the embedded
+    default converted on this machine, is gone (a deleted virtual environment: each install would otherwise leave
+    its own 0.9 GB behind). A file of yours that is gone leaves its conversion, which still runs by the name `fafo
+    list` shows, until `fafo rm`. A conversion whose record cannot be read is left alone."""
     for folder in (cache_dir() / "models").iterdir():
         if folder == keep or folder.name.startswith(".") or not _visible_file(folder / SOURCE_MARKER):
             continue
         record = source_record(folder)
         sources = _sources(folder, record)
-        # (a file this user may not look at, another user's in a shared cache, may still be the version converted)
-        if not sources or any(_leads_to(Path(source), key) or _hidden(Path(source)) for source, key in sources):
+        # (a file this user may not look at, another user's in a shared cache, may still be the version converted;
+        # one touched or copied back with the same bytes is, by its digest: gguf_source)
+        if not sources or any(_hidden(Path(source)) for source, _ in sources) or gguf_source(folder) is not None:
             continue
-        if record.get("name") != EMBEDDED_NAME and not any(Path(source).exists() for source, _ in sources):
+        # a file of yours that is gone: its conversion still runs; an embedded default's file that is gone to
+        # another machine or container sharing the cache is its own environment's, not gone
+        if not any(Path(source).exists() for source, _ in sources) and (
+                record.get("name") != EMBEDDED_NAME or record.get("namespace", NAMESPACE) != NAMESPACE):
             continue
         with contextlib.suppress(OSError):  # not ours to remove (a shared cache): left as it is
             _remove_with_steps(folder)

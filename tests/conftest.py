@@ -130,12 +130,12 @@ def _throwaway_cache() -> Path:
     import tempfile
 
     from fafo_cli import hub
-    from fafo_cli.files import remove_abandoned
+    from fafo_cli.files import remove_abandoned, scratch_dir
 
     remove_abandoned(Path(tempfile.gettempdir()), "fafo-tests")
     # (xdist's workers inherit the first process's FAFO_CACHE: they read the user's cache from here)
     user = Path(os.environ.setdefault("FAFO_TESTS_USER_CACHE", str(hub.cache_dir())))
-    cache = Path(tempfile.mkdtemp(prefix=f"fafo-tests-{os.getpid()}-"))
+    cache = scratch_dir(Path(tempfile.gettempdir()), "fafo-tests")
     for kind, pattern in (("models", "[!.]*"), ("compiled", "fafo-ops-*.so")):
         (cache / kind).mkdir()
         for item in (user / kind).glob(pattern):

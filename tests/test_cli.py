@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -254,10 +255,13 @@ def test_every_bad_input_is_one_line(capsys, tiny, prompt_file, tmp_path, small_
 OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                  RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
                               "you tried to allocate 4294967296 bytes."),
-                 MemoryError()]
+                 MemoryError(),
+                 # cuBLAS making a worker thread's handle on a full GPU; the system's ENOMEM (a process not started)
+                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+                 OSError(errno.ENOMEM, "Cannot allocate memory")]
 
 
-@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu-allocator", "python"])
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu-allocator", "python", "cublas", "enomem"])
 def test_out_of_memory_is_one_line(capsys, monkeypatch, tiny, prompt_file, error):
     from fafo_cli.api import Engine
 
@@ -275,6 +279,7 @@ def test_is_out_of_memory_tells_memory_from_other_runtime_errors():
 
     assert all(is_out_of_memory(e) for e in OUT_OF_MEMORY)
     assert not any(is_out_of_memory(e) for e in [RuntimeError("shape mismatch"), ValueError("out of memory"),
+                                                 OSError(errno.ENOENT, "No such file or directory"),
                                                  RuntimeError("the memory layout is not contiguous")])
 
 

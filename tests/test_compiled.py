@@ -198,7 +198,7 @@ def test_packages_unpack_beside_them_and_what_a_killed_process_left_goes(tiny, t
     monkeypatch.setattr(steps_mod, "load_package", loading)
     monkeypatch.setattr(steps_mod, "UNPACKED", [])  # (not the folders of the packages other tests hold)
     assert steps._load_package(tmp_path / "rows1.pt2") == "runner"
-    assert seen[0].parent == tmp_path and seen[0].name.startswith(f".unpacked-{os.getpid()}-")
+    assert seen[0].parent == tmp_path and seen[0].name.startswith(f".unpacked-{os.getpid()}@")
     assert not stale.exists() and os.environ.get("TMPDIR") == before
     with pytest.raises(RuntimeError):
         steps._load_package(tmp_path / "damaged.pt2")

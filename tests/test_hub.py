@@ -876,16 +876,22 @@ def test_conversions_no_file_leads_to_are_removed_with_their_compiled_steps(cach
     gone, kept = convert(second), convert(third)
     (gone / hub.SOURCE_MARKER).write_text("{damaged")  # a record that cannot be read: left alone
     second.unlink()  # the file of a deleted environment
+    os.utime(third, ns=(2, 2))  # touched (a download again, rsync without -t): the same bytes, still its conversion
     convert(_gguf_header(tmp_path / "d.gguf", "llama", **Q4_1_MODEL))
     assert gone.is_dir() and kept.is_dir() and new.is_dir()
     (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": "b"}))
     convert(_gguf_header(tmp_path / "e.gguf", "llama", **Q4_1_MODEL))
     assert gone.is_dir()  # a file of the user's is gone: its conversion still runs by its name, until `fafo rm`
     assert hub.resolve("b") == gone
+    # the embedded default's, gone to another machine or container sharing the cache: its own environment's
+    (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": hub.EMBEDDED_NAME,
+                                                      "namespace": "0badf00d"}))
+    convert(_gguf_header(tmp_path / "g.gguf", "llama", **Q4_1_MODEL))
+    assert gone.is_dir()
     (gone / hub.SOURCE_MARKER).write_text(json.dumps({"gguf": str(second), "name": hub.EMBEDDED_NAME}))
     convert(_gguf_header(tmp_path / "f.gguf", "llama", **Q4_1_MODEL))  # the embedded default's, gone: removed
     assert not gone.exists() and not list(compiled.glob(f"{gone.name}-*")) and kept.is_dir() and new.is_dir()
-    assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e", "f"]
+    assert sorted(m.name for m in hub.cached_models()) == ["a", "c", "d", "e", "f", "g"]
 
 
 def test_a_copy_of_a_converted_file_runs_on_its_conversion(caches, monkeypatch, tmp_path):
@@ -1480,3 +1486,25 @@ def test_a_relative_fafo_cache_is_taken_from_the_folder_a_command_starts_in(tmp_
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FAFO_CACHE", "cache")
     assert hub.cache_dir() == tmp_path / "cache"
+
+
+def test_a_process_s_scratch_folders_are_removed_only_when_it_is_gone(tmp_path):
+    """A build's scratch or unpacked packages left by a killed process go with the next one's; those of a process
+    on another machine or in another container sharing the folder (over NFS, a mounted volume) are left a day, its
+    process ids meaning nothing here (a live build's folder was removed under it), as are this process's own."""
+    import os
+    import time
+
+    from fafo_cli.files import NAMESPACE, remove_abandoned, scratch_dir
+
+    own = scratch_dir(tmp_path, ".build")
+    gone = tmp_path / f".build-999999999@{NAMESPACE}-left"  # (no such process here)
+    older = tmp_path / ".build-999999999-left"  # (an older fafo's name, without its namespace)
+    elsewhere = tmp_path / ".build-12@0badf00d-live"  # another container's process 12
+    stale = tmp_path / ".build-13@0badf00d-old"
+    for folder in (gone, older, elsewhere, stale):
+        folder.mkdir()
+    day_ago = time.time() - 2 * 24 * 3600
+    os.utime(stale, (day_ago, day_ago))
+    remove_abandoned(tmp_path, ".build")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([own.name, elsewhere.name])

@@ -64,6 +64,20 @@ def test_float32_cpu_steps_compute_linear_layers_as_weights_times_rows(tiny):
     assert Model(llama.load(tiny, torch.bfloat16, torch.device("cpu"))).step_linear is None
 
 
+def test_a_cache_that_could_not_change_its_dtype_still_says_its_own(monkeypatch):
+    """Memory running out as the cache converts to float32 (the eager steps after compiled ones) left it saying
+    float32 over bf16 tensors: the next request skipped the conversion, and a compressor's view then failed."""
+    cache = KVCache(1, 1, 4, max_slots=64, dtype=torch.bfloat16, device=torch.device("cpu"), initial_slots=8)
+
+    def exhausted(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(KVCache, "_allocate", exhausted)
+    with pytest.raises(MemoryError):
+        cache.attend_in(torch.float32)
+    assert cache.dtype == cache.keys.dtype == torch.bfloat16 and cache.read_dtype != torch.float32
+
+
 def test_cache_grows_without_losing_committed_rows():
     cache = KVCache(2, 1, 4, max_slots=100, dtype=torch.float32, device=torch.device("cpu"), initial_slots=4)
     rows = torch.arange(3 * 4, dtype=torch.float32).view(3, 1, 4)

@@ -331,6 +331,12 @@ def run(load, config, options: BenchOptions, console, err_console) -> int:
             err_console.print("interrupted: divergences from vanilla are reported without telling near-ties from "
                               "bugs")
             divergences, tolerance = unclassified_divergences(runs), None
+        except Exception as error:  # noqa: BLE001 - memory ran out prefilling a prompt again: so do the rows' figures
+            if not is_out_of_memory(error):
+                raise
+            err_console.print("out of memory telling near-ties from bugs: divergences from vanilla are reported "
+                              "without it", style="yellow", markup=False)
+            divergences, tolerance = unclassified_divergences(runs), None
     else:
         divergences, tolerance = {}, None
     results = report.aggregate(runs, rows, divergences, greedy)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from ..errors import first_line, is_out_of_memory
-from ..files import exclusive, remove_abandoned, write_atomic
+from ..files import exclusive, remove_abandoned, scratch_dir, write_atomic
 from ..runtime.cache import KVCache
 from ..runtime.memory import release_freed_memory
 from ..runtime.model import STEP_ROWS, Model
@@ -368,7 +368,7 @@ class CompiledSteps(OnceNotices):
         ends (UNPACKED), one whose load failed at once, and what a killed process left with the next load (the
         folder's pid gone)."""
         remove_abandoned(self.folder, ".unpacked")
-        into = Path(tempfile.mkdtemp(prefix=f".unpacked-{os.getpid()}-", dir=self.folder))
+        into = scratch_dir(self.folder, ".unpacked")
         tempfile.gettempdir()  # (Python's own temporary folder chosen before, kept after)
         before = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = str(into)  # (read by torch's C++ loader as it unpacks)

@@ -145,8 +145,12 @@ class KVCache:
     def store_as(self, dtype: torch.dtype) -> None:
         """Hold keys and values in `dtype` from now on (one copy now); readers keep getting `read_dtype`."""
         if dtype != self.dtype:
-            self.dtype = dtype
-            self._allocate(self.capacity, self.lead)
+            before, self.dtype = self.dtype, dtype  # (_allocate's: the new tensors')
+            try:
+                self._allocate(self.capacity, self.lead)
+            except BaseException:  # (memory ran out: the tensors are still the old dtype's, and say so)
+                self.dtype = before
+                raise
 
     def attend_in(self, dtype: torch.dtype) -> None:
         """Hold keys and values in `dtype` and hand them out so (eager steps: undo a compiled step's compact storage
