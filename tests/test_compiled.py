@@ -108,6 +108,35 @@ def test_a_package_another_process_builds_is_waited_for_and_loaded(tiny, tmp_pat
     assert got == [loaded] and not any(n.startswith("compiling") for n in notices), notices
 
 
+def test_a_failed_build_is_recorded_before_its_lock_is_let_go(tiny, tmp_path, monkeypatch):
+    """A process waiting for the build (`fafo compile` beside a server) takes the lock when it is let go: the
+    failure must be on record by then, or it builds the same failing package again (minutes)."""
+    from contextlib import contextmanager
+
+    from fafo_cli.compiled import steps
+    from fafo_cli.compiled.build import CompileError
+
+    monkeypatch.setenv("FAFO_CACHE", str(tmp_path))
+    compiled = load(str(tiny), dtype="float32", chat_template=False, compile="on", notify=lambda note: None).compiled
+    recorded = []
+    held = steps.exclusive
+
+    @contextmanager
+    def watched(path, waiting=lambda: None):
+        with held(path, waiting):
+            yield
+            recorded.append((compiled.folder / "rows5.failed").exists())
+
+    monkeypatch.setattr(steps, "exclusive", watched)
+
+    def fails(*args):
+        raise CompileError("unsupported op: aten::foo")
+
+    compiled.builder = fails
+    monkeypatch.setattr(steps.CompiledSteps, "build_here", fails)
+    assert compiled.runner(5) is None and recorded == [True]
+
+
 def test_a_failed_kernel_build_is_tried_again_not_taken_for_a_dense_model(tiny, tmp_path, monkeypatch):
     """Our kernels failing to build once (the compiler killed, say) is no answer to which matrices are packed: it
     was kept as "none", and packages built over the packed blocks were then loaded without their weights."""

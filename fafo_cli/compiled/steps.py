@@ -299,7 +299,7 @@ class CompiledSteps(OnceNotices):
         try:
             self._claim_folder()
             # one build per package however many processes ask at once (a server and a `fafo run`): the others
-            # wait for it, then load what it built
+            # wait for it, then load what it built (or find why it failed: recorded before the lock is let go)
             waiting = f"waiting for another fafo process to finish building the {rows}-row step"
             with exclusive(self.folder / f"rows{rows}.lock", lambda: self.notify(waiting)):
                 if (built := self._built(package, record)) is not REBUILD:  # (built meanwhile: waited for, or not)
@@ -309,25 +309,14 @@ class CompiledSteps(OnceNotices):
                     return None
                 self.notify(f"compiling the {rows}-row step for this model once ({self._build_estimate()}; later "
                             "runs load it)")
-                started = time.perf_counter()
-                if self.builder is not None and (self.packed_modules() == {} or
-                                                 (self.folder / PACKED_FILE).is_file()):
-                    self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
-                else:
-                    self.build_here(rows, package)
-                runner = self._load_package(package)
-                timing = measure(self.model, runner, rows)
-                timing.build_s = time.perf_counter() - started
-                timing.write(record)
-        except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed, run eager
-            reason = error if isinstance(error, CompileError) else first_line(error, named=True)
-            self.notify(f"compilation failed, running eager: {reason}")
-            if not (getattr(error, "transient", False) or is_out_of_memory(error)):  # (else tried again next time)
-                with contextlib.suppress(OSError):  # (a folder that takes nothing more: tried again next time too)
-                    write_atomic(self.folder / f"rows{rows}.failed", json.dumps({"reason": str(reason)}))
-            return None
-        with contextlib.suppress(OSError):
-            (self.folder / f"rows{rows}.failed").unlink(missing_ok=True)
+                try:
+                    runner, timing = self._build_and_time(rows, package, record)
+                except Exception as error:  # noqa: BLE001 - build, load, first run or record: whatever failed
+                    return self._failed(rows, error)
+                with contextlib.suppress(OSError):
+                    (self.folder / f"rows{rows}.failed").unlink(missing_ok=True)
+        except Exception as error:  # noqa: BLE001 - the folder or its lock
+            return self._failed(rows, error)
         self.notify(f"compiled in {timing.build_s:.0f} s: a {rows}-row step takes {timing.compiled_ms:.1f} ms "
                     f"(eager {timing.eager_ms:.1f} ms)")
         # timed before this package was: the next step_costs times them all again
@@ -384,6 +373,30 @@ class CompiledSteps(OnceNotices):
                 os.environ["TMPDIR"] = before
         UNPACKED.append(into)
         return runner
+
+    def _build_and_time(self, rows: int, package: Path, record: Path) -> tuple:
+        """(its runner, its Timing): the package built (elsewhere, where the packed blocks it reads are kept),
+        loaded, timed and recorded."""
+        started = time.perf_counter()
+        if self.builder is not None and (self.packed_modules() == {} or (self.folder / PACKED_FILE).is_file()):
+            self.builder(rows, package)  # (where the packed blocks could not be kept, it could not read them)
+        else:
+            self.build_here(rows, package)
+        runner = self._load_package(package)
+        timing = measure(self.model, runner, rows)
+        timing.build_s = time.perf_counter() - started
+        timing.write(record)
+        return runner, timing
+
+    def _failed(self, rows: int, error: Exception) -> None:
+        """A build that failed: said, and where it would fail again (not memory running out, nor a failure of the
+        moment), recorded, so that later starts run that size eager until `fafo compile`."""
+        reason = error if isinstance(error, CompileError) else first_line(error, named=True)
+        self.notify(f"compilation failed, running eager: {reason}")
+        if not (getattr(error, "transient", False) or is_out_of_memory(error)):  # (else tried again next time)
+            with contextlib.suppress(OSError):  # (a folder that takes nothing more: tried again next time too)
+                write_atomic(self.folder / f"rows{rows}.failed", json.dumps({"reason": str(reason)}))
+        return None
 
     def build_here(self, rows: int, package: Path) -> None:
         """The `rows`-row package built at `package` in this process (build.build); CompileError on failure."""
