@@ -208,10 +208,10 @@ def _convert(path: Path, name: str | None, key: str, target: Path, notify: Calla
 
 def _outdated(folder: Path, path: Path) -> bool:
     """Whether the conversion in `folder` of the .gguf file at `path`, recorded by a fafo before CONVERTER, left out
-    what this one reads: Llama 3.x's rotary scaling, which llama.cpp keeps as a tensor (conversion.ROPE_FREQS; read
-    since 2026-12-07), a linear rotary scaling given by its factor alone, or the file's own tokenizer where a
-    tokenizer.json lay beside the file it was converted from (transformers read that one instead; both since
-    2026-12-08). A conversion found whole is recorded as this version's: checked once."""
+    what this one reads: Llama 3.x's rotary scaling, which llama.cpp keeps as a tensor (conversion.ROPE_FREQS), a
+    linear rotary scaling given by its factor alone, or the file's own tokenizer where a tokenizer.json lay beside
+    the file it was converted from (transformers read that one instead). A conversion found whole is recorded as
+    this version's: checked once."""
     record = source_record(folder)
     # (no record: not ours to judge; a cache this process cannot write, another user's: used as it is)
     if not record or record.get("converter", 1) >= CONVERTER or not os.access(folder, os.W_OK):
