@@ -313,9 +313,9 @@ class Guard:
 
     def _too_large(self, path: str) -> ApiError:
         # (what a prompt beyond the context gets, so that a client that shortens its prompt then does so here too)
+        field = PROMPT_FIELDS.get(path.rstrip("/").removeprefix("/v1"))
         return ApiError(400, f"the request body exceeds {self.max_body:,} bytes, more than a prompt that fits "
-                             "this model's context takes", param=PROMPT_FIELDS.get(path.rstrip("/").removeprefix("/v1")),
-                        code="context_length_exceeded")
+                             "this model's context takes", param=field, code="context_length_exceeded")
 
 
 PROMPT_FIELDS = {"/chat/completions": "messages", "/completions": "prompt"}  # where a path's prompt is
