@@ -1034,6 +1034,10 @@ def test_out_of_memory_is_its_own_error(served, monkeypatch):
     assert error["code"] == "out_of_memory"
     assert response.headers["x-should-retry"] == "false"  # OpenAI's clients would send it twice more
     assert len(engine.session.kept) == 0 and "kept for reuse were dropped" in error["message"]  # room given back
+    monkeypatch.setattr(engine, "encode", lambda *args, **kwargs: exhausted().send(None))  # encoding a long prompt
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        error = _check_error(http.post("/completions", json={"prompt": TEXT, "max_tokens": 3}), 500)
+    assert error["code"] == "out_of_memory", error
 
 
 def test_a_request_that_fails_inside_the_server_stops_its_answer(served, monkeypatch):

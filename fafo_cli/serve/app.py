@@ -25,7 +25,8 @@ from starlette.routing import Route
 from ..api import Engine
 from ..runtime.events import Step
 from . import responses, schema
-from .errors import ApiError, shutting_down
+from ..errors import is_out_of_memory
+from .errors import ApiError, out_of_memory, shutting_down
 from .worker import Ticket, Worker
 
 log = logging.getLogger("fafo.serve")
@@ -248,6 +249,8 @@ async def _http_error(request: Request, exc) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
+    if is_out_of_memory(exc):  # (encoding a long prompt, outside the worker's steps)
+        return out_of_memory().response()
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
               exc_info=log.isEnabledFor(logging.DEBUG))
     return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details",

@@ -6,7 +6,7 @@ from starlette.responses import JSONResponse
 
 # OpenAI's error types by status: the clients' own exception classes follow the status, the type is for people
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 500: "server_error",
+         405: "invalid_request_error", 415: "invalid_request_error", 500: "server_error",
          503: "server_error"}
 
 
@@ -28,3 +28,9 @@ class ApiError(Exception):
 
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", code="shutting_down")
+
+
+def out_of_memory(dropped: bool = False) -> ApiError:
+    """Memory ran out answering (in a step, or encoding the prompt); `dropped`: the kept conversations went too."""
+    return ApiError(500, "out of memory: try a shorter prompt or fewer tokens"
+                    + (" (the conversations kept for reuse were dropped)" if dropped else ""), code="out_of_memory")

@@ -18,7 +18,7 @@ from collections import deque
 from ..api import Engine
 from ..errors import FafoError, ModelOutputError, is_out_of_memory
 from ..runtime.events import Step
-from .errors import ApiError, shutting_down
+from .errors import ApiError, out_of_memory, shutting_down
 from .schema import Job
 
 log = logging.getLogger("fafo.serve")
@@ -191,9 +191,7 @@ class Worker:
                 dropped = bool(kept)
                 if dropped:  # their room for the next request (a GPU's memory, which ran out)
                     kept.clear()
-                return self._failed(ticket, ApiError(500, "out of memory: try a shorter prompt or fewer tokens"
-                                                     + (" (the conversations kept for reuse were dropped)"
-                                                        if dropped else ""), code="out_of_memory"))
+                return self._failed(ticket, out_of_memory(dropped))
             # a bug: the client gets a 500 without the traceback, the log keeps it
             log.error("%s failed: %s: %s", ticket.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return self._failed(ticket, ApiError(500, f"internal error ({type(e).__name__}); the server's log has "
