@@ -113,7 +113,8 @@ def _weakly(method: Callable) -> Callable:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer, folder: Path, config: config_mod.Config):
+    def __init__(self, model: Model, tokenizer, folder: Path, config: config_mod.Config,
+                 notify: Callable[[str], None] = print_notice):
         self.model = model
         self.tokenizer = tokenizer
         self.folder = folder
@@ -131,7 +132,7 @@ class Engine:
         # CompiledSteps or GraphSteps; also in session.compiled while in use (bench toggles it)
         self.compiled: CompiledSteps | None = None
         self.count_syncs = False  # count host-device synchronisations per step on CUDA (`fafo run --verbose`)
-        self.notify: Callable[[str], None] = print_notice  # (from_config's)
+        self.notify = notify  # one-line notices (load's `notify`)
 
     @classmethod
     def from_config(cls, config: config_mod.Config, notify: Callable[[str], None] | None = None,
@@ -144,8 +145,7 @@ class Engine:
         check_compile(config, device)  # (before minutes of loading)
         dtype = pick_dtype(config.dtype, device)
         tokenizer, hf_model, folder = _load_model(config.model, config, device, dtype, notify)
-        engine = cls(Model(hf_model), tokenizer, folder, config)
-        engine.notify = notify
+        engine = cls(Model(hf_model), tokenizer, folder, config, notify)
         if (penalty := _unapplied_penalty(hf_model.generation_config)) is not None:
             notify(f"{engine.name}'s generation_config.json sets repetition_penalty {penalty:g}, which fafo does "
                    "not apply (transformers' generate() would)")

@@ -22,6 +22,7 @@ import shutil
 import socket
 import stat
 import struct
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,8 +72,6 @@ def _gone(pid: int) -> bool:
 def scratch_dir(folder: Path, prefix: str) -> Path:
     """A new folder `prefix-WRITER-...` in `folder` for this process's own work (a build's scratch, unpacked
     packages, a test session's cache), which `remove_abandoned` leaves to it."""
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix=f"{prefix}-{_writer()}-", dir=folder))
     _made.add(os.path.abspath(path))
     return path
