@@ -287,7 +287,7 @@ class Engine:
 
             try:
                 encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)
+                                                        return_dict=True, **config_mod.template_variables(config))
             except TemplateError as e:  # e.g. Llama-2's and Mistral's on a system message or two user turns
                 raise FafoError(f"the model's chat template refused the messages: {first_line(e)}") from None
             ids = list(encoded["input_ids"])
@@ -316,12 +316,22 @@ class Engine:
         return config
 
     def check_given(self, config: config_mod.Config, given: Iterable[str]) -> None:
-        """`config.check_given` on this engine's device, and `system` or `chat_template` only for a model with a chat
-        template."""
+        """`config.check_given` on this engine's device, and `chat_template` and TEMPLATE_KEYS only for a model with
+        a chat template."""
         config_mod.check_given(config, given, accelerator=self.model.device.type != "cpu")
-        for key in ("system", "chat_template"):  # both would change nothing: the prompt goes in as plain text
+        for key in ("chat_template", *config_mod.TEMPLATE_KEYS):  # nothing changes: the prompt goes in as plain text
             if key in given and getattr(config, key) and not self.has_chat_template:
                 raise FafoError(f"'{key}' needs a chat template, and {self.name} has none")
+        if "chat_template_kwargs" in given and config.chat_template_kwargs:
+            from .runtime.tokenizer import variables_read
+
+            template = self.tokenizer.chat_template  # (transformers' may hold named ones: it renders the default)
+            read = variables_read(template if isinstance(template, str) else template.get("default") or "")
+            unread = [name for name in config_mod.template_variables(config) if name not in read]
+            if unread:
+                others = sorted(read - config_mod.TEMPLATE_RESERVED)
+                raise FafoError(f"'chat_template_kwargs': the chat template of {self.name} reads no variable "
+                                f"{unread[0]!r} (it reads: {', '.join(others) or 'none'})")
 
     def settings(self, config: config_mod.Config) -> dict:
         return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,

@@ -43,6 +43,8 @@ HELP = """Commands:
                     VALUE` too)
   /set system TEXT  the system message of this conversation from here on (/set system \"\"\" takes the lines
                     up to the closing quotes)
+  /set think, /set nothink
+                    a thinking model's answers with or without their thinking part (Qwen3's enable_thinking)
   /set              show the settings
   /reset, /clear    forget the conversation (and the cached keys and values), but its system message
   /stats            totals for this session
@@ -227,23 +229,32 @@ class Repl:
         if not words:
             self.out.print("  ".join(f"{key}={value}" for key, value in self._current().items()), markup=False)
             return
+        if words in (["think"], ["nothink"]):  # ollama's switch for thinking models: Qwen3's template variable
+            variables = config_mod.template_variables(self.engine.request_config(**self.settings))
+            self._set_value("chat_template_kwargs", {**variables, "enable_thinking": words == ["think"]})
+            return
         if len(words) != 2 or words[0] not in SETTABLE:
-            self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; or /set system TEXT")
+            self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; /set system TEXT; or /set "
+                        "think, /set nothink")
             return
         key, raw = words
         if key == "max_tokens" and raw in ("-1", "-2"):  # ollama's num_predict for no limit, and to fill the context
             raw = str(self.engine.model.max_context)  # (an answer stops where the context ends)
         try:
             value = "" if key == "seed" and raw == "random" else yaml.safe_load(raw)  # ("": a fresh seed each answer)
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # (ValueError: an integer past Python's limit of
+            # digits; RecursionError: brackets nested hundreds deep)
+            self._error(f"cannot read {raw[:40]!r} as a value ({first_line(e) or type(e).__name__})")
+            return
+        self._set_value(key, value)
+
+    def _set_value(self, key: str, value) -> None:
+        try:
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
             if value not in (None, ""):  # (which restores the default)
                 self.engine.check_given(config, {key})  # and like a flag: it must change something
         except FafoError as e:
             self._error(str(e))
-            return
-        except (yaml.YAMLError, ValueError, RecursionError) as e:  # (ValueError: an integer past Python's limit of
-            # digits; RecursionError: brackets nested hundreds deep)
-            self._error(f"cannot read {raw[:40]!r} as a value ({first_line(e) or type(e).__name__})")
             return
         self.settings[key] = value
         # what an earlier /set asked for that this one leaves without effect (temperature 0 after a top_p): cleared,
@@ -255,7 +266,7 @@ class Repl:
             del self.settings[other]
         cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
         shown = (f"{self._current()[key]} (the default)" if value is None else
-                 "random (a fresh seed each answer)" if value == "" else value)
+                 "random (a fresh seed each answer)" if value == "" else getattr(config, key))
         self.out.print(f"{key} = {shown}{cleared}", markup=False)
 
     def _current(self) -> dict:
@@ -264,7 +275,8 @@ class Repl:
         seed = config_mod.build(self.engine.config, **self.settings).seed  # (before request_config's draw)
         if seed is None and config.temperature > 0:  # each sampled answer draws its own
             seed = "random"
-        return {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
+        shown = {**{key: getattr(config, key) for key in SETTABLE}, "seed": seed}
+        return {**shown, "chat_template_kwargs": config.chat_template_kwargs} if config.chat_template_kwargs else shown
 
     def _set_system(self, text: str) -> None:
         """The conversation's system message from here on (ollama's `/set system`): the first message, so that it

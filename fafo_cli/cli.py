@@ -249,7 +249,8 @@ def _check_outputs(outputs: dict[str, str | None], inputs: dict[str, list[str]],
 
 
 # settings of an answer, not of the steps that compute it (what `fafo compile` builds)
-ANSWER_ONLY = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "system", "chat_template")
+ANSWER_ONLY = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "chat_template",
+               *config_mod.TEMPLATE_KEYS)
 
 
 def _check_plot_format(path: str) -> None:
@@ -415,7 +416,8 @@ def serve(
 
                     load_frozen_table(settings.cacheback_table, engine.tokenizer)
                 # the command line's settings are the requests' defaults; these two no request could use
-                engine.check_given(engine.request_config(), _given(flags) & {"system", "chat_template"})
+                engine.check_given(engine.request_config(),
+                                   _given(flags) & {"chat_template", *config_mod.TEMPLATE_KEYS})
                 if settings.compile == "on" and engine.compiled is not None:
                     from .compiled.ahead import build_ahead
 

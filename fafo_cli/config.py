@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import difflib
+import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .errors import FafoError, shortened
+from .errors import FafoError, first_line, shortened
 from .files import user_path, xdg_dir
 
 METHODS = ("vanilla", "fafo", "lookahead", "prompt-lookup", "cacheback", "suffix", "triforce", "quantspec")
@@ -92,6 +93,39 @@ def _budget(value: Any) -> int | float:
                     f"(got {_shown(value)})")
 
 
+# what the template is given by fafo itself, or transformers' apply_chat_template takes as its own parameters
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "conversation",
+                               "chat_template", "continue_final_message", "tokenize", "sanitize_control_tokens",
+                               "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _template_variables(value: Any) -> str | None:
+    """`chat_template_kwargs`: a mapping of variable names to JSON values (from YAML or a request), or its JSON
+    text (from a flag), kept as compact JSON text (a Config stays hashable); an empty one is none."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise FafoError(f"config key 'chat_template_kwargs' must be a JSON object ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise FafoError(f"config key 'chat_template_kwargs' must be a mapping of names to values (got {_shown(value)})")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise FafoError(f"config key 'chat_template_kwargs': {_shown(key)} is not a name a template can read")
+        if key in TEMPLATE_RESERVED:
+            raise FafoError(f"config key 'chat_template_kwargs': {key!r} is fafo's to set, not a template variable")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False) if value else None
+    except (TypeError, ValueError, RecursionError) as e:  # a YAML date, NaN
+        raise FafoError(f"config key 'chat_template_kwargs' must hold JSON values ({first_line(e)})") from None
+
+
+def template_variables(config: Config) -> dict:
+    """The chat template's variables `config` gives."""
+    return json.loads(config.chat_template_kwargs) if config.chat_template_kwargs else {}
+
+
 def _auto_count(name: str, value: Any, low: int, high: int) -> int | str:
     """A count the decoder may choose (W, copies): an integer in low..high (from a flag, as text) or "auto"."""
     # ASCII digits only: str.isdigit() takes "²", which int() refuses
@@ -143,6 +177,10 @@ class Config:
                             nullable=True, low=0, high=2**64 - 1)  # (runtime/sampling.Draws keys on 64 bits)
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
+    chat_template_kwargs: str | None = _opt(None, "variables for the chat template, a JSON object (a mapping in the "
+                                                  "YAML file), e.g. {\"enable_thinking\": false} for Qwen3's answers "
+                                                  "without a thinking part", nullable=True,
+                                            allowed="a JSON object, or empty", short="--chat-template-config")  # (llama.cpp's name; mlx-lm's alias)
     # The two opt-ins are off unless asked for; their --no- form turns a config file's off for one command
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run",
                                    also=("bench", "cacheback build-table", "doctor"))
@@ -276,6 +314,8 @@ def _check(name: str, value: Any, spec) -> Any:
     kind = {"bool": bool, "int": int, "float": float}.get(spec.type.split(" ")[0], str)  # "float | None" -> float
     if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()) and (kind is float or name == "budget"):
         value = float(value)  # YAML 1.1 reads 1e-3 as text
+    if name == "chat_template_kwargs":
+        return _template_variables(value)
     if name == "budget":
         if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):  # from a flag
             value = _integer(name, value)
@@ -368,6 +408,7 @@ DRAFT_MODEL_KEYS = frozenset({"triforce_gamma1", "triforce_draft_cache"})  # rea
 GUESS_ONLY_KEYS = frozenset({"prefix", "pool_per_key", "copies", "lookup_ngram", "cacheback_leader",
                              "cacheback_follower", "cacheback_followers", "cacheback_leaders", "cacheback_table",
                              "suffix_depth", "suffix_factor", "suffix_min_prob", "suffix_outputs"})
+TEMPLATE_KEYS = ("system", "chat_template_kwargs")  # what the chat template reads: nothing without one
 SESSION_KEYS = frozenset({"suffix_outputs"})  # read by the answers after a session's first (chat, serve)
 
 
@@ -380,7 +421,7 @@ def runs_window(streams: int | str, compressor_named: bool, accelerator: bool) -
 def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None:
     """Settings given explicitly (a command's flags, a request's fields) must have an effect: a method's own
     settings only where that method runs (FAFO's window settings where its window runs, on `accelerator` or not, a
-    compressor's where it is the one), `system` only with the chat template, and a sampling setting other than its
+    compressor's where it is the one), TEMPLATE_KEYS only with the chat template, and a sampling setting other than its
     neutral value, or a seed, only where decoding samples (temperature above 0; None, the model's default, is not
     checked here)."""
     given = {key for key in given if key in SPECS and getattr(config, key) is not None}  # (None: emptied)
@@ -403,8 +444,9 @@ def check_given(config: Config, given: Iterable[str], accelerator: bool) -> None
                                 f"does not use here (compressor: {compressor})")
         if key in DRAFT_MODEL_KEYS and config.draft_model is None:
             raise FafoError(f"'{key}' sets TriForce's draft-model level, which runs only with a draft_model")
-    if "system" in given and config.system and not config.chat_template:
-        raise FafoError("'system' needs the chat template: the prompt is continued as plain text without it")
+    for key in sorted(given & set(TEMPLATE_KEYS)):
+        if getattr(config, key) and not config.chat_template:
+            raise FafoError(f"'{key}' needs the chat template: the prompt is continued as plain text without it")
     if config.temperature == 0:
         for key in sorted(given & (SAMPLING_NEUTRAL.keys() | {"seed"})):
             if getattr(config, key) != SAMPLING_NEUTRAL.get(key):

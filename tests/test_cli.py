@@ -122,6 +122,8 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch, tiny, 
     (["--method", "vanilla", "--compressor", "stream"], "'compressor' is a setting of method fafo"),
     (["--top-p", "0.5"], "'top_p' has no effect when decoding greedily"),
     (["--no-chat-template", "--system", "Be brief."], "'system' needs the chat template"),
+    (["--no-chat-template", "--chat-template-kwargs", '{"a": 1}'], "'chat_template_kwargs' needs the chat template"),
+    (["--chat-template-kwargs", '{"enable_thinking": false}'], "'chat_template_kwargs': the chat template of "),
     (["--seed", "3"], "'seed' has no effect when decoding greedily"),
     # FAFO's window settings where no window runs (a CPU's default), or another compressor's
     (["--budget", "64"], "'budget' sets FAFO's lookahead window, which does not run here (on a CPU, streams: auto"),
@@ -136,6 +138,8 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch, tiny, 
 def test_a_flag_that_would_change_nothing_is_refused(capsys, tiny, prompt_file, flags, message):
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "-n", "3", "--dtype", "float32", *flags)
     assert code == 1 and out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    if "--chat-template-kwargs" in flags and "--no-chat-template" not in flags:
+        assert err.endswith(" reads no variable 'enable_thinking' (it reads: none)\n"), err
 
 
 def test_the_same_flags_where_they_take_effect_run(capsys, tiny, prompt_file):
@@ -774,6 +778,31 @@ def test_chat_takes_ollamas_commands(tiny):
     assert not Repl._is_command("/etc/hosts:\nwhat is this file?") and Repl._is_command("/etc/hosts")
     assert Repl._is_command("/set system Be\nbrief.") and Repl._is_command("/BYE\n")
     assert repl._command("/bye") is True
+
+
+def test_chat_takes_ollamas_think_and_nothink(tmp_path, tiny):
+    from rich.console import Console
+
+    from fafo_cli import load
+    from fafo_cli.chat import Repl
+
+    from .test_tokenizer import THINKING
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
+    out = io.StringIO()
+    repl = Repl(load(str(folder), dtype="float32", max_tokens=3, chat_template_kwargs={"eos_token": "."}),
+                Console(file=out), Console(file=io.StringIO()))
+    repl._command("/set nothink")  # (beside the config's own variables)
+    assert 'chat_template_kwargs = {"eos_token":".","enable_thinking":false}' in out.getvalue() and not repl.failed
+    repl._answer("hello")
+    assert repl.engine.tokenizer.decode(repl.engine.encode(repl.messages[:1], repl.engine.request_config(
+        **repl.settings))).endswith("<think>\n\n</think>\n\n.")
+    repl._command("/set think")
+    repl._command("/set")
+    assert 'chat_template_kwargs={"eos_token":".","enable_thinking":true}' in out.getvalue() and not repl.failed
+    plain = Repl(load(str(tiny), dtype="float32"), Console(file=io.StringIO()), Console(file=io.StringIO()))
+    plain._command("/set nothink")  # a model whose template has no such switch
+    assert "reads no variable 'enable_thinking'" in plain.err.file.getvalue() and plain.failed
 
 
 def test_chat_exits_on_end_of_input(tiny):

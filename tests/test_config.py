@@ -135,6 +135,13 @@ def test_explicit_null_clears_a_nullable_key(tmp_path):
     ("device: on\n", "'device' must be text \\(got True, which YAML reads as true or false: put it in quotes\\)"),
     ("model: 2024-01-01\n", "'model' must be text \\(got 2024-01-01, which YAML reads as a date"),
     ("system: [" + "a, " * 500 + "b]\n", "'system' must be text \\(got \\['a', 'a', .{1,30}\\)$"),  # shortened
+    ("chat_template_kwargs: [1]\n", "'chat_template_kwargs' must be a mapping of names to values \\(got \\[1\\]\\)"),
+    ("chat_template_kwargs: '{\"a\": tru'\n", "'chat_template_kwargs' must be a JSON object \\(Expecting value"),
+    ("chat_template_kwargs:\n  day: 2024-01-01\n", "'chat_template_kwargs' must hold JSON values \\(Object of "
+                                                    "type date"),
+    ("chat_template_kwargs:\n  1: x\n", "'chat_template_kwargs': 1 is not a name a template can read"),
+    ("chat_template_kwargs:\n  enable-thinking: x\n", "'enable-thinking' is not a name a template can read"),
+    ("chat_template_kwargs:\n  messages: []\n", "'messages' is fafo's to set, not a template variable"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, message):
     with pytest.raises(FafoError, match=message):
@@ -209,7 +216,8 @@ def _sample(spec) -> Any:
     elif spec.metadata["choices"]:
         candidates = list(spec.metadata["choices"])
     else:
-        by_type = {"int": [3, 5, 2, 9, 17, 1, 0, 300], "float": [0.5], "str": ["some text"], "bool": [False, True]}
+        by_type = {"int": [3, 5, 2, 9, 17, 1, 0, 300], "float": [0.5], "bool": [False, True],
+                   "str": ["some text", '{"enable_thinking":false}']}  # (the second: a JSON object's key)
         candidates = [value for name in spec.type.split(" | ") if name != "None" for value in by_type[name]]
     for value in candidates:
         try:
@@ -251,7 +259,8 @@ def test_every_key_is_a_flag_that_reaches_the_config(commands, command, spec):
 def test_flag_spellings():
     run = {flag.key: flag for flag in config_mod.flags("run")}
     shorts = {"max_tokens": "-n", "streams": "-W", "ngram": "-k", "guesses": "-G", "prefix": "-P", "budget": "-B",
-              "draft_tokens": "-D", "temperature": "--temp"}  # (llama.cpp's and mlx-lm's --temp)
+              "draft_tokens": "-D", "temperature": "--temp",  # (llama.cpp's and mlx-lm's --temp)
+              "chat_template_kwargs": "--chat-template-config"}  # (mlx-lm's)
     assert {key: flag.declarations[1] for key, flag in run.items() if len(flag.declarations) > 1} == shorts
     assert run["compile"].declarations == ("--compile/--no-compile",)
     assert (run["compile"].value(True), run["compile"].value(False), run["compile"].value(None)) == ("on", "off", None)
@@ -356,3 +365,16 @@ def test_settings_are_written_in_place_of_the_values(tmp_path):
     with pytest.raises(FafoError, match=f"config file {flow} is one {{...}} mapping"):
         write_settings(flow, {"streams": 2})
     assert flow.read_text() == "{max_tokens: 100}\n" and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_chat_template_variables_from_a_file_a_flag_or_a_request(tmp_path):
+    """A mapping in the YAML file, JSON text on the command line (llama.cpp's --chat-template-kwargs), a JSON object
+    in a server request: kept as the same compact JSON text; an empty one is none."""
+    written = config_mod.load_file(write(tmp_path, "chat_template_kwargs:\n  enable_thinking: false\n  depth: 2\n"))
+    flag = config_mod.resolve(None, chat_template_kwargs=' {"enable_thinking": false, "depth": 2} ')
+    request = config_mod.build(chat_template_kwargs={"enable_thinking": False, "depth": 2})
+    assert written.chat_template_kwargs == flag.chat_template_kwargs == request.chat_template_kwargs
+    assert config_mod.template_variables(written) == {"enable_thinking": False, "depth": 2}
+    assert config_mod.build(chat_template_kwargs={}).chat_template_kwargs is None
+    assert config_mod.template_variables(Config()) == {}
+    hash(written)  # (a Config stays a value)

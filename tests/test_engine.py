@@ -45,6 +45,24 @@ def test_chat_template_and_system_prompt(tiny):
     assert engine.tokenizer.decode(engine.encode(named)) == "system: Be brief.\nbob: Hi\n"
 
 
+def test_chat_template_variables_reach_the_template(tmp_path):
+    from .test_tokenizer import THINKING
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
+    engine = load(str(folder), dtype="float32", chat_template_kwargs={"enable_thinking": False})
+    assert engine.tokenizer.decode(engine.encode("Hi")).endswith("assistant\n<think>\n\n</think>\n\n")
+    thinking = engine.request_config(chat_template_kwargs="")  # (emptied: the template's own default)
+    assert "<think>" not in engine.tokenizer.decode(engine.encode("Hi", thinking))
+    assert engine.complete("Hi", max_tokens=3).stats.prompt_tokens == len(engine.encode("Hi"))
+    # one the template does not read would change nothing: refused, naming the ones it reads
+    with pytest.raises(FafoError, match="'chat_template_kwargs': the chat template of .* reads no variable 'think' "
+                                        "\\(it reads: enable_thinking, eos_token\\)"):
+        engine.check_given(engine.request_config(chat_template_kwargs={"think": False}), {"chat_template_kwargs"})
+    with pytest.raises(FafoError, match="'chat_template_kwargs' needs the chat template"):
+        engine.check_given(engine.request_config(chat_template=False, chat_template_kwargs={"a": 1}),
+                           {"chat_template_kwargs"})
+
+
 @BOTH
 def test_long_prompt_chunked_prefill_matches(tiny, monkeypatch, method):
     monkeypatch.setattr(session_mod, "PREFILL_CHUNK", 7)  # many chunks, uneven last one

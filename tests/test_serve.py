@@ -1074,12 +1074,45 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
         _stop(live)
 
 
+def test_chat_template_variables_per_request(tmp_path):
+    """vLLM's and llama.cpp's `chat_template_kwargs`: Qwen3's answers without their thinking part."""
+    from .test_tokenizer import THINKING
+
+    folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
+    engine = load(str(folder), dtype="float32")
+    live = _start(engine)
+    off = {"enable_thinking": False}
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            prompts = [http.post("/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 1, **extra}).json()["usage"]["prompt_tokens"]
+                       for extra in ({}, {"chat_template_kwargs": off}, {"chat_template_kwargs": {}})]
+            thinking_part = len(engine.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+            assert prompts == [prompts[0], prompts[0] + thinking_part, prompts[0]], prompts
+            for body, param, message in [
+                ({"prompt": "hi", "chat_template_kwargs": off}, "chat_template_kwargs", "'chat_template_kwargs' needs "
+                 "the chat template: send \"chat_template\": true"),
+                ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"think": False}},
+                 "chat_template_kwargs", " reads no variable 'think' (it reads: enable_thinking, eos_token)"),
+                ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]},
+                 "chat_template_kwargs", "must be a mapping of names to values")]:
+                path = "/completions" if "prompt" in body else "/chat/completions"
+                error = _check_error(http.post(path, json={**body, "max_tokens": 3}), 400)
+                assert error["param"] == param and message in error["message"], error
+            answer = http.post("/completions", json={"prompt": "hi", "chat_template": True, "chat_template_kwargs": off,
+                                                     "max_tokens": 1})
+            assert answer.json()["usage"]["prompt_tokens"] == prompts[1], answer.text
+    finally:
+        _stop(live)
+
+
 def test_a_model_without_a_chat_template_refuses_what_needs_one(tmp_path):
     folder = build_tiny_model(tmp_path / "plain", "llama-gqa", chat_template=False)
     live = _start(load(str(folder), dtype="float32"))
     try:
         with httpx.Client(base_url=live.url, timeout=30) as http:
-            for body in ({"prompt": "hi", "system": "Be brief."}, {"prompt": "hi", "chat_template": True}):
+            for body in ({"prompt": "hi", "system": "Be brief."}, {"prompt": "hi", "chat_template": True},
+                         {"prompt": "hi", "chat_template_kwargs": {"a": 1}}):
                 error = _check_error(http.post("/completions", json={**body, "max_tokens": 3}), 400)
                 assert "needs a chat template, and" in error["message"] and "has none" in error["message"], error
             assert http.post("/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200

@@ -199,3 +199,28 @@ def test_a_text_prompt_that_opens_with_the_bos_gets_no_second_one(tmp_path):
     assert hello[0] == bos and hello[1] != bos
     assert engine.encode("<|im_start|>hello") == hello
     assert engine.encode("<|im_start|><|im_start|>hello")[:3] == [bos, bos, hello[1]]  # what the prompt says
+
+
+# Qwen3's switch, as its template reads it
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}{{ eos_token }}")
+
+
+def test_template_variables_render_as_transformers_renders_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from fafo_cli.runtime.tokenizer import variables_read
+
+    tokenizer = template_folder(tmp_path, THINKING)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "m")
+    messages = [{"role": "user", "content": "hi"}]
+    # (a variable named as a special token is the caller's: transformers lets it win)
+    for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True}, {"eos_token": "[end]"}):
+        options = dict(add_generation_prompt=True, **variables)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, **options)
+        assert ("<think>" in text) is (variables.get("enable_thinking") is False)
+        assert tokenizer.apply_chat_template(messages, **options) == list(
+            theirs.apply_chat_template(messages, return_dict=True, **options)["input_ids"])
+    assert variables_read(THINKING) == {"messages", "add_generation_prompt", "enable_thinking", "eos_token"}

@@ -82,15 +82,15 @@ class Tokenizer:
         return self.backend.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = False):
-        """The template rendered as transformers renders it (the special tokens' texts visible to it), then tokenized
-        without adding special tokens (the template writes its own)."""
+                            tokenize: bool = True, return_dict: bool = False, **variables):
+        """The template rendered as transformers renders it (the special tokens' texts visible to it, and `variables`
+        over them), then tokenized without adding special tokens (the template writes its own)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         plain = [{key: value for key, value in message.items() if value is not None} for message in messages]
         text = _compiled(self.chat_template).render(messages=json.loads(json.dumps(plain)), tools=None,
                                                     documents=None, add_generation_prompt=add_generation_prompt,
-                                                    **self.special)
+                                                    **{**self.special, **variables})
         if not tokenize:
             return text
         ids = self(text, add_special_tokens=False)
@@ -114,10 +114,23 @@ def _chat_template(folder: Path, settings: dict) -> str | None:
 
 
 @lru_cache(maxsize=8)
+def variables_read(template: str) -> frozenset[str]:
+    """The names a chat template reads that it does not set itself: what the caller may give it."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_environment().parse(template)))
+
+
+@lru_cache(maxsize=8)
 def _compiled(template: str):
-    """The template in jinja2's sandbox with transformers' settings, filters and globals. Hub templates are
-    untrusted code: the sandbox refuses internals and changing known containers, `dict` only builds new ones, a
-    namespace refuses names that begin with an underscore, and templates see a copy of the messages."""
+    return _environment().from_string(template)
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    """jinja2's sandbox with transformers' settings, filters and globals. Hub templates are untrusted code: the
+    sandbox refuses internals and changing known containers, `dict` only builds new ones, a namespace refuses names
+    that begin with an underscore, and templates see a copy of the messages."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -160,4 +173,4 @@ def _compiled(template: str):
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return environment.from_string(template)
+    return environment

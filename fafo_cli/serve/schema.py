@@ -179,11 +179,12 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
         checked -= {"top_p", "temperature"}
     if kind == "text":
         overrides.setdefault("chat_template", False)  # a completion continues the text as it is
-        if "system" in overrides and not overrides["chat_template"]:
-            raise ApiError(400, "'system' needs the chat template: send \"chat_template\": true, or use "
+        templated = next((key for key in config_mod.TEMPLATE_KEYS if key in overrides), None)
+        if templated and not overrides["chat_template"]:
+            raise ApiError(400, f"'{templated}' needs the chat template: send \"chat_template\": true, or use "
                                 "/v1/chat/completions" if engine.has_chat_template else
-                                f"'system' needs a chat template, and {engine.name} has none",
-                           param="system", code="unsupported_value")
+                                f"'{templated}' needs a chat template, and {engine.name} has none",
+                           param=templated, code="unsupported_value")
     stream = _typed(given, "stream", bool, "true or false") or False
     include_usage = _stream_options(given, stream)
     stop = _stop(given)
