@@ -323,10 +323,15 @@ class Engine:
             if key in given and getattr(config, key) and not self.has_chat_template:
                 raise FafoError(f"'{key}' needs a chat template, and {self.name} has none")
         if "chat_template_kwargs" in given and config.chat_template_kwargs:
+            from jinja2 import TemplateError
+
             from .runtime.tokenizer import variables_read
 
             template = self.tokenizer.chat_template  # (transformers' may hold named ones: it renders the default)
-            read = variables_read(template if isinstance(template, str) else template.get("default") or "")
+            try:
+                read = variables_read(template if isinstance(template, str) else template.get("default") or "")
+            except TemplateError as e:
+                raise FafoError(f"the model's chat template cannot be read: {first_line(e)}") from None
             unread = [name for name in config_mod.template_variables(config) if name not in read]
             if unread:
                 others = sorted(read - config_mod.TEMPLATE_RESERVED)
@@ -334,7 +339,8 @@ class Engine:
                                 f"{unread[0]!r} (it reads: {', '.join(others) or 'none'})")
 
     def settings(self, config: config_mod.Config) -> dict:
-        return {**config.to_dict(), "model": self.name, "model_path": str(self.folder), "weights": self.weights,
+        return {**config.to_dict(), "chat_template_kwargs": config_mod.template_variables(config) or None,
+                "model": self.name, "model_path": str(self.folder), "weights": self.weights,
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 
     def stream(self, prompt: Prompt, *, stop: Sequence[str] = (), on_prefill: Callable[[Prefill], None] | None = None,

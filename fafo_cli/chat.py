@@ -230,8 +230,7 @@ class Repl:
             self.out.print("  ".join(f"{key}={value}" for key, value in self._current().items()), markup=False)
             return
         if words in (["think"], ["nothink"]):  # ollama's switch for thinking models: Qwen3's template variable
-            variables = config_mod.template_variables(self.engine.request_config(**self.settings))
-            self._set_value("chat_template_kwargs", {**variables, "enable_thinking": words == ["think"]})
+            self._set_value("chat_template_kwargs", {"enable_thinking": words == ["think"]})
             return
         if len(words) != 2 or words[0] not in SETTABLE:
             self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; /set system TEXT; or /set "
@@ -266,7 +265,8 @@ class Repl:
             del self.settings[other]
         cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
         shown = (f"{self._current()[key]} (the default)" if value is None else
-                 "random (a fresh seed each answer)" if value == "" else getattr(config, key))
+                 "random (a fresh seed each answer)" if value == "" else
+                 config.chat_template_kwargs if key == "chat_template_kwargs" else value)
         self.out.print(f"{key} = {shown}{cleared}", markup=False)
 
     def _current(self) -> dict:
@@ -299,9 +299,13 @@ class Repl:
         leaves no room in the model's context for a message and its answer (the room `_fit_context` keeps)."""
         context = self.engine.model.max_context
         room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
-        if len(self.engine.encode([system, PROBE])) > context - room:
+        if len(self._encode([system, PROBE])) > context - room:
             raise FafoError(f"the system message leaves no room for a message and its answer in the model's context "
                             f"({context} tokens)")
+
+    def _encode(self, messages: list[dict]) -> list[int]:
+        """The messages' tokens as the next answer reads them (its template variables: /set think)."""
+        return self.engine.encode(messages, self.engine.request_config(**self.settings))
 
     def _effective(self, config, key: str) -> bool:
         try:
@@ -321,17 +325,17 @@ class Repl:
         room = min(self.engine.request_config(**self.settings).max_tokens, context // 4)
         messages, dropped = list(self.messages), 0
         try:
-            length = len(self.engine.encode(messages))
+            length = len(self._encode(messages))
             limit = context - room
             if length > limit:  # the newest message, and half the room it leaves the earlier ones
-                newest = len(self.engine.encode([m for m in messages if m["role"] == "system"] + messages[-1:]))
+                newest = len(self._encode([m for m in messages if m["role"] == "system"] + messages[-1:]))
                 limit = (limit + newest) // 2
             if length > limit:
                 first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
                 exchanges = max(0, (len(messages) - 1 - first) // 2)  # the oldest first, user message and answer
 
                 def fits(drop: int) -> bool:
-                    return len(self.engine.encode(messages[:first] + messages[first + 2 * drop:])) <= limit
+                    return len(self._encode(messages[:first] + messages[first + 2 * drop:])) <= limit
 
                 # the fewest dropped that fit, found by halving (a long chat's hundred exchanges: 7 encodings, not
                 # one encoding of the whole conversation per exchange dropped)
@@ -340,7 +344,7 @@ class Repl:
                     middle = (low + high) // 2
                     low, high = (low, middle) if fits(middle) else (middle + 1, high)
                 dropped, messages = low, messages[:first] + messages[first + 2 * low:]
-                length = len(self.engine.encode(messages))
+                length = len(self._encode(messages))
                 if length > limit and length >= context:  # the newest message alone: answered in what room there is
                     raise FafoError(f"this message alone does not fit the model's context ({context} tokens)")
         except FafoError as e:  # refused, and the conversation kept as it was

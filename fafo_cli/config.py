@@ -102,7 +102,8 @@ TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation
 
 def _template_variables(value: Any) -> str | None:
     """`chat_template_kwargs`: a mapping of variable names to JSON values (from YAML or a request), or its JSON
-    text (from a flag), kept as compact JSON text (a Config stays hashable); an empty one is none."""
+    text (from a flag), kept as compact JSON text (a Config stays hashable); an empty one is none (`build` merges
+    what is given into what was there)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -119,6 +120,14 @@ def _template_variables(value: Any) -> str | None:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False) if value else None
     except (TypeError, ValueError, RecursionError) as e:  # a YAML date, NaN
         raise FafoError(f"config key 'chat_template_kwargs' must hold JSON values ({first_line(e)})") from None
+
+
+def _more_variables(base: Config, given: str | None, cleared: bool) -> str | None:
+    """`chat_template_kwargs` given over `base`'s: variable by variable, as llama.cpp's server merges a request's
+    into its command line's; an empty mapping adds none; `cleared` (a flag's empty text) leaves none."""
+    if cleared or not base.chat_template_kwargs:
+        return given
+    return _template_variables({**template_variables(base), **json.loads(given or "{}")})
 
 
 def template_variables(config: Config) -> dict:
@@ -178,8 +187,9 @@ class Config:
     system: str | None = _opt(None, "system prompt (chat-templated models only)", nullable=True)
     chat_template: bool = _opt(True, "wrap the prompt in the model's chat template")
     chat_template_kwargs: str | None = _opt(None, "variables for the chat template, a JSON object (a mapping in the "
-                                                  "YAML file), e.g. {\"enable_thinking\": false} for Qwen3's answers "
-                                                  "without a thinking part", nullable=True,
+                                                  "YAML file; a flag's or a request's are added to it one by one), "
+                                                  "e.g. {\"enable_thinking\": false} for Qwen3's answers without a "
+                                                  "thinking part", nullable=True,
                                             allowed="a JSON object, or empty", short="--chat-template-config")  # (llama.cpp's name; mlx-lm's alias)
     # The two opt-ins are off unless asked for; their --no- form turns a config file's off for one command
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run",
@@ -362,7 +372,11 @@ def build(base: Config | None = None, together: bool = True, /, **changes: Any) 
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise FafoError(f"unknown config key '{unknown[0]}' ({hint}`fafo config show` lists every key)")
     given = {k: _check(k, v, SPECS[k]) for k, v in changes.items() if v is not None}
-    config = replace(base or Config(), **given)
+    base = base or Config()
+    if "chat_template_kwargs" in given:
+        given["chat_template_kwargs"] = _more_variables(base, given["chat_template_kwargs"],
+                                                        cleared=changes["chat_template_kwargs"] == "")
+    config = replace(base, **given)
     if together:
         _check_together(config)
     return config

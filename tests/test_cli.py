@@ -784,22 +784,28 @@ def test_chat_takes_ollamas_think_and_nothink(tmp_path, tiny):
     from rich.console import Console
 
     from fafo_cli import load
-    from fafo_cli.chat import Repl
+    from fafo_cli.chat import PROBE, Repl
 
     from .test_tokenizer import THINKING
 
     folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
     out = io.StringIO()
+    # beside the config's own variables
     repl = Repl(load(str(folder), dtype="float32", max_tokens=3, chat_template_kwargs={"eos_token": "."}),
                 Console(file=out), Console(file=io.StringIO()))
-    repl._command("/set nothink")  # (beside the config's own variables)
-    assert 'chat_template_kwargs = {"eos_token":".","enable_thinking":false}' in out.getvalue() and not repl.failed
+    repl._command("/set nothink")
+    assert 'chat_template_kwargs = {"eos_token":".","enable_thinking":false}' in out.getvalue()
+    assert not repl.failed, repl.err.file.getvalue()
     repl._answer("hello")
     assert repl.engine.tokenizer.decode(repl.engine.encode(repl.messages[:1], repl.engine.request_config(
         **repl.settings))).endswith("<think>\n\n</think>\n\n.")
+    # the context is fitted to the tokens the answer reads, the thinking part's among them
+    thinking_part = repl.engine.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert len(repl._encode([PROBE])) == len(repl.engine.encode([PROBE])) + len(thinking_part)
     repl._command("/set think")
     repl._command("/set")
-    assert 'chat_template_kwargs={"eos_token":".","enable_thinking":true}' in out.getvalue() and not repl.failed
+    assert 'chat_template_kwargs={"eos_token":".","enable_thinking":true}' in out.getvalue()
+    assert not repl.failed
     plain = Repl(load(str(tiny), dtype="float32"), Console(file=io.StringIO()), Console(file=io.StringIO()))
     plain._command("/set nothink")  # a model whose template has no such switch
     assert "reads no variable 'enable_thinking'" in plain.err.file.getvalue() and plain.failed

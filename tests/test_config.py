@@ -378,3 +378,10 @@ def test_chat_template_variables_from_a_file_a_flag_or_a_request(tmp_path):
     assert config_mod.build(chat_template_kwargs={}).chat_template_kwargs is None
     assert config_mod.template_variables(Config()) == {}
     hash(written)  # (a Config stays a value)
+    # given over a file's: variable by variable, as llama.cpp's server merges a request's into its command line's;
+    # an empty mapping adds none, a flag's empty text (or the file's null) leaves none
+    over = config_mod.build(written, chat_template_kwargs={"depth": 3, "x": None})
+    assert config_mod.template_variables(over) == {"enable_thinking": False, "depth": 3, "x": None}
+    assert config_mod.build(written, chat_template_kwargs={}) == written
+    assert config_mod.build(written, chat_template_kwargs="").chat_template_kwargs is None
+    assert config_mod.load_file(write(tmp_path, "chat_template_kwargs:\n"), written).chat_template_kwargs is None

@@ -51,6 +51,9 @@ def test_chat_template_variables_reach_the_template(tmp_path):
     folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
     engine = load(str(folder), dtype="float32", chat_template_kwargs={"enable_thinking": False})
     assert engine.tokenizer.decode(engine.encode("Hi")).endswith("assistant\n<think>\n\n</think>\n\n")
+    # a request's variables over the engine's, one by one (as llama.cpp's server takes them); shown as an object
+    merged = engine.request_config(chat_template_kwargs={"eos_token": "."})
+    assert engine.settings(merged)["chat_template_kwargs"] == {"enable_thinking": False, "eos_token": "."}
     thinking = engine.request_config(chat_template_kwargs="")  # (emptied: the template's own default)
     assert "<think>" not in engine.tokenizer.decode(engine.encode("Hi", thinking))
     assert engine.complete("Hi", max_tokens=3).stats.prompt_tokens == len(engine.encode("Hi"))

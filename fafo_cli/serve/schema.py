@@ -179,7 +179,7 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
         checked -= {"top_p", "temperature"}
     if kind == "text":
         overrides.setdefault("chat_template", False)  # a completion continues the text as it is
-        templated = next((key for key in config_mod.TEMPLATE_KEYS if key in overrides), None)
+        templated = next((key for key in config_mod.TEMPLATE_KEYS if overrides.get(key)), None)  # ("", {}: none)
         if templated and not overrides["chat_template"]:
             raise ApiError(400, f"'{templated}' needs the chat template: send \"chat_template\": true, or use "
                                 "/v1/chat/completions" if engine.has_chat_template else
