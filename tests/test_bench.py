@@ -58,6 +58,10 @@ def test_every_output_format_is_valid_and_complete(tiny, tmp_path, capsys, monke
             assert set(record["step_rows"]) == {"1"} and record["mean_rows"] == 1.0  # every step one row
             assert record["accepted_from"] == {} and record["mean_draft"] is None
     assert next(r for r in records if r["row"] == "vanilla")["speedup"] == 1.0
+    # QuantSpec's drafting passes, which τ (tokens per full-model pass) leaves out, per full-model pass
+    assert {r["row"] for r in records if r["draft_passes_per_step"]} == {"quantspec"}
+    assert all(r["draft_passes_per_step"] is None for r in records if r["row"] != "quantspec")
+    assert "quantspec: " in out and " drafting passes a full-model pass besides it (τ counts the full model's)" in out
     for record in records:
         if record["speedup"] is not None:  # one prompt per suite here: the worst is the median
             assert record["worst_speedup"] == min(record["speedup_by_prompt"].values()) == record["speedup"]

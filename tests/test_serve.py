@@ -176,6 +176,7 @@ def test_answers_equal_the_engine_and_transformers(served, reference, tiny, kind
     assert 0 <= usage.prompt_tokens_details.cached_tokens < len(prompt_ids)
     assert fafo["method"] == "fafo" and fafo["tau"] == pytest.approx(20 / fafo["steps"], abs=1e-3)
     assert 0 <= fafo["accepted"] <= fafo["drafted"] and fafo["tokens_per_s"] > 0
+    assert fafo["draft_passes"] is None  # (FAFO's guesses cost no pass of their own)
 
 
 def test_a_one_token_answer_has_no_speed(served):
@@ -193,6 +194,9 @@ def test_settings_per_request(served, reference):
                                           extra_body={"method": "prompt-lookup", "lookup_tokens": 4})
     assert peer.model_extra["fafo"]["method"] == "prompt-lookup"
     assert peer.choices[0].message.content == reference.complete(CHAT, max_tokens=12).text
+    drafting = client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12,
+                                              extra_body={"method": "quantspec"}).model_extra["fafo"]
+    assert drafting["draft_passes"] > 0 and drafting["tau"] == pytest.approx(12 / drafting["steps"], abs=1e-3)
     sampled = [client.chat.completions.create(model=served.name, messages=CHAT, max_tokens=12, temperature=0.9,
                                               top_p=0.8, seed=7) for _ in range(2)]
     expected = reference.complete(CHAT, max_tokens=12, temperature=0.9, top_p=0.8, seed=7).text
@@ -1102,6 +1106,8 @@ def test_chat_template_variables_per_request(tmp_path):
             answer = http.post("/completions", json={"prompt": "hi", "chat_template": True, "chat_template_kwargs": off,
                                                      "max_tokens": 1})
             assert answer.json()["usage"]["prompt_tokens"] == prompts[1], answer.text
+            plain = http.post("/completions", json={"prompt": "hi", "chat_template_kwargs": {}, "max_tokens": 1})
+            assert plain.status_code == 200, plain.text  # (no variables: nothing that needs the template)
     finally:
         _stop(live)
 

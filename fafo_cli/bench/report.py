@@ -38,6 +38,12 @@ class Result:
     accepted_from: dict[str, int] = field(default_factory=dict)  # accepted guesses by source (FAFO: text, window)
     eager_steps: int = 0  # a compiled row's decoding steps that ran eager, over all runs
     ttft_ms: float = 0.0  # median over samples of the median over repetitions of the time to the first token
+    draft_passes: int | None = None  # passes spent drafting (TriForce's and QuantSpec's own), over all runs; not in τ
+    steps: int = 0  # full-model passes, over all runs
+
+    @property
+    def draft_passes_per_step(self) -> float | None:
+        return self.draft_passes / self.steps if self.draft_passes is not None and self.steps else None
 
     @property
     def mean_draft(self) -> float | None:
@@ -64,23 +70,25 @@ class Result:
     def record(self, meta: dict) -> dict:
         return {
             "method": self.row.method, "row": self.row.name, "compressor": self.row.compressor, "suite": self.suite,
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "spread": None if self.spread is None else round(self.spread, 3),
-            "speedup": None if self.speedup is None else round(self.speedup, 4),
-            "worst_speedup": None if self.worst_speedup is None else round(self.worst_speedup, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3), "spread": _rounded(self.spread, 3),
+            "speedup": _rounded(self.speedup, 4), "worst_speedup": _rounded(self.worst_speedup, 4),
             "speedup_by_prompt": {sample: round(ratio, 4) for sample, ratio in self.speedups.items()},
-            "tau": None if self.tau is None else round(self.tau, 4),
-            "step_ms": None if self.step_ms is None else round(self.step_ms, 2),
-            "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
+            "tau": _rounded(self.tau, 4), "step_ms": _rounded(self.step_ms, 2),
+            "acceptance": _rounded(self.acceptance, 4),
             "accepted_tokens": self.accepted, "drafted_tokens": self.drafted,
             "exact": None if self.matches is None else f"{self.matches}/{self.compared}",
             "divergences": [dict(sample=s, **asdict(d)) for s, d in self.divergences],
             "peak_memory_mb": round(self.peak_memory_mb, 1), "draft_memory_mb": round(self.draft_memory_mb, 1),
-            "mean_draft": None if self.mean_draft is None else round(self.mean_draft, 2),
-            "mean_rows": None if self.mean_rows is None else round(self.mean_rows, 2),
+            "mean_draft": _rounded(self.mean_draft, 2), "mean_rows": _rounded(self.mean_rows, 2),
             "step_rows": dict(sorted(self.step_rows.items())), "accepted_from": self.accepted_from,
-            "ttft_ms": round(self.ttft_ms, 1), "eager_steps": self.eager_steps, "runs": self.runs, **meta,
+            "ttft_ms": round(self.ttft_ms, 1), "eager_steps": self.eager_steps,
+            "draft_passes_per_step": _rounded(self.draft_passes_per_step, 2),
+            "runs": self.runs, **meta,
         }
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _by_sample(runs: list[Run], measure=lambda run: run.tokens_per_s) -> dict[str, list[float]]:
@@ -136,7 +144,10 @@ def aggregate(runs: list[Run], rows: list[Row], divergences: dict[tuple[str, str
                 sum(r.extra.get("draft_steps", 0) for r in mine), step_rows, accepted_from,
                 sum(r.extra.get("eager_steps", 0) for r in mine),
                 1e3 * statistics.median(statistics.median(times) for times in
-                                        _by_sample(mine, lambda run: run.ttft_s).values())))
+                                        _by_sample(mine, lambda run: run.ttft_s).values()),
+                sum(r.extra["draft_passes"] for r in mine) if all(r.extra.get("draft_passes") is not None
+                                                                  for r in mine) else None,
+                sum(r.steps for r in mine)))
     return results
 
 
@@ -195,6 +206,9 @@ def _notes(result: Result) -> list[tuple[str, bool]]:
     """What a row's figures need said beside them, each with whether it is a bug."""
     notes = [(f"{result.row.name}: {result.eager_steps} of its decoding steps ran eager (no package of their size "
               "built or loaded): its figures are partly eager's", False)] if result.eager_steps else []
+    if result.draft_passes_per_step:  # (what τ, tokens per full-model pass, leaves out)
+        notes.append((f"{result.row.name}: {result.draft_passes_per_step:.2f} drafting passes a full-model pass "
+                      "besides it (τ counts the full model's)", False))
     return notes + [(f"{result.row.name} on {sample}: {d.describe()}", d.near_tie is False)
                     for sample, d in result.divergences]
 

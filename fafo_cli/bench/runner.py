@@ -161,7 +161,7 @@ def run_once(engine, row: Row, sample: Sample, repeat: int, tokens: int, setting
     return Run(row, sample, repeat, result.token_ids, s.tokens_per_s, s.steps, step_ms, s.drafted_tokens,
                s.accepted_tokens, s.peak_memory_mb, s.draft_memory_mb or 0.0,
                dict(draft_steps=s.draft_steps, step_rows=s.step_rows, accepted_from=s.accepted_from or {},
-                    eager_steps=eager), s.ttft_s)
+                    eager_steps=eager, draft_passes=s.draft_passes), s.ttft_s)
 
 
 WARMUP_TOKENS = 32

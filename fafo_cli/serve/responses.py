@@ -22,6 +22,7 @@ def fafo(stats: Stats, job: Job) -> dict:
     """How the answer was decoded: τ is tokens per forward pass; accepted of drafted are the guessed tokens."""
     return {"method": job.config.method, "tau": round(stats.tokens_per_step, 3), "accepted": stats.accepted_tokens,
             "drafted": stats.drafted_tokens, "steps": stats.steps,
+            "draft_passes": stats.draft_passes,  # (TriForce's and QuantSpec's drafting; null: a method without)
             # (a one-token answer has no decode time: no speed, where 0.0 pulled a client's average down)
             "tokens_per_s": round(stats.tokens_per_s, 2) if stats.generated_tokens > 1 else None,
             "ttft_s": round(stats.ttft_s, 4),
