@@ -153,10 +153,11 @@ def test_min_p_matches_transformers():
     torch.testing.assert_close(target_probs(logits, Sampling(0.8, min_p=0.1)), expected)
 
 
-def test_a_temperature_near_zero_samples_the_likeliest():
+@pytest.mark.parametrize("temperature", [1e-40, 1e-46, 1e-300])  # (1e-46 is 0 in float32: 0 / 0 before)
+def test_a_temperature_near_zero_samples_the_likeliest(temperature):
     """Past float32's range logits / T was inf, the probabilities NaN, and the token drawn a fixed wrong one."""
     logits = torch.tensor([[1.0, 5.0, -3.0, 4.0], [2.0, 2.0, 0.0, -1.0]])
-    probs = target_probs(logits, Sampling(1e-40))
+    probs = target_probs(logits, Sampling(temperature))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))  # a tie splits evenly
 
 

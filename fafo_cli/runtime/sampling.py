@@ -79,15 +79,18 @@ class Sampling:
         return Draws(secrets.randbits(63) if self.seed is None else self.seed)
 
 
-TINY_TEMPERATURE = 1e-30  # below it logits / T can pass float32's range: inf, then NaN probabilities
+# below it logits / T can pass float32's range (inf, then NaN probabilities; a GPU divides as x · (1/T), which is
+# inf below 3e-39): the likeliest tokens alone, as any such temperature leaves them
+TINY_TEMPERATURE = 1e-30
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities over the vocabulary (last dim) after temperature, top-k and top-p."""
     logits = logits.float()
-    if sampling.temperature < TINY_TEMPERATURE:  # (the likeliest at 0 first: the others go to -inf, not it to inf)
-        logits = logits - logits.amax(-1, keepdim=True)
-    logits = logits / sampling.temperature
+    if sampling.temperature < TINY_TEMPERATURE:
+        logits = torch.where(logits == logits.amax(-1, keepdim=True), 0.0, float("-inf"))
+    else:
+        logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
