@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from . import __version__
 from . import config as config_mod
-from . import hub
+from . import hub, hub_gguf
 from .errors import FafoError, first_line, is_out_of_memory, shortened, unhandled_interrupts
 from .files import user_path, write_atomic
 from .runtime.memory import release_dropped_models
@@ -709,15 +709,19 @@ def compile_steps(
 @app.command()
 @config_options("pull")
 def pull(
-    model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct.", show_default=False)],
+    model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct; a repo of GGUF files with "
+                                         "a quantization, as llama.cpp's -hf and ollama's hf.co/ name them, e.g. "
+                                         "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M.", show_default=False)],
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.", show_default=False)] = None,
     config: ConfigOpt = None,
     *, flags: dict,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the path.")] = False,
 ) -> None:
-    """Download a model's config, tokenizer and safetensors into the Hugging Face cache; print its path."""
+    """Download a model's config, tokenizer and safetensors into the Hugging Face cache, or a GGUF file, which is
+    converted once; print its path."""
     allow_pickle = config_mod.resolve(config, **flags).allow_pickle  # the config file's, unless the flag says
-    if hub.looks_like_path(model):
+    repo_id, quant = hub_gguf.parse(model) or (model, None)
+    if model == repo_id and hub.looks_like_path(model):
         raise FafoError(f"{model} names a file or folder: `fafo run {model}` runs it as it is; `fafo pull` downloads "
                         "models from the Hugging Face hub by id (org/name)")
     if "/" not in model and (converted := hub.converted_named(model)) is not None:  # nothing to download
@@ -725,7 +729,8 @@ def pull(
               file=sys.stderr)
         print(converted)
         return
-    folder = hub.pull(model, revision=revision or None, allow_pickle=allow_pickle, quiet=quiet)  # "": main
+    folder = hub.pull(repo_id, quant=quant, revision=revision or None,  # ("": main)
+                      allow_pickle=allow_pickle, quiet=quiet)
     hub.check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=True)
     print(folder)
 
@@ -775,8 +780,12 @@ def remove_models(
     """Remove models from the caches with their compiled steps: converted .gguf models, hub downloads."""
     found = [hub.removable(spec) for spec in models]  # every name checked before anything is removed
     for model in dict.fromkeys(m for copies in found for m in copies):  # (a model named twice: removed once)
+        download = hub.hub_download_of(model.path) if model.source == "gguf" else None
         hub.remove(model)
         print(f"removed {model.name} ({_megabytes(model.size_bytes)}): {model.path}")
+        if download is not None and download.exists():
+            print(f"note: its GGUF file stays in the Hugging Face cache, which other tools share: {download}",
+                  file=sys.stderr)
 
 
 @config_app.command("show")

@@ -27,6 +27,7 @@ from .conversion import refuse_unconvertible, write_gguf_as_hf
 from .errors import FafoError, first_line, print_notice
 from .files import (NAMESPACE, exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic,
                     write_safetensors, xdg_dir)
+from . import hub_gguf
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -82,16 +83,22 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             folder = convert_gguf(path, notify=notify)
         elif not looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
+        elif (hub_file := hub_gguf.parse(spec)) is not None:  # org/name:QUANT: a hub repo's GGUF file
+            repo_id, quant = hub_file
+            folder = _hub_gguf_cached(repo_id, quant, notify) or pull(
+                repo_id, quant=quant, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, notify=notify)
         elif looks_like_path(spec) or not _REPO_ID.match(spec):
             tag = " (fafo names models by hub id, org/name, or by file: there are no name:tag names)" \
                 if re.fullmatch(r"[\w.-]+:[\w.-]+", spec) else ""
             raise FafoError(f"no such model file or folder: {spec}{tag}")
         else:
-            # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows)
-            folder = cached_snapshot(spec) or newest_snapshot(spec)
+            spec = cached_spelling(spec)
+            # main's snapshot, else the newest one cached (pulled with --revision: what `fafo list` shows), else a
+            # GGUF repo's file run before
+            folder = cached_snapshot(spec) or newest_snapshot(spec) or _hub_gguf_cached(spec, None, notify)
             if folder is None:
                 try:
-                    folder = pull(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+                    folder = pull(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, notify=notify)
                 except HubUnreachable:
                     # a pull of main's newer commit cut off, or begun by another tool sharing the HF cache: offline,
                     # the whole copy from before serves rather than nothing
@@ -102,6 +109,23 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
                            f"copy cached before (commit {folder.name[:12]})")
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
+
+
+def cached_spelling(repo_id: str) -> str:
+    """A hub id as the HF cache holds it: the hub reads ids in any case (qwen/qwen2.5-0.5b-instruct is
+    Qwen/Qwen2.5-0.5B-Instruct), the cache's folders keep the case they were pulled in."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    wanted = repo_folder_name(repo_id=repo_id, repo_type="model")
+    try:
+        names = [p.name for p in Path(constants.HF_HUB_CACHE).iterdir()]
+    except OSError:  # (no cache yet)
+        return repo_id
+    same = [name for name in names if name.casefold() == wanted.casefold()]
+    if wanted in names or len(same) != 1:
+        return repo_id
+    return same[0].removeprefix("models--").replace("--", "/")
 
 
 def embedded_gguf() -> Path:
@@ -133,7 +157,8 @@ def convert_gguf(path: Path, name: str | None = None, notify: Callable[[str], No
     a conversion (seconds to minutes) an architecture we do not run is refused, from the file's header; a model
     converted before is found without reading the file at all (the embedded default's every run)."""
     key = _conversion_key(path)
-    target = cache_dir() / "models" / f"{name or path.stem}-{key}"
+    folder = re.sub(r"[^\w.-]", "-", (name or path.stem).replace("/", "--"))  # (org/name:QUANT: org--name-QUANT)
+    target = cache_dir() / "models" / f"{folder}-{key}"
     found = _converted(target, key, path)
     if found is not None:
         return found
@@ -457,6 +482,15 @@ def source_record(folder: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def hub_download_of(folder: Path) -> Path | None:
+    """The file of the Hugging Face cache a converted model was made from (a hub repo's GGUF file), if it was."""
+    from huggingface_hub import constants
+
+    recorded = source_record(folder).get("gguf")
+    hf_cache = Path(constants.HF_HUB_CACHE).resolve()
+    return Path(recorded) if isinstance(recorded, str) and Path(recorded).is_relative_to(hf_cache) else None
+
+
 def gguf_source(folder: Path) -> Path | None:
     """The .gguf file a converted model folder came from (or a copy of it met since), if one is still there as it
     was converted: as recorded, else (touched, reinstalled) with the same bytes, not a newer version at its path. A
@@ -608,18 +642,21 @@ def _named_otherwise(name: str, suffixes: str | tuple[str, ...]) -> bool:
     return name.endswith(suffixes) and not name.startswith("consolidated") and not TRAINER_FILES.fullmatch(name)
 
 
-def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = False, quiet: bool = False,
-         trust_remote_code: bool = True) -> Path:
-    """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder.
-    `trust_remote_code`: False refuses a model with code of its own before its weights download (a run that would
-    refuse it); `fafo pull` only downloads, and runs nothing."""
+def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None, allow_pickle: bool = False,
+         quiet: bool = False, trust_remote_code: bool = True, notify: Callable[[str], None] = print_notice) -> Path:
+    """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder. From a
+    repo of GGUF files (or with `quant`), the file of quantization `quant` (hub_gguf), converted: its conversion's
+    folder. `trust_remote_code`: False refuses a model with code of its own before its weights download (a run that
+    would refuse it); `fafo pull` only downloads, and runs nothing."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if not _REPO_ID.match(repo_id):
         raise FafoError(f"'{repo_id}' is not a valid model id (expected 'org/name')")
+    repo_id = cached_spelling(repo_id)
     if _offline():  # nothing to ask the hub: the cached copy, if whole
-        folder = cached_snapshot(repo_id, revision)
+        folder = (cached_snapshot(repo_id, revision) if quant is None else None) or \
+            _hub_gguf_cached(repo_id, quant, notify, files=True)
         if folder is None:
             raise HubUnreachable(f"model '{repo_id}' is not in the local cache and {_offline()} is set; unset it to "
                             "download")
@@ -631,9 +668,17 @@ def pull(repo_id: str, *, revision: str | None = None, allow_pickle: bool = Fals
         # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
         # first: a model we cannot run is refused before its weights download (and stay in the cache)
         info = HfApi().model_info(repo_id, revision=revision or "main")
+        repo_id = info.id or repo_id  # (its own spelling: the cache's folder, whatever case the user typed)
         files = [sibling.rfilename for sibling in info.siblings or ()]
+        if quant is not None or "config.json" not in files and any(name.endswith(".gguf") for name in files):
+            file, label = hub_gguf.choose(repo_id, files, quant)
+            if quant is None and sum(name.endswith(".gguf") for name in files) > 1:
+                notify(f"{repo_id} holds several GGUF files: {file} is the one a name without a quantization "
+                       f"runs ({repo_id}:Q8_0, say, names another)")
+            path = Path(hf_hub_download(repo_id, file, revision=revision))
+            return convert_gguf(path, name=f"{repo_id}:{label}", notify=notify)
         if "config.json" not in files:
-            raise FafoError(_not_a_model_repo(repo_id, files))
+            raise FafoError(f"{repo_id} is not a transformers model (it has no config.json)")
         _check_config(Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent,
                       trust_remote_code=trust_remote_code)
         wanted = _support_files(files) + _weight_files(
@@ -687,12 +732,31 @@ def _weight_files(repo_id: str, files: list[str], allow_pickle: bool, fetch_inde
                     "`consolidated` file is another runtime's copy)")
 
 
-def _not_a_model_repo(repo_id: str, files: list[str]) -> str:
-    ggufs = [name for name in files if name.endswith(".gguf")]
-    if ggufs:
-        return (f"{repo_id} holds GGUF files, not a transformers model: download one (e.g. `hf download {repo_id} "
-                f"{ggufs[0]} --local-dir .`) and run it by its path")
-    return f"{repo_id} is not a transformers model (it has no config.json)"
+def _hub_gguf_cached(repo_id: str, quant: str | None, notify: Callable[[str], None], files: bool = False
+                     ) -> Path | None:
+    """A hub repo's GGUF file, found without asking the hub: converted before under its name (`quant` None: the
+    default's, Q4_K_M), or with `files`, a file of the HF cache's copy of the repo (one another tool downloaded too)
+    converted now."""
+    named = f"{repo_id}:{quant or hub_gguf.DEFAULT_QUANT}".casefold()
+    names = [(converted, folder) for folder, name, converted in _conversions() if name.casefold() == named]
+    if names:
+        return max(names)[1]
+    if not files:
+        return None
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    with contextlib.suppress(OSError):
+        for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+            cached = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()]
+            if cached and not (snapshot / "config.json").is_file():
+                try:
+                    file, label = hub_gguf.choose(repo_id, cached, quant)
+                except FafoError:  # not the quantization asked for: another snapshot's?
+                    continue
+                return convert_gguf(snapshot / file, name=f"{repo_id}:{label}", notify=notify)
+    return None
 
 
 def _hub_error(repo_id: str, error: Exception) -> str:
@@ -719,6 +783,11 @@ def _hub_error(repo_id: str, error: Exception) -> str:
         return (f"the download of {repo_id} broke off ({first_line(error)}); pull again: the files already "
                 "downloaded are kept")
     if isinstance(error, errors.HfHubHTTPError):
+        from huggingface_hub import get_token
+
+        if getattr(error.response, "status_code", None) == 401 and get_token():  # (the hub's reason: lines below)
+            return (f"the hub refused the token sent for {repo_id} (HF_TOKEN, or the one `hf auth login` saved): it "
+                    "is invalid or expired; log in again, or unset HF_TOKEN for a public model")
         return f"the hub refused {repo_id}: {first_line(error)}"
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"

@@ -6,7 +6,7 @@
   the blob in the cache, `X-Repo-Commit`, `Content-Length`) and byte ranges (a resumed download).
 
 Refusals carry the hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo), from which
-huggingface_hub picks its error class. Every request is recorded in `requests` as (method, path).
+huggingface_hub picks its error class; a token it does not know is a 401 without one. Every request is recorded in `requests` as (method, path).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class FakeHub:
     requests: list[tuple[str, str]] = field(default_factory=list)
     cuts: dict[str, Cut] = field(default_factory=dict)
     forbidden: set[str] = field(default_factory=set)  # files whose bytes are refused (403), their metadata not
+    tokens: set[str] = field(default_factory=set)  # the tokens it knows: any other one sent is refused (401)
     url: str = ""
 
     def add(self, repo_id: str, files: dict[str, bytes], gated: int | None = None) -> Repo:
@@ -92,6 +93,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, body: bool) -> None:
         path = unquote(urlsplit(self.path).path)
         self.hub.requests.append((self.command, path))
+        token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        if token and token not in self.hub.tokens:  # as the hub, whatever the repo: no error code of its own
+            return self._refuse(401, None, body, message="Invalid credentials in Authorization header")
         for kind, pattern in ROUTES:
             match = pattern.match(path)
             if match:
@@ -99,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._refuse(404, "EntryNotFound", body)
 
     def _repo(self, repo: str, rev: str | None, body: bool) -> Repo | None:
-        found = self.hub.repos.get(repo)
+        found = next((known for name, known in self.hub.repos.items() if name.casefold() == repo.casefold()), None)
         if found is None:  # the hub says 401 to a client without a token: private and missing look alike
             self._refuse(401, "RepoNotFound", body)
         elif rev not in (None, "main", found.sha):
@@ -111,7 +115,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _info(self, repo: str, rev: str | None, body: bool) -> None:
         found = self._repo(repo, rev, body)
         if found is not None:
-            self._json({"id": repo, "sha": found.sha, "private": False, "gated": "manual" if found.gated else False,
+            canonical = next(name for name in self.hub.repos if name.casefold() == repo.casefold())  # (any case)
+            self._json({"id": canonical, "sha": found.sha, "private": False, "gated": "manual" if found.gated else False,
                         "siblings": [{"rfilename": name} for name in sorted(found.files)]}, body)
 
     def _tree(self, repo: str, rev: str, body: bool) -> None:

@@ -272,6 +272,7 @@ def test_pull_downloads_the_model_files_once(fake_hub, tiny, capsys, monkeypatch
     assert hub.resolve("org/tiny") == folder  # found in the cache, offline
 
     fake_hub.requests.clear()
+    assert hub.resolve("ORG/Tiny") == folder and fake_hub.requests == []  # (hub ids are read in any case)
     assert hub.pull("org/tiny") == folder
     # which files, the config's version (checked first), then which commit for the rest; no file's bytes again
     info = ("GET", "/api/models/org/tiny/revision/main")
@@ -354,6 +355,15 @@ def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypa
     assert Path(out.strip()).name == fake_hub.repos["org/tiny"].sha and "100%" in err  # the bar ran to its end
 
 
+def test_a_hub_id_in_another_case_is_the_same_model(fake_hub, tiny):
+    """The hub reads ids in any case: a pull is stored under the hub's own spelling, found in any case after."""
+    fake_hub.add_folder("Org/Copy", tiny)
+    folder = hub.pull("org/copy")
+    assert "models--Org--Copy" in str(folder)
+    fake_hub.requests.clear()
+    assert hub.resolve("ORG/COPY") == folder == hub.pull("org/COPY") and fake_hub.downloads() == []
+
+
 def test_a_model_we_cannot_run_is_refused_before_its_weights_download(fake_hub, caches, tiny, capsys):
     files = {p.name: p.read_bytes() for p in tiny.iterdir()}
     config = json.loads(files["config.json"])
@@ -395,6 +405,18 @@ def test_a_missing_model_is_one_line(fake_hub, capsys):
     out, err = capsys.readouterr()
     assert err.startswith("error: model 'nobody/nothing' was not found on the Hugging Face hub") and err.count("\n") == 1
     assert ("GET", "/api/models/nobody/nothing/revision/main") in fake_hub.requests
+
+
+def test_a_token_the_hub_refuses_is_named(fake_hub, capsys, monkeypatch):
+    """An expired token is refused whatever the repo, public ones too, in a 401 that names no repo error; the
+    hub's reason came after a blank line, which one line left out."""
+    monkeypatch.setenv("HF_TOKEN", "hf_expired")
+    assert entrypoint(["pull", "org/tiny"]) == 1
+    assert capsys.readouterr().err == ("error: the hub refused the token sent for org/tiny (HF_TOKEN, or the one `hf "
+                                       "auth login` saved): it is invalid or expired; log in again, or unset HF_TOKEN "
+                                       "for a public model\n")
+    fake_hub.tokens.add("hf_expired")
+    assert entrypoint(["pull", "org/tiny", "-q"]) == 0
 
 
 def test_a_refused_download_is_one_line(fake_hub, capsys):
@@ -575,11 +597,78 @@ def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys
     assert entrypoint(["pull", "org/checkpoint", "-q", "--allow-pickle"]) == 1
     assert "has no weights transformers loads" in capsys.readouterr().err
 
-    fake_hub.add("org/tiny-GGUF", {"README.md": b"# quants", "tiny.Q4_K_M.gguf": b"GGUF"})
-    assert entrypoint(["pull", "org/tiny-GGUF"]) == 1
-    assert capsys.readouterr().err == ("error: org/tiny-GGUF holds GGUF files, not a transformers model: download one "
-                                       "(e.g. `hf download org/tiny-GGUF tiny.Q4_K_M.gguf --local-dir .`) and run it "
-                                       "by its path\n")
+    fake_hub.add("org/notes", {"README.md": b"# no model"})
+    assert entrypoint(["pull", "org/notes"]) == 1
+    assert capsys.readouterr().err == "error: org/notes is not a transformers model (it has no config.json)\n"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("org/name:Q4_K_M", ("org/name", "Q4_K_M")), ("org/name:q8_0", ("org/name", "Q8_0")),
+    ("hf.co/org/name:Q4_K_M", ("org/name", "Q4_K_M")), ("hf.co/org/name", ("org/name", None)),
+    ("https://huggingface.co/org/name", ("org/name", None)), ("HF.CO/org/name/", ("org/name", None)),
+    ("org/name", None), ("name:tag", None), ("./org/name:Q4", None), ("org/name:Q4:x", None), ("hf.co/name", None),
+])
+def test_a_hub_gguf_file_is_named_as_llama_cpp_and_ollama_name_it(spec, expected):
+    assert hub.hub_gguf.parse(spec) == expected
+
+
+def test_which_file_of_a_gguf_repo_a_quantization_names():
+    from fafo_cli.hub_gguf import choose
+
+    files = ["README.md", "M-Q4_K_S.gguf", "M-Q4_K_M.gguf", "M-IQ4_XS.gguf", "sub/M-Q4_K_M.gguf",
+             "M-Q8_0-00001-of-00002.gguf", "M-Q8_0-00002-of-00002.gguf", "mmproj-M-f16.gguf", "m.q5_k_m.gguf"]
+    assert choose("o/M", files, None) == ("M-Q4_K_M.gguf", "Q4_K_M")  # the default, the top level's
+    assert choose("o/M", files, "Q4_K_S") == ("M-Q4_K_S.gguf", "Q4_K_S")
+    assert choose("o/M", files, "Q5_K_M") == ("m.q5_k_m.gguf", "Q5_K_M")  # (names in lower case too)
+    assert choose("o/M", ["M-IQ4_XS.gguf", "M-Q2_K.gguf"], None) == ("M-IQ4_XS.gguf", "IQ4_XS")  # the first file
+    with pytest.raises(FafoError, match="^o/M's Q8_0 model is split in parts, which fafo does not read"):
+        choose("o/M", files, "Q8_0")
+    with pytest.raises(FafoError, match=r"^o/M has no Q4_K GGUF file \(it has: IQ4_XS, Q4_K_M, Q4_K_S, Q5_K_M, "
+                                        r"Q8_0\)$"):
+        choose("o/M", files, "Q4_K")  # (not Q4_K_M's)
+    with pytest.raises(FafoError, match="^o/M holds no GGUF file$"):
+        choose("o/M", ["mmproj-M-f16.gguf"], None)
+
+
+def test_a_repo_of_gguf_files_runs_by_its_quantization(fake_hub, tmp_path, capsys, monkeypatch):
+    """llama.cpp's `-hf org/name:QUANT` and ollama's `hf.co/org/name:QUANT`: the repo's file of that quantization,
+    downloaded and converted once, listed and removed by that name; Q4_K_M's without one."""
+    from .test_packed import write_tiny_gguf
+
+    files = {"README.md": b"# quants", "tiny-Q8_0.gguf": write_tiny_gguf(tmp_path / "a.gguf", seed=1).read_bytes(),
+             "tiny-Q4_K_M.gguf": write_tiny_gguf(tmp_path / "b.gguf", seed=2).read_bytes()}
+    fake_hub.add("org/tiny-GGUF", files)
+    folder = hub.resolve("org/tiny-GGUF:Q8_0")
+    assert _names(fake_hub.downloads()) == ["tiny-Q8_0.gguf"] and (folder / "config.json").is_file()
+    fake_hub.requests.clear()
+    for spec in ("org/tiny-GGUF:q8_0", "hf.co/org/tiny-GGUF:Q8_0", "https://huggingface.co/org/tiny-GGUF:Q8_0"):
+        assert hub.resolve(spec) == folder
+    assert fake_hub.requests == []  # converted before: the hub is not asked
+    capsys.readouterr()
+    default = hub.resolve("org/tiny-GGUF")  # (the hub's listing asked: which file is Q4_K_M's)
+    assert default != folder and _names(fake_hub.downloads()) == ["tiny-Q4_K_M.gguf"]
+    assert "org/tiny-GGUF holds several GGUF files: tiny-Q4_K_M.gguf is the one a name without a quantization " \
+           "runs" in capsys.readouterr().err
+    fake_hub.requests.clear()
+    assert hub.resolve("org/tiny-GGUF") == default and fake_hub.requests == []
+    assert entrypoint(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["source"]) for m in listed] == [("org/tiny-GGUF:Q4_K_M", "gguf"),
+                                                          ("org/tiny-GGUF:Q8_0", "gguf")]
+    assert entrypoint(["pull", "org/tiny-GGUF:Q8_0", "-q"]) == 0 and capsys.readouterr().out == f"{folder}\n"
+    # removed by that name; its file stays in the Hugging Face cache (perhaps another tool's), which it runs from
+    # again offline
+    assert entrypoint(["rm", "org/tiny-GGUF:Q8_0"]) == 0
+    assert "its GGUF file stays in the Hugging Face cache" in capsys.readouterr().err and not folder.exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fake_hub.requests.clear()
+    again = hub.resolve("org/tiny-GGUF:Q8_0")
+    assert (again / "config.json").is_file() and fake_hub.requests == []
+    with pytest.raises(FafoError, match="^model 'org/tiny-GGUF' is not in the local cache and HF_HUB_OFFLINE is set"):
+        hub.resolve("org/tiny-GGUF:Q6_K")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(FafoError, match=r"^org/tiny-GGUF has no Q6_K GGUF file \(it has: Q4_K_M, Q8_0\)$"):
+        hub.resolve("org/tiny-GGUF:Q6_K")
 
 
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
