@@ -260,7 +260,7 @@ def _outdated(folder: Path, path: Path) -> bool:
     return False
 
 
-def _check_room(folder: Path, needed: int, what: str) -> None:
+def _check_room(folder: Path, needed: int, what: str, moves: str = "FAFO_CACHE moves fafo's cache") -> None:
     """Refuse before writing (minutes, for a large model) what the disk under `folder` cannot hold (once what a
     killed writer left there is gone)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -271,7 +271,22 @@ def _check_room(folder: Path, needed: int, what: str) -> None:
         return
     if free < needed * 1.02 + 2**26:  # (the tokenizer, the records, the file system's own)
         raise FafoError(f"{what} needs about {needed / 1e9:,.1f} GB in {folder}, which has {free / 1e9:,.1f} GB "
-                        "free; `fafo rm` removes models, FAFO_CACHE moves fafo's cache")
+                        f"free; `fafo rm` removes models, {moves}")
+
+
+def _check_download_room(repo_id: str, info, files: list[str]) -> None:
+    """Refuse a download the HF cache's disk cannot hold, before it starts: `files` of the repo at `info`'s commit,
+    those not cached yet (a pull cut off keeps what it finished)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshot = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / \
+        str(info.sha)
+    sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or ()}
+    needed = sum(sizes.get(name, 0) for name in files if not (snapshot / name).is_file())
+    if needed:
+        _check_room(Path(constants.HF_HUB_CACHE), needed, f"downloading {repo_id}",
+                    "HF_HUB_CACHE (or HF_HOME) moves the Hugging Face cache")
 
 
 def _conversion_key(path: Path) -> str:
@@ -667,7 +682,7 @@ def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None,
     try:
         # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
         # first: a model we cannot run is refused before its weights download (and stay in the cache)
-        info = HfApi().model_info(repo_id, revision=revision or "main")
+        info = HfApi().model_info(repo_id, revision=revision or "main", files_metadata=True)  # (with sizes)
         repo_id = info.id or repo_id  # (its own spelling: the cache's folder, whatever case the user typed)
         files = [sibling.rfilename for sibling in info.siblings or ()]
         if quant is not None or "config.json" not in files and any(name.endswith(".gguf") for name in files):
@@ -675,6 +690,7 @@ def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None,
             if quant is None and sum(name.endswith(".gguf") for name in files) > 1:
                 notify(f"{repo_id} holds several GGUF files: {file} is the one a name without a quantization "
                        f"runs ({repo_id}:Q8_0, say, names another)")
+            _check_download_room(repo_id, info, [file])
             path = Path(hf_hub_download(repo_id, file, revision=revision))
             return convert_gguf(path, name=f"{repo_id}:{label}", notify=notify)
         if "config.json" not in files:
@@ -683,6 +699,7 @@ def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None,
                       trust_remote_code=trust_remote_code)
         wanted = _support_files(files) + _weight_files(
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
+        _check_download_room(repo_id, info, wanted)
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
         # (huggingface_hub 1.x returns the cached snapshot, whole or not, when the connection fails at this point)
         missing = [name for name in wanted if name in files and not (folder / name).is_file()]
@@ -1042,8 +1059,19 @@ def newest_snapshot(repo_id: str, main_too: bool = False) -> Path | None:
 def _transformers_repo(repo) -> bool:
     """Whether a cached hub repo may be a pull of fafo's, whole, cut off or refused: a snapshot holds config.json
     (fetched first), or there is no snapshot yet (cut off in its first file). The HF cache is shared with other
-    tools: a GGUF-only repo (llama.cpp's, LM Studio's), which `fafo pull` refuses before downloading, is theirs."""
-    return not repo.revisions or any((r.snapshot_path / "config.json").is_file() for r in repo.revisions)
+    tools: a GGUF-only repo (llama.cpp's, LM Studio's; fafo converts the file it pulls), and a model we do not run
+    with its weights (an encoder, a speech model: `fafo pull` refuses one before its weights) are theirs."""
+    folders = [r.snapshot_path for r in repo.revisions if (r.snapshot_path / "config.json").is_file()]
+    return not repo.revisions or any(not _has_weights(folder) or _runs_here(folder) for folder in folders)
+
+
+def _runs_here(folder: Path) -> bool:
+    """Whether a folder's config.json names a model we run (code of its own aside)."""
+    try:
+        _check_config(folder, trust_remote_code=True)
+    except FafoError:
+        return False
+    return True
 
 
 def _runs(repo) -> Path | None:

@@ -116,8 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
         found = self._repo(repo, rev, body)
         if found is not None:
             canonical = next(name for name in self.hub.repos if name.casefold() == repo.casefold())  # (any case)
-            self._json({"id": canonical, "sha": found.sha, "private": False, "gated": "manual" if found.gated else False,
-                        "siblings": [{"rfilename": name} for name in sorted(found.files)]}, body)
+            self._json({"id": canonical, "sha": found.sha, "private": False,
+                        "gated": "manual" if found.gated else False, "siblings": [{"rfilename": name, "size": len(data)}
+                                     for name, data in sorted(found.files.items())]}, body)
 
     def _tree(self, repo: str, rev: str, body: bool) -> None:
         found = self._repo(repo, rev, body)

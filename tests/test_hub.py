@@ -419,6 +419,22 @@ def test_a_token_the_hub_refuses_is_named(fake_hub, capsys, monkeypatch):
     assert entrypoint(["pull", "org/tiny", "-q"]) == 0
 
 
+def test_a_download_the_disk_cannot_hold_is_refused_before_it_starts(fake_hub, tiny, capsys, monkeypatch):
+    import collections
+    import shutil
+
+    weights = (tiny / "model.safetensors").stat().st_size
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40, weights // 2 + 2**26))
+    assert entrypoint(["pull", "org/tiny"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: downloading org/tiny needs about ") and err.endswith(
+        "GB free; `fafo rm` removes models, HF_HUB_CACHE (or HF_HOME) moves the Hugging Face cache\n"), err
+    assert _names(fake_hub.downloads()) == ["config.json"]  # (read first: a model we cannot run is refused by it)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    assert entrypoint(["pull", "org/tiny", "-q"]) == 0
+
+
 def test_a_refused_download_is_one_line(fake_hub, capsys):
     fake_hub.forbidden.add("model.safetensors")
     assert entrypoint(["pull", "org/tiny"]) == 1
@@ -503,13 +519,17 @@ def test_a_pull_cut_off_in_its_first_file_is_listed_with_that_file_and_removed(c
     assert entrypoint(["rm", "org/big"]) == 0 and not repo.exists() and hub.cached_models() == []
 
 
-def test_other_tools_gguf_repos_in_the_hf_cache_are_not_listed(fake_hub, tiny):
-    """The HF cache is shared: a GGUF-only repo (llama.cpp's, LM Studio's), which `fafo pull` refuses, is not one of
-    fafo's models, and was listed as a pull cut off ("pull it again")."""
+def test_other_tools_repos_in_the_hf_cache_are_not_listed(fake_hub, tiny):
+    """The HF cache is shared: a GGUF-only repo (llama.cpp's, LM Studio's; fafo converts what it pulls of one) was
+    listed as a pull cut off ("pull it again"); an encoder downloaded whole by another tool as a model to run."""
     from huggingface_hub import snapshot_download
 
     fake_hub.add("org/gguf", {"model-q4_k_m.gguf": b"GGUF"})
     snapshot_download("org/gguf")
+    files = {p.name: p.read_bytes() for p in tiny.iterdir()}
+    bert = json.dumps({**json.loads(files["config.json"]), "architectures": ["BertModel"], "model_type": "bert"})
+    fake_hub.add("org/bert", {**files, "config.json": bert.encode()})
+    snapshot_download("org/bert")
     hub.pull("org/tiny")
     assert [m.name for m in hub.cached_models()] == ["org/tiny"]
 
