@@ -83,10 +83,16 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             folder = convert_gguf(path, notify=notify)
         elif not looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
-        elif (hub_file := hub_gguf.parse(spec)) is not None:  # org/name:QUANT: a hub repo's GGUF file
+        elif (hub_file := hub_gguf.parse(spec)) is not None:  # org/name:QUANT, hf.co/...: a hub repo's GGUF file
             repo_id, quant = hub_file
-            folder = _hub_gguf_cached(repo_id, quant, notify) or pull(
-                repo_id, quant=quant, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, notify=notify)
+            folder = _hub_gguf_cached(repo_id, quant, notify)
+            if folder is None:
+                try:
+                    folder = pull(repo_id, quant=quant, gguf=True, notify=notify)
+                except HubUnreachable:  # (no connection): a file of the HF cache's copy, if one fits
+                    folder = _hub_gguf_cached(repo_id, quant, notify, files=True)
+                    if folder is None:
+                        raise
         elif looks_like_path(spec) or not _REPO_ID.match(spec):
             tag = " (fafo names models by hub id, org/name, or by file: there are no name:tag names)" \
                 if re.fullmatch(r"[\w.-]+:[\w.-]+", spec) else ""
@@ -161,7 +167,7 @@ def convert_gguf(path: Path, name: str | None = None, notify: Callable[[str], No
     target = cache_dir() / "models" / f"{folder}-{key}"
     found = _converted(target, key, path)
     if found is not None:
-        return found
+        return _named(found, name)
     # one conversion of a file however many processes ask at once (a server starting beside a `fafo run`): the
     # others wait for it, then find it
     target.parent.mkdir(parents=True, exist_ok=True)  # (first: a cache that cannot hold models is said so)
@@ -169,7 +175,16 @@ def convert_gguf(path: Path, name: str | None = None, notify: Callable[[str], No
     locks.mkdir(exist_ok=True)
     waiting = f"waiting for another fafo process converting {path.name}"
     with exclusive(locks / f"convert-{key}.lock", lambda: notify(waiting)):
-        return _converted(target, key, path) or _convert(path, name, key, target, notify)
+        return _named(_converted(target, key, path) or _convert(path, name, key, target, notify), name)
+
+
+def _named(folder: Path, name: str | None) -> Path:
+    """A conversion found for a file given a name (a hub file's, org/name:QUANT) listed by that name from now on: the
+    same bytes converted before under another (the file run by its path, a mirror repo's copy)."""
+    record = source_record(folder)
+    if name is not None and record and record.get("name") != name:
+        _rewrite_record(folder, {**record, "name": name})
+    return folder
 
 
 def _converted(target: Path, key: str, path: Path) -> Path | None:
@@ -274,16 +289,39 @@ def _check_room(folder: Path, needed: int, what: str, moves: str = "FAFO_CACHE m
                         f"free; `fafo rm` removes models, {moves}")
 
 
+def _check_gguf_repo(repo_id: str, revision: str | None, info, file: str) -> None:
+    """Before a GGUF file downloads (gigabytes): what the hub read from the repo's GGUF header refuses an architecture
+    we do not run, and the disks must hold the file and its float32 conversion."""
+    from huggingface_hub import HfApi
+
+    try:  # (the hub's own reading: one file's header, the repo's models alike; none where it has not read one)
+        read = HfApi().model_info(repo_id, revision=revision or "main", expand=["gguf"]).gguf or {}
+    except Exception:  # noqa: BLE001 - no such figure: the conversion checks the file itself
+        read = {}
+    architecture, parameters = read.get("architecture"), read.get("total")
+    if isinstance(architecture, str) and architecture not in SUPPORTED:
+        raise FafoError(f"{repo_id} holds {architecture} models, which fafo does not run (supported GGUF "
+                        f"architectures: {', '.join(SUPPORTED)})")
+    _check_download_room(repo_id, info, [file])
+    if isinstance(parameters, int) and parameters > 0:
+        _check_room(cache_dir() / "models", 4 * parameters, f"converting {file} (float32 weights)")
+
+
 def _check_download_room(repo_id: str, info, files: list[str]) -> None:
     """Refuse a download the HF cache's disk cannot hold, before it starts: `files` of the repo at `info`'s commit,
-    those not cached yet (a pull cut off keeps what it finished)."""
+    those not cached yet (a pull cut off keeps what it finished; a new commit's unchanged files are cached blobs)."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
-    snapshot = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / \
-        str(info.sha)
-    sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or ()}
-    needed = sum(sizes.get(name, 0) for name in files if not (snapshot / name).is_file())
+    repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    siblings = {sibling.rfilename: sibling for sibling in info.siblings or ()}
+
+    def cached(name: str) -> bool:
+        sibling = siblings.get(name)
+        blob = sibling and (sibling.lfs.sha256 if sibling.lfs else sibling.blob_id)
+        return (repo / "snapshots" / str(info.sha) / name).is_file() or bool(blob) and (repo / "blobs" / blob).is_file()
+
+    needed = sum(siblings[name].size or 0 for name in files if name in siblings and not cached(name))
     if needed:
         _check_room(Path(constants.HF_HUB_CACHE), needed, f"downloading {repo_id}",
                     "HF_HUB_CACHE (or HF_HOME) moves the Hugging Face cache")
@@ -657,12 +695,13 @@ def _named_otherwise(name: str, suffixes: str | tuple[str, ...]) -> bool:
     return name.endswith(suffixes) and not name.startswith("consolidated") and not TRAINER_FILES.fullmatch(name)
 
 
-def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None, allow_pickle: bool = False,
-         quiet: bool = False, trust_remote_code: bool = True, notify: Callable[[str], None] = print_notice) -> Path:
+def pull(repo_id: str, *, quant: str | None = None, gguf: bool = False, revision: str | None = None,
+         allow_pickle: bool = False, quiet: bool = False, trust_remote_code: bool = True,
+         notify: Callable[[str], None] = print_notice) -> Path:
     """Download what a causal LM needs into the HF cache (with a progress bar); return the snapshot folder. From a
-    repo of GGUF files (or with `quant`), the file of quantization `quant` (hub_gguf), converted: its conversion's
-    folder. `trust_remote_code`: False refuses a model with code of its own before its weights download (a run that
-    would refuse it); `fafo pull` only downloads, and runs nothing."""
+    repo of GGUF files (`gguf`: the name says so, hf.co/ or a quantization), the file of quantization `quant`
+    (hub_gguf), converted: its conversion's folder. `trust_remote_code`: False refuses a model with code of its own
+    before its weights download (a run that would refuse it); `fafo pull` only downloads, and runs nothing."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
@@ -670,7 +709,7 @@ def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None,
         raise FafoError(f"'{repo_id}' is not a valid model id (expected 'org/name')")
     repo_id = cached_spelling(repo_id)
     if _offline():  # nothing to ask the hub: the cached copy, if whole
-        folder = (cached_snapshot(repo_id, revision) if quant is None else None) or \
+        folder = (cached_snapshot(repo_id, revision) if not gguf else None) or \
             _hub_gguf_cached(repo_id, quant, notify, files=True)
         if folder is None:
             raise HubUnreachable(f"model '{repo_id}' is not in the local cache and {_offline()} is set; unset it to "
@@ -683,14 +722,15 @@ def pull(repo_id: str, *, quant: str | None = None, revision: str | None = None,
         # huggingface_hub writes each file to a temporary name and renames it: no half-written files. The config
         # first: a model we cannot run is refused before its weights download (and stay in the cache)
         info = HfApi().model_info(repo_id, revision=revision or "main", files_metadata=True)  # (with sizes)
-        repo_id = info.id or repo_id  # (its own spelling: the cache's folder, whatever case the user typed)
+        if info.id and info.id.casefold() == repo_id.casefold():  # its own spelling: the cache's folder (not a
+            repo_id = info.id  # renamed repo's new id: a copy under the id typed is the user's, whatever its case)
         files = [sibling.rfilename for sibling in info.siblings or ()]
-        if quant is not None or "config.json" not in files and any(name.endswith(".gguf") for name in files):
+        if gguf or "config.json" not in files and any(name.endswith(".gguf") for name in files):
             file, label = hub_gguf.choose(repo_id, files, quant)
             if quant is None and sum(name.endswith(".gguf") for name in files) > 1:
                 notify(f"{repo_id} holds several GGUF files: {file} is the one a name without a quantization "
                        f"runs ({repo_id}:Q8_0, say, names another)")
-            _check_download_room(repo_id, info, [file])
+            _check_gguf_repo(repo_id, revision, info, file)
             path = Path(hf_hub_download(repo_id, file, revision=revision))
             return convert_gguf(path, name=f"{repo_id}:{label}", notify=notify)
         if "config.json" not in files:
@@ -767,7 +807,7 @@ def _hub_gguf_cached(repo_id: str, quant: str | None, notify: Callable[[str], No
     with contextlib.suppress(OSError):
         for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
             cached = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()]
-            if cached and not (snapshot / "config.json").is_file():
+            if cached:
                 try:
                     file, label = hub_gguf.choose(repo_id, cached, quant)
                 except FafoError:  # not the quantization asked for: another snapshot's?
@@ -958,9 +998,13 @@ def removable(spec: str) -> list[CachedModel]:
     under that name (each conversion of that name; a hub model with every revision cached), or the conversion of a
     .gguf file (never the file) or the one in a folder of fafo's cache."""
     models, path = cached_models(), user_path(spec)
+    hub_file = hub_gguf.parse(spec)
+    if hub_file is not None and not path.exists():  # hf.co/org/name:QUANT: the name `fafo list` shows for it
+        spec = ":".join(filter(None, hub_file))
     if not looks_like_path(spec) and not path.is_file():  # a name (or a folder here of that name)
-        named = [m for m in models if m.name == spec] or [m for m in models if m.name.casefold() == spec.casefold()]
-        if named:
+        named = [m for m in models if m.name == spec] or [m for m in models if m.name.casefold() == spec.casefold()] \
+            or [m for m in models if m.source == "gguf" and m.name.casefold().startswith(f"{spec}:".casefold())]
+        if named:  # (org/name: every file of a GGUF repo converted, as a hub model's every revision)
             return named
         if not path.is_dir():
             raise FafoError(f"no model named {spec} offline (`fafo list` shows them)")

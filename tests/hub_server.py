@@ -1,6 +1,6 @@
 """A Hugging Face hub on loopback for the pull tests: the requests huggingface_hub's `snapshot_download` makes.
 
-- `GET /api/models/{repo}[/revision/{rev}]`: the model's info (`sha`, `siblings`, `gated`);
+- `GET /api/models/{repo}[/revision/{rev}]`: the model's info (`sha`, `siblings` with their sizes, `gated`, `gguf`);
 - `GET /api/models/{repo}/tree/{rev}`: its files (`path`, `size`, `oid`), listed once per commit and cached;
 - `HEAD|GET /{repo}/resolve/{rev}/{file}`: a file, with the headers the client requires (`ETag`, which names
   the blob in the cache, `X-Repo-Commit`, `Content-Length`) and byte ranges (a resumed download).
@@ -34,6 +34,7 @@ class Repo:
     files: dict[str, bytes]
     gated: int | None = None  # 401 or 403: every file download refused as a gated repo's (the info stays public)
     sha: str = ""
+    gguf: dict | None = None  # what the hub read from a GGUF file's header (`architecture`, `total` parameters)
 
     def __post_init__(self):
         listing = json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in sorted(self.files.items())})
@@ -57,8 +58,8 @@ class FakeHub:
     tokens: set[str] = field(default_factory=set)  # the tokens it knows: any other one sent is refused (401)
     url: str = ""
 
-    def add(self, repo_id: str, files: dict[str, bytes], gated: int | None = None) -> Repo:
-        self.repos[repo_id] = Repo(files, gated)
+    def add(self, repo_id: str, files: dict[str, bytes], gated: int | None = None, gguf: dict | None = None) -> Repo:
+        self.repos[repo_id] = Repo(files, gated, gguf=gguf)
         return self.repos[repo_id]
 
     def add_folder(self, repo_id: str, folder: Path, extra: dict[str, bytes] | None = None) -> Repo:
@@ -118,7 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
             canonical = next(name for name in self.hub.repos if name.casefold() == repo.casefold())  # (any case)
             self._json({"id": canonical, "sha": found.sha, "private": False,
                         "gated": "manual" if found.gated else False, "siblings": [{"rfilename": name, "size": len(data)}
-                                     for name, data in sorted(found.files.items())]}, body)
+                                     for name, data in sorted(found.files.items())],
+                        **({"gguf": found.gguf} if found.gguf else {})}, body)
 
     def _tree(self, repo: str, rev: str, body: bool) -> None:
         found = self._repo(repo, rev, body)

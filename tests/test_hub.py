@@ -626,6 +626,7 @@ def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys
     ("org/name:Q4_K_M", ("org/name", "Q4_K_M")), ("org/name:q8_0", ("org/name", "Q8_0")),
     ("hf.co/org/name:Q4_K_M", ("org/name", "Q4_K_M")), ("hf.co/org/name", ("org/name", None)),
     ("https://huggingface.co/org/name", ("org/name", None)), ("HF.CO/org/name/", ("org/name", None)),
+    ("hf.co/org/name:latest", ("org/name", None)),  # (ollama's tag for the default)
     ("org/name", None), ("name:tag", None), ("./org/name:Q4", None), ("org/name:Q4:x", None), ("hf.co/name", None),
 ])
 def test_a_hub_gguf_file_is_named_as_llama_cpp_and_ollama_name_it(spec, expected):
@@ -640,9 +641,16 @@ def test_which_file_of_a_gguf_repo_a_quantization_names():
     assert choose("o/M", files, None) == ("M-Q4_K_M.gguf", "Q4_K_M")  # the default, the top level's
     assert choose("o/M", files, "Q4_K_S") == ("M-Q4_K_S.gguf", "Q4_K_S")
     assert choose("o/M", files, "Q5_K_M") == ("m.q5_k_m.gguf", "Q5_K_M")  # (names in lower case too)
-    assert choose("o/M", ["M-IQ4_XS.gguf", "M-Q2_K.gguf"], None) == ("M-IQ4_XS.gguf", "IQ4_XS")  # the first file
+    # without Q4_K_M: the first of the others fafo prefers, not the first name (BF16, F16: the largest)
+    assert choose("o/M", ["M-BF16.gguf", "M-F16.gguf", "M-Q8_0.gguf", "M-Q6_K.gguf"], None) == ("M-Q6_K.gguf", "Q6_K")
+    assert choose("o/M", ["model.gguf"], None) == ("model.gguf", "model")  # its only file
+    with pytest.raises(FafoError, match=r"^o/M has none of the quantizations fafo picks without a name \(Q4_K_M, .*\) "
+                                        r"\(it has: F16, IQ4_XS\): name one, o/M:QUANT$"):
+        choose("o/M", ["M-IQ4_XS.gguf", "M-fp16.gguf"], None)
     with pytest.raises(FafoError, match="^o/M's Q8_0 model is split in parts, which fafo does not read"):
         choose("o/M", files, "Q8_0")
+    with pytest.raises(FafoError, match="^o/M's Q4_K_M model is split in parts"):  # (not another, passed over)
+        choose("o/M", ["M-Q2_K.gguf", "M-Q4_K_M-00001-of-00002.gguf", "M-Q4_K_M-00002-of-00002.gguf"], None)
     with pytest.raises(FafoError, match=r"^o/M has no Q4_K GGUF file \(it has: IQ4_XS, Q4_K_M, Q4_K_S, Q5_K_M, "
                                         r"Q8_0\)$"):
         choose("o/M", files, "Q4_K")  # (not Q4_K_M's)
@@ -677,8 +685,8 @@ def test_a_repo_of_gguf_files_runs_by_its_quantization(fake_hub, tmp_path, capsy
                                                           ("org/tiny-GGUF:Q8_0", "gguf")]
     assert entrypoint(["pull", "org/tiny-GGUF:Q8_0", "-q"]) == 0 and capsys.readouterr().out == f"{folder}\n"
     # removed by that name; its file stays in the Hugging Face cache (perhaps another tool's), which it runs from
-    # again offline
-    assert entrypoint(["rm", "org/tiny-GGUF:Q8_0"]) == 0
+    # again offline, and without a connection
+    assert entrypoint(["rm", "hf.co/org/tiny-GGUF:Q8_0"]) == 0
     assert "its GGUF file stays in the Hugging Face cache" in capsys.readouterr().err and not folder.exists()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fake_hub.requests.clear()
@@ -689,6 +697,37 @@ def test_a_repo_of_gguf_files_runs_by_its_quantization(fake_hub, tmp_path, capsy
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     with pytest.raises(FafoError, match=r"^org/tiny-GGUF has no Q6_K GGUF file \(it has: Q4_K_M, Q8_0\)$"):
         hub.resolve("org/tiny-GGUF:Q6_K")
+    assert entrypoint(["rm", "org/tiny-GGUF:Q8_0"]) == 0
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no network")))
+    assert (hub.resolve("org/tiny-GGUF:Q8_0") / "config.json").is_file()
+    assert entrypoint(["rm", "org/tiny-GGUF"]) == 0  # every file of the repo converted
+    assert hub.cached_models() == []
+
+
+def test_what_a_gguf_repo_holds_is_checked_before_its_file_downloads(fake_hub, tmp_path, capsys, monkeypatch):
+    """An architecture we do not run (as the hub read the repo's GGUF header) and a float32 conversion the disk
+    cannot hold are refused before gigabytes download; a name that says GGUF (hf.co/) takes a repo's GGUF file
+    though it has a config.json too; a file converted before under another name is listed by the hub's."""
+    import collections
+    import shutil
+
+    from .test_packed import write_tiny_gguf
+
+    data = write_tiny_gguf(tmp_path / "tiny-Q8_0.gguf", seed=1).read_bytes()
+    fake_hub.add("org/gemma-GGUF", {"gemma-Q4_K_M.gguf": data}, gguf={"architecture": "gemma3", "total": 10**9})
+    with pytest.raises(FafoError, match=r"^org/gemma-GGUF holds gemma3 models, which fafo does not run \(supported"):
+        hub.resolve("org/gemma-GGUF")
+    fake_hub.add("org/big-GGUF", {"big-Q4_K_M.gguf": data}, gguf={"architecture": "qwen2", "total": 10**9})
+    usage = collections.namedtuple("usage", "total used free")
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40, 2 * 10**9))
+        with pytest.raises(FafoError, match="^converting big-Q4_K_M.gguf \\(float32 weights\\) needs about 4.0 GB"):
+            hub.resolve("org/big-GGUF")
+    assert fake_hub.downloads() == []
+    local = hub.resolve(str(tmp_path / "tiny-Q8_0.gguf"))  # the same bytes run by path first
+    fake_hub.add("org/both", {"config.json": b"{}", "tiny-Q8_0.gguf": data})
+    assert hub.resolve("hf.co/org/both") == local and _names(fake_hub.downloads()) == ["tiny-Q8_0.gguf"]
+    assert [m.name for m in hub.cached_models()] == ["org/both:Q8_0"]
 
 
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),
