@@ -790,11 +790,17 @@ def remove_models(
 
 @config_app.command("show")
 def config_show(
+    config: ConfigOpt = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference of every key instead "
                                            "(docs/configuration.md).")] = False,
 ) -> None:
-    """Print the documented default configuration: every key at its default, commented out (as `init` writes it)."""
-    print(config_mod.reference_markdown() if markdown else config_mod.default_yaml(), end="")
+    """Print the configuration the commands use, checked: the keys your config file (or --config's) changes, then
+    every other key commented out at its default, each with its description (with no file: what `init` writes)."""
+    if markdown:
+        print(config_mod.reference_markdown(), end="")
+        return
+    settings = config_mod.resolve(config)
+    print(config_mod.default_yaml(settings, config_mod.config_source(config)), end="")
 
 
 @config_app.command("path")

@@ -564,15 +564,7 @@ def load_text(text: str, path: Path, base: Config | None = None, together: bool 
 def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> Config:
     """The effective config: defaults, then the user's file (or `config_file`), then the flags. `written`: the
     command writes settings into `config_file`, which it creates where there is none yet."""
-    config, source = Config(), None
-    if config_file is not None and not config_file.strip():
-        raise FafoError("--config needs a file name")
-    if config_file is not None:
-        path = user_path(config_file)
-        if not (written and not path.exists() and not path.is_symlink()):  # (a link to nothing: its error)
-            source = path
-    elif user_config_path().exists() or user_config_path().is_symlink():  # (a folder, a link to nothing: errors)
-        source = user_config_path()
+    config, source = Config(), config_source(config_file, written)
     if source is not None:  # (the keys that must fit one another are checked once the flags are in)
         config = load_file(source, config, together=False)
     resolved = build(config, False, **flags)
@@ -582,23 +574,43 @@ def resolve(config_file: str | None, *, written: bool = False, **flags: Any) -> 
     return resolved
 
 
+def config_source(config_file: str | None, written: bool = False) -> Path | None:
+    """The file `resolve` reads: `config_file`, else the user's, where there is one (`written`: as resolve's)."""
+    if config_file is not None and not config_file.strip():
+        raise FafoError("--config needs a file name")
+    if config_file is not None:
+        path = user_path(config_file)
+        return None if written and not path.exists() and not path.is_symlink() else path  # (a link to nothing: its
+    if user_config_path().exists() or user_config_path().is_symlink():  # error; a folder, a link to nothing: errors)
+        return user_config_path()
+    return None
+
+
 def describe(spec) -> str:
     """A key's help with its choices, as `fafo config show` comments it."""
     meta = spec.metadata
     return meta["help"] + (f" [{' | '.join(meta['choices'])}]" if meta["choices"] else "")
 
 
-def default_yaml() -> str:
-    """The documented default config file, every key commented out at its default (what `fafo config show` prints
-    and `init` writes): saved, it sets nothing until a key is uncommented (a key given in a file is an explicit
-    setting: `fafo serve` takes its max_tokens as every request's limit)."""
+def default_yaml(config: Config | None = None, source: Path | None = None) -> str:
+    """The documented default config file, every key commented out at its default (what `fafo config init` writes):
+    saved, it sets nothing until a key is uncommented (a key given in a file is an explicit setting: `fafo serve`
+    takes its max_tokens as every request's limit). With `config` (read from `source`: what `fafo config show`
+    prints), the keys it sets otherwise than the defaults are uncommented at its values."""
     lines = ["# fafo-cli configuration. Command-line flags override these values.",
              "# Each key below is commented out at its default: uncomment a key to change it.",
              f"# Location read when --config is not given: {user_config_path()}", ""]
+    if source is not None:
+        lines[1:2] = [f"# The settings read from {source}: the keys it changes, then every other key commented out "
+                      "at its default."]
     for spec in fields(Config):
         lines.append(f"# {describe(spec)}")
-        value = spec.default if spec.default is not MISSING else None
-        lines.append("# " + yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip())
+        default = spec.default if spec.default is not MISSING else None
+        value = default if config is None else getattr(config, spec.name)
+        if spec.name == "chat_template_kwargs" and value is not None:
+            value = template_variables(config)  # (a mapping, as a file gives it)
+        text = yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip()
+        lines.append(text if value != default else "\n".join(f"# {line}" for line in text.splitlines()))
     return "\n".join(lines) + "\n"
 
 

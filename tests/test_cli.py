@@ -310,6 +310,21 @@ def test_config_commands(capsys, tmp_path, monkeypatch):
     assert code == 1 and "already exists" in err
     code, out, _ = run_cli(capsys, "config", "path")
     assert out.strip() == str(tmp_path / "fafo" / "config.yaml")
+    # with a file: the settings the commands read, checked; saved, the same settings again
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("method: suffix\nsuffix_tokens: 12\nchat_template_kwargs:\n  enable_thinking: false\n")
+    code, shown, _ = run_cli(capsys, "config", "show", "-c", str(mine))
+    assert code == 0 and f"# The settings read from {mine}" in shown and "\n# max_tokens: 512\n" in shown
+    assert yaml.safe_load(shown) == {"method": "suffix", "suffix_tokens": 12,
+                                     "chat_template_kwargs": {"enable_thinking": False}}
+    (tmp_path / "again.yaml").write_text(shown)
+    from fafo_cli import config as config_mod
+
+    assert config_mod.resolve(str(tmp_path / "again.yaml")) == config_mod.resolve(str(mine))
+    mine.write_text("suffix_tokens: 0\n")
+    code, out, err = run_cli(capsys, "config", "show", "-c", str(mine))
+    assert code == 1 and out == "" and err == f"error: {mine}: config key 'suffix_tokens' must be >= 1 and <= 256 " \
+                                               "(got 0)\n"
 
 
 def test_config_init_force_keeps_the_files_permissions_and_flushes_it(capsys, tmp_path, monkeypatch):
