@@ -122,6 +122,7 @@ class Engine:
         # keys of `config` its caller gave explicitly (a command's flags): each must have an effect on every request
         # (config.check_given); the config file's and load()'s are defaults, which a request might not use
         self.explicit: frozenset[str] = frozenset()
+        self.explicit_variables: frozenset[str] | None = None  # of chat_template_kwargs, the flag's (None: all)
         self._answering: object | None = None  # the stream the session serves (see _generate)
         self._computing = threading.RLock()  # held while a step computes (see _one_at_a_time)
         self._stepping = False  # a step computes (the thread holding _computing is inside it: a callback's)
@@ -310,14 +311,16 @@ class Engine:
         config = replace(config, **unset)  # what the user left empty: the model's own defaults
         if self.model.spread and config.compressor == "auto":  # the one compressor that runs on a spread model
             config = replace(config, compressor="none")  # (before the check: a compressor's settings do nothing)
-        self.check_given(config, self.explicit)
+        self.check_given(config, self.explicit, self.explicit_variables)
         if config.temperature > 0 and config.seed is None:  # a fresh seed, reported so the run can be repeated
             config = replace(config, seed=secrets.randbits(31))
         return config
 
-    def check_given(self, config: config_mod.Config, given: Iterable[str]) -> None:
-        """`config.check_given` on this engine's device, and `chat_template` and TEMPLATE_KEYS only for a model with
-        a chat template."""
+    def check_given(self, config: config_mod.Config, given: Iterable[str], variables: Iterable[str] | None = None
+                    ) -> None:
+        """`config.check_given` on this engine's device, `chat_template` and TEMPLATE_KEYS only for a model with a
+        chat template, and the template `variables` given (None: all of the config's) only where it reads them (a
+        config file's others are defaults, as its keys are)."""
         config_mod.check_given(config, given, accelerator=self.model.device.type != "cpu")
         for key in ("chat_template", *config_mod.TEMPLATE_KEYS):  # nothing changes: the prompt goes in as plain text
             if key in given and getattr(config, key) and not self.has_chat_template:
@@ -332,7 +335,8 @@ class Engine:
                 read = variables_read(template if isinstance(template, str) else template.get("default") or "")
             except TemplateError as e:
                 raise FafoError(f"the model's chat template cannot be read: {first_line(e)}") from None
-            unread = [name for name in config_mod.template_variables(config) if name not in read]
+            given_variables = config_mod.template_variables(config) if variables is None else variables
+            unread = [name for name in given_variables if name not in read]
             if unread:
                 others = sorted(read - config_mod.TEMPLATE_RESERVED)
                 raise FafoError(f"'chat_template_kwargs': the chat template of {self.name} reads no variable "

@@ -44,7 +44,8 @@ HELP = """Commands:
   /set system TEXT  the system message of this conversation from here on (/set system \"\"\" takes the lines
                     up to the closing quotes)
   /set think, /set nothink
-                    a thinking model's answers with or without their thinking part (Qwen3's enable_thinking)
+                    a thinking model's answers with or without their thinking part (Qwen3's enable_thinking;
+                    /set chat_template_kwargs JSON sets any of the template's variables)
   /set              show the settings
   /reset, /clear    forget the conversation (and the cached keys and values), but its system message
   /stats            totals for this session
@@ -232,6 +233,10 @@ class Repl:
         if words in (["think"], ["nothink"]):  # ollama's switch for thinking models: Qwen3's template variable
             self._set_value("chat_template_kwargs", {"enable_thinking": words == ["think"]})
             return
+        if words[:1] == ["chat_template_kwargs"]:  # (its JSON may hold spaces)
+            value = args.split(maxsplit=1)[1] if len(words) > 1 else ""
+            self._set_value("chat_template_kwargs", value or None)
+            return
         if len(words) != 2 or words[0] not in SETTABLE:
             self._error(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}; /set system TEXT; or /set "
                         "think, /set nothink")
@@ -251,7 +256,7 @@ class Repl:
         try:
             config = self.engine.request_config(**{**self.settings, key: value})  # validated like the config file
             if value not in (None, ""):  # (which restores the default)
-                self.engine.check_given(config, {key})  # and like a flag: it must change something
+                self._check_effective(config, key, value)  # and like a flag: it must change something
         except FafoError as e:
             self._error(str(e))
             return
@@ -260,7 +265,7 @@ class Repl:
         # so the session never holds what `fafo run` would refuse
         config = self.engine.request_config(**self.settings)
         idle = [other for other, given in self.settings.items()
-                if other != key and given not in (None, "") and not self._effective(config, other)]
+                if other != key and given not in (None, "") and not self._effective(config, other, given)]
         for other in idle:
             del self.settings[other]
         cleared = f"  ({', '.join(idle)} no longer {'applies' if len(idle) == 1 else 'apply'}: cleared)" if idle else ""
@@ -307,9 +312,15 @@ class Repl:
         """The messages' tokens as the next answer reads them (its template variables: /set think)."""
         return self.engine.encode(messages, self.engine.request_config(**self.settings))
 
-    def _effective(self, config, key: str) -> bool:
+    def _check_effective(self, config, key: str, value) -> None:
+        """As a flag is checked: a FafoError where `key` given `value` changes nothing (of the template's variables,
+        those given here)."""
+        variables = config_mod.variables_in(value) if key == "chat_template_kwargs" else None
+        self.engine.check_given(config, {key}, variables)
+
+    def _effective(self, config, key: str, value) -> bool:
         try:
-            self.engine.check_given(config, {key})
+            self._check_effective(config, key, value)
         except FafoError:
             return False
         return True

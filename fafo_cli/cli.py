@@ -283,6 +283,7 @@ def _load(config: config_mod.Config, err_console, flags: dict | None = None, loa
         err_console.print(f"[dim]model: {hub.EMBEDDED_NAME} (embedded default)[/]")
     engine = Engine.from_config(config, load_draft=load_draft)
     engine.explicit = explicit
+    engine.explicit_variables = config_mod.variables_in((flags or {}).get("chat_template_kwargs"))
     engine.request_config()  # with the model's sampling defaults filled in
     if config.chat_template and not engine.has_chat_template:
         print(f"note: {engine.name} has no chat template; the prompt is continued as plain text", file=sys.stderr)
@@ -415,7 +416,7 @@ def serve(
                     from .decoders.cacheback import load_frozen_table
 
                     load_frozen_table(settings.cacheback_table, engine.tokenizer)
-                # the command line's settings are the requests' defaults; these two no request could use
+                # the command line's settings are the requests' defaults; these no request could use
                 engine.check_given(engine.request_config(),
                                    _given(flags) & {"chat_template", *config_mod.TEMPLATE_KEYS})
                 if settings.compile == "on" and engine.compiled is not None:
@@ -729,7 +730,7 @@ def pull(
               file=sys.stderr)
         print(converted)
         return
-    folder = hub.pull(repo_id, quant=quant, revision=revision or None,  # ("": main)
+    folder = hub.pull(repo_id, quant=quant, gguf=model != repo_id, revision=revision or None,  # ("": main)
                       allow_pickle=allow_pickle, quiet=quiet)
     hub.check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=True)
     print(folder)

@@ -130,6 +130,11 @@ def _more_variables(base: Config, given: str | None, cleared: bool) -> str | Non
     return _template_variables({**template_variables(base), **json.loads(given or "{}")})
 
 
+def variables_in(value: Any) -> frozenset[str]:
+    """The names of the template variables a `chat_template_kwargs` value gives (a mapping, or its JSON text)."""
+    return frozenset(json.loads(_template_variables(value) or "{}")) if value not in (None, "") else frozenset()
+
+
 def template_variables(config: Config) -> dict:
     """The chat template's variables `config` gives."""
     return json.loads(config.chat_template_kwargs) if config.chat_template_kwargs else {}
@@ -370,7 +375,7 @@ def build(base: Config | None = None, together: bool = True, /, **changes: Any) 
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), SPECS, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise FafoError(f"unknown config key '{unknown[0]}' ({hint}`fafo config show` lists every key)")
+        raise FafoError(f"unknown config key '{unknown[0]}' ({hint}`fafo config show --markdown` lists every key)")
     given = {k: _check(k, v, SPECS[k]) for k, v in changes.items() if v is not None}
     base = base or Config()
     if "chat_template_kwargs" in given:
@@ -504,6 +509,11 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def file_keys(path: Path) -> set[str]:
+    """The keys a config file gives (one `load_file` has read)."""
+    return set(yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {})
+
+
 def load_file(path: Path, base: Config | None = None, together: bool = True) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
@@ -595,14 +605,15 @@ def describe(spec) -> str:
 def default_yaml(config: Config | None = None, source: Path | None = None) -> str:
     """The documented default config file, every key commented out at its default (what `fafo config init` writes):
     saved, it sets nothing until a key is uncommented (a key given in a file is an explicit setting: `fafo serve`
-    takes its max_tokens as every request's limit). With `config` (read from `source`: what `fafo config show`
-    prints), the keys it sets otherwise than the defaults are uncommented at its values."""
+    takes its max_tokens as every request's limit). With `config` read from `source` (what `fafo config show`
+    prints), the keys that file gives are uncommented at their values."""
     lines = ["# fafo-cli configuration. Command-line flags override these values.",
              "# Each key below is commented out at its default: uncomment a key to change it.",
              f"# Location read when --config is not given: {user_config_path()}", ""]
+    given = file_keys(source) if source is not None else set()
     if source is not None:
-        lines[1:2] = [f"# The settings read from {source}: the keys it changes, then every other key commented out "
-                      "at its default."]
+        lines[1:2] = [f"# The settings read from {source}: the keys it gives, and every other key commented out at "
+                      "its default."]
     for spec in fields(Config):
         lines.append(f"# {describe(spec)}")
         default = spec.default if spec.default is not MISSING else None
@@ -610,7 +621,7 @@ def default_yaml(config: Config | None = None, source: Path | None = None) -> st
         if spec.name == "chat_template_kwargs" and value is not None:
             value = template_variables(config)  # (a mapping, as a file gives it)
         text = yaml.safe_dump({spec.name: value}, default_flow_style=False, sort_keys=False).strip()
-        lines.append(text if value != default else "\n".join(f"# {line}" for line in text.splitlines()))
+        lines.append(text if spec.name in given else "\n".join(f"# {line}" for line in text.splitlines()))
     return "\n".join(lines) + "\n"
 
 
@@ -754,9 +765,10 @@ def reference_markdown() -> str:
         "setting; a setting of FAFO's lookahead window where none runs (`streams: 0`, or `auto` on a CPU without a "
         "compressor named) or of a compressor the window does not use; `top_p`, `top_k` or `min_p` other than 1, "
         "0, 0, or a `seed`, while decoding greedily (a server request may send a seed, or `top_p`, `top_k` or "
-        "`min_p` with temperature 0, as clients do for repeatable answers or from presets); `system` without a "
-        "chat template. "
-        "`fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`, `chat_template`) and other "
+        "`min_p` with temperature 0, as clients do for repeatable answers or from presets); `system` or "
+        "`chat_template_kwargs` without a chat template, or a variable the template never reads. "
+        "`fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`, `chat_template`, "
+        "`chat_template_kwargs`) and other "
         "methods' settings, which do not shape the steps it builds, and checks the rest as `fafo run` does.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]

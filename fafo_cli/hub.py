@@ -84,7 +84,7 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
         elif not looks_like_path(spec) and (converted := converted_named(spec)) is not None:
             folder = converted  # a name `fafo list` shows, as ollama runs them
         elif (hub_file := hub_gguf.parse(spec)) is not None:  # org/name:QUANT, hf.co/...: a hub repo's GGUF file
-            repo_id, quant = hub_file
+            repo_id, quant = cached_spelling(hub_file[0]), hub_file[1]
             folder = _hub_gguf_cached(repo_id, quant, notify)
             if folder is None:
                 try:
@@ -108,7 +108,7 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
                 except HubUnreachable:
                     # a pull of main's newer commit cut off, or begun by another tool sharing the HF cache: offline,
                     # the whole copy from before serves rather than nothing
-                    folder = newest_snapshot(spec, main_too=True)
+                    folder = newest_snapshot(spec, main_too=True) or _hub_gguf_cached(spec, None, notify, files=True)
                     if folder is None:
                         raise
                     notify(f"the newest pull of {spec} is not whole and the hub cannot be asked now: running the "
@@ -131,7 +131,12 @@ def cached_spelling(repo_id: str) -> str:
     same = [name for name in names if name.casefold() == wanted.casefold()]
     if wanted in names or len(same) != 1:
         return repo_id
-    return same[0].removeprefix("models--").replace("--", "/")
+    return _repo_id_of(same[0])
+
+
+def _repo_id_of(folder_name: str) -> str:
+    """The hub id an HF cache folder holds (models--org--name: org/name)."""
+    return folder_name.removeprefix("models--").replace("--", "/")
 
 
 def embedded_gguf() -> Path:
@@ -289,10 +294,10 @@ def _check_room(folder: Path, needed: int, what: str, moves: str = "FAFO_CACHE m
                         f"free; `fafo rm` removes models, {moves}")
 
 
-def _check_gguf_repo(repo_id: str, revision: str | None, info, file: str) -> None:
+def _check_gguf_repo(repo_id: str, revision: str | None, info, file: str, label: str) -> None:
     """Before a GGUF file downloads (gigabytes): what the hub read from the repo's GGUF header refuses an architecture
-    we do not run, and the disks must hold the file and its float32 conversion."""
-    from huggingface_hub import HfApi
+    we do not run, and the disks must hold the file and its float32 conversion (where none was made before)."""
+    from huggingface_hub import HfApi, constants
 
     try:  # (the hub's own reading: one file's header, the repo's models alike; none where it has not read one)
         read = HfApi().model_info(repo_id, revision=revision or "main", expand=["gguf"]).gguf or {}
@@ -302,14 +307,35 @@ def _check_gguf_repo(repo_id: str, revision: str | None, info, file: str) -> Non
     if isinstance(architecture, str) and architecture not in SUPPORTED:
         raise FafoError(f"{repo_id} holds {architecture} models, which fafo does not run (supported GGUF "
                         f"architectures: {', '.join(SUPPORTED)})")
-    _check_download_room(repo_id, info, [file])
-    if isinstance(parameters, int) and parameters > 0:
-        _check_room(cache_dir() / "models", 4 * parameters, f"converting {file} (float32 weights)")
+    download = _download_size(repo_id, info, [file])
+    converting = 4 * parameters if isinstance(parameters, int) and parameters > 0 and \
+        converted_named(f"{repo_id}:{label}") is None else 0
+    hf_cache, models = Path(constants.HF_HUB_CACHE), cache_dir() / "models"
+    if converting and _same_disk(hf_cache, models):  # (the file and its conversion on one disk: both at once)
+        _check_room(models, download + converting, f"downloading and converting {file}")
+    elif converting:
+        _check_room(models, converting, f"converting {file} (float32 weights)")
+    if download and not (converting and _same_disk(hf_cache, models)):
+        _check_room(hf_cache, download, f"downloading {repo_id}", HF_CACHE_MOVES)
 
 
-def _check_download_room(repo_id: str, info, files: list[str]) -> None:
-    """Refuse a download the HF cache's disk cannot hold, before it starts: `files` of the repo at `info`'s commit,
-    those not cached yet (a pull cut off keeps what it finished; a new commit's unchanged files are cached blobs)."""
+HF_CACHE_MOVES = "HF_HUB_CACHE (or HF_HOME) moves the Hugging Face cache"
+
+
+def _same_disk(first: Path, second: Path) -> bool:
+    """Whether two folders (or where they will be) lie on one file system."""
+    def device(path: Path) -> int | None:
+        for folder in (path, *path.parents):
+            with contextlib.suppress(OSError):
+                return folder.stat().st_dev
+        return None
+
+    return device(first) == device(second) is not None
+
+
+def _download_size(repo_id: str, info, files: list[str]) -> int:
+    """The bytes `files` of the repo at `info`'s commit take that are not in the HF cache yet (a pull cut off keeps
+    what it finished; a new commit's unchanged files are cached blobs)."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
@@ -321,10 +347,7 @@ def _check_download_room(repo_id: str, info, files: list[str]) -> None:
         blob = sibling and (sibling.lfs.sha256 if sibling.lfs else sibling.blob_id)
         return (repo / "snapshots" / str(info.sha) / name).is_file() or bool(blob) and (repo / "blobs" / blob).is_file()
 
-    needed = sum(siblings[name].size or 0 for name in files if name in siblings and not cached(name))
-    if needed:
-        _check_room(Path(constants.HF_HUB_CACHE), needed, f"downloading {repo_id}",
-                    "HF_HUB_CACHE (or HF_HOME) moves the Hugging Face cache")
+    return sum(siblings[name].size or 0 for name in files if name in siblings and not cached(name))
 
 
 def _conversion_key(path: Path) -> str:
@@ -730,7 +753,7 @@ def pull(repo_id: str, *, quant: str | None = None, gguf: bool = False, revision
             if quant is None and sum(name.endswith(".gguf") for name in files) > 1:
                 notify(f"{repo_id} holds several GGUF files: {file} is the one a name without a quantization "
                        f"runs ({repo_id}:Q8_0, say, names another)")
-            _check_gguf_repo(repo_id, revision, info, file)
+            _check_gguf_repo(repo_id, revision, info, file, label)
             path = Path(hf_hub_download(repo_id, file, revision=revision))
             return convert_gguf(path, name=f"{repo_id}:{label}", notify=notify)
         if "config.json" not in files:
@@ -739,7 +762,10 @@ def pull(repo_id: str, *, quant: str | None = None, gguf: bool = False, revision
                       trust_remote_code=trust_remote_code)
         wanted = _support_files(files) + _weight_files(
             repo_id, files, allow_pickle, lambda index: Path(hf_hub_download(repo_id, index, revision=revision)))
-        _check_download_room(repo_id, info, wanted)
+        if needed := _download_size(repo_id, info, wanted):  # refused before it starts
+            from huggingface_hub import constants
+
+            _check_room(Path(constants.HF_HUB_CACHE), needed, f"downloading {repo_id}", HF_CACHE_MOVES)
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
         # (huggingface_hub 1.x returns the cached snapshot, whole or not, when the connection fails at this point)
         missing = [name for name in wanted if name in files and not (folder / name).is_file()]
@@ -794,12 +820,9 @@ def _hub_gguf_cached(repo_id: str, quant: str | None, notify: Callable[[str], No
     """A hub repo's GGUF file, found without asking the hub: converted before under its name (`quant` None: the
     default's, Q4_K_M), or with `files`, a file of the HF cache's copy of the repo (one another tool downloaded too)
     converted now."""
-    named = f"{repo_id}:{quant or hub_gguf.DEFAULT_QUANT}".casefold()
-    names = [(converted, folder) for folder, name, converted in _conversions() if name.casefold() == named]
-    if names:
-        return max(names)[1]
-    if not files:
-        return None
+    named = converted_named(f"{repo_id}:{quant or hub_gguf.DEFAULT_QUANT}")
+    if named is not None or not files:
+        return named
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
@@ -1072,7 +1095,7 @@ def _broken_repos(cache) -> dict[Path, str]:
                    if p.name.startswith("models--") and p.is_dir() and p.resolve() not in read]
     except OSError:  # (no cache yet, or one this user may not read)
         return {}
-    return {folder: folder.name.removeprefix("models--").replace("--", "/") for folder in folders}
+    return {folder: _repo_id_of(folder.name) for folder in folders}
 
 
 @contextlib.contextmanager

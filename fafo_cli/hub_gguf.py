@@ -17,7 +17,7 @@ DEFAULT_QUANT = "Q4_K_M"
 PREFERRED = (DEFAULT_QUANT, "Q4_K_S", "Q4_0", "Q5_K_M", "Q5_K_S", "Q5_0", "Q6_K", "Q8_0")  # (without a name)
 # what a user may paste before the repo id: ollama's `hf.co/`, the hub's address
 _PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
-_NAMED = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+?)(?::(?P<quant>[\w.-]+))?/?$")
+_NAMED = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*?)(?::(?P<quant>[\w.-]+))?/?$")  # (not ./x)
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}$")  # llama.cpp's gguf-split parts: name-00001-of-00003.gguf
 
 

@@ -312,10 +312,12 @@ def test_config_commands(capsys, tmp_path, monkeypatch):
     assert out.strip() == str(tmp_path / "fafo" / "config.yaml")
     # with a file: the settings the commands read, checked; saved, the same settings again
     mine = tmp_path / "mine.yaml"
-    mine.write_text("method: suffix\nsuffix_tokens: 12\nchat_template_kwargs:\n  enable_thinking: false\n")
+    mine.write_text("method: suffix\nsuffix_tokens: 12\nmax_tokens: 512\n"
+                    "chat_template_kwargs:\n  enable_thinking: false\n")
     code, shown, _ = run_cli(capsys, "config", "show", "-c", str(mine))
-    assert code == 0 and f"# The settings read from {mine}" in shown and "\n# max_tokens: 512\n" in shown
-    assert yaml.safe_load(shown) == {"method": "suffix", "suffix_tokens": 12,
+    assert code == 0 and f"# The settings read from {mine}" in shown and "\n# seed: null\n" in shown
+    # (a key the file gives at its default stays given: the server takes a file's max_tokens as its limit)
+    assert yaml.safe_load(shown) == {"method": "suffix", "suffix_tokens": 12, "max_tokens": 512,
                                      "chat_template_kwargs": {"enable_thinking": False}}
     (tmp_path / "again.yaml").write_text(shown)
     from fafo_cli import config as config_mod
@@ -805,11 +807,11 @@ def test_chat_takes_ollamas_think_and_nothink(tmp_path, tiny):
 
     folder = build_tiny_model(tmp_path / "m", "llama-gqa", chat_template=THINKING)
     out = io.StringIO()
-    # beside the config's own variables
-    repl = Repl(load(str(folder), dtype="float32", max_tokens=3, chat_template_kwargs={"eos_token": "."}),
+    # beside the config's own variables, one of them for another model's template (a file's: defaults, not checked)
+    repl = Repl(load(str(folder), dtype="float32", max_tokens=3, chat_template_kwargs={"eos_token": ".", "effort": 1}),
                 Console(file=out), Console(file=io.StringIO()))
     repl._command("/set nothink")
-    assert 'chat_template_kwargs = {"eos_token":".","enable_thinking":false}' in out.getvalue()
+    assert 'chat_template_kwargs = {"eos_token":".","effort":1,"enable_thinking":false}' in out.getvalue()
     assert not repl.failed, repl.err.file.getvalue()
     repl._answer("hello")
     assert repl.engine.tokenizer.decode(repl.engine.encode(repl.messages[:1], repl.engine.request_config(
@@ -819,8 +821,14 @@ def test_chat_takes_ollamas_think_and_nothink(tmp_path, tiny):
     assert len(repl._encode([PROBE])) == len(repl.engine.encode([PROBE])) + len(thinking_part)
     repl._command("/set think")
     repl._command("/set")
-    assert 'chat_template_kwargs={"eos_token":".","enable_thinking":true}' in out.getvalue()
+    assert 'chat_template_kwargs={"eos_token":".","effort":1,"enable_thinking":true}' in out.getvalue()
     assert not repl.failed
+    repl._command('/set chat_template_kwargs {"enable_thinking": false, "effort": 2}')  # given now, and not read
+    assert "reads no variable 'effort'" in repl.err.file.getvalue()
+    repl._command('/set chat_template_kwargs {"enable_thinking": false}')  # (spaces in its JSON)
+    assert out.getvalue().endswith('chat_template_kwargs = {"eos_token":".","effort":1,"enable_thinking":false}\n')
+    repl._command("/set chat_template_kwargs")  # the launch value again
+    assert 'chat_template_kwargs = {"eos_token":".","effort":1} (the default)' in out.getvalue()
     plain = Repl(load(str(tiny), dtype="float32"), Console(file=io.StringIO()), Console(file=io.StringIO()))
     plain._command("/set nothink")  # a model whose template has no such switch
     assert "reads no variable 'enable_thinking'" in plain.err.file.getvalue() and plain.failed

@@ -61,6 +61,12 @@ def test_chat_template_variables_reach_the_template(tmp_path):
     with pytest.raises(FafoError, match="'chat_template_kwargs': the chat template of .* reads no variable 'think' "
                                         "\\(it reads: enable_thinking, eos_token\\)"):
         engine.check_given(engine.request_config(chat_template_kwargs={"think": False}), {"chat_template_kwargs"})
+    # a request's variables checked, not the defaults it adds to (a config file's, for another model's template)
+    defaults = load(str(folder), dtype="float32", chat_template_kwargs={"effort": 1})
+    config = defaults.request_config(chat_template_kwargs={"enable_thinking": False})
+    defaults.check_given(config, {"chat_template_kwargs"}, {"enable_thinking"})
+    with pytest.raises(FafoError, match="reads no variable 'effort'"):
+        defaults.check_given(config, {"chat_template_kwargs"})
     with pytest.raises(FafoError, match="'chat_template_kwargs' needs the chat template"):
         engine.check_given(engine.request_config(chat_template=False, chat_template_kwargs={"a": 1}),
                            {"chat_template_kwargs"})

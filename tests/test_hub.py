@@ -628,6 +628,7 @@ def test_a_pull_fetches_one_copy_of_the_weights(fake_hub, tiny, tmp_path, capsys
     ("https://huggingface.co/org/name", ("org/name", None)), ("HF.CO/org/name/", ("org/name", None)),
     ("hf.co/org/name:latest", ("org/name", None)),  # (ollama's tag for the default)
     ("org/name", None), ("name:tag", None), ("./org/name:Q4", None), ("org/name:Q4:x", None), ("hf.co/name", None),
+    ("./x:Q4", None), ("../x:Q4", None),  # (paths)
 ])
 def test_a_hub_gguf_file_is_named_as_llama_cpp_and_ollama_name_it(spec, expected):
     assert hub.hub_gguf.parse(spec) == expected
@@ -721,13 +722,15 @@ def test_what_a_gguf_repo_holds_is_checked_before_its_file_downloads(fake_hub, t
     usage = collections.namedtuple("usage", "total used free")
     with monkeypatch.context() as patch:
         patch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40, 2 * 10**9))
-        with pytest.raises(FafoError, match="^converting big-Q4_K_M.gguf \\(float32 weights\\) needs about 4.0 GB"):
+        # (the HF cache and fafo's on one disk: the file and its conversion at once)
+        with pytest.raises(FafoError, match="^downloading and converting big-Q4_K_M.gguf needs about 4.0 GB"):
             hub.resolve("org/big-GGUF")
     assert fake_hub.downloads() == []
     local = hub.resolve(str(tmp_path / "tiny-Q8_0.gguf"))  # the same bytes run by path first
     fake_hub.add("org/both", {"config.json": b"{}", "tiny-Q8_0.gguf": data})
     assert hub.resolve("hf.co/org/both") == local and _names(fake_hub.downloads()) == ["tiny-Q8_0.gguf"]
     assert [m.name for m in hub.cached_models()] == ["org/both:Q8_0"]
+    assert entrypoint(["pull", "hf.co/org/both", "-q"]) == 0 and capsys.readouterr().out == f"{local}\n"
 
 
 Q4_1_MODEL = dict(file_type=3, tensors=[("blk.0.ffn_up.weight", "Q4_1", 64, 128), ("output.weight", "Q8_0", 64, 256),

@@ -194,7 +194,7 @@ def parse(body: dict, kind: str, engine: Engine, served: str, max_tokens: int | 
         sampling = [key for key in off if key in overrides and overrides[key] != off[key]]
         if sampling and "temperature" not in overrides and config.temperature == 0:
             config = engine.request_config(**overrides, temperature=1.0)  # OpenAI's temperature is 1 when not sent
-        engine.check_given(config, checked)
+        engine.check_given(config, checked, config_mod.variables_in(given.get("chat_template_kwargs")))
     except FafoError as e:
         key = re.search(r"'(\w+)'", str(e))
         raise ApiError(400, str(e), param=key.group(1) if key else None, code="invalid_value") from None
