@@ -795,7 +795,7 @@ def config_show(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference of every key instead "
                                            "(docs/configuration.md).")] = False,
 ) -> None:
-    """Print the configuration the commands use, checked: the keys your config file (or --config's) changes, then
+    """Print the configuration the commands use, checked: the keys your config file (or --config's) gives, and
     every other key commented out at its default, each with its description (with no file: what `init` writes)."""
     if markdown:
         print(config_mod.reference_markdown(), end="")

@@ -194,8 +194,8 @@ class Config:
     chat_template_kwargs: str | None = _opt(None, "variables for the chat template, a JSON object (a mapping in the "
                                                   "YAML file; a flag's or a request's are added to it one by one), "
                                                   "e.g. {\"enable_thinking\": false} for Qwen3's answers without a "
-                                                  "thinking part", nullable=True,
-                                            allowed="a JSON object, or empty", short="--chat-template-config")  # (llama.cpp's name; mlx-lm's alias)
+                                                  "thinking part", nullable=True,  # (llama.cpp's flag; mlx-lm's:)
+                                            allowed="a JSON object, or empty", short="--chat-template-config")
     # The two opt-ins are off unless asked for; their --no- form turns a config file's off for one command
     trust_remote_code: bool = _opt(False, "allow a model repo's own Python code to run",
                                    also=("bench", "cacheback build-table", "doctor"))

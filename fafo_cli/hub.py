@@ -23,11 +23,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from . import hub_gguf
 from .conversion import refuse_unconvertible, write_gguf_as_hf
 from .errors import FafoError, first_line, print_notice
 from .files import (NAMESPACE, exclusive, publish_dir, remove_dir, sweep_partial_dirs, user_path, write_atomic,
                     write_safetensors, xdg_dir)
-from . import hub_gguf
 from .gguf_header import GgufHeader, read_header
 from .runtime.architectures import SUPPORTED, check_architecture
 
@@ -108,11 +108,12 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
                 except HubUnreachable:
                     # a pull of main's newer commit cut off, or begun by another tool sharing the HF cache: offline,
                     # the whole copy from before serves rather than nothing
-                    folder = newest_snapshot(spec, main_too=True) or _hub_gguf_cached(spec, None, notify, files=True)
-                    if folder is None:
+                    folder = newest_snapshot(spec, main_too=True)
+                    if folder is not None:
+                        notify(f"the newest pull of {spec} is not whole and the hub cannot be asked now: running the "
+                               f"copy cached before (commit {folder.name[:12]})")
+                    elif (folder := _hub_gguf_cached(spec, None, notify, files=True)) is None:  # (a GGUF repo's)
                         raise
-                    notify(f"the newest pull of {spec} is not whole and the hub cannot be asked now: running the "
-                           f"copy cached before (commit {folder.name[:12]})")
     check_folder(folder, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     return folder
 

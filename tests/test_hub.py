@@ -701,6 +701,10 @@ def test_a_repo_of_gguf_files_runs_by_its_quantization(fake_hub, tmp_path, capsy
     assert entrypoint(["rm", "org/tiny-GGUF:Q8_0"]) == 0
     monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no network")))
     assert (hub.resolve("org/tiny-GGUF:Q8_0") / "config.json").is_file()
+    assert entrypoint(["rm", "org/tiny-GGUF:Q4_K_M"]) == 0
+    capsys.readouterr()
+    assert hub.source_record(hub.resolve("org/tiny-GGUF"))["name"] == "org/tiny-GGUF:Q4_K_M"  # (its default)
+    assert "the newest pull" not in capsys.readouterr().err
     assert entrypoint(["rm", "org/tiny-GGUF"]) == 0  # every file of the repo converted
     assert hub.cached_models() == []
 
