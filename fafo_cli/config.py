@@ -166,7 +166,7 @@ class Config:
                         "spread model runs FAFO with compressor none; 1: the whole model on `device`", low=1,
                      high=64, also=("bench", "doctor"))
     cuda_graphs: str = _opt("auto", "decoding steps as CUDA graphs, one captured per step size: auto uses them on a "
-                                    "CUDA GPU (not with --compile on, nor on a model spread over GPUs), on requires "
+                                    "CUDA GPU (not on a model spread over GPUs), on requires "
                                     "them, off runs eager steps", choices=CUDA_GRAPHS,
                             flag="--cuda-graphs/--no-cuda-graphs", switch=("on", "off"), also=("bench", "doctor"))
     compile: str = _opt("auto", "compiled decoding steps, built once per model (minutes on a CPU), then loaded from "
@@ -768,8 +768,10 @@ def reference_markdown() -> str:
         "`min_p` with temperature 0, as clients do for repeatable answers or from presets); `system` or "
         "`chat_template_kwargs` without a chat template, or a variable the template never reads. "
         "`fafo compile` refuses the answer's settings (sampling, `max_tokens`, `system`, `chat_template`, "
-        "`chat_template_kwargs`) and other "
-        "methods' settings, which do not shape the steps it builds, and checks the rest as `fafo run` does.", "",
+        "`chat_template_kwargs`), other methods' settings and those of where guesses come from (`prefix`, "
+        "`pool_per_key`, `copies`, the lookup, Cacheback and SuffixDecoding keys), which do not shape the steps it "
+        "builds, and a draft model, several GPUs, CUDA graphs or a device other than the CPU (it builds CPU steps); "
+        "it checks the rest as `fafo run` does.", "",
         f"{everywhere} take every key on their command line; the other commands take these:", "",
     ]
     for command in others:
