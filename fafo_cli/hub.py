@@ -105,6 +105,8 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
             if folder is None:
                 try:
                     folder = pull(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, notify=notify)
+                except HubNotFound as e:  # (org/name is also how a folder one level down is written)
+                    raise FafoError(f"{e}; nor is there a folder {spec} here") from None
                 except HubUnreachable:
                     # a pull of main's newer commit cut off, or begun by another tool sharing the HF cache: offline,
                     # the whole copy from before serves rather than nothing
@@ -777,7 +779,11 @@ def pull(repo_id: str, *, quant: str | None = None, gguf: bool = False, revision
     except FafoError:
         raise
     except Exception as e:
-        raise (HubUnreachable if _unreachable(e) else FafoError)(_hub_error(repo_id, e)) from None
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        kind = HubUnreachable if _unreachable(e) else HubNotFound if isinstance(e, RepositoryNotFoundError) else \
+            FafoError
+        raise kind(_hub_error(repo_id, e)) from None
     finally:
         if silence:
             enable_progress_bars()
@@ -873,6 +879,10 @@ def _hub_error(repo_id: str, error: Exception) -> str:
     if isinstance(error, OSError) and error.errno is not None:
         return f"cannot write the model files: {error.strerror}"
     return f"downloading {repo_id} failed: {first_line(error)}"
+
+
+class HubNotFound(FafoError):
+    """The hub has no such repo (or one the user may not see)."""
 
 
 class HubUnreachable(FafoError):

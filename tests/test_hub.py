@@ -405,6 +405,11 @@ def test_a_missing_model_is_one_line(fake_hub, capsys):
     out, err = capsys.readouterr()
     assert err.startswith("error: model 'nobody/nothing' was not found on the Hugging Face hub") and err.count("\n") == 1
     assert ("GET", "/api/models/nobody/nothing/revision/main") in fake_hub.requests
+    assert "nor is there a folder" not in err  # (pull takes hub ids alone)
+    with pytest.raises(FafoError) as error:  # a folder mistyped, as it was looked for
+        hub.resolve("models/qwen")
+    assert str(error.value) == ("model 'models/qwen' was not found on the Hugging Face hub (if it is private, log in "
+                                "with `hf auth login` or set HF_TOKEN); nor is there a folder models/qwen here")
 
 
 def test_a_token_the_hub_refuses_is_named(fake_hub, capsys, monkeypatch):
