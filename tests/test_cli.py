@@ -44,6 +44,8 @@ def test_run_json(capsys, tiny, prompt_file):
     assert data["stats"]["tokens_per_step"] == 1.0 and data["stats"]["tokens_per_s"] > 0
     assert data["settings"]["method"] == "vanilla" and data["settings"]["dtype"] == "float32"
     assert data["settings"]["max_tokens"] == 12 and data["settings"]["weights"] == "safetensors fp32"
+    code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "1", "--dtype", "float32")
+    assert code == 0 and json.loads(out)["stats"]["tokens_per_s"] is None  # (one token: no decode time, no speed)
     code, out, err = run_cli(capsys, "run", tiny, "-p", prompt_file, "--json", "-n", "3", "--dtype", "float32",
                              "--method", "vanilla", "--verbose")  # the statistics' line on stderr too
     assert code == 0 and json.loads(out)["stats"]["generated_tokens"] == 3 and "vanilla · 3 tokens" in err, err

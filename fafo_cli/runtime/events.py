@@ -93,7 +93,9 @@ class Stats:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.update(steps_ran=self.steps_ran, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
+        # (a one-token answer has no decode time: no speed, as the server's answers say, rather than 0.0)
+        speed = self.tokens_per_s if self.generated_tokens > 1 else None
+        data.update(steps_ran=self.steps_ran, tokens_per_step=self.tokens_per_step, tokens_per_s=speed,
                     total_s=self.total_s, prompt_tokens_per_s=self.prompt_tokens_per_s,
                     acceptance_rate=self.acceptance_rate, mean_draft=self.mean_draft, mean_rows=self.mean_rows,
                     syncs_per_step=self.syncs_per_step)
