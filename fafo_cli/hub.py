@@ -93,6 +93,13 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
                     folder = _hub_gguf_cached(repo_id, quant, notify, files=True)
                     if folder is None:
                         raise
+        elif not looks_like_path(spec) and _REPO_ID.match(spec.rpartition("@")[0]) and spec.rpartition("@")[2]:
+            # org/name@REVISION: a branch, tag or commit, as `fafo pull --revision` takes it
+            repo_id, _, revision = spec.rpartition("@")
+            repo_id = cached_spelling(repo_id)
+            folder = cached_snapshot(repo_id, revision) or pull(
+                repo_id, revision=revision, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                notify=notify)
         elif looks_like_path(spec) or not _REPO_ID.match(spec):
             tag = " (fafo names models by hub id, org/name, or by file: there are no name:tag names)" \
                 if re.fullmatch(r"[\w.-]+:[\w.-]+", spec) else ""

@@ -336,6 +336,13 @@ def test_a_model_pulled_at_a_revision_runs_by_the_name_fafo_list_shows(fake_hub,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert [(m.name, m.path) for m in hub.cached_models()] == [("org/tiny", folder)]
     assert hub.resolve("org/tiny") == folder and fake_hub.requests == []
+    # a revision by name, as `fafo pull --revision` takes it: the one cached, found offline
+    assert hub.resolve(f"org/tiny@{fake_hub.repos['org/tiny'].sha}") == folder and fake_hub.requests == []
+    with pytest.raises(FafoError, match="^model 'org/tiny' is not in the local cache and HF_HUB_OFFLINE is set"):
+        hub.resolve("org/tiny@v2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(FafoError, match="^revision not found for org/tiny$"):
+        hub.resolve("org/tiny@v2")
 
 
 def test_pull_shows_a_progress_bar_unless_quiet(fake_hub, tiny, capsys, monkeypatch):
