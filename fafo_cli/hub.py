@@ -130,12 +130,10 @@ def resolve(spec: str | None, *, allow_pickle: bool = False, trust_remote_code: 
 def cached_spelling(repo_id: str) -> str:
     """A hub id as the HF cache holds it: the hub reads ids in any case (qwen/qwen2.5-0.5b-instruct is
     Qwen/Qwen2.5-0.5B-Instruct), the cache's folders keep the case they were pulled in."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    wanted = repo_folder_name(repo_id=repo_id, repo_type="model")
+    folder = _hf_repo_folder(repo_id)
+    wanted = folder.name
     try:
-        names = [p.name for p in Path(constants.HF_HUB_CACHE).iterdir()]
+        names = [p.name for p in folder.parent.iterdir()]
     except OSError:  # (no cache yet)
         return repo_id
     same = [name for name in names if name.casefold() == wanted.casefold()]
@@ -144,8 +142,16 @@ def cached_spelling(repo_id: str) -> str:
     return _repo_id_of(same[0])
 
 
+def _hf_repo_folder(repo_id: str) -> Path:
+    """Where the HF cache keeps a hub model (models--org--name), whether it is there or not."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
 def _repo_id_of(folder_name: str) -> str:
-    """The hub id an HF cache folder holds (models--org--name: org/name)."""
+    """The hub id an HF cache folder holds (models--org--name: org/name): `_hf_repo_folder`'s other way."""
     return folder_name.removeprefix("models--").replace("--", "/")
 
 
@@ -323,9 +329,10 @@ def _check_gguf_repo(repo_id: str, revision: str | None, info, file: str, label:
     hf_cache, models = Path(constants.HF_HUB_CACHE), cache_dir() / "models"
     if converting and _same_disk(hf_cache, models):  # (the file and its conversion on one disk: both at once)
         _check_room(models, download + converting, f"downloading and converting {file}")
-    elif converting:
+        return
+    if converting:
         _check_room(models, converting, f"converting {file} (float32 weights)")
-    if download and not (converting and _same_disk(hf_cache, models)):
+    if download:
         _check_room(hf_cache, download, f"downloading {repo_id}", HF_CACHE_MOVES)
 
 
@@ -346,10 +353,7 @@ def _same_disk(first: Path, second: Path) -> bool:
 def _download_size(repo_id: str, info, files: list[str]) -> int:
     """The bytes `files` of the repo at `info`'s commit take that are not in the HF cache yet (a pull cut off keeps
     what it finished; a new commit's unchanged files are cached blobs)."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    repo = _hf_repo_folder(repo_id)
     siblings = {sibling.rfilename: sibling for sibling in info.siblings or ()}
 
     def cached(name: str) -> bool:
@@ -837,10 +841,7 @@ def _hub_gguf_cached(repo_id: str, quant: str | None, notify: Callable[[str], No
     named = converted_named(f"{repo_id}:{quant or hub_gguf.DEFAULT_QUANT}")
     if named is not None or not files:
         return named
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    snapshots = _hf_repo_folder(repo_id) / "snapshots"
     with contextlib.suppress(OSError):
         for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
             cached = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()]
